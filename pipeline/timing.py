@@ -1,0 +1,63 @@
+"""One timer for every latency figure: CUDA events on GPU, a synchronized perf_counter on CPU.
+
+    t = Timer(device)
+    with t.measure("verify"):
+        logits = model(...)
+    t.samples["verify"]  # list of seconds, one per measured block
+
+On CUDA, events are recorded on the current stream and read only at `collect()` (one sync for
+many blocks, so timing does not serialise the pipeline more than it must).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+
+
+class Timer:
+    def __init__(self, device: torch.device | str = "cpu", enabled: bool = True):
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self.samples: dict[str, list[float]] = defaultdict(list)
+        self._pending: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def measure(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.samples[name].append(time.perf_counter() - t0)
+
+    def collect(self) -> dict[str, list[float]]:
+        """Resolve pending CUDA events (a sync point) and return all samples in seconds."""
+        if self._pending:
+            torch.cuda.synchronize(self.device)
+            for name, start, end in self._pending:
+                self.samples[name].append(start.elapsed_time(end) / 1000.0)  # type: ignore[attr-defined]
+            self._pending.clear()
+        return dict(self.samples)
+
+    def reset(self) -> None:
+        self.samples.clear()
+        self._pending.clear()
+
+
+def wall_clock(device: torch.device) -> float:
+    """perf_counter after synchronizing the device, for timing whole loops end to end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
