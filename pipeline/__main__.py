@@ -25,7 +25,8 @@ _ALL = ["pipeline/*.py", "draft_models/*.py"]
 STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
-        StageSpec("prepare", ["prepare"], [], "model", ["pipeline/prepare.py"], "pipeline.prepare:run"),
+        StageSpec("prepare", ["prepare"], [], "model", ["pipeline/prepare.py"], "pipeline.prepare:run",
+                  precheck="pipeline.prepare:check_model"),
         StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
                   ["pipeline/quantize*.py", "pipeline/models.py", "evals/data/calibration.txt"],
                   "pipeline.quantize:run"),

@@ -47,10 +47,30 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
         return False
 
 
+def check_model(config, args: dict) -> None:
+    """Cheap validation of MODEL before the stage starts (no weights are read)."""
+    model = args["model"]
+    if model in ALIASES:
+        find_packaged_gguf(*ALIASES[model])
+        return
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")) or not HUB_ID.match(model):
+        if not path.is_dir():
+            raise StageError(f"MODEL '{model}' is not a known alias ({', '.join(ALIASES)}), "
+                             "an existing directory, or a hub id (org/name)")
+        if not (path / "config.json").is_file():
+            raise StageError(f"MODEL directory '{model}' has no config.json: not a Hugging Face model directory")
+        return
+    if not hub_reachable():
+        raise StageError(f"MODEL '{model}' looks like a hub id, but the Hugging Face hub is unreachable "
+                         "from this machine (offline); pass a local directory or the alias smollm2-135m")
+
+
 def load_source(model: str):
     """Return (model, tokenizer, source-description) for a MODEL string; StageError if unusable."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model(None, {"model": model})
     if model in ALIASES:
         gguf = find_packaged_gguf(*ALIASES[model])
         progress(f"prepare: converting {gguf.name} (GGUF, dequantized by transformers)")
@@ -68,20 +88,12 @@ def load_source(model: str):
         plain.generation_config = loaded.generation_config
         return plain, tok, {"kind": "gguf", "alias": model, "file": str(gguf), "sha256": sha256_file(gguf)}
     path = Path(model).expanduser()
-    if path.exists() or model.startswith((".", "/", "~")) or not HUB_ID.match(model):
-        if not path.is_dir():
-            raise StageError(f"MODEL '{model}' is not a known alias ({', '.join(ALIASES)}), "
-                             "an existing directory, or a hub id (org/name)")
-        if not (path / "config.json").is_file():
-            raise StageError(f"MODEL directory '{model}' has no config.json: not a Hugging Face model directory")
+    if path.is_dir():
         try:
             return (AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path),
                     {"kind": "local", "path": str(path.resolve())})
         except (OSError, ValueError) as e:
             raise StageError(f"MODEL directory '{model}' could not be loaded: {str(e).splitlines()[0]}") from None
-    if not hub_reachable():
-        raise StageError(f"MODEL '{model}' looks like a hub id, but the Hugging Face hub is unreachable "
-                         "from this machine (offline); pass a local directory or the alias smollm2-135m")
     try:
         return (AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model),
                 {"kind": "hub", "id": model})

@@ -209,6 +209,9 @@ class StageSpec:
     out: str  # output directory, relative to the run dir
     code: list[str]  # source globs, relative to the repo root
     entry: str  # "module:function"
+    # Optional "module:function(config, args)" that validates input cheaply before anything is
+    # printed or created, so bad input costs one line and leaves nothing behind.
+    precheck: str | None = None
 
 
 def stage_meta_path(run_dir: Path, spec: StageSpec) -> Path:
@@ -247,6 +250,9 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
             print(f"{spec.name}: up to date ({out_dir})", file=sys.stderr)
             return meta_path
 
+    if spec.precheck:
+        mod, fn_name = spec.precheck.split(":")
+        getattr(importlib.import_module(mod), fn_name)(config, args)
     created_run = not run_dir.exists()
     created_out = not out_dir.exists()
     meta_path.unlink(missing_ok=True)

@@ -1,0 +1,238 @@
+"""The foundation: config schema, stage plumbing (hashing, no-op, atomicity), prepare, bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.__main__ import STAGES, main, slug
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.stage import StageError, StageSpec, atomic_dir, run_stage
+
+REPO = Path(__file__).resolve().parent.parent
+CALLS: list[str] = []
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_default_yaml_restates_schema_defaults():
+    # configs/default.yaml lists the defaults users edit; it must not drift from the schema.
+    assert load_config(REPO / "configs/default.yaml") == Config()
+
+
+@pytest.mark.parametrize("name", ["smoke.yaml", "gpu.yaml", "default.yaml"])
+def test_shipped_configs_validate(name):
+    load_config(REPO / "configs" / name)
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("acceptance:\n  k_maxx: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'acceptance.k_maxx'"):
+        load_config(p)
+
+
+def test_bad_value_and_bad_yaml_and_missing_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("acceptance:\n  k_max: 0\n")
+    with pytest.raises(ConfigError, match="acceptance.k_max"):
+        load_config(p)
+    p.write_text("acceptance: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    p.write_text("quantize:\n  reference: nope\n")
+    with pytest.raises(ConfigError, match="quantize.reference 'nope'"):
+        load_config(p)
+
+
+def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("bogus: 1\n")
+    run = tmp_path / "run"
+    assert main(["prepare", "--config", str(p), "--run", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown config key 'bogus'" in err[0]
+    assert not run.exists()
+
+
+def test_slug_matches_makefile_rule():
+    assert slug("smollm2-135m") == "smollm2-135m"
+    assert slug("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert slug("/models/My Model/") == "my-model"
+
+
+# ---------------------------------------------------------------- stage plumbing
+
+
+def stage_a(ctx):
+    CALLS.append("a")
+    (ctx.out_dir / "a.txt").write_text(str(ctx.config.acceptance.k_max))
+
+
+def stage_b(ctx):
+    CALLS.append("b")
+    (ctx.out_dir / "b.txt").write_text(str(ctx.config.gate.margin))
+
+
+def stage_c(ctx):
+    CALLS.append("c")
+    for v in ("x", "y"):
+        item = ctx.item(v, {"margin": ctx.config.gate.margin, "v": v})
+        if item.fresh:
+            continue
+        with item.writing() as tmp:
+            (tmp / "out.txt").write_text(v)
+            if v == "y" and ctx.args.get("crash"):
+                raise RuntimeError("boom")
+        CALLS.append(f"c:{v}")
+
+
+def stage_fail(ctx):
+    raise StageError("bad input here")
+
+
+SPECS = {
+    "a": StageSpec("a", ["acceptance"], [], "a", [], "test_foundation:stage_a"),
+    "b": StageSpec("b", ["gate"], ["a"], "b", [], "test_foundation:stage_b"),
+    "c": StageSpec("c", ["gate"], ["a"], "c", [], "test_foundation:stage_c"),
+    "fail": StageSpec("fail", [], [], "f", [], "test_foundation:stage_fail"),
+}
+
+
+def _run_all(run, cfg, **args):
+    for name in ("a", "b", "c"):
+        run_stage(SPECS[name], run, cfg, args if name == "c" else {}, SPECS)
+
+
+def test_stage_noop_and_exact_reruns(tmp_path):
+    CALLS.clear()
+    cfg = Config()
+    _run_all(tmp_path, cfg)
+    assert CALLS == ["a", "b", "c", "c:x", "c:y"]
+    CALLS.clear()
+    _run_all(tmp_path, cfg)  # nothing changed: nothing runs
+    assert CALLS == []
+    # gate.margin is read by b and c only: a stays as it is.
+    cfg2 = Config.model_validate({"gate": {"margin": 0.1}})
+    _run_all(tmp_path, cfg2)
+    assert CALLS == ["b", "c", "c:x", "c:y"]
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert meta["config"]["gate"]["margin"] == 0.1 and meta["libraries"]["torch"]
+    # acceptance is read by a; b and c read a's output, so all three re-run.
+    CALLS.clear()
+    _run_all(tmp_path, Config.model_validate({"gate": {"margin": 0.1}, "acceptance": {"k_max": 2}}))
+    assert CALLS == ["a", "b", "c"]  # c's items depend on the margin only: both reused
+
+
+def test_crash_mid_stage_keeps_finished_items_only(tmp_path):
+    CALLS.clear()
+    cfg = Config()
+    run_stage(SPECS["a"], tmp_path, cfg, {}, SPECS)
+    with pytest.raises(RuntimeError):
+        run_stage(SPECS["c"], tmp_path, cfg, {"crash": True}, SPECS)
+    assert (tmp_path / "c" / "x" / "meta.json").exists()
+    assert not (tmp_path / "c" / "y").exists() and not (tmp_path / "c" / "y.tmp").exists()
+    assert not (tmp_path / "c" / "meta.json").exists()  # the stage does not look finished
+    CALLS.clear()
+    run_stage(SPECS["c"], tmp_path, cfg, {"crash": False}, SPECS)
+    assert CALLS == ["c", "c:y"]  # resumed: x was reused
+
+
+def test_failed_stage_leaves_no_directory(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(StageError):
+        run_stage(SPECS["fail"], run, Config(), {}, SPECS)
+    assert not run.exists()
+
+
+def test_missing_upstream_is_a_clear_error(tmp_path):
+    with pytest.raises(StageError, match="stage 'a' has not run"):
+        run_stage(SPECS["b"], tmp_path, Config(), {}, SPECS)
+
+
+def test_atomic_dir_replaces_only_on_success(tmp_path):
+    target = tmp_path / "d"
+    with atomic_dir(target) as tmp:
+        (tmp / "f").write_text("1")
+    with pytest.raises(ValueError):
+        with atomic_dir(target) as tmp:
+            (tmp / "f").write_text("2")
+            raise ValueError
+    assert (target / "f").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def _write_cfg(tmp_path, data) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_prepare_local_dir_then_noop_then_dtype_change(tmp_path, tiny_model_dir, capsys):
+    run = tmp_path / "run"
+    cfg = _write_cfg(tmp_path, {"prepare": {"dtype": "float32"}})
+    argv = ["prepare", "--run", str(run), "--config", str(cfg), "--model", str(tiny_model_dir)]
+    assert main(argv) == 0
+    meta = json.loads((run / "model" / "meta.json").read_text())
+    assert meta["source"]["kind"] == "local" and meta["dtype"] == "float32"
+    assert meta["layers"] == 4 and meta["kv_heads"] == 2 and meta["parameters"] > 0
+    assert len(next(iter(meta["weights_sha256"].values()))) == 64
+    from pipeline.models import load_variant
+
+    model, tok = load_variant(run / "model", device="cpu")
+    assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "prepare: up to date" in capsys.readouterr().err
+    cfg = _write_cfg(tmp_path, {"prepare": {"dtype": "bfloat16"}, "gate": {"margin": 0.2}})
+    assert main(argv[:4] + [str(cfg)] + argv[5:]) == 0
+    assert json.loads((run / "model" / "meta.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("./no/such/dir", "is not a known alias"),
+        ("someorg/some-model", "hub is unreachable"),
+        ("not a model!", "is not a known alias"),
+    ],
+)
+def test_prepare_bad_model_one_line(tmp_path, capsys, model, message):
+    run = tmp_path / "run"
+    rc = main(["prepare", "--run", str(run), "--config", str(REPO / "configs/smoke.yaml"), "--model", model])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0] and model in err[0]
+    assert not run.exists()
+
+
+def test_prepare_dir_without_config_json(tmp_path, capsys):
+    d = tmp_path / "notamodel"
+    d.mkdir()
+    run = tmp_path / "run"
+    rc = main(["prepare", "--run", str(run), "--config", str(REPO / "configs/smoke.yaml"), "--model", str(d)])
+    assert rc == 2 and "no config.json" in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_stage_registry_is_consistent():
+    for spec in STAGES.values():
+        for up in spec.upstream:
+            assert list(STAGES).index(up) < list(STAGES).index(spec.name)
+        assert spec.sections, spec.name
+
+
+def test_prepare_embedded_model(embedded_model_dir):
+    meta = json.loads((embedded_model_dir / "meta.json").read_text())
+    assert meta["source"]["kind"] == "gguf"
+    assert (meta["layers"], meta["hidden_size"], meta["heads"], meta["kv_heads"], meta["vocab_size"]) == (
+        30, 576, 9, 3, 49152)
+    assert 130e6 < meta["parameters"] < 140e6
+    assert meta["bytes"] < 300 * 2**20  # bf16, tied embeddings stored once
