@@ -110,6 +110,8 @@ class LatencyConfig(Section):
     k_max: int | None = None
     # GPU fast path: static cache + torch.compile (CUDA graphs). Ignored on CPU.
     compile: bool = False
+    # Level of the bootstrap CIs (over repeats) on every latency figure.
+    confidence: float = 0.95
 
 
 class MarginalConfig(Section):
