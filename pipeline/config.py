@@ -144,10 +144,19 @@ class GateConfig(Section):
     max_kl: float | None = None
     min_top1_agreement: float | None = None
     power: float = 0.8
+    # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
+    # true they are also gated and join the multiplicity family (few items each: low power).
+    gate_groups: bool = False
+    # Resamples for bootstrapped metrics (ECE) and the seed that makes them reproducible.
+    bootstrap_resamples: int = 2000
+    # Calibration slices (items with option_probs/label) also gate ECE and Brier (lower = better).
+    calibration_metrics: bool = True
 
 
 class ReportConfig(Section):
     title: str = "specq report"
+    # Dots per inch of the embedded figures (HTML and report/*.png).
+    dpi: int = 110
 
 
 class Config(Section):

@@ -1,0 +1,246 @@
+"""The gate stage on synthetic artifacts (written to the contract in tmp dirs): decisions, the
+multiplicity bookkeeping, bad input, and `gate-check`'s exit code through pipeline.__main__.main."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.__main__ import main
+from pipeline.gate import decide
+
+SLICES = ("reasoning", "language", "calibration", "long_context")
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 200,
+                  gate_yaml: str = "", lossless_ok: bool = True, seed: int = 0) -> tuple[Path, Path]:
+    """A run dir with quality/acceptance (and the files the report reads) for a reference `bf16`
+    and the given variants: name -> {"release": bool, "damage": {slice: fraction of the
+    reference's correct items the variant gets wrong}, "flip": fraction flipped either way}.
+    Returns (run_dir, config path)."""
+    variants = variants if variants is not None else {"good": {"release": True, "flip": 0.02}}
+    rng = np.random.default_rng(seed)
+    run = root / "run"
+    # Reference items: binary scores; long_context items come 5 to a haystack (cluster); language
+    # items carry a group; calibration items carry option probabilities.
+    ref_rows = {}
+    for s in SLICES:
+        rows = []
+        for i in range(n):
+            probs = rng.dirichlet([2, 1, 1, 1]).tolist()
+            label = int(np.argmax(probs)) if rng.random() < 0.7 else int(rng.integers(4))
+            score = float(label == int(np.argmax(probs))) if s == "calibration" else float(rng.random() < 0.7)
+            row = {"id": f"{s}-{i}", "cluster": f"hay-{i // 5}" if s == "long_context" else None,
+                   "slice": s, "group": ["fr", "de", "es", "zh"][i % 4] if s == "language" else None,
+                   "metric": "accuracy", "score": score, "scores": {"accuracy": score},
+                   "prediction": "x", "target": "x"}
+            if s == "calibration":
+                row.update(option_probs=probs, label=label)
+            rows.append(row)
+        ref_rows[s] = rows
+        _write_jsonl(run / "quality" / "bf16" / f"{s}.jsonl", rows)
+    for name, spec in variants.items():
+        for s in SLICES:
+            rows = []
+            for r in ref_rows[s]:
+                r = dict(r)
+                if rng.random() < spec.get("flip", 0.0):
+                    r["score"] = 1.0 - r["score"]
+                if r["score"] == 1.0 and rng.random() < spec.get("damage", {}).get(s, 0.0):
+                    r["score"] = 0.0
+                    if "option_probs" in r:  # the damaged model now prefers a wrong option
+                        wrong = (r["label"] + 1) % 4
+                        r["option_probs"] = [0.7 if j == wrong else 0.1 for j in range(4)]
+                rows.append(r)
+            _write_jsonl(run / "quality" / name / f"{s}.jsonl", rows)
+        (run / "quality" / f"{name}.json").write_text(json.dumps({
+            "variant": name, "slices": {}, "distribution": {
+                "kl_mean": 0.01, "kl_ci": [0.008, 0.012], "top1_agreement": 0.97,
+                "top1_ci": [0.95, 0.99], "ppl_ratio": 1.01, "ppl_ratio_ci": [1.0, 1.02], "n_docs": 4}}))
+    for name in ("bf16", *variants):
+        pair = {"variant": name, "draft": "ngram", "k_max": 3, "slices": {},
+                "lossless": {"greedy_identical": lossless_ok or name != "bf16", "prompts": 4,
+                             "mismatches": [] if lossless_ok or name != "bf16" else [{"prompt": 0}],
+                             "sampling": {"test": "chi2", "p_value": 0.4, "alpha": 0.01, "pass": True}}}
+        (run / "acceptance").mkdir(parents=True, exist_ok=True)
+        (run / "acceptance" / f"{name}__ngram.json").write_text(json.dumps(pair))
+    for stage in ("quality", "acceptance"):
+        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage}))
+    lines = ["quantize:", "  reference: bf16", "  variants:", "    bf16: {scheme: none, release: false}"]
+    for name, spec in variants.items():
+        lines.append(f"    {name}: {{scheme: none, release: {str(spec.get('release', True)).lower()}}}")
+    config = root / "config.yaml"
+    config.write_text("\n".join(lines) + "\n" + gate_yaml)
+    return run, config
+
+
+def gate(run: Path, config: Path, capsys=None) -> tuple[int, int, dict | None]:
+    """Run the gate stage, then gate-check; returns (stage rc, check rc, gate.json)."""
+    rc = main(["gate", "--run", str(run), "--config", str(config)])
+    check = main(["gate-check", "--run", str(run), "--config", str(config)]) if rc == 0 else None
+    path = run / "gate.json"
+    return rc, check, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_good_variant_is_go_and_exit_code_zero(tmp_path, capsys):
+    run, config = make_fake_run(tmp_path)
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 0)
+    assert g["decision"] == "go" and g["variants"]["good"]["decision"] == "go"
+    cells = g["variants"]["good"]["slices"]
+    assert set(cells) == {*SLICES, "calibration:brier", "calibration:ece"}
+    for key, c in cells.items():
+        assert c["status"] == "pass", (key, c)
+        assert c["ci"][0] > -c["margin"] and c["n"] == 200
+    assert cells["long_context"]["method"] == "cluster-t" and cells["long_context"]["n_clusters"] == 40
+    assert cells["reasoning"]["method"] == "paired-t"
+    assert cells["calibration:ece"]["method"] == "cluster-bootstrap"
+    assert set(cells["language"]["groups"]) == {"fr", "de", "es", "zh"}
+    assert not cells["language"]["groups"]["fr"]["gated"]
+    out = capsys.readouterr().out
+    assert "specq gate: GO" in out and "| good |" in out
+    assert (run / "gate" / "table.md").read_text().startswith("# specq gate: GO")
+
+
+def test_identical_copy_is_go(tmp_path):
+    run, config = make_fake_run(tmp_path, {"copy": {"release": True}})
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 0)
+    for c in g["variants"]["copy"]["slices"].values():
+        assert c["diff"] == 0.0 and c["ci"] == [0.0, 0.0] and c["status"] == "pass"
+
+
+def test_damaged_variant_is_no_go_on_the_damaged_slices(tmp_path):
+    run, config = make_fake_run(tmp_path, {
+        "good": {"release": True, "flip": 0.02},
+        "broken": {"release": True, "flip": 0.02, "damage": {"reasoning": 0.4, "calibration": 0.5}},
+    })
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 1)
+    assert g["decision"] == "no-go"
+    broken = g["variants"]["broken"]
+    assert broken["decision"] == "no-go"
+    assert broken["slices"]["reasoning"]["status"] == "fail"
+    assert broken["slices"]["calibration"]["status"] == "fail"
+    assert broken["slices"]["calibration:brier"]["status"] == "fail"
+    assert broken["slices"]["calibration:ece"]["diff"] < 0
+    assert broken["slices"]["language"]["status"] == "pass"
+    assert g["variants"]["good"]["decision"] == "go"
+
+
+def test_non_release_failure_does_not_block(tmp_path):
+    run, config = make_fake_run(tmp_path, {
+        "good": {"release": True, "flip": 0.02},
+        "experiment": {"release": False, "damage": {"reasoning": 0.5}},
+    })
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 0)
+    assert g["variants"]["experiment"]["decision"] == "no-go" and g["decision"] == "go"
+
+
+def test_inconclusive_says_how_many_items_would_settle_it(tmp_path):
+    # Few items and real disagreement: the CI straddles -margin.
+    run, config = make_fake_run(tmp_path, {"noisy": {"release": True, "flip": 0.15}}, n=40)
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 1)
+    cells = g["variants"]["noisy"]["slices"]
+    assert cells["language"]["status"] == "inconclusive"
+    assert cells["language"]["items_to_settle"] > 40
+    for c in cells.values():
+        if c["status"] == "inconclusive":  # only a diff sitting exactly on -margin has no finite n
+            assert (c["items_to_settle"] is None) == (c["diff"] == -c["margin"]), c
+        else:
+            assert c["items_to_settle"] is None
+    assert g["variants"]["noisy"]["decision"] == "inconclusive" and g["decision"] == "no-go"
+
+
+def test_multiplicity_levels_recorded(tmp_path):
+    variants = {"a": {"flip": 0.02}, "b": {"flip": 0.02}}
+    run, config = make_fake_run(tmp_path, variants, gate_yaml="gate: {multiplicity: bonferroni}\n")
+    _, _, g = gate(run, config)
+    m = g["family_size"]
+    assert m == 2 * (len(SLICES) + 2)
+    for v in g["variants"].values():
+        for c in v["slices"].values():
+            assert c["ci_level"] == pytest.approx(1 - 0.05 / m)
+    run2, config2 = make_fake_run(tmp_path / "holm", variants)
+    _, _, h = gate(run2, config2)
+    levels = sorted(c["ci_level"] for v in h["variants"].values() for c in v["slices"].values())
+    # Holm: every cell passes here, so the steps run from alpha/m up to alpha.
+    assert levels[0] == pytest.approx(0.95) and levels[-1] == pytest.approx(1 - 0.05 / m)
+    width = {k: c["ci"][1] - c["ci"][0] for k, c in g["variants"]["a"]["slices"].items()}
+    width_h = {k: c["ci"][1] - c["ci"][0] for k, c in h["variants"]["a"]["slices"].items()}
+    assert all(width_h[k] <= width[k] + 1e-12 for k in width)
+
+
+def test_gated_groups_join_the_family(tmp_path):
+    run, config = make_fake_run(tmp_path, gate_yaml="gate: {gate_groups: true}\n")
+    _, _, g = gate(run, config)
+    assert g["family_size"] == len(SLICES) + 2 + 4
+    groups = g["variants"]["good"]["slices"]["language"]["groups"]
+    assert all(gc["gated"] for gc in groups.values())
+
+
+def test_distribution_threshold_is_gated(tmp_path):
+    run, config = make_fake_run(tmp_path, gate_yaml="gate: {max_kl: 0.005}\n")
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 1)
+    assert g["variants"]["good"]["distribution"]["checks"]["kl"]["status"] == "fail"
+    assert g["variants"]["good"]["decision"] == "no-go"
+
+
+def test_lossless_failure_is_a_speculation_no_go(tmp_path, capsys):
+    run, config = make_fake_run(tmp_path, lossless_ok=False)
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 0)  # quality decides the release; speculation is listed apart
+    assert g["speculation"]["decision"] == "no-go"
+    assert g["speculation"]["pairs"]["bf16__ngram"]["decision"] == "no-go"
+    assert g["speculation"]["pairs"]["good__ngram"]["decision"] == "go"
+    assert "bf16__ngram | False" in capsys.readouterr().out
+
+
+def test_missing_quality_for_a_release_variant_is_not_go(tmp_path):
+    run, config = make_fake_run(tmp_path)
+    config.write_text(config.read_text().replace("    good:", "    extra: {scheme: none}\n    good:"))
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 1)
+    assert g["variants"]["extra"]["decision"] == "inconclusive"
+    assert g["variants"]["extra"]["missing"] == ["quality results"]
+
+
+def test_different_item_ids_are_an_error(tmp_path, capsys):
+    run, config = make_fake_run(tmp_path)
+    path = run / "quality" / "good" / "reasoning.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n")
+    rc, check, g = gate(run, config)
+    assert rc == 2 and g is None
+    err = capsys.readouterr().err
+    assert "good/reasoning" in err and "different items" in err and len(err.strip().splitlines()) >= 1
+
+
+def test_corrupt_item_is_an_error(tmp_path, capsys):
+    run, config = make_fake_run(tmp_path)
+    (run / "quality" / "good" / "language.jsonl").open("a").write("{not json\n")
+    rc, _, g = gate(run, config)
+    assert rc == 2 and g is None
+    assert "language.jsonl:201" in capsys.readouterr().err
+
+
+def test_gate_check_without_gate_json(tmp_path, capsys):
+    assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml"]) == 2
+    assert "missing gate result" in capsys.readouterr().err
+
+
+def test_decide():
+    assert decide(["pass", "pass"]) == "go"
+    assert decide(["pass", "inconclusive"]) == "inconclusive"
+    assert decide(["inconclusive", "fail", "pass"]) == "no-go"
+    assert decide([]) == "inconclusive"
