@@ -1,0 +1,390 @@
+"""Quantization schemes: a plain dict scheme -> (quantizer, loader, library, devices).
+
+A quantizer turns the reference HF directory `src` into a variant directory `out` and returns the
+extra keys it wants in the variant's meta.json. A loader is `(path, meta, device, dtype) -> model`;
+importing this module registers every loader into `pipeline.models.LOADERS`, so
+`load_variant(dir)` dispatches on the `scheme` recorded in the directory's meta.json.
+
+    scheme          library        stored as
+    none            transformers   the reference's safetensors (hard links), or a noised copy
+    gptq            gptqmodel      packed int4/int8 GPTQ safetensors (GPTQModel format)
+    bnb-int8        bitsandbytes   LLM.int8 weights serialized by save_pretrained
+    bnb-nf4         bitsandbytes   NF4 weights + quant state serialized by save_pretrained
+    torchao-int8wo  torchao        int8 weight-only tensors serialized by save_pretrained
+    checkpoint      gptqmodel      a GPTQ / auto-gptq directory given as `path`, linked in
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pipeline.models import LOADERS, _load_hf
+from pipeline.stage import StageError, progress
+
+# Files of a prepared model that belong to specq, not to the HF checkpoint.
+_SPECQ_FILES = {"meta.json", "model_info.json"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass
+class Job:
+    """What a quantizer needs besides src/out: device, dtypes, calibration, where logs go."""
+
+    name: str
+    device: torch.device
+    storage_dtype: torch.dtype  # dtype of the unquantized parts on disk (the reference's)
+    compute_dtype: torch.dtype
+    seed: int
+    log_dir: Path
+    calibration: Callable[[], list[list[int]]] | None = None  # token-id windows, made on demand
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def library_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def link_or_copy_tree(src: Path, out: Path, skip: set[str] = _SPECQ_FILES) -> None:
+    """Hard-link every file of `src` into `out` (copy across file systems). Weight files are never
+    written in place by anyone, so sharing their inodes is safe and costs no disk."""
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if p.is_dir() or rel.name in skip:
+            continue
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(p, dst)
+        except OSError:
+            shutil.copy2(p, dst)
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of the weight files in a model directory (config/tokenizer files excluded)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    # Tensor subclasses (torchao's Int8Tensor, ...) report the logical dtype's element size;
+    # what they hold is their inner tensors.
+    if _is_wrapper(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    n = t.numel() * t.element_size()
+    # bitsandbytes keeps scales beside the packed data: Params4bit.quant_state, Int8Params.SCB.
+    state = getattr(t, "quant_state", None)
+    if state is not None:
+        for attr in ("absmax", "code"):
+            v = getattr(state, attr, None)
+            if isinstance(v, torch.Tensor):
+                n += v.numel() * v.element_size()
+        inner = getattr(state, "state2", None)
+        if inner is not None and isinstance(getattr(inner, "absmax", None), torch.Tensor):
+            n += inner.absmax.numel() * inner.absmax.element_size()
+    scb = getattr(t, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        n += scb.numel() * scb.element_size()
+    return n
+
+
+def bytes_in_memory(model: torch.nn.Module) -> int:
+    """Bytes held by a loaded model's parameters and buffers, each storage counted once (tied
+    embeddings share one)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = id(t) if _is_wrapper(t) else t.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += _tensor_bytes(t)
+    return total
+
+
+def linear_input_widths(src: Path) -> dict[str, int]:
+    """name -> in_features of every nn.Linear inside the decoder layers (what GPTQ quantizes; the
+    lm_head and embeddings stay unquantized). Built on the meta device: no weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return {name: m.in_features for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}."}
+
+
+def check_group_size(src: Path, group_size: int | None, variant: str) -> None:
+    """The group size must divide every quantized layer's input width; say which one it does not."""
+    if group_size in (None, -1):  # -1: one group per output channel
+        return
+    if group_size <= 0:
+        raise StageError(f"variant '{variant}': group_size must be positive or -1, not {group_size}")
+    for name, width in linear_input_widths(src).items():
+        if width % group_size:
+            ok = [g for g in (32, 64, 128) if all(w % g == 0 for w in linear_input_widths(src).values())]
+            raise StageError(
+                f"variant '{variant}': group_size {group_size} does not divide layer {name} "
+                f"(input width {width}); group sizes that divide every layer: {ok or 'none of 32/64/128'}")
+
+
+def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> int:
+    """Deliberate damage: w += relative_std * std(w) * N(0, 1) on every decoder linear weight.
+    Seeded, so the damaged variant is reproducible. Returns the number of matrices changed."""
+    gen = torch.Generator().manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}.":
+                w = m.weight
+                noise = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+                w.add_((noise * (relative_std * w.float().std())).to(w.dtype))
+                changed += 1
+    return changed
+
+
+def noise_seed(seed: int, variant: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(variant.encode())) % (2**31)
+
+
+@contextlib.contextmanager
+def library_output_to(log_file: Path):
+    """Send a library's stdout chatter to a log file (stdout stays clean for tables), and run in
+    the log directory: GPTQModel writes `logs/` into its working directory."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    cwd = os.getcwd()
+    with open(log_file, "a") as f, contextlib.redirect_stdout(f):
+        os.chdir(log_file.parent)
+        try:
+            yield f
+        finally:
+            os.chdir(cwd)
+
+
+def _hf_from_pretrained(src: Path, dtype: torch.dtype, device: torch.device, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=str(device), **kw)
+
+
+# ---------------------------------------------------------------- none (the reference, or a noised copy)
+
+
+def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
+    if spec.weight_noise > 0:
+        model = _hf_from_pretrained(src, job.storage_dtype, torch.device("cpu"))
+        n = add_weight_noise(model, spec.weight_noise, noise_seed(job.seed, job.name))
+        model.save_pretrained(out, safe_serialization=True)
+        return {"storage": f"copy of the reference with noise on {n} linear weights",
+                "library": "transformers", "library_version": library_version("transformers")}
+    link_or_copy_tree(src, out)
+    return {"storage": "hard links to the reference's files", "library": "transformers",
+            "library_version": library_version("transformers")}
+
+
+# ---------------------------------------------------------------- GPTQ through GPTQModel
+
+
+def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    bits, group_size = spec.bits or 4, spec.group_size or 128
+    check_group_size(src, group_size, job.name)
+    windows = job.calibration()
+    calibration = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in windows]
+    n_layers = len({n.split(".layers.")[1].split(".")[0] for n in linear_input_widths(src)})
+    start = time.perf_counter()
+
+    def layer_done(layer_idx: int, submodule_finalized: bool) -> None:
+        if submodule_finalized:
+            progress(f"quantize {job.name}: GPTQ layer {layer_idx + 1}/{n_layers} done "
+                     f"({time.perf_counter() - start:.0f} s)")
+
+    log = job.log_dir / f"quantize-{job.name}.log"
+    progress(f"quantize {job.name}: GPTQ {bits}-bit g{group_size} on {job.device.type}, "
+             f"{len(windows)} calibration windows; GPTQModel's log -> {log}")
+    qdevice = "cuda:0" if job.device.type == "cuda" else "cpu"
+    with library_output_to(log):
+        qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=False, sym=True,
+                            device=qdevice, offload_to_disk=False)
+        gm = GPTQModel.load(str(src), qc)
+        gm.layer_callback = layer_done
+        gm.quantize(calibration, backend="torch" if job.device.type == "cpu" else "auto")
+        gm.save(str(out))
+    return {"storage": "GPTQ packed weights (GPTQModel format, safetensors)", "library": "gptqmodel",
+            "library_version": library_version("gptqmodel"), "desc_act": False, "sym": True,
+            "quantize_log": str(log)}
+
+
+def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
+    from gptqmodel import GPTQModel
+
+    # GPTQModel prints to stdout while loading; keep stdout for the stages' own output.
+    with contextlib.redirect_stdout(sys.stderr):
+        gm = GPTQModel.load(str(path), device=str(device), dtype=dtype)
+    return gm.model
+
+
+# ---------------------------------------------------------------- bitsandbytes LLM.int8 and NF4
+
+
+def _quantize_bnb(src: Path, out: Path, job: Job, config, storage: str) -> dict:
+    # Unquantized parts (embeddings, norms) are stored in the reference's dtype, so the size on
+    # disk is what the scheme costs, not an artefact of float32 compute.
+    model = _hf_from_pretrained(src, job.storage_dtype, job.device, quantization_config=config)
+    model.save_pretrained(out, safe_serialization=True)
+    return {"storage": storage, "library": "bitsandbytes", "library_version": library_version("bitsandbytes")}
+
+
+def quantize_bnb_int8(src: Path, out: Path, spec, job: Job) -> dict:
+    from transformers import BitsAndBytesConfig
+
+    if spec.bits not in (None, 8):
+        raise StageError(f"variant '{job.name}': scheme bnb-int8 is 8-bit, not {spec.bits}-bit")
+    return {**_quantize_bnb(src, out, job, BitsAndBytesConfig(load_in_8bit=True),
+                            "LLM.int8 weights serialized by save_pretrained"),
+            "matmul": "int8 with outlier columns in 16-bit; inputs cast to float16"}
+
+
+def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
+    from transformers import BitsAndBytesConfig
+
+    if spec.bits not in (None, 4):
+        raise StageError(f"variant '{job.name}': scheme bnb-nf4 is 4-bit, not {spec.bits}-bit")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                bnb_4bit_compute_dtype=job.compute_dtype)
+    return {**_quantize_bnb(src, out, job, config, "NF4 weights + quant state serialized by save_pretrained"),
+            "blocksize": 64}
+
+
+def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
+    import warnings
+
+    # LLM.int8 on float32 inputs warns once per matmul call that it casts them to float16.
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    model = _hf_from_pretrained(path, dtype, device)
+    for m in model.modules():  # NF4 dequantizes into compute_dtype: follow the requested dtype
+        if hasattr(m, "compute_dtype") and type(m).__name__ == "Linear4bit":
+            m.compute_dtype = dtype
+    return model
+
+
+# ---------------------------------------------------------------- torchao int8 weight-only
+
+
+def quantize_torchao_int8wo(src: Path, out: Path, spec, job: Job) -> dict:
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    if spec.bits not in (None, 8):
+        raise StageError(f"variant '{job.name}': scheme torchao-int8wo is 8-bit, not {spec.bits}-bit")
+    model = _hf_from_pretrained(src, job.storage_dtype, job.device,
+                                quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    model.save_pretrained(out, safe_serialization=True)
+    return {"storage": "torchao int8 weight-only tensors (per-channel scales) serialized by save_pretrained",
+            "library": "torchao", "library_version": library_version("torchao")}
+
+
+def load_torchao(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
+    return _hf_from_pretrained(path, dtype, device)
+
+
+# ---------------------------------------------------------------- a previously quantized checkpoint
+
+
+def checkpoint_quant_config(path: Path) -> dict:
+    """The GPTQ settings of a checkpoint: config.json's quantization_config, else
+    quantize_config.json (the auto-gptq layout)."""
+    cfg = {}
+    if (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if not cfg:
+        for name in ("quantize_config.json", "quant_config.json"):
+            if (path / name).is_file():
+                cfg = json.loads((path / name).read_text())
+                break
+    return cfg
+
+
+def quantize_checkpoint(src: Path, out: Path, spec, job: Job) -> dict:
+    if not spec.path:
+        raise StageError(f"variant '{job.name}': scheme checkpoint needs `path` (a GPTQ / auto-gptq directory)")
+    ckpt = Path(spec.path).expanduser()
+    if not (ckpt / "config.json").is_file():
+        raise StageError(f"variant '{job.name}': checkpoint path {ckpt} is not a model directory (no config.json)")
+    qcfg = checkpoint_quant_config(ckpt)
+    method = str(qcfg.get("quant_method", qcfg.get("method", ""))).lower()
+    if not qcfg or method not in ("gptq", ""):
+        raise StageError(f"variant '{job.name}': {ckpt} is not a GPTQ / auto-gptq checkpoint "
+                         f"(quantization method: {method or 'none'})")
+    ref_vocab = json.loads((src / "config.json").read_text()).get("vocab_size")
+    ck_vocab = json.loads((ckpt / "config.json").read_text()).get("vocab_size")
+    if ref_vocab != ck_vocab:
+        raise StageError(f"variant '{job.name}': checkpoint {ckpt} has vocabulary {ck_vocab}, the reference "
+                         f"{ref_vocab}: it is not a quantization of this model")
+    for key, want in (("bits", spec.bits), ("group_size", spec.group_size)):
+        if want is not None and qcfg.get(key) not in (None, want):
+            raise StageError(f"variant '{job.name}': config says {key} {want}, checkpoint {ckpt} has {qcfg.get(key)}")
+    link_or_copy_tree(ckpt, out, skip=_SPECQ_FILES)
+    return {"storage": f"hard links to the checkpoint {ckpt.resolve()}", "library": "gptqmodel",
+            "library_version": library_version("gptqmodel"), "checkpoint_path": str(ckpt.resolve()),
+            "bits": qcfg.get("bits"), "group_size": qcfg.get("group_size"),
+            "desc_act": qcfg.get("desc_act"), "sym": qcfg.get("sym")}
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class Scheme:
+    quantize: Callable[..., dict]
+    load: Callable[..., Any]
+    library: str  # distribution name (for the version and the install hint)
+    devices: tuple[str, ...]  # device types this machine's libraries can quantize and run it on
+    calibrated: bool = False
+
+
+SCHEMES: dict[str, Scheme] = {
+    "none": Scheme(quantize_none, _load_hf, "transformers", ("cpu", "cuda")),
+    "gptq": Scheme(quantize_gptq, load_gptq, "gptqmodel", ("cpu", "cuda"), calibrated=True),
+    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda")),
+    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda")),
+    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda")),
+    "checkpoint": Scheme(quantize_checkpoint, load_gptq, "gptqmodel", ("cpu", "cuda")),
+}
+
+
+def check_supported(variant: str, scheme: str, device: torch.device) -> None:
+    """One line naming the scheme, the device and what would work, before any time is spent."""
+    s = SCHEMES[scheme]
+    if device.type not in s.devices:
+        here = [k for k, v in SCHEMES.items() if device.type in v.devices]
+        raise StageError(f"variant '{variant}': scheme {scheme} is not supported on device {device.type} "
+                         f"(it runs on {', '.join(s.devices)}); schemes that work on {device.type}: "
+                         f"{', '.join(here)}")
+    if library_version(s.library) is None:
+        raise StageError(f"variant '{variant}': scheme {scheme} needs the Python package {s.library} "
+                         f"(pip install {s.library})")
+
+
+for _name, _scheme in SCHEMES.items():
+    LOADERS.setdefault(_name, _scheme.load)

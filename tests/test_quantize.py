@@ -1,0 +1,193 @@
+"""quantize stage on the tiny random Llama: every scheme's round trip through load_variant, the
+group-size check, the calibration checks, and the no-partial-artifact rule.
+
+    .venv/bin/python -m pytest -q tests/test_quantize.py
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import CORPUS
+from pipeline.__main__ import main
+from pipeline.models import load_variant
+
+META_KEYS = {"scheme", "bits", "group_size", "library", "library_version", "bytes_on_disk", "bytes_in_memory",
+             "quantize_seconds", "calibration_sha256", "calibration_tokens", "perplexity",
+             "reference_perplexity", "release", "dtype_compute", "device_fallback"}
+VARIANTS = {
+    "ref": {"scheme": "none", "release": False},
+    "noisy": {"scheme": "none", "weight_noise": 0.5},
+    "gptq": {"scheme": "gptq", "bits": 4, "group_size": 32},
+    "int8": {"scheme": "bnb-int8", "bits": 8},
+    "nf4": {"scheme": "bnb-nf4", "bits": 4},
+    "w8a16": {"scheme": "torchao-int8wo", "bits": 8},
+}
+PROMPT = [[5, 20, 33, 40, 71, 100, 120, 7, 9, 60]]
+
+
+def make_run(root: Path, model_dir: Path, variants: dict, calibration: Path | None = None,
+             min_tokens: int = 256) -> tuple[Path, Path]:
+    """A run dir whose model/ is the tiny prepared model, and a config naming `variants`."""
+    run = root / "run"
+    if not (run / "model").exists():
+        shutil.copytree(model_dir, run / "model")
+    if calibration is None:
+        calibration = root / "calibration.txt"
+        calibration.write_text((CORPUS + "\n") * 6)
+    cfg = {"device": "cpu", "quantize": {
+        "reference": "ref", "variants": variants, "sanity_tokens": 96,
+        "calibration": {"source": str(calibration), "n_samples": 6, "max_tokens": 64, "min_tokens": min_tokens}}}
+    cfg_path = root / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    return run, cfg_path
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(PROMPT)).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("quant")
+    run, cfg = make_run(root, tiny_model_dir, VARIANTS)
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 0
+    return root, run
+
+
+def test_every_variant_has_meta_and_loads(quantized):
+    _, run = quantized
+    ref_model, _ = load_variant(run / "variants" / "ref")
+    ref = logits(ref_model)
+    ref_bytes = json.loads((run / "variants/ref/meta.json").read_text())["bytes_on_disk"]
+    stage = json.loads((run / "variants/meta.json").read_text())
+    assert set(stage["variants"]) == set(VARIANTS)
+    for name, spec in VARIANTS.items():
+        meta = json.loads((run / "variants" / name / "meta.json").read_text())
+        assert META_KEYS <= set(meta), f"{name}: missing {META_KEYS - set(meta)}"
+        assert meta["scheme"] == spec["scheme"] and meta["dtype_compute"] == "float32"
+        model, tok = load_variant(run / "variants" / name)
+        assert meta["bytes_in_memory"] > 0 and math_finite(meta["perplexity"])
+        out = logits(model)
+        corr = torch.corrcoef(torch.stack([out.flatten(), ref.flatten()]))[0, 1].item()
+        if name == "ref":
+            assert torch.equal(out, ref)
+            assert meta["perplexity"] == meta["reference_perplexity"]
+        elif name == "noisy":
+            assert not torch.allclose(out, ref, atol=1e-3)
+        else:
+            # Quantized, not broken: close to the reference (4-bit on a random tiny model is coarse)
+            # and smaller on disk than the float32 reference.
+            assert corr > (0.95 if spec["bits"] == 8 else 0.8), f"{name}: correlation {corr:.3f}"
+            assert meta["bytes_on_disk"] < ref_bytes, name
+        generated = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False,
+                                   pad_token_id=tok.pad_token_id)
+        assert generated.shape[1] == len(PROMPT[0]) + 4
+    gptq = json.loads((run / "variants/gptq/meta.json").read_text())
+    assert gptq["calibration_tokens"] == 6 * 64 and len(gptq["calibration_sha256"]) == 64
+    assert gptq["group_size"] == 32 and gptq["library"] == "gptqmodel"
+
+
+def math_finite(x) -> bool:
+    return isinstance(x, float) and x == x and x not in (float("inf"), float("-inf"))
+
+
+def test_rerun_resumes_adds_checkpoint_and_drops_stale(quantized, tiny_model_dir, capsys):
+    """A changed config re-runs the stage: unchanged variants are reused, a removed one is deleted,
+    and a GPTQ directory given as a checkpoint path becomes a variant that loads."""
+    root, run = quantized
+    before = (run / "variants/gptq/meta.json").stat().st_mtime_ns
+    ckpt = root / "ckpt"
+    shutil.copytree(run / "variants/gptq", ckpt)
+    (ckpt / "meta.json").unlink()
+    variants = {k: v for k, v in VARIANTS.items() if k != "noisy"}
+    variants["ckpt"] = {"scheme": "checkpoint", "path": str(ckpt)}
+    _, cfg = make_run(root, tiny_model_dir, variants, calibration=root / "calibration.txt")
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 0
+    assert (run / "variants/gptq/meta.json").stat().st_mtime_ns == before
+    assert not (run / "variants/noisy").exists()
+    meta = json.loads((run / "variants/ckpt/meta.json").read_text())
+    assert meta["bits"] == 4 and meta["group_size"] == 32
+    a, _ = load_variant(run / "variants/ckpt")
+    b, _ = load_variant(run / "variants/gptq")
+    assert torch.equal(logits(a), logits(b))
+
+
+def test_group_size_that_does_not_divide_names_the_layer(tmp_path, tiny_model_dir, capsys):
+    run, cfg = make_run(tmp_path, tiny_model_dir, {"ref": {"scheme": "none"},
+                                                   "g": {"scheme": "gptq", "bits": 4, "group_size": 48}})
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "group_size 48 does not divide layer model.layers.0." in err and "input width 64" in err
+    assert not (run / "variants/g").exists() and not (run / "variants/ref").exists()
+
+
+@pytest.mark.parametrize("problem", ["missing", "short"])
+def test_calibration_problems_are_one_line(tmp_path, tiny_model_dir, capsys, problem):
+    calib = tmp_path / "calib.txt"
+    if problem == "short":
+        calib.write_text("too short")
+    run, cfg = make_run(tmp_path, tiny_model_dir, {"ref": {"scheme": "none"},
+                                                   "g": {"scheme": "gptq", "bits": 4, "group_size": 32}},
+                        calibration=calib)
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ("calibration text missing" if problem == "missing" else "is too short") in err
+    assert not (run / "variants/g").exists()
+
+
+def test_unsupported_scheme_on_device_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from pipeline import quantize_schemes
+
+    cuda_only = dataclasses.replace(quantize_schemes.SCHEMES["bnb-int8"], devices=("cuda",))
+    monkeypatch.setitem(quantize_schemes.SCHEMES, "bnb-int8", cuda_only)
+    run, cfg = make_run(tmp_path, tiny_model_dir, {"ref": {"scheme": "none"}, "i8": {"scheme": "bnb-int8"}})
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "scheme bnb-int8 is not supported on device cpu" in err and "schemes that work on cpu:" in err
+    assert not (run / "variants/i8").exists()
+
+
+def test_crash_mid_quantization_leaves_no_variant_dir(tmp_path, tiny_model_dir, monkeypatch):
+    from pipeline import quantize_schemes
+
+    def half_written(src, out, spec, job):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("killed mid-way")
+
+    broken = dataclasses.replace(quantize_schemes.SCHEMES["bnb-nf4"], quantize=half_written)
+    monkeypatch.setitem(quantize_schemes.SCHEMES, "bnb-nf4", broken)
+    run, cfg = make_run(tmp_path, tiny_model_dir, {"ref": {"scheme": "none"}, "nf4": {"scheme": "bnb-nf4"}})
+    with pytest.raises(RuntimeError, match="killed mid-way"):
+        main(["quantize", "--run", str(run), "--config", str(cfg)])
+    variants = run / "variants"
+    assert (variants / "ref/meta.json").is_file()  # finished before the crash: kept
+    assert not (variants / "nf4").exists() and not (variants / "nf4.tmp").exists()
+    assert not (variants / "meta.json").exists()
+
+
+def test_bytes_in_memory_counts_tied_weights_once(tiny_model):
+    from pipeline.quantize_schemes import bytes_in_memory
+
+    tensors = [*tiny_model.parameters(), *tiny_model.buffers()]  # buffers: rotary inv_freq
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    assert tiny_model.lm_head.weight.data_ptr() == tiny_model.model.embed_tokens.weight.data_ptr()
+    assert bytes_in_memory(tiny_model) == sum(unique.values())
+
+
+def test_perplexity_matches_transformers_loss(tiny_model):
+    import math
+
+    from pipeline.quantize import perplexity
+
+    ids = list(range(3, 60))
+    with torch.no_grad():
+        loss = tiny_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert perplexity(tiny_model, ids, window=512) == pytest.approx(math.exp(loss), rel=1e-4)
