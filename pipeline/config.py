@@ -132,6 +132,8 @@ class QualityConfig(Section):
     # Distribution metrics (KL, top-1 agreement, perplexity ratio) on held-out documents.
     distribution_docs: int = 16
     distribution_tokens: int = 256
+    # Confidence level of the per-slice and distribution CIs in quality/<variant>.json.
+    confidence: float = 0.95
 
 
 class GateConfig(Section):
@@ -147,7 +149,7 @@ class GateConfig(Section):
     # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
     # true they are also gated and join the multiplicity family (few items each: low power).
     gate_groups: bool = False
-    # Resamples for bootstrapped metrics (ECE) and the seed that makes them reproducible.
+    # Resamples for bootstrapped metrics (ECE); each slice's seed comes from its name.
     bootstrap_resamples: int = 2000
     # Calibration slices (items with option_probs/label) also gate ECE and Brier (lower = better).
     calibration_metrics: bool = True

@@ -14,10 +14,12 @@ and `gate/table.md`. How a cell is decided (pipeline/stats.py has the formulas):
    mean) and ECE (not a mean: paired cluster bootstrap through scipy.stats.bootstrap).
 2. Non-inferiority: pass if the CI's lower bound is above -margin, fail if its upper bound is below
    -margin, otherwise inconclusive with the items that would settle it at 80% power.
-3. Multiplicity: every gated cell of every variant is one family. Holm (default) orders them by
-   their one-sided p and draws the r-th CI at alpha/(m - r), stopping at the first that does not
-   pass; Bonferroni draws all at alpha/m. Each cell records its `ci_level`, so what is printed is
-   what was decided. Groups are reported at the unadjusted level (gated only if gate.gate_groups).
+3. Multiplicity: every gated cell of every variant is one family, adjusted twice: the lower CI
+   bounds (the `pass` tests; a false pass is a false go) and the upper bounds (the `fail` tests; a
+   false fail is a false no-go). Holm (default) orders the cells by one-sided p and draws the r-th
+   bound at alpha/(m - r), stopping at the first that is not rejected; Bonferroni draws all at
+   alpha/m. Each cell records `alpha_lower`, `alpha_upper` and `ci_level` = 1 - both, so what is
+   printed is what was decided. Groups are reported unadjusted (gated only if gate.gate_groups).
 4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall go
    only if every release variant is go. Speculation pairs are judged apart (lossless or not): a
    failing pair is no-go for speculation; it does not change a variant's quality decision.
@@ -133,16 +135,21 @@ def _margin(gcfg, key: str, slice_name: str) -> float:
     return float(gcfg.margins.get(key, gcfg.margins.get(slice_name, gcfg.margin)))
 
 
-def _cell(est: stats.Estimate, margin: float, alpha: float, gcfg, p_adj: float | None) -> dict:
-    lo, hi = est.ci(alpha)
+def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, gcfg,
+          p_adj: tuple[float, float] | None) -> dict:
+    lo, hi = est.ci(alpha_lo)[0], est.ci(alpha_hi)[1]
     status = stats.noninferiority_status(lo, hi, margin)
     return {
         "metric": est.metric, "higher_is_better": est.higher_is_better,
         "reference": est.reference, "variant": est.variant, "diff": est.diff, "ci": [lo, hi],
-        "ci_level": 1 - 2 * alpha, "margin": margin, "n": est.n, "n_clusters": est.n_clusters,
-        "se": est.se, "method": est.method, "p_value": est.p_value(margin), "p_adjusted": p_adj,
-        "status": status,
-        "items_to_settle": (stats.items_needed(est, margin, alpha, gcfg.power)
+        "ci_level": 1 - alpha_lo - alpha_hi, "alpha_lower": alpha_lo, "alpha_upper": alpha_hi,
+        "margin": margin, "n": est.n, "n_clusters": est.n_clusters, "se": est.se,
+        "method": est.method, "p_noninferior": est.p_value(margin),
+        "p_inferior": est.p_value_inferior(margin),
+        "p_adjusted": list(p_adj) if p_adj else None, "status": status,
+        # Settling means reaching pass (diff above -margin) or fail (below): the side it is on.
+        "items_to_settle": (stats.items_needed(est, margin, alpha_lo if est.diff > -margin
+                                               else alpha_hi, gcfg.power)
                             if status == "inconclusive" else None),
     }
 
@@ -264,20 +271,26 @@ def build_gate(run_dir: Path, cfg) -> dict:
         entry["distribution"] = (distribution_checks(read_json(summary_path, "quality summary"), gcfg)
                                  if summary_path.is_file() else {"checks": {}})
 
-    # Multiplicity over the whole family of gated cells.
-    p_values = [est.p_value(margin) for _, _, _, est, margin in tests]
-    levels = stats.step_levels(
-        p_values, lambda i, a: tests[i][3].ci(a)[0] > -tests[i][4], alpha, gcfg.multiplicity)
-    _, p_adj = stats.adjusted_p_values(p_values, alpha, gcfg.multiplicity)
-    for (name, key, s, est, margin), level, padj in zip(tests, levels, p_adj):
-        variants[name]["slices"][key] = _cell(est, margin, level, gcfg, padj)
+    # Multiplicity over the whole family of gated cells, once for the lower bounds (pass) and
+    # once for the upper bounds (fail).
+    p_pass = [est.p_value(margin) for _, _, _, est, margin in tests]
+    p_fail = [est.p_value_inferior(margin) for _, _, _, est, margin in tests]
+    lo_levels = stats.step_levels(
+        p_pass, lambda i, a: tests[i][3].ci(a)[0] > -tests[i][4], alpha, gcfg.multiplicity)
+    hi_levels = stats.step_levels(
+        p_fail, lambda i, a: tests[i][3].ci(a)[1] < -tests[i][4], alpha, gcfg.multiplicity)
+    adj_pass = stats.adjusted_p_values(p_pass, alpha, gcfg.multiplicity)[1]
+    adj_fail = stats.adjusted_p_values(p_fail, alpha, gcfg.multiplicity)[1]
+    for i, (name, key, s, est, margin) in enumerate(tests):
+        variants[name]["slices"][key] = _cell(est, margin, lo_levels[i], hi_levels[i], gcfg,
+                                              (adj_pass[i], adj_fail[i]))
     for (name, s), gests in groups.items():
         cell = variants[name]["slices"][s]
         cell["groups"] = {}
         for g, est in gests.items():
             gated = variants[name]["slices"].pop(f"{s}/{g}", None)
             cell["groups"][g] = ({**gated, "gated": True} if gated else
-                                 {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, gcfg, None),
+                                 {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, gcfg, None),
                                   "gated": False})
 
     for name, entry in variants.items():
@@ -303,8 +316,9 @@ def build_gate(run_dir: Path, cfg) -> dict:
 
 
 def _method_text(gcfg, m: int) -> str:
-    adj = {"holm": f"Holm step-down over {m} gated cells (the r-th smallest p drawn at alpha/(m-r), "
-                   "later cells at the level where Holm stopped)",
+    adj = {"holm": f"Holm step-down over {m} gated cells, separately for the lower bounds (pass) "
+                   "and the upper bounds (fail): the r-th smallest p drawn at alpha/(m-r), later cells "
+                   "at the level where Holm stopped",
            "bonferroni": f"Bonferroni over {m} gated cells (each CI at alpha/{m})",
            "none": "no multiplicity adjustment"}[gcfg.multiplicity]
     return (f"paired differences variant - reference over the same items (negative = worse); "

@@ -7,7 +7,9 @@ Conventions (every function here):
   then always a non-negative number and the test is H0: diff <= -margin vs H1: diff > -margin.
 - A two-sided CI at level 1 - 2*alpha is read as two one-sided tests at alpha each: its lower bound
   above -margin is "pass" (non-inferior), its upper bound below -margin is "fail" (inferior).
-  A 95% CI therefore means one-sided alpha = 0.025, the usual non-inferiority convention.
+  A 95% CI therefore means one-sided alpha = 0.025, the usual non-inferiority convention. Under
+  multiplicity the two bounds may carry different alphas (each family is adjusted on its own);
+  the interval then covers with probability >= 1 - alpha_lower - alpha_upper.
 - The unit of resampling / of the standard error is the cluster (items sharing a source); an item
   without a cluster is its own cluster, which reduces every formula to the textbook one.
 
@@ -102,14 +104,22 @@ class Estimate:
         return float(lo), float(hi)
 
     def p_value(self, margin: float) -> float:
-        """One-sided p for H0: diff <= -margin (small = clearly non-inferior). Used to order the
-        Holm steps; the status itself is always read off the CI that is printed."""
+        """One-sided p for H0: diff <= -margin (small = clearly non-inferior, a `pass`). Used to
+        order the Holm steps; the status itself is always read off the CI that is printed."""
         if self.se == 0.0:
             return 0.0 if self.diff > -margin else 1.0
         if self.boot is not None:
             # Percentile-bootstrap p, consistent with the percentile CI above; +1 keeps it > 0.
             return float((np.sum(self.boot <= -margin) + 1) / (self.boot.size + 1))
         return float(sps.t.sf((self.diff + margin) / self.se, self.df))
+
+    def p_value_inferior(self, margin: float) -> float:
+        """One-sided p for H0: diff >= -margin (small = clearly inferior, a `fail`)."""
+        if self.se == 0.0:
+            return 0.0 if self.diff < -margin else 1.0
+        if self.boot is not None:
+            return float((np.sum(self.boot >= -margin) + 1) / (self.boot.size + 1))
+        return float(sps.t.cdf((self.diff + margin) / self.se, self.df))
 
 
 def paired_difference(reference: Sequence[float], variant: Sequence[float], clusters=None,
@@ -247,14 +257,17 @@ def items_needed(est: Estimate, margin: float, alpha_one_sided: float, power: fl
 
 def step_levels(p_values: Sequence[float], passes_at: Callable[[int, float], bool], alpha: float,
                 method: str) -> list[float]:
-    """The one-sided alpha at which each test's CI is drawn, under a multiplicity method.
+    """The one-sided alpha at which each test's confidence bound is drawn, under a multiplicity
+    method. The gate calls it twice: for the lower bounds (the `pass` family, H0: diff <= -margin)
+    and for the upper bounds (the `fail` family, H0: diff >= -margin), so a false go and a false
+    no-go are each controlled family-wise.
 
     - "none": alpha for every test. "bonferroni": alpha / m for every test.
     - "holm": tests in order of increasing p; the r-th (from 0) is drawn at alpha / (m - r). Holm
-      stops at the first test that does not pass at its level: that test and every later one are
-      drawn at the stopping level, so no later test can be called a pass (Holm's step-down rule)
-      and a printed CI always agrees with its printed status. `passes_at(i, level)` says whether
-      test i's CI at that level lies above -margin.
+      stops at the first test that is not rejected at its level: that test and every later one are
+      drawn at the stopping level, so no later test is rejected (Holm's step-down rule) and a
+      printed bound always agrees with its printed status. `passes_at(i, level)` says whether
+      test i's bound at that level rejects.
     """
     m = len(p_values)
     if method == "none" or m == 0:

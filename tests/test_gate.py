@@ -172,9 +172,14 @@ def test_multiplicity_levels_recorded(tmp_path):
             assert c["ci_level"] == pytest.approx(1 - 0.05 / m)
     run2, config2 = make_fake_run(tmp_path / "holm", variants)
     _, _, h = gate(run2, config2)
-    levels = sorted(c["ci_level"] for v in h["variants"].values() for c in v["slices"].values())
-    # Holm: every cell passes here, so the steps run from alpha/m up to alpha.
-    assert levels[0] == pytest.approx(0.95) and levels[-1] == pytest.approx(1 - 0.05 / m)
+    cells = [c for v in h["variants"].values() for c in v["slices"].values()]
+    lower = sorted(c["alpha_lower"] for c in cells)
+    # Holm, pass family: every cell passes here, so the steps run from alpha/m up to alpha.
+    assert lower[0] == pytest.approx(0.025 / m) and lower[-1] == pytest.approx(0.025)
+    assert len(set(lower)) == m or any(c["se"] == 0 for c in cells)
+    # Fail family: the first step already does not reject, so every upper bound is at alpha/m.
+    assert all(c["alpha_upper"] == pytest.approx(0.025 / m) for c in cells)
+    assert all(c["ci_level"] == pytest.approx(1 - c["alpha_lower"] - c["alpha_upper"]) for c in cells)
     width = {k: c["ci"][1] - c["ci"][0] for k, c in g["variants"]["a"]["slices"].items()}
     width_h = {k: c["ci"][1] - c["ci"][0] for k, c in h["variants"]["a"]["slices"].items()}
     assert all(width_h[k] <= width[k] + 1e-12 for k in width)

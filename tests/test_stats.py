@@ -78,13 +78,18 @@ def test_holm_levels_match_statsmodels_rejections():
     rng = np.random.default_rng(2)
     for _ in range(150):
         m = int(rng.integers(1, 12))
-        ests = [S.Estimate("s", 0, 0, float(rng.normal(0, 0.05)), float(rng.uniform(0.01, 0.05)),
+        ests = [S.Estimate("s", 0, 0, float(rng.normal(-0.05, 0.06)), float(rng.uniform(0.01, 0.05)),
                            60, 60, "paired-t", df=59) for _ in range(m)]
         p = [e.p_value(MARGIN) for e in ests]
         for method in ("holm", "bonferroni", "none"):
             levels = S.step_levels(p, lambda i, a: ests[i].ci(a)[0] > -MARGIN, ALPHA, method)
             passed = [ests[i].ci(levels[i])[0] > -MARGIN for i in range(m)]
             assert passed == S.adjusted_p_values(p, ALPHA, method)[0], (method, p, levels)
+            # The fail family: upper bounds, ordered by the p of H0: diff >= -margin.
+            q = [e.p_value_inferior(MARGIN) for e in ests]
+            levels = S.step_levels(q, lambda i, a: ests[i].ci(a)[1] < -MARGIN, ALPHA, method)
+            failed = [ests[i].ci(levels[i])[1] < -MARGIN for i in range(m)]
+            assert failed == S.adjusted_p_values(q, ALPHA, method)[0], (method, q, levels)
     gc.unfreeze()
 
 
@@ -173,25 +178,16 @@ def test_a_a_false_no_go_at_most_5_percent(rho):
     ref, var = copula_pairs(rng, SIMS, DEFAULT_N, 0.6, 0.6, rho)
     _, _, lo, hi = paired_ci(ref, var)
     assert status_counts(lo, hi)["fail"] <= 0.05
-    # Family-wise over a gate of 5 slices x 4 variants, through the gate's Holm step-down levels:
-    # the chance that any slice of any variant is called `fail`.
+    # Family-wise over a gate of 5 slices x 4 variants. The gate adjusts the `fail` tests as
+    # their own Holm family: any fail needs the most extreme cell to fail at alpha/m (Holm's first
+    # step), so the chance of any false no-go is that of any upper bound at alpha/m below -margin.
     fam, sims = 20, SIMS // 4
     ref, var = copula_pairs(rng, sims * fam, DEFAULT_N, 0.6, 0.6, rho)
-    mean, se, df = (x.reshape(sims, fam) if np.ndim(x) else x for x in S.paired_mean_se(var - ref))
-    with np.errstate(divide="ignore"):  # se = 0 when all 60 pairs agree: p = 0, a pass
-        p = sps.t.sf((mean + MARGIN) / se, df)
-    order = np.argsort(p, axis=1)
-    step_alpha = ALPHA / (fam - np.arange(fam))  # level of the r-th step
-    lo_step, _ = S.t_interval(np.take_along_axis(mean, order, 1), np.take_along_axis(se, order, 1),
-                              df, step_alpha)
-    passed = lo_step > -MARGIN
-    stop = np.where(passed.all(axis=1), fam, np.argmin(passed, axis=1))  # first non-pass step
-    level = step_alpha[np.minimum(np.arange(fam)[None, :], stop[:, None]).clip(max=fam - 1)]
-    _, hi = S.t_interval(np.take_along_axis(mean, order, 1), np.take_along_axis(se, order, 1),
-                         df, level)
-    family_no_go = np.mean((hi < -MARGIN).any(axis=1))
+    mean, se, df = S.paired_mean_se(var - ref)
+    _, hi_holm = S.t_interval(mean, se, df, ALPHA / fam)
     _, hi_raw = S.t_interval(mean, se, df, ALPHA)
-    unadjusted = np.mean((hi_raw < -MARGIN).any(axis=1))
+    family_no_go = np.mean((hi_holm < -MARGIN).reshape(sims, fam).any(axis=1))
+    unadjusted = np.mean((hi_raw < -MARGIN).reshape(sims, fam).any(axis=1))
     print(f"\nA/A rho={rho} n={DEFAULT_N}: family of {fam}, any fail: holm {family_no_go:.3f}, "
           f"unadjusted {unadjusted:.3f}")
     assert family_no_go <= 0.05, family_no_go
