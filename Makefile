@@ -71,7 +71,7 @@ evaluate: $(RUN)/report/meta.json
 	@echo "specq: results in $(RUN)/  (report: $(RUN)/report/index.html, $(RUN)/report/report.md)"
 
 # Not a test: engine vs transformers, plain and speculative, on the embedded model.
-bench: $(STAMP)
+bench: $(RUN)/model/meta.json
 	$(PY) -m pipeline.bench $(ARGS)
 
 test: $(STAMP)

@@ -1,0 +1,57 @@
+"""The real embedded model through every stage with configs/smoke.yaml (CI-sized), then a warm
+re-run that must do no work, then the gate's exit code."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline.__main__ import STAGES, main
+
+REPO = Path(__file__).resolve().parent.parent
+SMOKE = str(REPO / "configs/smoke.yaml")
+
+
+def test_evaluate_smoke_end_to_end(embedded_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    # Reuse the session's prepared model: same config and MODEL, so prepare's hash matches.
+    shutil.copytree(embedded_model_dir, run / "model")
+    argv = ["--run", str(run), "--config", SMOKE, "--model", "smollm2-135m"]
+    assert main(["evaluate", *argv]) == 0
+    err = capsys.readouterr().err
+    assert "prepare: up to date" in err
+
+    for spec in STAGES.values():
+        assert (run / spec.out / "meta.json").is_file(), spec.name
+    variants = json.loads((run / "variants" / "meta.json").read_text())["variants"]
+    assert {"bf16", "w4a16-gptq", "nf4"} <= set(variants)
+
+    for draft in ("ngram", "layerskip-4", "self-w4a16-gptq"):
+        acc = json.loads((run / "acceptance" / f"bf16__{draft}.json").read_text())
+        greedy = acc["slices"]["all"]["0.0"]
+        assert len(greedy["per_position"]) == 3
+        e = greedy["expected_tokens_per_round"]
+        assert 1.0 <= e["1"] <= e["2"] <= e["3"] <= 4.0
+        assert acc["lossless"]["greedy_identical"] is True, acc["lossless"]
+        marginal = json.loads((run / "marginal" / f"bf16__{draft}.json").read_text())
+        assert marginal["recommended_k"] in range(0, 4)
+        assert marginal["baseline_ms_per_token"] > 0
+
+    gate = json.loads((run / "gate.json").read_text())
+    assert gate["decision"] in ("go", "no-go")
+    for name in ("w4a16-gptq", "nf4"):
+        v = gate["variants"][name]
+        assert v["decision"] in ("go", "no-go", "inconclusive")
+        for s in v["slices"].values():
+            assert s["status"] in ("pass", "fail", "inconclusive") and len(s["ci"]) == 2
+    assert (run / "report" / "index.html").stat().st_size > 10_000
+    assert (run / "report" / "report.md").is_file()
+
+    # Warm: nothing runs again.
+    assert main(["evaluate", *argv]) == 0
+    err = capsys.readouterr().err
+    assert "running" not in err, err
+    assert err.count("up to date") == len(STAGES)
+
+    # The gate's exit code follows gate.json's decision.
+    assert main(["gate-check", *argv]) == (0 if gate["decision"] == "go" else 1)
