@@ -153,6 +153,9 @@ class GateConfig(Section):
     bootstrap_resamples: int = 2000
     # Calibration slices (items with option_probs/label) also gate ECE and Brier (lower = better).
     calibration_metrics: bool = True
+    # Clustered SEs need enough clusters to estimate the between-cluster spread; a slice with
+    # fewer (e.g. 4 prompt templates) treats them as strata and uses item-level paired SEs.
+    min_clusters: int = 10
 
 
 class ReportConfig(Section):

@@ -101,8 +101,9 @@ def slice_estimates(ref: dict, var: dict, ids: list[str], gcfg, seed: int) -> di
     bootstrap seed comes from the variant/slice name, so a re-run reproduces the same CI."""
     clusters = [ref[i]["cluster"] for i in ids]
     metric = ref[ids[0]]["metric"] or "score"
+    k = gcfg.min_clusters
     out = {"": stats.paired_difference([ref[i]["score"] for i in ids], [var[i]["score"] for i in ids],
-                                       clusters, metric=metric)}
+                                       clusters, metric=metric, min_clusters=k)}
     calibrated = all(m[i]["option_probs"] is not None and m[i]["label"] is not None
                      for m in (ref, var) for i in ids)
     if gcfg.calibration_metrics and calibrated and len(ids) >= 2:
@@ -114,20 +115,22 @@ def slice_estimates(ref: dict, var: dict, ids: list[str], gcfg, seed: int) -> di
         except (ValueError, IndexError) as e:
             raise StageError(f"corrupt calibration item: {e}") from None
         out["brier"] = stats.paired_difference(brier["ref"], brier["var"], clusters, metric="brier",
-                                               higher_is_better=False)
+                                               higher_is_better=False, min_clusters=k)
         out["ece"] = stats.cluster_bootstrap(
             stats.ece_statistic(*conf["ref"]), stats.ece_statistic(*conf["var"]), len(ids), clusters,
-            metric="ece", higher_is_better=False, n_resamples=gcfg.bootstrap_resamples, seed=seed)
+            metric="ece", higher_is_better=False, n_resamples=gcfg.bootstrap_resamples, seed=seed,
+            min_clusters=k)
     return out
 
 
-def group_estimates(ref: dict, var: dict, ids: list[str]) -> dict[str, stats.Estimate]:
+def group_estimates(ref: dict, var: dict, ids: list[str], gcfg) -> dict[str, stats.Estimate]:
     groups: dict[str, list[str]] = defaultdict(list)
     for i in ids:
         if ref[i]["group"] is not None:
             groups[str(ref[i]["group"])].append(i)
     return {g: stats.paired_difference([ref[i]["score"] for i in gids], [var[i]["score"] for i in gids],
-                                       [ref[i]["cluster"] for i in gids], metric=ref[gids[0]]["metric"])
+                                       [ref[i]["cluster"] for i in gids], metric=ref[gids[0]]["metric"],
+                                       min_clusters=gcfg.min_clusters)
             for g, gids in sorted(groups.items()) if len(gids) >= 2}
 
 
@@ -262,7 +265,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             for row, est in slice_estimates(ref_items[s], var, ids, gcfg, seed).items():
                 key = f"{s}:{row}" if row else s
                 tests.append((name, key, s, est, _margin(gcfg, key, s)))
-            groups[(name, s)] = group_estimates(ref_items[s], var, ids)
+            groups[(name, s)] = group_estimates(ref_items[s], var, ids, gcfg)
             if gcfg.gate_groups:
                 for g, est in groups[(name, s)].items():
                     key = f"{s}/{g}"
@@ -324,7 +327,8 @@ def _method_text(gcfg, m: int) -> str:
     return (f"paired differences variant - reference over the same items (negative = worse); "
             f"{gcfg.confidence:.0%} two-sided CIs = one-sided alpha {(1 - gcfg.confidence) / 2:g} "
             f"before adjustment; {adj}; pass if the CI's lower end > -margin, fail if its upper end "
-            f"< -margin; clustered SEs where items share a cluster; ECE by paired cluster bootstrap")
+            f"< -margin; clustered SEs where items share a cluster (with >= {gcfg.min_clusters} "
+            f"clusters; fewer are treated as strata); ECE by paired (cluster) bootstrap")
 
 
 def run(ctx) -> None:

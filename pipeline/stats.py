@@ -122,21 +122,38 @@ class Estimate:
         return float(sps.t.cdf((self.diff + margin) / self.se, self.df))
 
 
+def usable_clusters(clusters, n: int, min_clusters: int) -> tuple[np.ndarray, str]:
+    """Cluster codes to use, and the method's name.
+
+    A clustered SE estimates the between-cluster spread from the clusters themselves; with a
+    handful of clusters (4 prompt templates, say) that estimate is nearly worthless and t with
+    G - 1 df makes the CI several times wider. Below `min_clusters` the clusters are treated as
+    fixed strata instead: the pairing already cancels each template's difficulty (both models see
+    the same items), and item-level SEs are valid for the fixed mix of templates.
+    """
+    codes = cluster_codes(clusters, n)
+    g = int(codes.max()) + 1
+    if g == n:
+        return np.arange(n), "paired-t"
+    if g < min_clusters:
+        return np.arange(n), f"paired-t ({g} clusters < {min_clusters}: treated as strata)"
+    return codes, "cluster-t"
+
+
 def paired_difference(reference: Sequence[float], variant: Sequence[float], clusters=None,
-                      metric: str = "score", higher_is_better: bool = True) -> Estimate:
+                      metric: str = "score", higher_is_better: bool = True,
+                      min_clusters: int = 2) -> Estimate:
     """Paired difference of per-item scores (same items, same order) with a (clustered) t CI."""
     ref = np.asarray(reference, dtype=float)
     var = np.asarray(variant, dtype=float)
     if ref.shape != var.shape or ref.ndim != 1:
         raise ValueError(f"paired scores must be 1-D and equal length, got {ref.shape} vs {var.shape}")
-    codes = cluster_codes(clusters, ref.size)
+    codes, method = usable_clusters(clusters, ref.size, min_clusters)
     sign = 1.0 if higher_is_better else -1.0
-    mean, se, df = paired_mean_se(sign * (var - ref), codes)
-    clustered = int(codes.max()) + 1 < ref.size
+    mean, se, df = paired_mean_se(sign * (var - ref), None if method != "cluster-t" else codes)
     return Estimate(metric=metric, reference=float(ref.mean()), variant=float(var.mean()),
                     diff=float(mean), se=float(se), n=int(ref.size), n_clusters=df + 1,
-                    method="cluster-t" if clustered else "paired-t",
-                    higher_is_better=higher_is_better, df=df)
+                    method=method, higher_is_better=higher_is_better, df=df)
 
 
 # A weighted statistic maps item weights w[B, n] (a bootstrap resample expressed as how many times
@@ -146,14 +163,14 @@ WeightedStat = Callable[[np.ndarray], np.ndarray]
 
 def cluster_bootstrap(ref_stat: WeightedStat, var_stat: WeightedStat, n: int, clusters=None,
                       metric: str = "statistic", higher_is_better: bool = True,
-                      n_resamples: int = 2000, seed: int = 0) -> Estimate:
+                      n_resamples: int = 2000, seed: int = 0, min_clusters: int = 2) -> Estimate:
     """Paired cluster bootstrap (scipy.stats.bootstrap) of var_stat - ref_stat.
 
     Clusters are resampled with replacement and both models are scored on the same resample,
     which is what makes it paired. The statistics take item weights rather than index lists so
     that a whole batch of resamples is one array operation.
     """
-    codes = cluster_codes(clusters, n)
+    codes, method = usable_clusters(clusters, n, min_clusters)
     g = int(codes.max()) + 1
     sign = 1.0 if higher_is_better else -1.0
 
@@ -173,7 +190,8 @@ def cluster_bootstrap(ref_stat: WeightedStat, var_stat: WeightedStat, n: int, cl
                         method="percentile", rng=np.random.default_rng(seed), batch=500)
     boot = np.asarray(res.bootstrap_distribution, dtype=float)
     return Estimate(metric=metric, reference=ref_value, variant=var_value, diff=point,
-                    se=float(boot.std(ddof=1)), n=n, n_clusters=g, method="cluster-bootstrap",
+                    se=float(boot.std(ddof=1)), n=n, n_clusters=g,
+                    method=method.replace("paired-t", "paired bootstrap").replace("cluster-t", "cluster bootstrap"),
                     higher_is_better=higher_is_better, boot=boot)
 
 

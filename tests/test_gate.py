@@ -21,15 +21,16 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 200,
                   gate_yaml: str = "", lossless_ok: bool = True, seed: int = 0) -> tuple[Path, Path]:
-    """A run dir with quality/acceptance (and the files the report reads) for a reference `bf16`
+    """A run dir with quality and acceptance results for a reference `bf16`
     and the given variants: name -> {"release": bool, "damage": {slice: fraction of the
     reference's correct items the variant gets wrong}, "flip": fraction flipped either way}.
     Returns (run_dir, config path)."""
     variants = variants if variants is not None else {"good": {"release": True, "flip": 0.02}}
     rng = np.random.default_rng(seed)
     run = root / "run"
-    # Reference items: binary scores; long_context items come 5 to a haystack (cluster); language
-    # items carry a group; calibration items carry option probabilities.
+    # Reference items: binary scores; long_context items come 5 to a haystack (40 clusters),
+    # reasoning items from 6 templates (too few clusters: strata); language items carry a group;
+    # calibration items carry option probabilities.
     ref_rows = {}
     for s in SLICES:
         rows = []
@@ -37,7 +38,8 @@ def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 
             probs = rng.dirichlet([2, 1, 1, 1]).tolist()
             label = int(np.argmax(probs)) if rng.random() < 0.7 else int(rng.integers(4))
             score = float(label == int(np.argmax(probs))) if s == "calibration" else float(rng.random() < 0.7)
-            row = {"id": f"{s}-{i}", "cluster": f"hay-{i // 5}" if s == "long_context" else None,
+            cluster = {"long_context": f"hay-{i // 5}", "reasoning": f"template-{i % 6}"}.get(s)
+            row = {"id": f"{s}-{i}", "cluster": cluster,
                    "slice": s, "group": ["fr", "de", "es", "zh"][i % 4] if s == "language" else None,
                    "metric": "accuracy", "score": score, "scores": {"accuracy": score},
                    "prediction": "x", "target": "x"}
@@ -100,8 +102,9 @@ def test_good_variant_is_go_and_exit_code_zero(tmp_path, capsys):
         assert c["status"] == "pass", (key, c)
         assert c["ci"][0] > -c["margin"] and c["n"] == 200
     assert cells["long_context"]["method"] == "cluster-t" and cells["long_context"]["n_clusters"] == 40
-    assert cells["reasoning"]["method"] == "paired-t"
-    assert cells["calibration:ece"]["method"] == "cluster-bootstrap"
+    assert cells["reasoning"]["method"] == "paired-t (6 clusters < 10: treated as strata)"
+    assert cells["language"]["method"] == "paired-t"
+    assert cells["calibration:ece"]["method"] == "paired bootstrap"
     assert set(cells["language"]["groups"]) == {"fr", "de", "es", "zh"}
     assert not cells["language"]["groups"]["fr"]["gated"]
     out = capsys.readouterr().out
