@@ -166,18 +166,28 @@ def distribution_checks(summary: dict, gcfg) -> dict:
     out = {k: dist.get(k) for k in ("kl_mean", "kl_ci", "top1_agreement", "top1_ci", "ppl_ratio",
                                     "ppl_ratio_ci", "n_docs")}
     checks = {}
+    # A threshold with no measurement (quality wrote no distribution CI) cannot pass: inconclusive.
     if gcfg.max_kl is not None:
-        lo, hi = dist.get("kl_ci") or [math.inf, math.inf]
+        lo, hi = _bounds(dist.get("kl_ci"))
         checks["kl"] = {"threshold": gcfg.max_kl, "ci": [lo, hi],
-                        "status": "pass" if hi <= gcfg.max_kl else "fail" if lo > gcfg.max_kl
-                        else "inconclusive"}
+                        "status": "inconclusive" if lo is None else "pass" if hi <= gcfg.max_kl
+                        else "fail" if lo > gcfg.max_kl else "inconclusive"}
     if gcfg.min_top1_agreement is not None:
-        lo, hi = dist.get("top1_ci") or [-math.inf, -math.inf]
+        lo, hi = _bounds(dist.get("top1_ci"))
         t = gcfg.min_top1_agreement
         checks["top1_agreement"] = {"threshold": t, "ci": [lo, hi],
-                                    "status": "pass" if lo >= t else "fail" if hi < t else "inconclusive"}
+                                    "status": "inconclusive" if lo is None else "pass" if lo >= t
+                                    else "fail" if hi < t else "inconclusive"}
     out["checks"] = checks
     return out
+
+
+def _bounds(ci) -> tuple[float | None, float | None]:
+    try:
+        lo, hi = (float(x) for x in ci)
+    except (TypeError, ValueError):
+        return None, None
+    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (None, None)
 
 
 def speculation(run_dir: Path, method: str) -> dict:

@@ -204,6 +204,18 @@ def test_distribution_threshold_is_gated(tmp_path):
     assert g["variants"]["good"]["decision"] == "no-go"
 
 
+def test_distribution_threshold_without_a_measurement_is_inconclusive(tmp_path):
+    run, config = make_fake_run(tmp_path, gate_yaml="gate: {min_top1_agreement: 0.9}\n")
+    summary = run / "quality" / "good.json"
+    doc = json.loads(summary.read_text())
+    doc["distribution"]["top1_ci"] = None
+    summary.write_text(json.dumps(doc))
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 1)
+    assert g["variants"]["good"]["distribution"]["checks"]["top1_agreement"]["status"] == "inconclusive"
+    assert g["variants"]["good"]["decision"] == "inconclusive"
+
+
 def test_lossless_failure_is_a_speculation_no_go(tmp_path, capsys):
     run, config = make_fake_run(tmp_path, lossless_ok=False)
     rc, check, g = gate(run, config)
