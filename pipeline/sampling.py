@@ -1,0 +1,149 @@
+"""Logits -> probabilities (temperature, top-k, top-p), sampling, and the speculative verify rule.
+
+Everything here is pure tensor math on one sequence's rows, so it can be checked exactly against
+enumeration on a small vocabulary (tests/test_verify.py) independently of any model.
+
+The verify rule (Leviathan et al. 2023; Chen et al. 2023). The draft proposed tokens d_1..d_k,
+sampling d_i from q_i; the target scored the same positions, giving p_1..p_{k+1}:
+
+    accept d_i with probability  a_i = min(1, p_i(d_i) / q_i(d_i))      (in order, stop at the
+                                                                         first rejection)
+    first rejection at i      -> emit a token from  r_i = normalize(max(p_i - q_i, 0))
+    all k accepted            -> emit a bonus token from p_{k+1}
+
+Why the emitted token is distributed as p_i: P(emit x) = q(x) min(1, p(x)/q(x)) + P(reject) r(x)
+= min(p(x), q(x)) + (1 - sum_y min(p(y), q(y))) * max(p(x) - q(x), 0) / sum_y max(p(y) - q(y), 0)
+= min(p(x), q(x)) + max(p(x) - q(x), 0) = p(x), because sum_y max(p - q, 0) = 1 - sum_y min(p, q).
+The same temperature / top-k / top-p must shape p and q, or the identity holds for the wrong p.
+
+beta_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i) is the probability that position i is
+accepted given its prefix was; its mean estimates the acceptance rate with far less variance
+than the 0/1 outcomes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (the argmax limit of the rule)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., V] -> probabilities [..., V] in float32, shaped by `params`.
+
+    Greedy gives the one-hot of torch.argmax (ties -> the lowest id, as transformers' greedy
+    search), so the verify rule with one-hot p and q accepts exactly when the argmaxes agree.
+    """
+    x = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(torch.float32)
+    x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        # Keep the k largest logits (ties at the k-th value are all kept).
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p: a token is
+        # dropped when the mass strictly before it (in descending order) already reaches top_p.
+        # The most likely token always survives.
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs: [..., V] -> token ids [...] (long).
+
+    Exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. picks x with probability
+    p(x) exactly (E_x / p(x) ~ Exp(p(x)), and the minimum of independent exponentials is x with
+    probability p(x) / sum p). Unlike torch.multinomial it needs no CPU-GPU sync. Zero-probability
+    tokens score 0 and are never picked while any token has mass.
+    """
+    e = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
+    return torch.argmax(probs / e, dim=-1)
+
+
+def pick(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample from probs, or take the argmax when greedy (consumes no random numbers)."""
+    if params.greedy:
+        return probs.argmax(-1)
+    return sample(probs, generator)
+
+
+def betas(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p, q: [k, V] -> beta: [k], beta_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i)."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def verify_probs(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two ingredients of the rule, for each drafted position i = 1..k.
+
+    p: [k(+1), V] target probabilities, q: [k, V] draft probabilities, draft: [k] token ids.
+    Returns accept_prob [k] = min(1, p_i(d_i) / q_i(d_i)) (1 where q_i(d_i) = 0 < p_i(d_i): the
+    draft could not have proposed it, but the limit is 1; 0 where both are 0) and
+    residual [k, V] = normalize(max(p_i - q_i, 0)) (p_i itself where p_i == q_i, whose residual is
+    empty and is never sampled because then accept_prob = 1).
+    """
+    k = draft.shape[0]
+    rows = torch.arange(k, device=p.device)
+    px = p[rows, draft]  # [k]
+    qx = q[rows, draft]  # [k]
+    ratio = torch.where(qx > 0, px / qx.clamp_min(1e-30), (px > 0).to(px.dtype))
+    accept_prob = ratio.clamp(max=1.0)
+    residual = (p[:k] - q).clamp_min(0.0)  # [k, V]
+    mass = residual.sum(-1, keepdim=True)  # [k, 1]
+    # Rounding can leave a residual of ~1e-9 mass when p == q in exact arithmetic: fall back to p.
+    empty = mass <= 1e-12
+    residual = torch.where(empty, p[:k], residual / mass.clamp_min(1e-30))
+    return accept_prob, residual
+
+
+@dataclass
+class Verdict:
+    accepted: int  # n: the draft tokens d_1..d_n are kept
+    next_token: int  # from the residual at n+1 (n < k) or the bonus from p_{k+1} (n = k)
+    betas: list[float]  # beta_i for every drafted position i = 1..k
+
+
+def verify_draft(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Verdict:
+    """Apply the rule to one round. p: [k+1, V], q: [k, V], draft: [k] (k may be 0).
+
+    Greedy (one-hot p and q): accept_prob is 1 when the argmaxes agree and 0 otherwise, the
+    residual of a disagreement is the target's one-hot, so the round emits exactly the target's
+    greedy tokens.
+    """
+    k = draft.shape[0]
+    if k == 0:
+        return Verdict(0, int(pick(p[0], params, generator)), [])
+    accept_prob, residual = verify_probs(p, q, draft)
+    if params.greedy:
+        accepted = accept_prob >= 1.0
+    else:
+        u = torch.rand(k, device=p.device, generator=generator)
+        accepted = u < accept_prob  # u in [0, 1): accept_prob = 1 always accepts, 0 never
+    # n = number of leading accepts. `.item()` is a CPU-GPU sync point, once per round: the host
+    # must know n to move the cache position.
+    n = int(accepted.to(torch.int64).cumprod(0).sum().item())
+    if n < k:
+        nxt = pick(residual[n], params, generator)
+    else:
+        nxt = pick(p[k], params, generator)
+    beta = betas(p[:k], q).tolist()
+    return Verdict(n, int(nxt), beta)
