@@ -19,7 +19,8 @@ from pathlib import Path
 from pipeline.gate import cell_text
 from pipeline.stage import StageError, atomic_write_bytes, atomic_write_text, library_versions, read_json
 
-# A block is ("h2"|"h3"|"p"|"pre", text) | ("table", headers, rows, classes) | ("img", name, caption)
+# A block is ("h2"|"h3"|"p"|"pre", text) | ("table", headers, rows, classes) |
+# ("img", name, caption[, "wide"])
 Block = tuple
 
 
@@ -343,7 +344,8 @@ table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:13px}td,th{border:1
 text-align:left;vertical-align:top}th{background:#f3f3f3}.pass,.go{background:#c8e6c9}.fail,.no-go{background:#ffcdd2}
 .inconclusive{background:#ffe0b2}img{max-width:100%;border:1px solid #eee;margin:.3em 0}pre{background:#f7f7f7;
 padding:.6em;font-size:12px;max-height:30em;overflow:auto}.banner{font-size:1.6em;padding:.3em .6em;display:inline-block}
-figure{margin:0 1em 1em 0;display:inline-block;vertical-align:top;max-width:48%}figcaption{font-size:12px;color:#555}"""
+figure{margin:0 1em 1em 0;display:inline-block;vertical-align:top;max-width:48%}
+figure.wide{display:block;max-width:900px}figcaption{font-size:12px;color:#555}"""
 
 
 def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision: str) -> str:
@@ -358,7 +360,8 @@ def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision
             out.append(f"<details><summary>show</summary><pre>{e(b[1])}</pre></details>")
         elif b[0] == "img":
             data = base64.b64encode(figures[b[1]]).decode()
-            out.append(f"<figure><img alt='{e(b[2])}' src='data:image/png;base64,{data}'>"
+            wide = " class='wide'" if len(b) > 3 and b[3] == "wide" else ""
+            out.append(f"<figure{wide}><img alt='{e(b[2])}' src='data:image/png;base64,{data}'>"
                        f"<figcaption>{e(b[2])}</figcaption></figure>")
         elif b[0] == "table":
             _, headers, rows, classes = b
@@ -384,7 +387,8 @@ def run(ctx) -> None:
     forest = forest_plot(gate, dpi)
     if forest:
         figures["forest.png"] = forest
-        blocks.insert(3, ("img", "forest.png", "paired differences (dots) with their CIs; red tick = -margin"))
+        blocks.insert(3, ("img", "forest.png", "paired differences (dots) with their CIs; red tick = -margin",
+                          "wide"))
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
     blocks += variant_blocks(run_dir)
     blocks += provenance_blocks(run_dir, cfg, gate_meta)
