@@ -1,0 +1,67 @@
+"""Draft models for speculative decoding: one module per kind, a plain dict kind -> builder.
+
+    from draft_models import build_draft, draft_slug
+    draft = build_draft("layerskip:8", target, tokenizer, run_dir, device)   # -> engine Draft
+    draft_slug("self:w4a16-gptq")                                             # "self-w4a16-gptq"
+
+Spec strings: `ngram` (or `ngram:<max_n>`), `layerskip:<n>`, `self:<variant>`, `hf:<id or path>`.
+Every builder returns an object with the engine's Draft interface (pipeline/engine.py): prefill,
+propose (tokens + q), accept (roll back to the kept prefix).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+from pipeline.stage import StageError
+
+PROBE_TEXT = "Hello, world! def f(x): return {\"a\": [1, 2.5]}  Le café coûte 3€.\n\tÜber 東京"
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    kind, _, arg = spec.partition(":")
+    if kind not in BUILDERS:
+        raise StageError(f"unknown draft '{spec}' (kinds: {', '.join(BUILDERS)}; e.g. ngram, layerskip:8, "
+                         "self:w4a16-gptq, hf:<id or path>)")
+    return kind, arg
+
+
+def draft_slug(spec: str) -> str:
+    """File-safe name for a draft spec: 'layerskip:8' -> 'layerskip-8', 'hf:org/m' -> 'hf-org-m'."""
+    parse_spec(spec)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", spec.replace(":", "-")).strip("-.")
+
+
+def build_draft(spec: str, target, tokenizer, run_dir: str | Path | None, device):
+    """Build the draft for `spec` against `target` (the model it will draft for)."""
+    kind, _ = parse_spec(spec)
+    return BUILDERS[kind](spec, target, tokenizer, Path(run_dir) if run_dir is not None else None, device)
+
+
+def check_tokenizers(spec: str, target_tok, draft_tok) -> None:
+    """Refuse (one line naming the difference) unless the draft tokenizer has the target's vocab
+    and gives the same ids for a probe text."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(tv) != len(dv):
+        raise StageError(f"draft {spec}: tokenizer vocab has {len(dv)} entries, the target's has {len(tv)}")
+    for token, idx in sorted(tv.items(), key=lambda kv: kv[1]):
+        if dv.get(token) != idx:
+            raise StageError(f"draft {spec}: token {token!r} has id {dv.get(token)} in the draft's tokenizer, "
+                             f"{idx} in the target's")
+    t_ids, d_ids = target_tok.encode(PROBE_TEXT), draft_tok.encode(PROBE_TEXT)
+    if t_ids != d_ids:
+        i = next((i for i, (a, b) in enumerate(zip(t_ids, d_ids)) if a != b), min(len(t_ids), len(d_ids)))
+        raise StageError(f"draft {spec}: probe text tokenizes differently at token {i} "
+                         f"(draft {d_ids[i:i + 3]}, target {t_ids[i:i + 3]})")
+    for name in ("eos_token_id", "bos_token_id"):
+        if getattr(target_tok, name, None) != getattr(draft_tok, name, None):
+            raise StageError(f"draft {spec}: {name} is {getattr(draft_tok, name, None)} in the draft's "
+                             f"tokenizer, {getattr(target_tok, name, None)} in the target's")
+
+
+# Imported last: the builder modules use check_tokenizers above.
+from draft_models import hf, layerskip, ngram, selfdraft  # noqa: E402
+
+BUILDERS: dict[str, Callable] = {"ngram": ngram.build, "layerskip": layerskip.build, "self": selfdraft.build,
+                                 "hf": hf.build}

@@ -1,0 +1,31 @@
+"""`hf:<id or path>`: an external (smaller) causal LM as the draft.
+
+Its tokenizer must be the target's: the same vocabulary (token -> id for every entry), the same
+ids for a probe text, the same EOS/BOS; otherwise the build stops with one line naming the first
+difference. Logit widths may still differ (padded embedding rows): q is cut or padded to the
+target's width, padded entries getting probability 0.
+"""
+from __future__ import annotations
+
+from pipeline.engine import ModelDraft, _hf_model
+from pipeline.stage import StageError
+
+
+def build(spec, target, tokenizer, run_dir, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draft_models import check_tokenizers
+
+    _, _, source = spec.partition(":")
+    if not source:
+        raise StageError(f"draft {spec}: expected hf:<hub id or local path>")
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=next(_hf_model(target).parameters()).dtype)
+    except OSError as e:
+        raise StageError(f"draft {spec}: cannot load '{source}' ({str(e).splitlines()[0][:160]})") from None
+    if tokenizer is not None:
+        check_tokenizers(spec, tokenizer, tok)
+    model = model.to(device).eval()
+    vocab = _hf_model(target).get_output_embeddings().weight.shape[0]
+    return ModelDraft(spec, model, vocab_size=vocab)

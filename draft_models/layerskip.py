@@ -1,0 +1,70 @@
+"""`layerskip:<n>`: the target's first n decoder layers + its final norm + its LM head.
+
+The draft shares the target's weight tensors (no copy): it is a shallow copy of the model object
+whose layer list holds the first n layers and whose config says n layers, so transformers builds
+a static cache of n layers for it (its own cache, rolled back like any draft's). The layers keep
+their layer_idx 0..n-1, which index that cache.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from pipeline.engine import ModelDraft, _hf_model
+from pipeline.stage import StageError
+
+# Where decoder layers live, by model family: Llama/Qwen/Mistral/Gemma, GPT-2, GPT-NeoX, OPT.
+LAYER_PATHS = [("model", "layers"), ("transformer", "h"), ("gpt_neox", "layers"), ("model", "decoder", "layers")]
+
+
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object with its own child table; parameters and children stay shared."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+def truncate(model: torch.nn.Module, n: int) -> torch.nn.Module:
+    model = _hf_model(model)
+    path = next((p for p in LAYER_PATHS if _get(model, p) is not None), None)
+    if path is None:
+        raise StageError(f"layerskip: cannot find the decoder layers of {type(model).__name__} "
+                         f"(looked for {', '.join('.'.join(p) for p in LAYER_PATHS)})")
+    layers = _get(model, path)
+    total = len(layers)
+    if not 1 <= n < total:
+        raise StageError(f"layerskip:{n}: n must be between 1 and {total - 1} (the target has {total} layers)")
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = n
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:n]
+    root = _shallow(model)
+    parent = root
+    for attr in path[:-1]:
+        child = _shallow(getattr(parent, attr))
+        setattr(parent, attr, child)
+        parent = child
+    setattr(parent, path[-1], torch.nn.ModuleList(list(layers)[:n]))
+    for m in (root, *(_get(root, path[: i + 1]) for i in range(len(path) - 1))):
+        if hasattr(m, "config"):
+            m.config = cfg
+    return root
+
+
+def _get(obj, path):
+    for attr in path:
+        obj = getattr(obj, attr, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def build(spec, target, tokenizer, run_dir, device):
+    _, _, arg = spec.partition(":")
+    try:
+        n = int(arg)
+    except ValueError:
+        raise StageError(f"draft {spec}: expected layerskip:<n> with an integer n") from None
+    model = truncate(target, n)
+    return ModelDraft(spec, model, vocab_size=model.get_output_embeddings().weight.shape[0])
