@@ -221,6 +221,8 @@ def run(ctx: StageContext) -> None:
                 meta["perplexity"] = round(perplexity(model, ids), 4)
                 meta["sample"] = _sample_text(model, tok)
                 del model
+                if spec.scheme == "none" and spec.weight_noise == 0:  # the same weights: no second pass
+                    reference_ppl.setdefault(str(compute_dtype), meta["perplexity"])
                 meta["reference_perplexity"] = round(ref_perplexity(compute_dtype), 4)
                 meta["reference_bytes_on_disk"] = weight_bytes(src)
                 meta["sanity"] = {"source": f"docstrings of Python {'.'.join(map(str, sys.version_info[:3]))} "

@@ -168,14 +168,15 @@ def noise_seed(seed: int, variant: str) -> int:
 
 @contextlib.contextmanager
 def library_output_to(log_file: Path):
-    """Send a library's stdout chatter to a log file (stdout stays clean for tables), and run in
-    the log directory: GPTQModel writes `logs/` into its working directory."""
+    """Send a library's chatter (progress bars, tables) to a log file, and run in the log
+    directory: GPTQModel writes `logs/` into its working directory. Paths given to the library
+    must be absolute. Yields the real stderr, for the caller's own progress lines."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    cwd = os.getcwd()
-    with open(log_file, "a") as f, contextlib.redirect_stdout(f):
+    cwd, stderr = os.getcwd(), sys.stderr
+    with open(log_file, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         os.chdir(log_file.parent)
         try:
-            yield f
+            yield stderr  # where the caller's own progress lines still go
         finally:
             os.chdir(cwd)
 
@@ -207,23 +208,25 @@ def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
 def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    src, out = Path(src).resolve(), Path(out).resolve()  # the library runs in the log directory
     bits, group_size = spec.bits or 4, spec.group_size or 128
     check_group_size(src, group_size, job.name)
     windows = job.calibration()
     calibration = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in windows]
     n_layers = len({n.split(".layers.")[1].split(".")[0] for n in linear_input_widths(src)})
     start = time.perf_counter()
+    err = sys.stderr
 
     def layer_done(layer_idx: int, submodule_finalized: bool) -> None:
         if submodule_finalized:
-            progress(f"quantize {job.name}: GPTQ layer {layer_idx + 1}/{n_layers} done "
-                     f"({time.perf_counter() - start:.0f} s)")
+            print(f"[{time.strftime('%H:%M:%S')}] quantize {job.name}: GPTQ layer {layer_idx + 1}/{n_layers} "
+                  f"done ({time.perf_counter() - start:.0f} s)", file=err, flush=True)
 
-    log = job.log_dir / f"quantize-{job.name}.log"
+    log = job.log_dir.resolve() / f"quantize-{job.name}.log"
     progress(f"quantize {job.name}: GPTQ {bits}-bit g{group_size} on {job.device.type}, "
              f"{len(windows)} calibration windows; GPTQModel's log -> {log}")
     qdevice = "cuda:0" if job.device.type == "cuda" else "cpu"
-    with library_output_to(log):
+    with library_output_to(log) as err:
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=False, sym=True,
                             device=qdevice, offload_to_disk=False)
         gm = GPTQModel.load(str(src), qc)
