@@ -211,7 +211,7 @@ def speculation(run_dir: Path, method: str) -> dict:
         loss = pair.pop("lossless") or {}
         sampling = loss.get("sampling") or {}
         greedy = loss.get("greedy_identical")
-        pair.update({"greedy_identical": greedy, "prompts": loss.get("prompts"),
+        pair.update({"greedy_identical": greedy, "prompts": loss.get("prompts"), "dtype": loss.get("dtype"),
                      "mismatches": len(loss.get("mismatches") or []),
                      "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
                      "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})
@@ -397,9 +397,9 @@ def render_table(gate: dict) -> str:
     if spec["pairs"]:
         lines += ["", f"Speculation (lossless check, judged apart from quality): "
                       f"**{spec['decision']}**", "",
-                  "| pair | greedy identical | sampling p (adjusted) | decision |", "|---|---|---|---|"]
+                  "| pair | greedy identical (dtype) | sampling p (adjusted) | decision |", "|---|---|---|---|"]
         for key, p in spec["pairs"].items():
-            lines.append(f"| {key} | {p['greedy_identical']} | {_fmt(p['sampling_p'])} "
+            lines.append(f"| {key} | {p['greedy_identical']} ({p.get('dtype') or '-'}) | {_fmt(p['sampling_p'])} "
                          f"({_fmt(p['sampling_p_adjusted'])}) | **{p['decision']}** |")
     if not gate["release_variants"]:
         lines += ["", "No variant is marked release: true; the decision is go by default."]

@@ -261,9 +261,11 @@ def variant_blocks(run_dir: Path) -> list[Block]:
         rows.append([vdir.name, str(m.get("scheme")), str(m.get("bits") or "-"), str(m.get("group_size") or "-"),
                      str(m.get("library") or "-"), _bytes(m.get("bytes_on_disk")), _bytes(m.get("bytes_in_memory")),
                      f"{_f(m.get('perplexity'), 2)} / {_f(m.get('reference_perplexity'), 2)}",
-                     _f(m.get("quantize_seconds"), 1), str(m.get("device_fallback") or "-")])
+                     _f(m.get("quantize_seconds"), 1),
+                     f"{str(m.get('calibration_sha256') or '-')[:12]} ({m.get('calibration_tokens') or '-'} tokens)",
+                     str(m.get("device_fallback") or "-")])
     out += [("table", ["variant", "scheme", "bits", "group", "library", "on disk", "in memory",
-                       "ppl / ref ppl", "quantize s", "fallback"], rows, None)] if rows else \
+                       "ppl / ref ppl", "quantize s", "calibration sha256 (tokens)", "fallback"], rows, None)] if rows else \
            [("p", "No variants/<variant>/meta.json in this run.")]
     lat = _json_files(run_dir / "latency", "*.json", "latency result")
     grid_rows = []

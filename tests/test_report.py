@@ -71,7 +71,7 @@ def add_speed_artifacts(run: Path, variants=("bf16", "good"), latency: bool = Tr
 
 
 def report(tmp_path, latency=True, **kw):
-    run, config = make_fake_run(tmp_path, **kw)
+    run, config = make_fake_run(tmp_path, gate_yaml="report: {dpi: 60}\n", **kw)
     add_speed_artifacts(run, ("bf16", *(kw.get("variants") or {"good": {}})), latency=latency)
     assert main(["gate", "--run", str(run), "--config", str(config)]) == 0
     rc = main(["report", "--run", str(run), "--config", str(config)])
