@@ -91,6 +91,11 @@ class AcceptanceConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_new_tokens: int = 48
     prompts_per_kind: int = 4
+    # Lossless check (issue 4): samples per mode of the first verify-emitted token (speculative vs
+    # plain), compared by a two-sample chi-square at lossless_alpha, at lossless_temperature.
+    lossless_samples: int = 120
+    lossless_alpha: float = 0.001
+    lossless_temperature: float = 1.0
 
     @field_validator("k_max")
     @classmethod
