@@ -120,34 +120,33 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
             "peak_memory_kind": mem.kind, "memory_before_bytes": mem.before}
 
 
-def speculative_repeat(model, draft, prompts: list[torch.Tensor], ks: list[int], new_tokens: int,
-                       ) -> dict:
+def speculative_repeat(model, draft, prompts: list[torch.Tensor], ks: list[int], new_tokens: int) -> dict:
     """One repeat: plain decode and speculative decode at every k on the same prompts, so each
-    repeat yields one paired sample of every figure. Returns k -> figures (k = 0 is plain)."""
+    repeat yields one paired sample of every figure. Returns k -> figures (k = 0 is plain).
+
+    ms/token is end to end over the decode (every token after the first, which prefill made).
+    The per-round figures use the rounds that really drafted k tokens: near max_new_tokens the
+    engine shortens the last round, and averaging it in would make T_round(k) look cheaper."""
     from pipeline.engine import generate
 
     out = {}
     for k in [0, *ks]:
-        tokens = decode_s = 0.0
-        draft_s = verify_s = round_s = 0.0
-        rounds = emitted = 0
+        tokens, decode_s, rounds = 0, 0.0, []
         for ids in prompts:
             res = generate(model, ids, new_tokens, draft=draft if k else None, k=k)
-            # Tokens after the first (which prefill produced) over the time that made them.
             tokens += len(res.tokens) - 1
             decode_s += res.decode_s
-            for r in res.rounds:
-                draft_s += r.draft_s
-                verify_s += r.verify_s
-                round_s += r.round_s
-                emitted += r.emitted
-            rounds += len(res.rounds)
+            rounds += res.rounds
         fig = {"ms_per_token": decode_s / max(tokens, 1) * 1e3}
         if k:
-            fig.update(draft_ms=draft_s / rounds * 1e3, verify_ms=verify_s / rounds * 1e3,
-                       round_ms=round_s / rounds * 1e3,
-                       overhead_ms=(round_s - draft_s - verify_s) / rounds * 1e3,
-                       tokens_per_round=emitted / rounds)
+            full = [r for r in rounds if r.k == k] or rounds  # all shortened: new_tokens <= k + 1
+            n = len(full)
+            draft_s, verify_s = sum(r.draft_s for r in full), sum(r.verify_s for r in full)
+            round_s = sum(r.round_s for r in full)
+            fig.update(draft_ms=draft_s / n * 1e3, verify_ms=verify_s / n * 1e3, round_ms=round_s / n * 1e3,
+                       overhead_ms=(round_s - draft_s - verify_s) / n * 1e3,
+                       tokens_per_round=sum(r.emitted for r in full) / n, rounds_at_k=n,
+                       rounds=len(rounds))
         out[k] = fig
     return out
 
@@ -213,6 +212,7 @@ def speculative_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: 
             **{key: median_ci(col[key], confidence, seed)
                for key in ("draft_ms", "verify_ms", "overhead_ms", "round_ms")},
             "tokens_per_round": float(sum(col["tokens_per_round"]) / len(col["tokens_per_round"])),
+            "rounds_at_k": int(sum(col["rounds_at_k"])), "rounds": int(sum(col["rounds"])),
             "ms_per_token": ms,
             "tokens_per_s": 1e3 / ms["median"],
             # Paired: plain and speculative of the same repeat, so drift between repeats cancels.
