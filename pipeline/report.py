@@ -203,10 +203,12 @@ def gate_blocks(gate: dict) -> list[Block]:
             checks = "; ".join(f"{k}: {c['status']}" for k, c in d.get("checks", {}).items()) or "not gated"
             drows.append([name, f"{_f(d['kl_mean'], 4)} {_ci(d.get('kl_ci'), 4)}",
                           f"{_f(d.get('top1_agreement'))} {_ci(d.get('top1_ci'))}",
-                          f"{_f(d.get('ppl_ratio'))} {_ci(d.get('ppl_ratio_ci'))}", str(d.get("n_docs")), checks])
+                          f"{_f(d.get('ppl_ratio'))} {_ci(d.get('ppl_ratio_ci'))}", str(d.get("n_docs")),
+                          checks])
     if drows:
         out += [("h3", "Distribution vs the reference"),
-                ("table", ["variant", "KL", "top-1 agreement", "perplexity ratio", "docs", "gated"], drows, None)]
+                ("table", ["variant", "KL", "top-1 agreement", "perplexity ratio", "docs", "gated"],
+                 drows, None)]
     return out
 
 
@@ -253,39 +255,45 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
     return out
 
 
+def _optional_json(path: Path, what: str) -> dict:
+    """{} when the file is absent (a stage that wrote nothing); StageError when it is corrupt."""
+    return read_json(path, what) if path.is_file() else {}
+
+
 def variant_blocks(run_dir: Path) -> list[Block]:
     out: list[Block] = [("h2", "Variants: size, memory, decode latency")]
     rows = []
     for vdir in sorted(p for p in (run_dir / "variants").glob("*") if (p / "meta.json").is_file()):
         m = read_json(vdir / "meta.json", "variant meta.json")
-        rows.append([vdir.name, str(m.get("scheme")), str(m.get("bits") or "-"), str(m.get("group_size") or "-"),
-                     str(m.get("library") or "-"), _bytes(m.get("bytes_on_disk")), _bytes(m.get("bytes_in_memory")),
+        calib = f"{str(m.get('calibration_sha256') or '-')[:12]} ({m.get('calibration_tokens') or '-'} tokens)"
+        rows.append([vdir.name, str(m.get("scheme")), str(m.get("bits") or "-"),
+                     str(m.get("group_size") or "-"), str(m.get("library") or "-"),
+                     _bytes(m.get("bytes_on_disk")), _bytes(m.get("bytes_in_memory")),
                      f"{_f(m.get('perplexity'), 2)} / {_f(m.get('reference_perplexity'), 2)}",
-                     _f(m.get("quantize_seconds"), 1),
-                     f"{str(m.get('calibration_sha256') or '-')[:12]} ({m.get('calibration_tokens') or '-'} tokens)",
-                     str(m.get("device_fallback") or "-")])
-    out += [("table", ["variant", "scheme", "bits", "group", "library", "on disk", "in memory",
-                       "ppl / ref ppl", "quantize s", "calibration sha256 (tokens)", "fallback"], rows, None)] if rows else \
-           [("p", "No variants/<variant>/meta.json in this run.")]
-    lat = _json_files(run_dir / "latency", "*.json", "latency result")
+                     _f(m.get("quantize_seconds"), 1), calib, str(m.get("device_fallback") or "-")])
+    if rows:
+        out.append(("table", ["variant", "scheme", "bits", "group", "library", "on disk", "in memory",
+                              "ppl / ref ppl", "quantize s", "calibration sha256 (tokens)", "fallback"],
+                    rows, None))
+    else:
+        out.append(("p", "No variants/<variant>/meta.json in this run."))
+    lat = {n: d for n, d in _json_files(run_dir / "latency", "*.json", "latency result").items()
+           if "__" not in n}
     grid_rows = []
     for name, doc in lat.items():
-        if "__" in name:
-            continue
         for cell in doc.get("grid", []):
+            head = [name, str(cell.get("batch")), str(cell.get("context"))]
             if cell.get("skipped"):
-                grid_rows.append([name, str(cell.get("batch")), str(cell.get("context")), f"skipped: {cell['skipped']}",
-                                  "", "", "", ""])
+                grid_rows.append([*head, f"skipped: {cell['skipped']}", "", "", "", ""])
                 continue
-            grid_rows.append([name, str(cell.get("batch")), str(cell.get("context")), _median(cell.get("tpot_ms")),
-                              _median(cell.get("ttft_ms")), _bytes(cell.get("peak_memory_bytes")),
-                              _f(cell.get("achieved_gbps"), 1), _f(cell.get("roofline_fraction"), 2)])
+            grid_rows.append([*head, _median(cell.get("tpot_ms")), _median(cell.get("ttft_ms")),
+                              _bytes(cell.get("peak_memory_bytes")), _f(cell.get("achieved_gbps"), 1),
+                              _f(cell.get("roofline_fraction"), 2)])
     if grid_rows:
-        bw = {f"{n}: {_f(d.get('bandwidth_gbps'), 1)} GB/s on {d.get('device')}" for n, d in lat.items()
-              if "__" not in n}
+        bw = sorted(f"{n}: {_f(d.get('bandwidth_gbps'), 1)} GB/s on {d.get('device')}" for n, d in lat.items())
         out += [("h3", "Plain decode latency grid (median [CI] over repeats)"),
-                ("p", "Measured bandwidth: " + "; ".join(sorted(bw)) + ". Roofline fraction = "
-                      "achieved bytes/s over measured bandwidth for the bytes a decode step must read."),
+                ("p", "Measured bandwidth: " + "; ".join(bw) + ". Roofline fraction = achieved bytes/s "
+                      "over measured bandwidth for the bytes a decode step must read."),
                 ("table", ["variant", "batch", "context", "TPOT ms", "TTFT ms", "peak memory",
                            "achieved GB/s", "roofline fraction"], grid_rows, None)]
     else:
@@ -293,26 +301,28 @@ def variant_blocks(run_dir: Path) -> list[Block]:
     return out
 
 
-def provenance_blocks(run_dir: Path, cfg, gate_meta: dict | None) -> list[Block]:
-    model = read_json(run_dir / "model" / "meta.json", "model meta.json") if (run_dir / "model" / "meta.json").is_file() else {}
-    libs = (gate_meta or {}).get("libraries") or library_versions()
-    host = (gate_meta or {}).get("host") or {}
-    stages = {}
+def provenance_blocks(run_dir: Path, cfg, gate_meta: dict) -> list[Block]:
+    model = _optional_json(run_dir / "model" / "meta.json", "model meta.json")
+    libs = gate_meta.get("libraries") or library_versions()
+    host = gate_meta.get("host") or {}
+    arch = {k: model[k] for k in ("architecture", "layers", "hidden_size", "vocab_size", "parameters")
+            if k in model}
+    stages = []
     for stage in ("model", "variants", "drafts", "acceptance", "latency", "marginal", "quality", "gate"):
-        meta = run_dir / stage / "meta.json"
-        if meta.is_file():
-            m = read_json(meta, f"{stage} meta.json")
-            stages[stage] = [m.get("started", "-"), _f(m.get("wall_s"), 1), str(m.get("input_hash", ""))[:12]]
+        m = _optional_json(run_dir / stage / "meta.json", f"{stage} meta.json")
+        if m:
+            stages.append([stage, m.get("started", "-"), _f(m.get("wall_s"), 1),
+                           str(m.get("input_hash", ""))[:12]])
+    facts = [["model", str(model.get("source") or model.get("model") or "-")],
+             ["architecture", str(arch or "-")], ["run", str(run_dir)],
+             ["report date", time.strftime("%Y-%m-%d %H:%M:%S %Z")], ["seed", str(cfg.seed)],
+             ["device (config)", cfg.device],
+             ["host", f"{host.get('platform', '-')}, {host.get('cpus', '-')} CPUs"]]
     return [
         ("h2", "Provenance"),
-        ("table", ["", ""], [["model", str(model.get("source") or model.get("model") or "-")],
-                             ["architecture", str({k: model[k] for k in ("architecture", "layers", "hidden_size",
-                                                                         "vocab_size", "parameters") if k in model} or "-")],
-                             ["run", str(run_dir)], ["report date", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
-                             ["seed", str(cfg.seed)], ["device (config)", cfg.device],
-                             ["host", f"{host.get('platform', '-')}, {host.get('cpus', '-')} CPUs"]], None),
+        ("table", ["", ""], facts, None),
         ("h3", "Stages"),
-        ("table", ["stage", "started", "wall s", "input hash"], [[k, *v] for k, v in stages.items()], None),
+        ("table", ["stage", "started", "wall s", "input hash"], stages, None),
         ("h3", "Library versions"),
         ("table", ["library", "version"], [[k, str(v)] for k, v in libs.items()], None),
         ("h3", "Resolved config"),
@@ -342,10 +352,12 @@ def to_markdown(title: str, blocks: list[Block]) -> str:
 
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;
-text-align:left;vertical-align:top}th{background:#f3f3f3}.pass,.go{background:#c8e6c9}.fail,.no-go{background:#ffcdd2}
-.inconclusive{background:#ffe0b2}img{max-width:100%;border:1px solid #eee;margin:.3em 0}pre{background:#f7f7f7;
-padding:.6em;font-size:12px;max-height:30em;overflow:auto}.banner{font-size:1.6em;padding:.3em .6em;display:inline-block}
+table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}th{background:#f3f3f3}
+.pass,.go{background:#c8e6c9}.fail,.no-go{background:#ffcdd2}.inconclusive{background:#ffe0b2}
+img{max-width:100%;border:1px solid #eee;margin:.3em 0}
+pre{background:#f7f7f7;padding:.6em;font-size:12px;max-height:30em;overflow:auto}
+.banner{font-size:1.6em;padding:.3em .6em;display:inline-block}
 figure{margin:0 1em 1em 0;display:inline-block;vertical-align:top;max-width:48%}
 figure.wide{display:block;max-width:900px}figcaption{font-size:12px;color:#555}"""
 
@@ -382,7 +394,7 @@ def run(ctx) -> None:
     gate = read_json(run_dir / "gate.json", "gate result")
     if not isinstance(gate, dict) or "variants" not in gate:
         raise StageError(f"corrupt gate result: {run_dir / 'gate.json'} has no variants")
-    gate_meta = read_json(run_dir / "gate" / "meta.json", "gate meta.json") if (run_dir / "gate" / "meta.json").is_file() else None
+    gate_meta = _optional_json(run_dir / "gate" / "meta.json", "gate meta.json")
     dpi = cfg.report.dpi
     figures: dict[str, bytes] = {}
     blocks = gate_blocks(gate)
