@@ -48,6 +48,7 @@ class Job:
     seed: int
     log_dir: Path
     calibration: Callable[[], list[list[int]]] | None = None  # token-id windows, made on demand
+    calibration_batch: int = 1
 
 
 # ---------------------------------------------------------------- helpers
@@ -191,14 +192,15 @@ def _hf_from_pretrained(src: Path, dtype: torch.dtype, device: torch.device, **k
 
 
 def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
+    bits = torch.finfo(job.storage_dtype).bits
     if spec.weight_noise > 0:
         model = _hf_from_pretrained(src, job.storage_dtype, torch.device("cpu"))
         n = add_weight_noise(model, spec.weight_noise, noise_seed(job.seed, job.name))
         model.save_pretrained(out, safe_serialization=True)
-        return {"storage": f"copy of the reference with noise on {n} linear weights",
+        return {"storage": f"copy of the reference with noise on {n} linear weights", "bits": bits,
                 "library": "transformers", "library_version": library_version("transformers")}
     link_or_copy_tree(src, out)
-    return {"storage": "hard links to the reference's files", "library": "transformers",
+    return {"storage": "hard links to the reference's files", "library": "transformers", "bits": bits,
             "library_version": library_version("transformers")}
 
 
@@ -229,11 +231,16 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
     with library_output_to(log) as err:
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=False, sym=True,
                             device=qdevice, offload_to_disk=False)
-        gm = GPTQModel.load(str(src), qc)
+        # On CPU GPTQModel would pick bfloat16, which this CPU only emulates (measured ~4x slower
+        # per layer than float32 on SmolLM2); on CUDA its own choice (bf16/fp16) is right.
+        gm = GPTQModel.load(str(src), qc, **({"dtype": torch.float32} if qdevice == "cpu" else {}))
         gm.layer_callback = layer_done
-        gm.quantize(calibration, backend="torch" if job.device.type == "cpu" else "auto")
+        gm.quantize(calibration, backend="torch" if qdevice == "cpu" else "auto",
+                    batch_size=job.calibration_batch)
         gm.save(str(out))
     return {"storage": "GPTQ packed weights (GPTQModel format, safetensors)", "library": "gptqmodel",
+            "bits": bits, "group_size": group_size, "quantize_dtype": "float32" if qdevice == "cpu" else "auto",
+            "calibration_batch": job.calibration_batch,
             "library_version": library_version("gptqmodel"), "desc_act": False, "sym": True,
             "quantize_log": str(log)}
 
@@ -265,6 +272,7 @@ def quantize_bnb_int8(src: Path, out: Path, spec, job: Job) -> dict:
         raise StageError(f"variant '{job.name}': scheme bnb-int8 is 8-bit, not {spec.bits}-bit")
     return {**_quantize_bnb(src, out, job, BitsAndBytesConfig(load_in_8bit=True),
                             "LLM.int8 weights serialized by save_pretrained"),
+            "bits": 8, "group_size": None, "scales": "per output row",
             "matmul": "int8 with outlier columns in 16-bit; inputs cast to float16"}
 
 
@@ -276,7 +284,7 @@ def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                 bnb_4bit_compute_dtype=job.compute_dtype)
     return {**_quantize_bnb(src, out, job, config, "NF4 weights + quant state serialized by save_pretrained"),
-            "blocksize": 64}
+            "bits": 4, "group_size": 64, "scales": "one absmax per block of 64 weights"}
 
 
 def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
@@ -285,8 +293,13 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     # LLM.int8 on float32 inputs warns once per matmul call that it casts them to float16.
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     model = _hf_from_pretrained(path, dtype, device)
-    for m in model.modules():  # NF4 dequantizes into compute_dtype: follow the requested dtype
-        if hasattr(m, "compute_dtype") and type(m).__name__ == "Linear4bit":
+    # transformers keeps a pre-quantized bnb model's unquantized parts (embeddings, norms) in the
+    # stored dtype and refuses model.to(dtype); cast those plain parameters one by one.
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if type(p) is torch.nn.Parameter and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        if type(m).__name__ == "Linear4bit":  # NF4 dequantizes into compute_dtype
             m.compute_dtype = dtype
     return model
 
@@ -304,7 +317,8 @@ def quantize_torchao_int8wo(src: Path, out: Path, spec, job: Job) -> dict:
                                 quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
     model.save_pretrained(out, safe_serialization=True)
     return {"storage": "torchao int8 weight-only tensors (per-channel scales) serialized by save_pretrained",
-            "library": "torchao", "library_version": library_version("torchao")}
+            "library": "torchao", "library_version": library_version("torchao"), "bits": 8, "group_size": None,
+            "scales": "per output channel"}
 
 
 def load_torchao(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,13 @@ def logits(model) -> torch.Tensor:
 def quantized(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("quant")
     run, cfg = make_run(root, tiny_model_dir, VARIANTS)
-    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 0
+    cwd = os.getcwd()
+    os.chdir(root)  # a relative --run, as `make` passes it (GPTQModel runs in another directory)
+    try:
+        assert main(["quantize", "--run", "run", "--config", "config.yaml"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert (run / "logs").is_dir() and not (root / "logs").exists()
     return root, run
 
 
