@@ -52,6 +52,8 @@ class CalibrationConfig(Section):
     n_samples: int = 32
     max_tokens: int = 256
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
+    # Calibration windows per forward pass while quantizing (GPTQ); 4 is ~4x faster on CPU than 1.
+    batch_size: int = 4
 
 
 class QuantizeConfig(Section):
