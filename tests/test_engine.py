@@ -156,3 +156,29 @@ def test_embedded_model_greedy_speculative_equals_plain_and_transformers(embedde
         res = generate(model, ids, 12, draft=draft, k=3)
         assert res.tokens == plain
         assert any(r.accepted < r.drafted for r in res.rounds)  # layerskip:8 is not the target
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_other_architectures_greedy(family):
+    """GPT-2 (transformer.h, learned positions) and Qwen2 run through the same cache and rollback."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    from draft_models.layerskip import truncate
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=4, n_head=4, n_positions=128,
+                                           bos_token_id=0, eos_token_id=0))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    ids = torch.randint(1, 300, (1, 10), generator=torch.Generator().manual_seed(1))
+    plain = generate(model, ids, 12).tokens
+    assert plain == _hf_greedy(model, ids, 12)
+    draft = ModelDraft("layerskip:2", truncate(model, 2), 300)
+    assert generate(model, ids, 12, draft=draft, k=3).tokens == plain
