@@ -1,0 +1,350 @@
+"""quality: score the reference and every variant on the same task items, item by item.
+
+    python -m pipeline quality --run runs/smollm2-135m --config configs/default.yaml
+    make quality MODEL=smollm2-135m
+
+Evaluation runs through lm-eval (`simple_evaluate` with an HFLM wrapping the model that
+`pipeline.models.load_variant` loaded, `log_samples=True` for per-item results): the built-in
+slices are the task YAMLs in evals/tasks/ over the JSONL items in evals/data/, and `quality.tasks`
+may add standard lm-eval tasks by name (run where their data is reachable, skipped with one line
+where it is not). All tasks of a variant go through one lm-eval call, which batches requests of a
+kind across tasks (`quality.batch_size`) after sorting them by length.
+
+Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
+  quality/data/<slice>.jsonl        the items scored (the shipped ones, or regenerated when the
+                                    config asks for more items or other context lengths)
+  quality/<variant>/<slice>.jsonl   one line per item: id, cluster, slice, group, metric, score,
+                                    scores, prediction, target (+ option_probs, label)
+  quality/<variant>/distribution.json   KL / top-1 / perplexity ratio vs the reference
+  quality/<variant>.json            per-slice mean, CI, n, groups; distribution summary
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from evals import generate as gen
+from evals import metrics
+from pipeline import distribution
+from pipeline.device import resolve_device
+from pipeline.models import load_variant
+from pipeline.stage import (StageError, atomic_write_json, atomic_write_text, progress, read_json,
+                            sha256_file)
+
+TASKS_DIR = Path(gen.__file__).resolve().parent / "tasks"
+PRIMARY = {"calibration": "acc", "tool_args": "args_exact"}  # others: exact_match
+
+
+# ------------------------------------------------------------------ items and tasks
+
+
+def slice_items(name: str, n: int, lengths: list[int]) -> bytes:
+    """The first `n` items of a built-in slice as JSONL bytes: the shipped file's prefix when it
+    holds enough of them (and, for long_context, the same lengths), else a fresh generation."""
+    shipped = gen.DATA / f"{name}.jsonl"
+    params = {}
+    if name == "long_context":
+        params["lengths"] = lengths
+    if shipped.is_file() and n <= gen.SHIPPED[name] and \
+            (name != "long_context" or list(lengths) == gen.LONG_CONTEXT_LENGTHS):
+        lines = shipped.read_bytes().splitlines(keepends=True)
+        return b"".join(lines[:n])
+    return gen.to_jsonl(gen.generate(name, n, **params))
+
+
+def builtin_task_config(name: str, data_file: Path, max_new_tokens: int) -> dict:
+    """The slice's lm-eval YAML as a dict, pointed at `data_file`; generation is capped at
+    `max_new_tokens` (the YAML's own value is the most the slice's answers need)."""
+    path = TASKS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise StageError(f"unknown quality slice '{name}' (known: {', '.join(sorted(gen.GENERATORS))})")
+    cfg = _load_task_yaml(path)
+    cfg["dataset_kwargs"] = {"data_files": str(data_file)}
+    if "generation_kwargs" in cfg:
+        cfg["generation_kwargs"]["max_gen_toks"] = min(cfg["generation_kwargs"]["max_gen_toks"],
+                                                      max_new_tokens)
+    return cfg
+
+
+def _load_task_yaml(path: Path) -> dict:
+    """lm-eval's own YAML loader (it resolves `!function utils.X` next to the YAML); its home
+    moved between lm-eval releases."""
+    try:
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # lm-eval < 0.4.10
+        from lm_eval.utils import load_yaml_config as load_yaml
+    return load_yaml(str(path))
+
+
+def resolve_named_tasks(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Standard lm-eval tasks whose data can be loaded here; the others with the reason."""
+    if not names:
+        return [], {}
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager()
+    usable, skipped = [], {}
+    for name in names:
+        if name not in manager.all_tasks:
+            skipped[name] = "not a task lm-eval knows"
+        else:
+            try:
+                with _quiet():
+                    get_task_dict([name], manager)  # loads (and caches) the task's data
+                usable.append(name)
+            except Exception as e:  # datasets raises many kinds when the hub is unreachable
+                skipped[name] = f"its data is not reachable ({type(e).__name__})"
+        if name in skipped:
+            progress(f"quality: skipping lm-eval task '{name}': {skipped[name]}")
+    return usable, skipped
+
+
+@contextlib.contextmanager
+def _quiet():
+    """lm-eval and datasets log a lot at INFO/WARNING; keep the stage's stderr to progress lines."""
+    loggers = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets", "evaluate")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], qcfg, seed: int) -> dict:
+    """Run every task through lm-eval on the loaded model; returns {task key: per-item records}."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+    tasks = list(task_configs.values()) + list(named)
+    use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
+    with _quiet():
+        res = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
+            bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed, verbosity="ERROR")
+    samples = res["samples"]
+    out = {}
+    for name, cfg in task_configs.items():
+        out[name] = [_builtin_record(name, s) for s in sorted(samples[cfg["task"]], key=lambda s: s["doc_id"])]
+    for name in named:
+        out[name] = [r for s in sorted(samples.get(name, []), key=lambda s: s["doc_id"])
+                     if (r := _named_record(name, s)) is not None]
+    return out
+
+
+def _builtin_record(slice_name: str, sample: dict) -> dict:
+    doc = sample["doc"]
+    rec = {"id": doc["id"], "cluster": doc["cluster"], "slice": slice_name, "group": doc.get("group")}
+    if slice_name == "calibration":
+        lls = [float(r[0]) for r in sample["filtered_resps"]]
+        probs = metrics.option_probs(lls)
+        pick = int(np.argmax(lls))
+        scores = {"acc": float(pick == doc["label"])}
+        rec.update(metric="acc", score=scores["acc"], scores=scores, prediction=doc["choices"][pick],
+                   target=doc["target"], option_probs=probs, label=doc["label"])
+        return rec
+    prediction = sample["filtered_resps"][0]
+    if slice_name == "tool_args":
+        scores = metrics.score_tool_call(doc, prediction)
+    else:
+        scores = {"exact_match": metrics.score_answer(doc, prediction)["exact_match"]}
+    metric = PRIMARY.get(slice_name, "exact_match")
+    rec.update(metric=metric, score=scores[metric], scores=scores, prediction=prediction,
+               target=doc["target"])
+    return rec
+
+
+def _named_record(task: str, sample: dict) -> dict | None:
+    names = [m for m in sample.get("metrics", []) if isinstance(sample.get(m), (int, float, bool))]
+    if not names:
+        return None
+    resp = sample.get("filtered_resps")
+    pred = resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
+    rid = f"{task}-{sample['doc_id']:05d}"
+    return {"id": rid, "cluster": rid, "slice": task, "group": None, "metric": names[0],
+            "score": float(sample[names[0]]), "scores": {m: float(sample[m]) for m in names},
+            "prediction": pred, "target": str(sample.get("target"))}
+
+
+# ------------------------------------------------------------------ summaries
+
+
+def mean_ci(scores, clusters, confidence: float) -> tuple[float, list[float | None]]:
+    """Mean with a cluster-robust CI (items sharing a template / haystack are not independent):
+    OLS on a constant with a cluster covariance (statsmodels), t with G-1 degrees of freedom."""
+    y = np.asarray(scores, dtype=np.float64)
+    mean = float(y.mean())
+    if len(y) < 2 or np.all(y == y[0]):
+        return mean, [mean, mean] if len(y) >= 2 else [None, None]
+    import statsmodels.api as sm
+
+    groups = np.unique(np.asarray(clusters), return_inverse=True)[1]
+    if groups.max() >= 1:
+        fit = sm.OLS(y, np.ones_like(y)).fit(cov_type="cluster", cov_kwds={"groups": groups},
+                                             use_t=True)
+    else:  # one cluster: no between-cluster information, fall back to item-level
+        fit = sm.OLS(y, np.ones_like(y)).fit(use_t=True)
+    lo, hi = fit.conf_int(alpha=1 - confidence)[0]
+    return mean, [float(lo), float(hi)]
+
+
+def summarize_slice(records: list[dict], confidence: float) -> dict:
+    scores = [r["score"] for r in records]
+    clusters = [r["cluster"] for r in records]
+    mean, ci = mean_ci(scores, clusters, confidence)
+    out = {"metric": records[0]["metric"], "mean": mean, "ci": ci, "n": len(records),
+           "clusters": len(set(clusters)), "groups": {}}
+    for g in sorted({r["group"] for r in records if r["group"] is not None}):
+        sub = [r for r in records if r["group"] == g]
+        gm, gci = mean_ci([r["score"] for r in sub], [r["cluster"] for r in sub], confidence)
+        out["groups"][g] = {"mean": gm, "ci": gci, "n": len(sub)}
+    all_metrics = sorted(records[0]["scores"])
+    if len(all_metrics) > 1:
+        out["metrics"] = {m: float(np.mean([r["scores"][m] for r in records])) for m in all_metrics}
+    if "option_probs" in records[0]:
+        probs, labels = [r["option_probs"] for r in records], [r["label"] for r in records]
+        out["ece"] = metrics.ece(probs, labels)
+        out["brier"] = metrics.brier(probs, labels)
+    return out
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError):
+        raise StageError(f"corrupt artifact: {path} (delete it and re-run quality)") from None
+
+
+# ------------------------------------------------------------------ the stage
+
+
+def run(ctx) -> None:
+    cfg, qcfg = ctx.config, ctx.config.quality
+    device = resolve_device(cfg.device)
+    variants = ctx.upstream["quantize"].get("variants") or {}
+    reference = cfg.quantize.reference
+    if reference not in variants:
+        raise StageError(f"quality: reference variant '{reference}' is not in variants/meta.json "
+                         f"(have: {', '.join(variants) or 'none'}); re-run quantize")
+    order = [reference] + [v for v in variants if v != reference]
+    if qcfg.items_per_slice < 1:
+        raise StageError("quality.items_per_slice must be >= 1 (an empty slice cannot be gated)")
+
+    # The items every variant scores, written once so their hashes go into each variant's inputs.
+    data_dir = ctx.out_dir / "data"
+    data_files = {}
+    for name in qcfg.slices:
+        if name not in gen.GENERATORS:
+            raise StageError(f"unknown quality slice '{name}' (known: {', '.join(gen.GENERATORS)})")
+        path = data_dir / f"{name}.jsonl"
+        blob = slice_items(name, qcfg.items_per_slice, qcfg.long_context_lengths)
+        if not path.is_file() or path.read_bytes() != blob:
+            from pipeline.stage import atomic_write_bytes
+
+            atomic_write_bytes(path, blob)
+        data_files[name] = path
+    named, skipped = resolve_named_tasks(qcfg.tasks)
+    data_hashes = {n: sha256_file(p) for n, p in data_files.items()}
+
+    def variant_dir(name: str) -> Path:
+        d = Path(variants[name].get("dir") or f"variants/{name}")
+        return d if d.is_absolute() else ctx.run_dir / d
+
+    ref_dir = variant_dir(reference)
+    ref_model = ref_tok = None
+    heldout = heldout_info = None
+    timings = {}
+    for name in order:
+        vdir = variant_dir(name)
+        inputs = {"variant_meta": sha256_file(vdir / "meta.json"),
+                  "reference_meta": sha256_file(ref_dir / "meta.json"),
+                  "data": data_hashes, "tasks": named, "quality": ctx.config.section("quality"),
+                  "device": cfg.device, "seed": cfg.seed}
+        item = ctx.item(name, inputs)
+        if item.fresh:
+            progress(f"quality: {name} up to date")
+        else:
+            progress(f"quality: {name}: loading {vdir}")
+            if name == reference or ref_model is None:
+                ref_model, ref_tok = load_variant(ref_dir, device)
+            model, tok = (ref_model, ref_tok) if name == reference else load_variant(vdir, device)
+            configs = {s: builtin_task_config(s, data_files[s], qcfg.max_new_tokens) for s in qcfg.slices}
+            start = time.perf_counter()
+            records = evaluate(model, tok, configs, named, qcfg, cfg.seed)
+            eval_s = time.perf_counter() - start
+            n_items = sum(len(r) for r in records.values())
+            dist = None
+            if name != reference:
+                if heldout is None:
+                    heldout, heldout_info = distribution.heldout_documents(
+                        ref_tok, qcfg.distribution_docs, qcfg.distribution_tokens)
+                start = time.perf_counter()
+                per_doc = distribution.per_document(ref_model, model, heldout, device)
+                dist = {**distribution.summarize(per_doc), **heldout_info,
+                        "seconds": time.perf_counter() - start}
+            item.meta = {"variant": name, "dir": str(vdir), "items": n_items,
+                         "eval_seconds": round(eval_s, 2),
+                         "items_per_second": round(n_items / eval_s, 3) if eval_s > 0 else None}
+            with item.writing() as tmp:
+                for task, recs in records.items():
+                    atomic_write_text(tmp / f"{task}.jsonl",
+                                      "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+                if dist is not None:
+                    atomic_write_json(tmp / "distribution.json", dist)
+            progress(f"quality: {name}: {n_items} items in {eval_s:.1f} s "
+                     f"({n_items / max(eval_s, 1e-9):.2f} items/s)")
+            if model is not ref_model:
+                del model
+        timings[name] = {k: read_json(item.path / "meta.json").get(k)
+                         for k in ("items", "eval_seconds", "items_per_second")}
+        _write_summary(ctx, name, reference, list(qcfg.slices) + named)
+    _check_same_ids(ctx.out_dir, order, list(qcfg.slices) + named)
+    ctx.meta.update({
+        "variants": order, "reference": reference, "slices": list(qcfg.slices), "tasks": named,
+        "skipped_tasks": skipped, "items_per_slice": qcfg.items_per_slice,
+        "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
+                       "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size},
+        "data_sha256": data_hashes, "timing": timings,
+    })
+
+
+def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
+    vdir = ctx.out_dir / name
+    conf = ctx.config.quality.confidence
+    summary = {"variant": name, "reference": reference, "slices": {}}
+    for task in tasks:
+        recs = _read_jsonl(vdir / f"{task}.jsonl")
+        if not recs:
+            raise StageError(f"quality: slice '{task}' produced no items for {name}")
+        summary["slices"][task] = summarize_slice(recs, conf)
+    if (vdir / "distribution.json").is_file():
+        dist = read_json(vdir / "distribution.json", "distribution metrics")
+        summary["distribution"] = {k: v for k, v in dist.items() if k != "per_document"}
+    atomic_write_json(ctx.out_dir / f"{name}.json", summary)
+
+
+def _check_same_ids(out_dir: Path, order: list[str], tasks: list[str]) -> None:
+    """The gate pairs items by id: every variant must have scored exactly the reference's ids."""
+    for task in tasks:
+        ref_ids = [r["id"] for r in _read_jsonl(out_dir / order[0] / f"{task}.jsonl")]
+        for name in order[1:]:
+            ids = [r["id"] for r in _read_jsonl(out_dir / name / f"{task}.jsonl")]
+            if ids != ref_ids:
+                raise StageError(f"quality: {name} scored other '{task}' items than {order[0]} "
+                                 f"({len(ids)} vs {len(ref_ids)}); delete {out_dir / name} and re-run")

@@ -1,0 +1,132 @@
+"""The built-in slices: generators are deterministic and match the shipped data byte for byte, the
+task YAMLs are lm-eval tasks over that data, the metrics score known cases, and the quantization
+calibration text shares no 8-gram with any slice."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from evals import generate as gen
+from evals import metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", list(gen.GENERATORS))
+def test_shipped_data_is_the_generators_output(name):
+    path = gen.DATA / f"{name}.jsonl"
+    assert path.read_bytes() == gen.shipped_bytes(name), f"regenerate with: python -m evals.generate"
+
+
+@pytest.mark.parametrize("name", list(gen.GENERATORS))
+def test_items_are_prefix_stable_and_well_formed(name):
+    small, large = gen.generate(name, 7), gen.generate(name, 14)
+    assert large[:7] == small
+    ids = [it["id"] for it in large]
+    assert len(set(ids)) == len(ids)
+    for it in large:
+        assert it["slice"] == name and it["cluster"] and it["prompt"] and it["target"]
+    assert len({it["cluster"] for it in large}) > 1
+
+
+def test_slice_specific_fields():
+    langs = {it["group"] for it in gen.language(16)}
+    assert langs == {"en", "fr", "de", "es"}
+    lc = gen.long_context(9, lengths=[256, 512, 1024])
+    assert {it["group"] for it in lc} == {"256", "512", "1024"}
+    assert {it["depth"] for it in lc} == set(gen.LONG_CONTEXT_DEPTHS)
+    for it in lc:  # the planted fact is in the haystack, once
+        assert it["prompt"].count(f"is {it['target']}.") == 1
+        # longer nominal length -> longer text (the stage records real token counts)
+    by_len = {it["length"]: len(it["prompt"]) for it in lc}
+    assert by_len[256] < by_len[512] < by_len[1024]
+    for it in gen.calibration(12):
+        assert 0 <= it["label"] < len(it["choices"]) and it["target"] == it["choices"][it["label"]]
+    for it in gen.tool_args(8):
+        expected = json.loads(it["target"])
+        assert expected == it["expected"] and metrics.conforms(expected, it["tool"])
+
+
+def test_task_yamls_are_lm_eval_tasks():
+    """Each YAML builds an lm-eval task over its shipped JSONL (local `datasets` json loader)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from pipeline.quality import builtin_task_config
+
+    for name in gen.GENERATORS:
+        cfg = builtin_task_config(name, gen.DATA / f"{name}.jsonl", max_new_tokens=16)
+        task = get_task_dict([cfg], TaskManager(include_defaults=False))[cfg["task"]]
+        docs = list(task.test_docs())
+        assert len(docs) == gen.SHIPPED[name]
+        assert task.doc_to_text(docs[0]) == docs[0]["prompt"]
+        if name == "calibration":
+            assert task.doc_to_choice(docs[0]) == docs[0]["choices"]
+            assert task.doc_to_target(docs[0]) == docs[0]["label"]
+        else:
+            assert task.config.generation_kwargs["max_gen_toks"] <= 16
+
+
+def test_answer_extraction():
+    doc = {"answer_type": "number", "target": "5"}
+    assert metrics.score_answer(doc, " 2 + 3 = 5\n\nQ: next")["exact_match"] == 1.0
+    assert metrics.score_answer(doc, "He has 5 apples.")["exact_match"] == 1.0
+    assert metrics.score_answer(doc, "\n 6\n5")["exact_match"] == 0.0  # only the first line counts
+    assert metrics.score_answer(doc, "five")["extracted"] is None
+    name = {"answer_type": "name", "target": "Tom", "candidates": ["Tom", "Anna", "Ben"]}
+    assert metrics.score_answer(name, " Tom is the oldest, then Anna")["exact_match"] == 1.0
+    assert metrics.score_answer(name, " Anna, not Tom")["exact_match"] == 0.0
+
+
+def test_tool_call_scores_are_separate():
+    tool = {"name": "set_alarm", "parameters": {"hour": {"type": "integer"},
+                                                 "unit": {"type": "string", "enum": ["am", "pm"]}},
+            "required": ["hour"]}
+    doc = {"tool": tool, "expected": {"name": "set_alarm", "arguments": {"hour": 7}}}
+
+    def score(text):
+        return metrics.score_tool_call(doc, text)
+
+    assert score(' {"name": "set_alarm", "arguments": {"hour": 7}} trailing') == \
+        {"args_exact": 1.0, "schema_ok": 1.0, "valid_json": 1.0}
+    assert score('{"name": "set_alarm", "arguments": {"hour": 8}}') == \
+        {"args_exact": 0.0, "schema_ok": 1.0, "valid_json": 1.0}
+    assert score('{"name": "set_alarm", "arguments": {"hour": "7"}}')["schema_ok"] == 0.0  # type
+    assert score('{"name": "set_alarm", "arguments": {"hour": 7, "unit": "xm"}}')["schema_ok"] == 0.0
+    assert score('{"name": "set_alarm", "arguments": {}}')["schema_ok"] == 0.0  # required
+    assert score('{"name": "set_alarm", "arguments": {"hour": 7, "x": 1}}')["schema_ok"] == 0.0
+    assert score('{"name": "set_alarm", "arguments": {"hour": 7') == \
+        {"args_exact": 0.0, "schema_ok": 0.0, "valid_json": 0.0}
+    assert metrics.parse_json_object('x {"a": "}{"} y') == {"a": "}{"}
+
+
+def test_calibration_summaries_on_known_values():
+    # Two items, both predicted with confidence 0.8, one right: ECE = |0.5 - 0.8| = 0.3.
+    probs = [[0.8, 0.2], [0.8, 0.2]]
+    labels = [0, 1]
+    assert metrics.ece(probs, labels) == pytest.approx(0.3, abs=1e-12)
+    # Brier: (0.2^2 + 0.2^2) + (0.8^2 + 0.8^2) over 2 items = (0.08 + 1.28) / 2
+    assert metrics.brier(probs, labels) == pytest.approx(0.68, abs=1e-12)
+    p = metrics.option_probs([-1.0, -1.0, -3.0])
+    assert sum(p) == pytest.approx(1.0) and p[0] == pytest.approx(p[1])
+
+
+def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {tuple(words[k : k + n]) for k in range(len(words) - n + 1)}
+
+
+def test_calibration_text_does_not_overlap_slices():
+    """Quantization must not calibrate on test items: no 8-word sequence is shared between the
+    calibration text and any shipped slice item."""
+    path = REPO / "evals" / "data" / "calibration.txt"
+    if not path.is_file():
+        pytest.skip("evals/data/calibration.txt does not exist yet (the quantize stage ships it)")
+    calib = _ngrams(path.read_text())
+    assert calib, "calibration text is empty"
+    for name in gen.GENERATORS:
+        for line in (gen.DATA / f"{name}.jsonl").read_text().splitlines():
+            shared = calib & _ngrams(json.loads(line)["prompt"])
+            assert not shared, f"{name}: calibration text shares {' '.join(next(iter(shared)))!r}"

@@ -1,0 +1,138 @@
+"""The quality stage end to end on the tiny model (two variants: the reference and a noisy copy),
+its summaries, the distribution metrics, and the offline skip of a named lm-eval task."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pipeline import distribution
+from pipeline.config import load_config
+from pipeline.stage import StageError
+
+SLICES = ["reasoning", "calibration"]  # one generation slice, one log-likelihood slice
+
+
+def _make_run(tmp_path, tiny_model_dir, noise: float = 0.5):
+    """A run dir as quantize leaves it: variants/bf16 (copy of the reference) and variants/noisy
+    (the same weights plus Gaussian noise), with the stage meta listing both."""
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    for name in ("bf16", "noisy"):
+        d = run / "variants" / name
+        shutil.copytree(tiny_model_dir, d)
+        meta = json.loads((d / "meta.json").read_text())
+        meta["scheme"] = "none"
+        (d / "meta.json").write_text(json.dumps(meta))
+    weights = run / "variants" / "noisy" / "model.safetensors"
+    sd = load_file(weights)
+    gen = torch.Generator().manual_seed(0)
+    for k, w in sd.items():
+        if w.dim() == 2:
+            sd[k] = w + noise * w.std() * torch.randn(w.shape, generator=gen)
+    save_file(sd, weights, metadata={"format": "pt"})
+    variants = {n: {"scheme": "none", "dir": f"variants/{n}"} for n in ("bf16", "noisy")}
+    (run / "variants" / "meta.json").write_text(
+        json.dumps({"stage": "quantize", "input_hash": "test", "variants": variants}))
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(
+        "device: cpu\n"
+        "quantize:\n  reference: bf16\n  variants:\n"
+        "    bf16: {scheme: none, release: false}\n    noisy: {scheme: none}\n"
+        f"quality:\n  slices: {json.dumps(SLICES)}\n  items_per_slice: 4\n  max_new_tokens: 4\n"
+        "  batch_size: 4\n  distribution_docs: 3\n  distribution_tokens: 32\n")
+    return run, load_config(cfg_path)
+
+
+def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
+    from pipeline.__main__ import STAGES
+    from pipeline.stage import run_stage
+
+    run, cfg = _make_run(tmp_path, tiny_model_dir)
+    meta_path = run_stage(STAGES["quality"], run, cfg, {}, STAGES)
+    meta = json.loads(meta_path.read_text())
+    assert meta["generation"] == {"greedy": True, "max_new_tokens": 4, "chat_template": False,
+                                  "batch_size": 4}
+    assert meta["variants"] == ["bf16", "noisy"]
+    q = run / "quality"
+    for slice_name in SLICES:
+        ref = [json.loads(line) for line in (q / "bf16" / f"{slice_name}.jsonl").read_text().splitlines()]
+        var = [json.loads(line) for line in (q / "noisy" / f"{slice_name}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in ref] == [r["id"] for r in var] == \
+            [f"{slice_name}-{i:05d}" for i in range(4)]
+        for r in ref + var:
+            assert {"id", "cluster", "slice", "group", "metric", "score", "scores", "prediction",
+                    "target"} <= set(r)
+            assert r["score"] in (0.0, 1.0)
+    calib = [json.loads(line) for line in (q / "noisy" / "calibration.jsonl").read_text().splitlines()]
+    for r in calib:
+        assert sum(r["option_probs"]) == pytest.approx(1.0) and r["score"] == float(
+            max(range(len(r["option_probs"])), key=r["option_probs"].__getitem__) == r["label"])
+
+    ref_sum = json.loads((q / "bf16.json").read_text())
+    var_sum = json.loads((q / "noisy.json").read_text())
+    assert "distribution" not in ref_sum
+    d = var_sum["distribution"]
+    assert d["n_docs"] == 3 and d["kl_mean"] > 0 and 0 <= d["top1_agreement"] <= 1
+    cal = var_sum["slices"]["calibration"]
+    assert cal["n"] == 4 and cal["metric"] == "acc" and 0 <= cal["ece"] <= 1 and cal["brier"] >= 0
+    assert set(var_sum["slices"]) == set(SLICES)
+
+    # Unchanged inputs: the runner skips the stage; a deleted variant item is redone alone.
+    capsys.readouterr()
+    run_stage(STAGES["quality"], run, cfg, {}, STAGES)
+    assert "up to date" in capsys.readouterr().err
+    shutil.rmtree(q / "noisy")
+    run_stage(STAGES["quality"], run, cfg, {}, STAGES, force=True)
+    err = capsys.readouterr().err
+    assert "bf16 up to date" in err and "noisy: loading" in err
+    assert (q / "noisy" / "reasoning.jsonl").is_file()
+
+
+def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
+    """Offline (no hub), gsm8k's data cannot load: it is skipped, one line says why."""
+    from pipeline.quality import resolve_named_tasks
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    usable, skipped = resolve_named_tasks(["gsm8k", "no_such_task_xyz"])
+    assert usable == []
+    assert set(skipped) == {"gsm8k", "no_such_task_xyz"}
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "skipping lm-eval task" in ln]
+    assert len(lines) == 2
+    assert "'gsm8k'" in lines[0] and "not reachable" in lines[0]
+    assert "not a task lm-eval knows" in lines[1]
+
+
+def test_mismatched_item_ids_are_refused(tmp_path):
+    from pipeline.quality import _check_same_ids
+
+    for name, ids in (("ref", ["a", "b"]), ("var", ["a", "c"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "s.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in ids))
+    with pytest.raises(StageError, match="other 's' items"):
+        _check_same_ids(tmp_path, ["ref", "var"], ["s"])
+
+
+def test_slice_summary_groups_and_clustered_ci():
+    from pipeline.quality import summarize_slice
+
+    recs = [{"id": str(i), "cluster": f"c{i % 4}", "group": "en" if i % 2 else "fr",
+             "metric": "exact_match", "score": float(i % 3 == 0), "scores": {"exact_match": 0.0}}
+            for i in range(40)]
+    s = summarize_slice(recs, 0.95)
+    assert s["n"] == 40 and s["clusters"] == 4 and set(s["groups"]) == {"en", "fr"}
+    assert s["ci"][0] < s["mean"] < s["ci"][1]
+    assert s["groups"]["en"]["n"] == 20
+
+
+def test_distribution_identical_models_have_zero_drift(tiny_model, tiny_tokenizer):
+    ids, info = distribution.heldout_documents(tiny_tokenizer, n_docs=3, n_tokens=24)
+    assert ids.shape == (3, 24) and len(info["modules"]) == 3
+    per_doc = distribution.per_document(tiny_model, tiny_model, ids, torch.device("cpu"))
+    s = distribution.summarize(per_doc)
+    assert s["kl_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert s["top1_agreement"] == 1.0 and s["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
