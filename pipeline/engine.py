@@ -174,7 +174,7 @@ class ModelDraft:
     L + min(n, k-1) positions; the rest is rolled back.
     """
 
-    def __init__(self, spec: str, model, vocab_size: int, dtype_note: str = ""):
+    def __init__(self, spec: str, model, vocab_size: int):
         self.spec = spec
         self.model = model
         self.vocab_size = vocab_size  # the target's logits width; q is padded/cut to it
@@ -226,13 +226,20 @@ def prefill(target: CachedModel, input_ids: torch.Tensor, sampling: SamplingPara
             generator: torch.Generator | None) -> torch.Tensor:
     """input_ids: [B, T] -> first new token per sequence [B]. The cache then holds T positions."""
     logits = target.forward(input_ids, all_logits=False)[:, -1]  # [B, V]
-    return pick(logits_to_probs(logits, sampling), sampling, generator)
+    return _next_token(logits, sampling, generator)
 
 
 def decode_one_token(target: CachedModel, token: torch.Tensor, sampling: SamplingParams,
                      generator: torch.Generator | None) -> torch.Tensor:
     """token: [B] the last emitted token (not yet in the cache) -> the next token [B]."""
     logits = target.forward(token.unsqueeze(1), all_logits=False)[:, -1]  # [B, V]
+    return _next_token(logits, sampling, generator)
+
+
+def _next_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    """logits: [B, V] -> [B]. Greedy skips building the one-hot: argmax of the logits is the same."""
+    if sampling.greedy:
+        return logits.argmax(-1)
     return pick(logits_to_probs(logits, sampling), sampling, generator)
 
 
