@@ -152,7 +152,7 @@ def paired_difference(reference: Sequence[float], variant: Sequence[float], clus
     sign = 1.0 if higher_is_better else -1.0
     mean, se, df = paired_mean_se(sign * (var - ref), None if method != "cluster-t" else codes)
     return Estimate(metric=metric, reference=float(ref.mean()), variant=float(var.mean()),
-                    diff=float(mean), se=float(se), n=int(ref.size), n_clusters=df + 1,
+                    diff=float(mean) + 0.0, se=float(se), n=int(ref.size), n_clusters=df + 1,
                     method=method, higher_is_better=higher_is_better, df=df)
 
 
@@ -185,7 +185,7 @@ def cluster_bootstrap(ref_stat: WeightedStat, var_stat: WeightedStat, n: int, cl
 
     ones = np.ones((1, n))
     ref_value, var_value = float(ref_stat(ones)[0]), float(var_stat(ones)[0])
-    point = sign * (var_value - ref_value)
+    point = sign * (var_value - ref_value) + 0.0  # + 0.0 turns -0.0 into 0.0 for the table
     res = sps.bootstrap((np.arange(g),), diff_of, vectorized=True, n_resamples=n_resamples,
                         method="percentile", rng=np.random.default_rng(seed), batch=500)
     boot = np.asarray(res.bootstrap_distribution, dtype=float)
