@@ -198,3 +198,18 @@ def test_perplexity_matches_transformers_loss(tiny_model):
     with torch.no_grad():
         loss = tiny_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
     assert perplexity(tiny_model, ids, window=512) == pytest.approx(math.exp(loss), rel=1e-4)
+
+
+def test_embedded_model_nf4_is_smaller_and_still_sensible(tmp_path, embedded_model_dir):
+    """The real SmolLM2-135M through the stage (NF4 only: seconds, not GPTQ's minutes): the
+    variant is under half the reference's weight bytes, its held-out perplexity stays within 1.5x
+    of the reference's, and greedy text still answers the capital-of-France prompt."""
+    run, cfg = make_run(tmp_path, embedded_model_dir, {"ref": {"scheme": "none", "release": False},
+                                                       "nf4": {"scheme": "bnb-nf4", "bits": 4}})
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 0
+    ref = json.loads((run / "variants/ref/meta.json").read_text())
+    nf4 = json.loads((run / "variants/nf4/meta.json").read_text())
+    assert nf4["bytes_on_disk"] < 0.5 * ref["bytes_on_disk"]
+    assert nf4["reference_perplexity"] == ref["perplexity"]
+    assert ref["perplexity"] < nf4["perplexity"] < 1.5 * ref["perplexity"]
+    assert "Paris" in ref["sample"] and "Paris" in nf4["sample"]
