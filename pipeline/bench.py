@@ -88,6 +88,8 @@ def compare(name: str, engine_fn, hf_fn, device, warmup: int, repeats: int, n: i
         eng_s.append(te)
         hf_s.append(th)
         ratios.append(th / te)
+        print(f"bench: {name}: engine {te:.2f} s, transformers {th:.2f} s ({th / te:.2f}x)", file=sys.stderr,
+              flush=True)
     ratio = statistics.median(ratios)
     return {
         "mode": name,

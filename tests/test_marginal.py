@@ -170,3 +170,21 @@ def test_stage_writes_json_md_png_and_refuses_corrupt_input(tmp_path):
     with pytest.raises(StageError, match="corrupt latency artifact"):
         run_stage(STAGES["marginal"], run, Config(), {}, STAGES, force=True)
     assert not (out / "meta.json").exists()
+
+
+def test_reads_what_the_acceptance_stage_writes():
+    """The acceptance stage's own summary (pipeline.acceptance.summarize) joins without glue, and
+    the histogram-based CI of E(k) brackets the reported E(k)."""
+    from pipeline.acceptance import summarize
+
+    rng = np.random.default_rng(1)
+    accepted = [int(min(rng.geometric(0.4) - 1, 3)) for _ in range(200)]  # k_max = 3
+    per = summarize(accepted, [3] * 200, [[0.6, 0.6, 0.6][: a + 1] for a in accepted], 3, tokens=500)
+    acc = {"variant": "bf16", "draft": "ngram", "k_max": 3, "slices": {"all": {"0.0": per}}}
+    rep = pair_report(acc, _latency(3))
+    for row in rep["rows"]:
+        e = per["expected_tokens_per_round"][str(row["k"])]
+        assert row["tokens_per_round"] == pytest.approx(e)
+        assert row["tokens_per_round"] == pytest.approx(1 + np.minimum(accepted, row["k"]).mean())
+        assert row["tokens_per_round_ci"][0] < e < row["tokens_per_round_ci"][1]
+    assert rep["acceptance_per_position"] == per["per_position"]
