@@ -2,7 +2,7 @@
 
     make bench                       # = python -m pipeline.bench --run R --config C --model M --drafts D
     python -m pipeline.bench --run runs/smollm2-135m --config configs/default.yaml \
-        --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 64 --repeats 3
+        --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 3
 
 1. Plain greedy decode: `pipeline.engine.generate(model, ids, N)` vs `model.generate(ids,
    max_new_tokens=N, do_sample=False)` (transformers' default dynamic cache).
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafts", default="", help="drafts; the first layerskip:<n> is used (default layerskip:8)")
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
