@@ -110,16 +110,18 @@ def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for temp, rec in sorted(pooled.items()):
-        pos = rec.get("per_position") or []
+        # A position no round reached (n = 0) has no conditional rate and no CI: not drawn.
+        pos = [p for p in rec.get("per_position") or [] if p.get("conditional") is not None]
         if not pos:
             continue
         x = [p["position"] for p in pos]
         y = [p["conditional"] for p in pos]
-        err = [[max(0.0, p["conditional"] - p["ci"][0]) for p in pos],
-               [max(0.0, p["ci"][1] - p["conditional"]) for p in pos]]
+        ci = [p.get("ci") or [p["conditional"]] * 2 for p in pos]
+        err = [[max(0.0, yi - c[0]) for yi, c in zip(y, ci)], [max(0.0, c[1] - yi) for yi, c in zip(y, ci)]]
         line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"T={temp} conditional")
-        ax.plot(x, [p["prefix"] for p in pos], ls=":", color=line[0].get_color(),
-                label=f"T={temp} prefix P(A1..Ai)")
+        prefix = [p for p in rec["per_position"] if p.get("prefix") is not None]
+        ax.plot([p["position"] for p in prefix], [p["prefix"] for p in prefix], ls=":",
+                color=line[0].get_color(), label=f"T={temp} prefix P(A1..Ai)")
         if all(p.get("expected_beta") is not None for p in pos):
             ax.plot(x, [p["expected_beta"] for p in pos], ls="--", color=line[0].get_color(), alpha=0.6,
                     label=f"T={temp} E[beta]")

@@ -48,6 +48,11 @@ def add_speed_artifacts(run: Path, variants=("bf16", "good"), latency: bool = Tr
             "expected_tokens_per_round": {str(k): 1 + float(np.cumprod(rates)[:k].sum()) for k in (1, 2, 3)},
             "histogram": [8, 10, 12, 10], "rounds": 40, "tokens": 100}
             for t in ("0.0", "0.7")} for s in ("all", "reasoning")}
+        # A position no round reached: the engine writes n = 0 with null rates and CI.
+        acc["slices"]["reasoning"]["0.0"]["per_position"][2].update(conditional=None, ci=None,
+                                                                    expected_beta=None, n=0)
+        acc["slices"]["all"]["0.7"]["per_position"][2].update(conditional=None, ci=None,
+                                                              expected_beta=None, n=0)
         acc_path.write_text(json.dumps(acc))
         rows = [{"k": k, "tokens_per_round": 1 + 0.6 * k, "round_ms": 10 + 4 * k, "ms_per_token": (10 + 4 * k) / (1 + 0.6 * k),
                  "ms_per_token_ci": [(9 + 4 * k) / (1 + 0.6 * k), (11 + 4 * k) / (1 + 0.6 * k)],
