@@ -32,6 +32,7 @@ LONG_CONTEXT_DEPTHS = [0.1, 0.5, 0.9]
 # records the real token counts. About 50 tokens go to the instruction, fact and question.
 CHARS_PER_TOKEN = 4.65
 QUESTION_TOKENS = 50
+DISTRACTORS = 2  # facts about other keys planted in the same haystack
 
 NAMES = ["Tom", "Anna", "Sam", "Lisa", "Ben", "Mia", "Max", "Emma", "Leo", "Zoe"]
 OBJECTS = ["apples", "books", "pens", "cards", "balls", "cups", "coins", "eggs"]
@@ -198,12 +199,22 @@ def long_context(n: int, seed: int = SEED, lengths: list[int] | None = None,
         hay = _rng("long_context-haystack", seed, block * 1000 + length)  # shared by the block
         sentences = _filler(hay, int((length - QUESTION_TOKENS) * CHARS_PER_TOKEN))
         r = _rng("long_context", seed, i)
-        key, code = r.choice(_KEYS), str(r.randint(1000, 9999))
+        key, *others = r.sample(_KEYS, 1 + DISTRACTORS)
+        code = str(r.randint(1000, 9999))
+        # Distractors: the same kind of fact about other keys, at random depths (with the needle
+        # alone the reference found it 5 of 5 times: nothing left for the gate to detect).
+        for other in others:
+            k = r.randrange(len(sentences) + 1)
+            sentences = sentences[:k] + [f"The secret number of the {other} is {r.randint(1000, 9999)}."] \
+                + sentences[k:]
         fact = f"The secret number of the {key} is {code}."
         pos = int(round(depths[d] * len(sentences)))
         text = " ".join(sentences[:pos] + [fact] + sentences[pos:])
+        # The answer is cued ("...is") so the first line holds the number: asked open-endedly the
+        # 135M model answered with an empty line on 12 of 12 items.
         prompt = (f"Read the text and answer the question.\n\n{text}\n\n"
-                  f"Question: What is the secret number of the {key}? Answer with the number only.")
+                  f"Question: What is the secret number of the {key}?\n"
+                  f"Answer: The secret number of the {key} is")
         items.append({"id": f"long_context-{i:05d}", "slice": "long_context",
                       "cluster": f"long_context:haystack-{block}", "group": str(length),
                       "prompt": prompt, "target": code, "answer_type": "number",

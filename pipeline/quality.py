@@ -33,7 +33,7 @@ from evals import generate as gen
 from evals import metrics
 from pipeline import distribution
 from pipeline.device import resolve_device
-from pipeline.models import load_variant
+from pipeline.models import load_tokenizer, load_variant
 from pipeline.stage import (StageError, atomic_write_json, atomic_write_text, progress, read_json,
                             sha256_file)
 
@@ -267,6 +267,7 @@ def run(ctx) -> None:
         return d if d.is_absolute() else ctx.run_dir / d
 
     ref_dir = variant_dir(reference)
+    prompt_tokens = _prompt_tokens(load_tokenizer(ref_dir), data_files)
     ref_model = ref_tok = None
     heldout = heldout_info = None
     timings = {}
@@ -320,8 +321,21 @@ def run(ctx) -> None:
         "skipped_tasks": skipped, "items_per_slice": qcfg.items_per_slice,
         "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
                        "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size},
-        "data_sha256": data_hashes, "timing": timings,
+        "data_sha256": data_hashes, "prompt_tokens": prompt_tokens, "timing": timings,
     })
+
+
+def _prompt_tokens(tokenizer, data_files: dict[str, Path]) -> dict:
+    """Mean prompt length in the model's own tokens, per slice and group: the long_context
+    generator sizes its haystacks by a characters-per-token estimate, this is the real figure."""
+    out = {}
+    for name, path in data_files.items():
+        by_group: dict[str, list[int]] = {}
+        for item in _read_jsonl(path):
+            n = len(tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
+            by_group.setdefault(str(item.get("group")), []).append(n)
+        out[name] = {g: round(float(np.mean(v)), 1) for g, v in sorted(by_group.items())}
+    return out
 
 
 def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
