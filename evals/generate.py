@@ -90,12 +90,15 @@ REASONING = {"add": _r_add, "sub": _r_sub, "two_step": _r_two_step, "times": _r_
              "order": _r_order, "double": _r_double}
 
 
+SHOTS = 2
+
+
 def reasoning(n: int, seed: int = SEED) -> list[dict]:
     items, kinds = [], list(REASONING)
     for i in range(n):
         r = _rng("reasoning", seed, i)
         kind = kinds[i % len(kinds)]
-        shots = [REASONING[kind](r) for _ in range(2)]
+        shots = [REASONING[kind](r) for _ in range(SHOTS)]
         q, a = REASONING[kind](r)
         shots = [(sq.strip(), sa) for sq, sa in shots]
         name_answer = kind == "order"
