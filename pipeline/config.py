@@ -49,7 +49,7 @@ class VariantConfig(Section):
 class CalibrationConfig(Section):
     # "builtin" = the text that ships in evals/data/calibration.txt; anything else is a path.
     source: str = "builtin"
-    n_samples: int = 32
+    n_samples: int = 16  # x max_tokens tokens; the GPU config uses 128
     max_tokens: int = 256
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
     # Calibration windows per forward pass while quantizing (GPTQ); 4 is ~4x faster on CPU than 1.
@@ -131,8 +131,9 @@ class QualityConfig(Section):
     )
     # Standard lm-eval task names, run where their data is reachable, skipped with a line if not.
     tasks: list[str] = Field(default_factory=list)
-    items_per_slice: int = 60
-    long_context_lengths: list[int] = Field(default_factory=lambda: [512, 1024, 2048])
+    # CPU-sized: 5 variants x 5 slices on a 2-core laptop; the GPU config runs 1000 per slice.
+    items_per_slice: int = 40
+    long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
     max_new_tokens: int = 32
     # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in
     # the chat template cut reference scores to 0-17% (12 items per slice), plain was 25-62%.
