@@ -92,7 +92,7 @@ class AcceptanceConfig(Section):
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_new_tokens: int = 48
-    prompts_per_kind: int = 4
+    prompts_per_kind: int = 2  # CPU-sized; the GPU config uses 16
     # Lossless check (issue 4): samples per mode of the first verify-emitted token (speculative vs
     # plain), compared by a two-sample chi-square at lossless_alpha, at lossless_temperature.
     lossless_samples: int = 120
