@@ -185,17 +185,21 @@ def _named_record(task: str, sample: dict) -> dict | None:
 # ------------------------------------------------------------------ summaries
 
 
-def mean_ci(scores, clusters, confidence: float) -> tuple[float, list[float | None]]:
-    """Mean with a cluster-robust CI (items sharing a template / haystack are not independent):
-    OLS on a constant with a cluster covariance (statsmodels), t with G-1 degrees of freedom."""
+def mean_ci(scores, clusters, confidence: float, min_clusters: int = 10) -> tuple[float, list[float | None]]:
+    """Mean with a cluster-robust CI (items sharing a haystack are not independent): OLS on a
+    constant with a cluster covariance (statsmodels), t with G-1 degrees of freedom. With fewer
+    than `min_clusters` clusters (a handful of templates) they are fixed strata and the CI is
+    item-level, the same rule the gate applies (pipeline.stats.usable_clusters)."""
+    from pipeline.stats import usable_clusters
+
     y = np.asarray(scores, dtype=np.float64)
     mean = float(y.mean())
     if len(y) < 2 or np.all(y == y[0]):
         return mean, [mean, mean] if len(y) >= 2 else [None, None]
     import statsmodels.api as sm
 
-    groups = np.unique(np.asarray(clusters), return_inverse=True)[1]
-    if groups.max() >= 1:
+    groups, _ = usable_clusters(list(clusters), len(y), min_clusters)
+    if 1 <= groups.max() < len(y) - 1:
         fit = sm.OLS(y, np.ones_like(y)).fit(cov_type="cluster", cov_kwds={"groups": groups},
                                              use_t=True)
     else:  # one cluster: no between-cluster information, fall back to item-level
