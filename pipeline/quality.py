@@ -34,7 +34,7 @@ from evals import metrics
 from pipeline import distribution
 from pipeline.device import resolve_device
 from pipeline.models import load_tokenizer, load_variant
-from pipeline.stage import (StageError, atomic_write_json, atomic_write_text, progress, read_json,
+from pipeline.stage import (StageError, atomic_write_json, atomic_write_text, progress, read_json, read_jsonl,
                             sha256_file)
 
 TASKS_DIR = Path(gen.__file__).resolve().parent / "tasks"
@@ -228,13 +228,6 @@ def summarize_slice(records: list[dict], confidence: float) -> dict:
     return out
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError):
-        raise StageError(f"corrupt artifact: {path} (delete it and re-run quality)") from None
-
-
 # ------------------------------------------------------------------ the stage
 
 
@@ -335,7 +328,7 @@ def _prompt_tokens(tokenizer, data_files: dict[str, Path]) -> dict:
     out = {}
     for name, path in data_files.items():
         by_group: dict[str, list[int]] = {}
-        for item in _read_jsonl(path):
+        for item in read_jsonl(path):
             n = len(tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
             by_group.setdefault(str(item.get("group")), []).append(n)
         out[name] = {g: round(float(np.mean(v)), 1) for g, v in sorted(by_group.items())}
@@ -347,7 +340,7 @@ def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
     conf = ctx.config.quality.confidence
     summary = {"variant": name, "reference": reference, "slices": {}}
     for task in tasks:
-        recs = _read_jsonl(vdir / f"{task}.jsonl")
+        recs = read_jsonl(vdir / f"{task}.jsonl")
         if not recs:
             raise StageError(f"quality: slice '{task}' produced no items for {name}")
         summary["slices"][task] = summarize_slice(recs, conf)
@@ -360,9 +353,9 @@ def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
 def _check_same_ids(out_dir: Path, order: list[str], tasks: list[str]) -> None:
     """The gate pairs items by id: every variant must have scored exactly the reference's ids."""
     for task in tasks:
-        ref_ids = [r["id"] for r in _read_jsonl(out_dir / order[0] / f"{task}.jsonl")]
+        ref_ids = [r["id"] for r in read_jsonl(out_dir / order[0] / f"{task}.jsonl")]
         for name in order[1:]:
-            ids = [r["id"] for r in _read_jsonl(out_dir / name / f"{task}.jsonl")]
+            ids = [r["id"] for r in read_jsonl(out_dir / name / f"{task}.jsonl")]
             if ids != ref_ids:
                 raise StageError(f"quality: {name} scored other '{task}' items than {order[0]} "
                                  f"({len(ids)} vs {len(ref_ids)}); delete {out_dir / name} and re-run")

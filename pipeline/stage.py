@@ -101,6 +101,26 @@ def read_json(path: str | Path, what: str = "artifact") -> Any:
         raise StageError(f"corrupt {what}: {path} is not valid JSON (delete it and re-run)") from None
 
 
+def read_jsonl(path: str | Path, what: str = "artifact") -> list[dict]:
+    """Read a JSON-lines artifact (blank lines skipped); a missing or corrupt one is a StageError
+    naming the file (and the line)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise StageError(f"missing {what}: {path} (run the stage that makes it first)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise StageError(f"cannot read {what}: {path}: {getattr(e, 'strerror', None) or e}") from None
+    rows = []
+    for no, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise StageError(f"corrupt {what}: {path}:{no} is not valid JSON (delete it and re-run)") from None
+    return rows
+
+
 def hash_obj(obj: Any) -> str:
     blob = json.dumps(obj, sort_keys=True, default=_json_default).encode()
     return hashlib.sha256(blob).hexdigest()
