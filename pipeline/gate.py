@@ -115,11 +115,12 @@ def slice_estimates(ref: dict, var: dict, ids: list[str], gcfg, seed: int) -> di
         except (ValueError, IndexError) as e:
             raise StageError(f"corrupt calibration item: {e}") from None
         out["brier"] = stats.paired_difference(brier["ref"], brier["var"], clusters, metric="brier",
-                                               higher_is_better=False, min_clusters=k)
+                                               higher_is_better=False, min_clusters=k,
+                                               score_range=(0.0, 2.0))
         out["ece"] = stats.cluster_bootstrap(
             stats.ece_statistic(*conf["ref"]), stats.ece_statistic(*conf["var"]), len(ids), clusters,
             metric="ece", higher_is_better=False, n_resamples=gcfg.bootstrap_resamples, seed=seed,
-            min_clusters=k)
+            min_clusters=k, score_range=(0.0, 1.0))
     return out
 
 
@@ -140,7 +141,7 @@ def _margin(gcfg, key: str, slice_name: str) -> float:
 
 def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, gcfg,
           p_adj: tuple[float, float] | None) -> dict:
-    lo, hi = est.ci(alpha_lo)[0], est.ci(alpha_hi)[1]
+    lo, hi = est.ci(alpha_lo, margin)[0], est.ci(alpha_hi)[1]
     status = stats.noninferiority_status(lo, hi, margin)
     return {
         "metric": est.metric, "higher_is_better": est.higher_is_better,
@@ -289,7 +290,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
     p_pass = [est.p_value(margin) for _, _, _, est, margin in tests]
     p_fail = [est.p_value_inferior(margin) for _, _, _, est, margin in tests]
     lo_levels = stats.step_levels(
-        p_pass, lambda i, a: tests[i][3].ci(a)[0] > -tests[i][4], alpha, gcfg.multiplicity)
+        p_pass, lambda i, a: tests[i][3].ci(a, tests[i][4])[0] > -tests[i][4], alpha, gcfg.multiplicity)
     hi_levels = stats.step_levels(
         p_fail, lambda i, a: tests[i][3].ci(a)[1] < -tests[i][4], alpha, gcfg.multiplicity)
     adj_pass = stats.adjusted_p_values(p_pass, alpha, gcfg.multiplicity)[1]
@@ -338,7 +339,10 @@ def _method_text(gcfg, m: int) -> str:
             f"{gcfg.confidence:.0%} two-sided CIs = one-sided alpha {(1 - gcfg.confidence) / 2:g} "
             f"before adjustment; {adj}; pass if the CI's lower end > -margin, fail if its upper end "
             f"< -margin; clustered SEs where items share a cluster (with >= {gcfg.min_clusters} "
-            f"clusters; fewer are treated as strata); ECE by paired (cluster) bootstrap")
+            f"clusters; fewer are treated as strata); ECE by paired (cluster) bootstrap; when no "
+            f"item differs, the exact binomial bound on the share that could (0 of n), not a "
+            f"zero-width CI; on 0/1 scores the lower end uses at least the SE a difference at the "
+            f"margin would have; CIs clipped to the possible range")
 
 
 def run(ctx) -> None:

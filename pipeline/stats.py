@@ -93,30 +93,80 @@ class Estimate:
     higher_is_better: bool = True
     df: int | None = None
     boot: np.ndarray | None = field(default=None, repr=False)  # bootstrap distribution of diff
+    # The range one item's (oriented) difference can take, e.g. (-1, 1) for scores in [0, 1];
+    # None = unbounded. CIs are clipped to it, and it bounds the CI when no item differs.
+    diff_range: tuple[float, float] | None = None
+    # Scores were all 0 or 1, so each item's difference is -w, 0 or +w (w = the range's end).
+    binary: bool = False
+    # (clustered SE / item-level SE)^2 as observed, >= 1: how much clustering inflates variance.
+    design_effect: float = 1.0
 
-    def ci(self, alpha_one_sided: float) -> tuple[float, float]:
-        if self.se == 0.0:  # every item (cluster) agrees: no spread, the CI is the point
-            return self.diff, self.diff
-        if self.boot is not None:
+    def se_for_pass(self, margin: float | None) -> float:
+        """The SE behind the lower bound (the `pass` side). For binary scores a difference at
+        the margin cannot have less spread than items that are either w worse or unchanged, so
+        the SE is at least w * sqrt(r (1 - r) * deff / n), r = margin / w: the null variance of a
+        score test, inflated by the observed design effect where items are clustered. The observed SE alone is too small when only a few items differ, all one way (the
+        usual case for a good quantized variant): at n = 100..400 with the true difference on
+        the margin, the plain t bound passed 6-12% of the time instead of 2.5%; with the floor
+        0.5-2% (tests/test_stats.py simulates it)."""
+        if not (self.binary and margin and self.diff_range and self.se > 0.0):
+            return self.se
+        w = self.diff_range[1]
+        r = min(margin / w, 1.0)
+        return max(self.se, w * math.sqrt(r * (1.0 - r) * max(self.design_effect, 1.0) / self.n))
+
+    def ci(self, alpha_one_sided: float, margin: float | None = None) -> tuple[float, float]:
+        """Two-sided CI at level 1 - 2*alpha; given the margin, the lower bound is the one the
+        `pass` test uses (see se_for_pass)."""
+        if self.se == 0.0:
+            lo, hi = self._no_spread_ci(alpha_one_sided)
+        elif self.boot is not None:
             lo, hi = np.quantile(self.boot, [alpha_one_sided, 1.0 - alpha_one_sided])
-            return float(lo), float(hi)
-        lo, hi = t_interval(self.diff, self.se, self.df, alpha_one_sided)
+        else:
+            lo, hi = t_interval(self.diff, self.se, self.df, alpha_one_sided)
+            lo = min(lo, t_interval(self.diff, self.se_for_pass(margin), self.df, alpha_one_sided)[0])
+        if self.diff_range is not None:
+            lo, hi = max(lo, self.diff_range[0]), min(hi, self.diff_range[1])
         return float(lo), float(hi)
+
+    def _no_spread_ci(self, alpha: float) -> tuple[float, float]:
+        """Every item (cluster) has the same difference, so the SE estimate is 0, but a sample of
+        G clusters with no exception only bounds the share of exceptions: by the exact binomial
+        (Clopper-Pearson) bound for 0 of G, it is below u = 1 - alpha^(1/G) at confidence 1 - alpha
+        (the "rule of three" when alpha = 0.05). Exceptions could move the mean at most u times
+        the distance to the end of `diff_range`. Unbounded metrics keep the point."""
+        if self.diff_range is None:
+            return self.diff, self.diff
+        u = 1.0 - alpha ** (1.0 / max(self.n_clusters, 1))
+        return (self.diff - u * (self.diff - self.diff_range[0]),
+                self.diff + u * (self.diff_range[1] - self.diff))
+
+    def _no_spread_p(self, bound: float, end: float) -> float:
+        """The p matching _no_spread_ci: the alpha at which its bound reaches -margin, i.e. the
+        largest alpha with u(alpha) >= the share r of the way from diff to the range's end."""
+        if self.diff_range is None or end == self.diff:
+            return 0.0
+        r = (self.diff - bound) / (self.diff - end)
+        return float((1.0 - min(max(r, 0.0), 1.0)) ** max(self.n_clusters, 1))
 
     def p_value(self, margin: float) -> float:
         """One-sided p for H0: diff <= -margin (small = clearly non-inferior, a `pass`). Used to
         order the Holm steps; the status itself is always read off the CI that is printed."""
         if self.se == 0.0:
-            return 0.0 if self.diff > -margin else 1.0
+            if self.diff <= -margin:
+                return 1.0
+            return self._no_spread_p(-margin, self.diff_range[0]) if self.diff_range else 0.0
         if self.boot is not None:
             # Percentile-bootstrap p, consistent with the percentile CI above; +1 keeps it > 0.
             return float((np.sum(self.boot <= -margin) + 1) / (self.boot.size + 1))
-        return float(sps.t.sf((self.diff + margin) / self.se, self.df))
+        return float(sps.t.sf((self.diff + margin) / self.se_for_pass(margin), self.df))
 
     def p_value_inferior(self, margin: float) -> float:
         """One-sided p for H0: diff >= -margin (small = clearly inferior, a `fail`)."""
         if self.se == 0.0:
-            return 0.0 if self.diff < -margin else 1.0
+            if self.diff >= -margin:
+                return 1.0
+            return self._no_spread_p(-margin, self.diff_range[1]) if self.diff_range else 0.0
         if self.boot is not None:
             return float((np.sum(self.boot >= -margin) + 1) / (self.boot.size + 1))
         return float(sps.t.cdf((self.diff + margin) / self.se, self.df))
@@ -142,7 +192,7 @@ def usable_clusters(clusters, n: int, min_clusters: int) -> tuple[np.ndarray, st
 
 def paired_difference(reference: Sequence[float], variant: Sequence[float], clusters=None,
                       metric: str = "score", higher_is_better: bool = True,
-                      min_clusters: int = 2) -> Estimate:
+                      min_clusters: int = 2, score_range: tuple[float, float] | None = None) -> Estimate:
     """Paired difference of per-item scores (same items, same order) with a (clustered) t CI."""
     ref = np.asarray(reference, dtype=float)
     var = np.asarray(variant, dtype=float)
@@ -150,10 +200,29 @@ def paired_difference(reference: Sequence[float], variant: Sequence[float], clus
         raise ValueError(f"paired scores must be 1-D and equal length, got {ref.shape} vs {var.shape}")
     codes, method = usable_clusters(clusters, ref.size, min_clusters)
     sign = 1.0 if higher_is_better else -1.0
-    mean, se, df = paired_mean_se(sign * (var - ref), None if method != "cluster-t" else codes)
+    d = sign * (var - ref)
+    mean, se, df = paired_mean_se(d, None if method != "cluster-t" else codes)
+    deff = 1.0
+    if method == "cluster-t" and se > 0:
+        deff = float((se / paired_mean_se(d, None)[1]) ** 2)
+    rng = diff_range_of(score_range, ref, var)
+    binary = bool(rng) and all(np.all((s == 0.0) | (s == 1.0)) for s in (ref, var)) and rng[1] == 1.0
     return Estimate(metric=metric, reference=float(ref.mean()), variant=float(var.mean()),
                     diff=float(mean) + 0.0, se=float(se), n=int(ref.size), n_clusters=df + 1,
-                    method=method, higher_is_better=higher_is_better, df=df)
+                    method=method, higher_is_better=higher_is_better, df=df, diff_range=rng,
+                    binary=binary, design_effect=deff)
+
+
+def diff_range_of(score_range: tuple[float, float] | None, *scores: np.ndarray) -> tuple[float, float] | None:
+    """The range of a per-item difference: +-(hi - lo) for scores known to lie in [lo, hi]; when
+    no range is given, (-1, 1) if every score lies in [0, 1] (accuracies, exact match), else None."""
+    if score_range is None:
+        if all(np.all((s >= 0.0) & (s <= 1.0)) for s in scores):
+            score_range = (0.0, 1.0)
+        else:
+            return None
+    width = float(score_range[1] - score_range[0])
+    return (-width, width)
 
 
 # A weighted statistic maps item weights w[B, n] (a bootstrap resample expressed as how many times
@@ -163,7 +232,8 @@ WeightedStat = Callable[[np.ndarray], np.ndarray]
 
 def cluster_bootstrap(ref_stat: WeightedStat, var_stat: WeightedStat, n: int, clusters=None,
                       metric: str = "statistic", higher_is_better: bool = True,
-                      n_resamples: int = 2000, seed: int = 0, min_clusters: int = 2) -> Estimate:
+                      n_resamples: int = 2000, seed: int = 0, min_clusters: int = 2,
+                      score_range: tuple[float, float] | None = None) -> Estimate:
     """Paired cluster bootstrap (scipy.stats.bootstrap) of var_stat - ref_stat.
 
     Clusters are resampled with replacement and both models are scored on the same resample,
@@ -192,7 +262,8 @@ def cluster_bootstrap(ref_stat: WeightedStat, var_stat: WeightedStat, n: int, cl
     return Estimate(metric=metric, reference=ref_value, variant=var_value, diff=point,
                     se=float(boot.std(ddof=1)), n=n, n_clusters=g,
                     method=method.replace("paired-t", "paired bootstrap").replace("cluster-t", "cluster bootstrap"),
-                    higher_is_better=higher_is_better, boot=boot)
+                    higher_is_better=higher_is_better, boot=boot,
+                    diff_range=diff_range_of(score_range) if score_range else None)
 
 
 # ---------------------------------------------------------------- calibration metrics
@@ -265,10 +336,20 @@ def items_needed(est: Estimate, margin: float, alpha_one_sided: float, power: fl
     """
     gap = abs(est.diff + margin)
     if est.se == 0.0:
-        return est.n
+        # No spread observed: the n at which _no_spread_ci's bound clears -margin, if the
+        # items keep agreeing (scaled from clusters to items).
+        if est.diff_range is None or gap == 0.0:
+            return est.n
+        end = est.diff_range[0] if est.diff > -margin else est.diff_range[1]
+        r = min(gap / abs(est.diff - end), 1.0) if est.diff != end else 1.0
+        if r >= 1.0:
+            return est.n
+        g = math.floor(math.log(alpha_one_sided) / math.log(1.0 - r)) + 1
+        return int(math.ceil(g * est.n / max(est.n_clusters, 1)))
     if gap == 0.0:
         return None
-    sd = est.se * math.sqrt(est.n)
+    se = est.se_for_pass(margin) if est.diff > -margin else est.se
+    sd = se * math.sqrt(est.n)
     z = sps.norm.ppf(1.0 - alpha_one_sided) + sps.norm.ppf(power)
     return int(math.ceil((z * sd / gap) ** 2))
 

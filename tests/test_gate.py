@@ -19,7 +19,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 200,
+def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 1000,
                   gate_yaml: str = "", lossless_ok: bool = True, seed: int = 0) -> tuple[Path, Path]:
     """A run dir with quality and acceptance results for a reference `bf16`
     and the given variants: name -> {"release": bool, "damage": {slice: fraction of the
@@ -100,8 +100,8 @@ def test_good_variant_is_go_and_exit_code_zero(tmp_path, capsys):
     assert set(cells) == {*SLICES, "calibration:brier", "calibration:ece"}
     for key, c in cells.items():
         assert c["status"] == "pass", (key, c)
-        assert c["ci"][0] > -c["margin"] and c["n"] == 200
-    assert cells["long_context"]["method"] == "cluster-t" and cells["long_context"]["n_clusters"] == 40
+        assert c["ci"][0] > -c["margin"] and c["n"] == 1000
+    assert cells["long_context"]["method"] == "cluster-t" and cells["long_context"]["n_clusters"] == 200
     assert cells["reasoning"]["method"] == "paired-t (6 clusters < 10: treated as strata)"
     assert cells["language"]["method"] == "paired-t"
     assert cells["calibration:ece"]["method"] == "paired bootstrap"
@@ -112,12 +112,27 @@ def test_good_variant_is_go_and_exit_code_zero(tmp_path, capsys):
     assert (run / "gate" / "table.md").read_text().startswith("# specq gate: GO")
 
 
-def test_identical_copy_is_go(tmp_path):
-    run, config = make_fake_run(tmp_path, {"copy": {"release": True}})
+def test_identical_copy_is_go_with_enough_items(tmp_path):
+    # No item differs, so the CI is the exact bound on the share of items that could (0 of G
+    # clusters): 400 items (80 haystacks on long_context) bound it under the 5-point margin.
+    run, config = make_fake_run(tmp_path, {"copy": {"release": True}}, n=400)
     rc, check, g = gate(run, config)
     assert (rc, check) == (0, 0)
     for c in g["variants"]["copy"]["slices"].values():
-        assert c["diff"] == 0.0 and c["ci"] == [0.0, 0.0] and c["status"] == "pass"
+        assert c["diff"] == 0.0 and c["se"] == 0.0 and c["status"] == "pass"
+        assert -c["margin"] < c["ci"][0] < 0.0 < c["ci"][1]
+
+
+def test_identical_copy_at_small_n_is_inconclusive_never_no_go(tmp_path):
+    # 40 items that all agree cannot rule out a 5-point regression (up to ~9% of items could
+    # differ): the cell says so, and how many agreeing items would settle it.
+    run, config = make_fake_run(tmp_path, {"copy": {"release": True}}, n=40)
+    rc, check, g = gate(run, config)
+    assert (rc, check) == (0, 1)
+    assert g["variants"]["copy"]["decision"] == "inconclusive"
+    for c in g["variants"]["copy"]["slices"].values():
+        assert c["diff"] == 0.0 and c["status"] == "inconclusive"
+        assert c["ci"][0] < -c["margin"] and c["items_to_settle"] > 40
 
 
 def test_damaged_variant_is_no_go_on_the_damaged_slices(tmp_path):
@@ -251,7 +266,7 @@ def test_corrupt_item_is_an_error(tmp_path, capsys):
     (run / "quality" / "good" / "language.jsonl").open("a").write("{not json\n")
     rc, _, g = gate(run, config)
     assert rc == 2 and g is None
-    assert "language.jsonl:201" in capsys.readouterr().err
+    assert "language.jsonl:1001" in capsys.readouterr().err
 
 
 def test_gate_check_without_gate_json(tmp_path, capsys):

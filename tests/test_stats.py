@@ -119,14 +119,63 @@ def test_bootstrap_of_a_mean_agrees_with_the_t_interval():
         assert abs(got - want) < 0.015
 
 
-def test_identical_scores_give_a_point_ci():
+def test_identical_scores_give_the_exact_binomial_bound_not_a_point():
+    # 0 differing items out of n bounds the share that could differ by 1 - alpha^(1/n)
+    # (Clopper-Pearson); with scores in [0, 1] that also bounds |diff|.
     scores = [1, 0, 1, 1, 0.5]
     est = S.paired_difference(scores, scores)
-    assert est.ci(ALPHA) == (0.0, 0.0) and est.p_value(MARGIN) == 0.0
+    u = 1 - ALPHA ** (1 / 5)
+    assert est.se == 0.0 and est.diff_range == (-1.0, 1.0)
+    assert np.allclose(est.ci(ALPHA), (-u, u), atol=1e-12)
+    # The p-values are the alphas at which the bounds touch -margin.
+    p = est.p_value(MARGIN)
+    assert np.isclose(p, (1 - MARGIN) ** 5)
+    assert np.isclose(est.ci(p)[0], -MARGIN)
+    assert est.p_value_inferior(MARGIN) == 1.0
+    # Items that would settle it if they keep agreeing: the smallest n with u(n) < margin.
+    n = S.items_needed(est, MARGIN, ALPHA)
+    assert 1 - ALPHA ** (1 / n) < MARGIN <= 1 - ALPHA ** (1 / (n - 1))
+    big = S.paired_difference([1.0, 0.0] * (n // 2 + 1), [1.0, 0.0] * (n // 2 + 1))
+    assert big.ci(ALPHA)[0] > -MARGIN
+    # Every item worse by exactly 1: the bound runs toward +1, clipped to the range.
+    worse = S.paired_difference([1.0] * 10, [0.0] * 10)
+    lo, hi = worse.ci(ALPHA)
+    assert lo == -1.0 and np.isclose(hi, -1 + 2 * (1 - ALPHA ** 0.1))
+    # Unbounded scores keep the point (no range to bound exceptions by).
+    flat = S.paired_difference([3.0, 5.0], [3.0, 5.0])
+    assert flat.diff_range is None and flat.ci(ALPHA) == (0.0, 0.0)
     conf, correct = np.array([0.9, 0.7, 0.6, 0.8]), np.array([1.0, 0, 1, 1])
     b = S.cluster_bootstrap(S.ece_statistic(conf, correct), S.ece_statistic(conf, correct), 4,
-                            higher_is_better=False)
-    assert b.diff == 0.0 and b.ci(ALPHA) == (0.0, 0.0)
+                            higher_is_better=False, score_range=(0.0, 1.0))
+    assert b.diff == 0.0 and np.allclose(b.ci(ALPHA), (-(1 - ALPHA ** 0.25), 1 - ALPHA ** 0.25))
+
+
+def test_difference_cis_are_clipped_to_the_possible_range():
+    # Four items, one flipped from right to wrong: t with 3 df reaches past -1.
+    est = S.paired_difference([1.0] * 4, [0.0, 1.0, 1.0, 1.0])
+    raw_lo, raw_hi = S.t_interval(est.diff, est.se, est.df, ALPHA)
+    assert raw_lo < -1.0
+    lo, hi = est.ci(ALPHA)
+    assert lo == -1.0 and hi == raw_hi < 1.0
+
+
+def test_few_items_all_worse_at_the_margin_rarely_pass():
+    """Simulation of the usual quantized-variant case: a share `margin` of items turn wrong and
+    none turn right, so the true difference sits exactly on -margin and any `pass` is a false go.
+    The plain t bound passes 4-12% of the time here (few discordant items make the observed SE
+    too small, and with none it is 0); the gate's bound (exact when no item differs, a null-
+    variance floor otherwise) must stay at or under the one-sided 2.5%."""
+    rng = np.random.default_rng(21)
+    sims = 3000
+    for n in (DEFAULT_N, 100, 200, 400):
+        d = -(rng.random((sims, n)) < MARGIN).astype(float)
+        passes = plain = 0
+        for row in d:
+            est = S.paired_difference(np.ones(n), 1.0 + row)
+            passes += est.ci(ALPHA, MARGIN)[0] > -MARGIN
+            plain += est.se > 0 and S.t_interval(est.diff, est.se, est.df, ALPHA)[0] > -MARGIN or est.se == 0
+        print(f"\nall-worse at the margin, n={n}: false pass {passes / sims:.4f} (plain t {plain / sims:.4f})")
+        assert passes / sims <= ALPHA + 0.005, (n, passes / sims)
 
 
 # ---------------------------------------------------------------- simulations
@@ -210,11 +259,15 @@ def test_a_a_false_no_go_at_most_5_percent(rho):
     assert family_no_go <= 0.05, family_no_go
 
 
-def test_identical_copy_always_passes():
+def test_identical_copy_never_fails_and_passes_once_n_allows():
     rng = np.random.default_rng(13)
-    ref, _ = copula_pairs(rng, 200, DEFAULT_N, 0.6, 0.6, 0.5)
-    _, _, lo, hi = paired_ci(ref, ref.copy())
-    assert status_counts(lo, hi)["pass"] == 1.0
+    ref, _ = copula_pairs(rng, 50, DEFAULT_N, 0.6, 0.6, 0.5)
+    need = S.items_needed(S.paired_difference(ref[0], ref[0]), MARGIN, ALPHA)
+    for n in (DEFAULT_N, need):
+        rows = copula_pairs(rng, 50, n, 0.6, 0.6, 0.5)[0]
+        ests = [S.paired_difference(r, r.copy()) for r in rows]
+        status = {S.noninferiority_status(*e.ci(ALPHA), MARGIN) for e in ests}
+        assert status == ({"pass"} if n >= need else {"inconclusive"}), (n, need, status)
 
 
 def test_regression_of_twice_the_margin_is_caught():
