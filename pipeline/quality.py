@@ -267,6 +267,7 @@ def run(ctx) -> None:
     prompt_tokens = _prompt_tokens(load_tokenizer(ref_dir), data_files)
     ref_model = ref_tok = None
     heldout = heldout_info = None
+    ref_logp: dict = {}  # the reference's held-out log-probs, computed once for every variant
     timings = {}
     for name in order:
         vdir = variant_dir(name)
@@ -293,7 +294,7 @@ def run(ctx) -> None:
                     heldout, heldout_info = distribution.heldout_documents(
                         ref_tok, qcfg.distribution_docs, qcfg.distribution_tokens)
                 start = time.perf_counter()
-                per_doc = distribution.per_document(ref_model, model, heldout, device)
+                per_doc = distribution.per_document(ref_model, model, heldout, device, cache=ref_logp)
                 dist = {**distribution.summarize(per_doc), **heldout_info,
                         "seconds": time.perf_counter() - start}
             item.meta = {"variant": name, "dir": str(vdir), "items": n_items,

@@ -2,6 +2,7 @@
 its summaries, the distribution metrics, and the offline skip of a named lm-eval task."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -136,3 +137,26 @@ def test_distribution_identical_models_have_zero_drift(tiny_model, tiny_tokenize
     s = distribution.summarize(per_doc)
     assert s["kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert s["top1_agreement"] == 1.0 and s["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_distribution_reference_cache_gives_the_same_figures(tiny_model, tiny_tokenizer):
+    # A second variant reuses the reference's log-probs instead of a reference forward; the
+    # figures must be those of a fresh computation (the cache is exact, float32).
+    ids, _ = distribution.heldout_documents(tiny_tokenizer, n_docs=5, n_tokens=16)
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    cache: dict = {}
+    first = distribution.per_document(tiny_model, other, ids, torch.device("cpu"), batch=2, cache=cache)
+    assert sorted(cache) == [0, 2, 4]
+
+    class NoForward(torch.nn.Module):  # a reference that must not be run again
+        def forward(self, *a, **k):
+            raise AssertionError("reference forward despite the cache")
+
+    again = distribution.per_document(NoForward(), other, ids, torch.device("cpu"), batch=2, cache=cache)
+    fresh = distribution.per_document(tiny_model, other, ids, torch.device("cpu"), batch=2)
+    for key in fresh:
+        assert again[key] == pytest.approx(fresh[key], rel=1e-6, abs=1e-9) == first[key]
+    assert max(fresh["kl"]) > 0
