@@ -23,9 +23,16 @@ def test_default_yaml_restates_schema_defaults():
     assert load_config(REPO / "configs/default.yaml") == Config()
 
 
-@pytest.mark.parametrize("name", ["smoke.yaml", "gpu.yaml", "default.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_configs_validate(name):
     load_config(REPO / "configs" / name)
+
+
+def test_damaged_config_is_the_default_plus_one_noisy_variant():
+    damaged, default = load_config(REPO / "configs/damaged.yaml"), Config()
+    noisy = damaged.quantize.variants.pop("noisy")
+    assert noisy.weight_noise > 0 and noisy.release and noisy.scheme == "none"
+    assert damaged == default
 
 
 def test_unknown_key_is_named(tmp_path):
