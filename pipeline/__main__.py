@@ -19,32 +19,30 @@ from pathlib import Path
 from pipeline.config import ConfigError, load_config
 from pipeline.stage import StageError, StageSpec, run_stage
 
-_ALL = ["pipeline/*.py", "draft_models/*.py"]
 # name: config sections read, upstream stages, output dir, code, entry point. The order is the
-# order `evaluate` runs them in.
+# order `evaluate` runs them in. Code: "import:<module>" = the stage's module and every project
+# module it imports (pipeline.stage.import_closure), plus the data files it reads.
 STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
-        StageSpec("prepare", ["prepare"], [], "model", ["pipeline/prepare.py"], "pipeline.prepare:run",
+        StageSpec("prepare", ["prepare"], [], "model", ["import:pipeline.prepare"], "pipeline.prepare:run",
                   precheck="pipeline.prepare:check_model"),
         StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
-                  ["pipeline/quantize*.py", "pipeline/models.py", "evals/data/calibration.txt"],
-                  "pipeline.quantize:run"),
-        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["draft_models/*.py"],
+                  ["import:pipeline.quantize", "evals/data/calibration.txt"], "pipeline.quantize:run"),
+        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.drafts"],
                   "pipeline.drafts:run"),
         StageSpec("acceptance", ["acceptance", "device", "seed"], ["quantize", "drafts"], "acceptance",
-                  _ALL, "pipeline.acceptance:run"),
+                  ["import:pipeline.acceptance"], "pipeline.acceptance:run"),
         StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
-                  "latency", _ALL, "pipeline.latency:run"),
+                  "latency", ["import:pipeline.latency"], "pipeline.latency:run"),
         StageSpec("marginal", ["marginal"], ["acceptance", "latency"], "marginal",
-                  ["pipeline/marginal*.py", "pipeline/stats.py"], "pipeline.marginal:run"),
+                  ["import:pipeline.marginal"], "pipeline.marginal:run"),
         StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
-                  ["pipeline/quality*.py", "pipeline/models.py", "evals/*.py", "evals/tasks/*",
-                   "evals/data/*.jsonl"], "pipeline.quality:run"),
+                  ["import:pipeline.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.quality:run"),
         StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
-                  ["pipeline/gate*.py", "pipeline/stats.py"], "pipeline.gate:run"),
+                  ["import:pipeline.gate"], "pipeline.gate:run"),
         StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],
-                  "report", ["pipeline/report*.py"], "pipeline.report:run"),
+                  "report", ["import:pipeline.report"], "pipeline.report:run"),
     ]
 }
 

@@ -303,6 +303,8 @@ def run(ctx) -> None:
         item = ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
                                          or str(d)}, is_dir=False)
         if item.fresh:
+            # A resumed run keeps the bandwidth its grids were measured against in meta.json.
+            ctx.meta.setdefault("bandwidth", read_json(item.path).get("bandwidth"))
             continue
         model, _ = load_variant(d, device=device)
         ctx.meta["compile"] = _maybe_compile([model], lat, device)

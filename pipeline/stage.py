@@ -134,13 +134,68 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# Top-level packages of this repository: imports of these are followed when hashing a stage's code.
+PROJECT_PACKAGES = ("pipeline", "evals", "draft_models")
+
+
+def _module_file(dotted: str) -> Path | None:
+    """pipeline.engine -> pipeline/engine.py; a package -> its __init__.py; None if not ours."""
+    if dotted.split(".")[0] not in PROJECT_PACKAGES:
+        return None
+    base = REPO.joinpath(*dotted.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def import_closure(entry_modules: list[str]) -> list[Path]:
+    """The project's source files that `entry_modules` import, directly or not, including imports
+    inside functions (read from the source with ast, nothing is executed). A stage's code hash
+    is taken over this set: editing a module it never imports does not re-run it, and editing
+    one it does (however indirectly) does."""
+    import ast
+
+    seen: dict[Path, None] = {}
+    todo = [m for m in entry_modules]
+    while todo:
+        path = _module_file(todo.pop())
+        if path is None or path in seen:
+            continue
+        seen[path] = None
+        # The package this file belongs to (for pipeline/__init__.py, pipeline itself); its
+        # __init__ runs on import too.
+        pkg_parts = list(path.relative_to(REPO).with_suffix("").parts)[:-1]
+        for i in range(1, len(pkg_parts) + 1):
+            todo.append(".".join(pkg_parts[:i]))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                todo.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = pkg_parts[: len(pkg_parts) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                todo.append(mod)
+                todo.extend(f"{mod}.{a.name}" for a in node.names)  # `from pkg import module`
+    return sorted(seen)
+
+
 def code_hash(modules: list[str]) -> str:
-    """Hash of the source files a stage runs (paths relative to the repository root)."""
+    """Hash of the source files a stage runs. Entries are globs relative to the repository root
+    (data files, task YAMLs) or `import:<dotted module>`, which adds the module and every project
+    module it imports (import_closure)."""
+    files: set[Path] = set()
+    for rel in modules:
+        if rel.startswith("import:"):
+            files.update(import_closure([rel.removeprefix("import:")]))
+        else:
+            files.update(p for p in REPO.glob(rel) if p.is_file())
     h = hashlib.sha256()
-    for rel in sorted(modules):
-        for p in sorted(REPO.glob(rel)):
-            h.update(str(p.relative_to(REPO)).encode())
-            h.update(p.read_bytes())
+    for p in sorted(files):
+        h.update(str(p.relative_to(REPO)).encode())
+        h.update(p.read_bytes())
     return h.hexdigest()
 
 

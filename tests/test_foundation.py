@@ -243,3 +243,36 @@ def test_prepare_embedded_model(embedded_model_dir):
         30, 576, 9, 3, 49152)
     assert 130e6 < meta["parameters"] < 140e6
     assert meta["bytes"] < 300 * 2**20  # bf16, tied embeddings stored once
+
+
+def test_stage_code_hash_follows_imports_not_the_whole_tree():
+    from pipeline.stage import REPO as ROOT, import_closure
+
+    def rel(mod):
+        return {str(p.relative_to(ROOT)) for p in import_closure([mod])}
+
+    acceptance, quality, gate = rel("pipeline.acceptance"), rel("pipeline.quality"), rel("pipeline.gate")
+    # Direct, indirect (quantize_schemes through models) and package imports are followed...
+    assert {"pipeline/engine.py", "pipeline/sampling.py", "pipeline/quantize_schemes.py",
+            "draft_models/__init__.py", "draft_models/ngram.py", "pipeline/__init__.py"} <= acceptance
+    assert {"pipeline/distribution.py", "pipeline/stats.py", "evals/generate.py"} <= quality
+    # ...and a module a stage never imports does not re-run it.
+    assert "pipeline/gate.py" not in acceptance | quality and "pipeline/quality.py" not in gate
+    assert rel("numpy") == set() and rel("pipeline.nonexistent") == set()
+
+
+def test_editing_an_imported_module_changes_the_hash(tmp_path, monkeypatch):
+    import pipeline.stage as stage
+
+    pkg = tmp_path / "pipeline"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pipeline import b\n    return b.X\n")
+    (pkg / "b.py").write_text("X = 1\n")
+    (pkg / "c.py").write_text("Y = 1\n")
+    monkeypatch.setattr(stage, "REPO", tmp_path)
+    before = stage.code_hash(["import:pipeline.a"])
+    (pkg / "c.py").write_text("Y = 2\n")
+    assert stage.code_hash(["import:pipeline.a"]) == before
+    (pkg / "b.py").write_text("X = 2\n")
+    assert stage.code_hash(["import:pipeline.a"]) != before
