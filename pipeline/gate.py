@@ -26,7 +26,6 @@ and `gate/table.md`. How a cell is decided (pipeline/stats.py has the formulas):
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import zlib
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import stats
-from pipeline.stage import StageError, atomic_write_json, atomic_write_text, progress, read_json
+from pipeline.stage import StageError, atomic_write_json, atomic_write_text, progress, read_json, read_jsonl
 
 STATUS_ORDER = {"fail": 0, "inconclusive": 1, "pass": 2}
 
@@ -46,29 +45,20 @@ STATUS_ORDER = {"fail": 0, "inconclusive": 1, "pass": 2}
 
 def read_items(path: Path) -> list[dict]:
     """One slice's JSONL; a bad line is a StageError naming file and line."""
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise StageError(f"cannot read {path}: {e.strerror or e}") from None
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError
-            score = float(row["score"])
-            if not math.isfinite(score):
-                raise ValueError
-            row["id"] = str(row["id"])
-        except (ValueError, KeyError, TypeError):
-            raise StageError(f"corrupt artifact: {path}:{no} is not a quality item with id and a "
-                             f"finite score (delete it and re-run quality)") from None
-        rows.append(row)
+    rows = read_jsonl(path, "quality items", validate=_quality_item)
     if not rows:
         raise StageError(f"empty slice: {path} has no items")
     return rows
+
+
+def _quality_item(row) -> dict:
+    try:
+        if not isinstance(row, dict) or not math.isfinite(float(row["score"])):
+            raise ValueError
+        row["id"] = str(row["id"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError("is not a quality item with id and a finite score") from None
+    return row
 
 
 def by_item(rows: list[dict]) -> dict[str, dict]:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 LIBRARIES = (
@@ -101,9 +101,11 @@ def read_json(path: str | Path, what: str = "artifact") -> Any:
         raise StageError(f"corrupt {what}: {path} is not valid JSON (delete it and re-run)") from None
 
 
-def read_jsonl(path: str | Path, what: str = "artifact") -> list[dict]:
+def read_jsonl(path: str | Path, what: str = "artifact",
+               validate: Callable[[Any], Any] | None = None) -> list:
     """Read a JSON-lines artifact (blank lines skipped); a missing or corrupt one is a StageError
-    naming the file (and the line)."""
+    naming the file (and the line). `validate(row)` returns the row to keep, or raises ValueError
+    whose message says what the line is not; that too is reported with file and line."""
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
@@ -115,9 +117,15 @@ def read_jsonl(path: str | Path, what: str = "artifact") -> list[dict]:
     for no, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 raise StageError(f"corrupt {what}: {path}:{no} is not valid JSON (delete it and re-run)") from None
+            if validate is not None:
+                try:
+                    row = validate(row)
+                except ValueError as e:
+                    raise StageError(f"corrupt {what}: {path}:{no} {e} (delete it and re-run)") from None
+            rows.append(row)
     return rows
 
 
