@@ -26,6 +26,7 @@ all: evaluate
 
 # ------------------------------------------------------------------ install (once, or when pyproject changes)
 $(STAMP): pyproject.toml
+	@echo "specq: installing into $(VENV) (torch, transformers, GPTQModel, ...; 5-10 min, once)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
