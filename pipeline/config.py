@@ -138,7 +138,13 @@ class QualityConfig(Section):
     # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in
     # the chat template cut reference scores to 0-17% (12 items per slice), plain was 25-62%.
     chat_template: bool = False
-    batch_size: int = 8
+    # lm-eval model: "prefix" computes each shared prompt prefix once and decodes greedy
+    # generations batch_size at a time (pipeline/prefix_lm.py); "hflm" is lm-eval's HFLM.
+    evaluator: Literal["prefix", "hflm"] = "prefix"
+    # Rows per forward pass (prefill and decode). On CPU a pass costs ~110 ms for the weights plus
+    # ~2.3 ms per row-token, so big batches pay: 40 rows decoded tool_args in 31 steps (13 s),
+    # 8 rows in 155 steps (35 s). The prefix evaluator caps a decode batch at 16k cached positions.
+    batch_size: int = 40
     # Distribution metrics (KL, top-1 agreement, perplexity ratio) on held-out documents.
     distribution_docs: int = 16
     distribution_tokens: int = 256

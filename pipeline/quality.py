@@ -3,12 +3,15 @@
     python -m pipeline quality --run runs/smollm2-135m --config configs/default.yaml
     make quality MODEL=smollm2-135m
 
-Evaluation runs through lm-eval (`simple_evaluate` with an HFLM wrapping the model that
+Evaluation runs through lm-eval (`simple_evaluate` on the model that
 `pipeline.models.load_variant` loaded, `log_samples=True` for per-item results): the built-in
 slices are the task YAMLs in evals/tasks/ over the JSONL items in evals/data/, and `quality.tasks`
 may add standard lm-eval tasks by name (run where their data is reachable, skipped with one line
-where it is not). All tasks of a variant go through one lm-eval call, which batches requests of a
-kind across tasks (`quality.batch_size`) after sorting them by length.
+where it is not). All tasks of a variant go through one lm-eval call. The lm-eval model is
+`quality.evaluator`: `prefix` (default; pipeline.prefix_lm: each shared prompt prefix computed
+once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own HFLM,
+which batches requests of a kind after sorting them by length). Both give the same scores up to
+float summation order; the prefix evaluator's token counts go into meta.json.
 
 Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
   quality/data/<slice>.jsonl        the items scored (the shipped ones, or regenerated when the
@@ -21,6 +24,7 @@ Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json h
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -86,9 +90,9 @@ def resolve_named_tasks(names: list[str]) -> tuple[list[str], dict[str, str]]:
     """Standard lm-eval tasks whose data can be loaded here; the others with the reason."""
     if not names:
         return [], {}
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    manager = TaskManager()
+    manager = task_manager(with_defaults=True)
     usable, skipped = [], {}
     for name in names:
         if name not in manager.all_tasks:
@@ -103,6 +107,16 @@ def resolve_named_tasks(names: list[str]) -> tuple[list[str], dict[str, str]]:
         if name in skipped:
             progress(f"quality: skipping lm-eval task '{name}': {skipped[name]}")
     return usable, skipped
+
+
+@functools.lru_cache(maxsize=2)
+def task_manager(with_defaults: bool):
+    """lm-eval's task index, built once per process: indexing lm-eval's own ~27k task YAMLs took
+    about 12 s, and simple_evaluate builds a fresh index on every call unless given one. The
+    built-in slices are passed as configs, so without named tasks no index of defaults is needed."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=with_defaults)
 
 
 @contextlib.contextmanager
@@ -123,21 +137,28 @@ def _quiet():
 # ------------------------------------------------------------------ evaluation
 
 
-def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], qcfg, seed: int) -> dict:
-    """Run every task through lm-eval on the loaded model; returns {task key: per-item records}."""
+def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], qcfg,
+             seed: int) -> tuple[dict, dict]:
+    """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
+    the evaluator's counters: prompt tokens requested and computed, generated tokens, ...)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+    if qcfg.evaluator == "prefix":
+        from pipeline.prefix_lm import PrefixCachedLM
+
+        lm = PrefixCachedLM(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+    else:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
     tasks = list(task_configs.values()) + list(named)
     use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
     with _quiet():
         res = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
             bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed, verbosity="ERROR")
+            fewshot_random_seed=seed, verbosity="ERROR", task_manager=task_manager(bool(named)))
     samples = res["samples"]
     out = {}
     for name, cfg in task_configs.items():
@@ -145,7 +166,7 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], 
     for name in named:
         out[name] = [r for s in sorted(samples.get(name, []), key=lambda s: s["doc_id"])
                      if (r := _named_record(name, s)) is not None]
-    return out
+    return out, dict(getattr(lm, "stats", {}))
 
 
 def _builtin_record(slice_name: str, sample: dict) -> dict:
@@ -285,7 +306,7 @@ def run(ctx) -> None:
             model, tok = (ref_model, ref_tok) if name == reference else load_variant(vdir, device)
             configs = {s: builtin_task_config(s, data_files[s], qcfg.max_new_tokens) for s in qcfg.slices}
             start = time.perf_counter()
-            records = evaluate(model, tok, configs, named, qcfg, cfg.seed)
+            records, counters = evaluate(model, tok, configs, named, qcfg, cfg.seed)
             eval_s = time.perf_counter() - start
             n_items = sum(len(r) for r in records.values())
             dist = None
@@ -299,26 +320,32 @@ def run(ctx) -> None:
                         "seconds": time.perf_counter() - start}
             item.meta = {"variant": name, "dir": str(vdir), "items": n_items,
                          "eval_seconds": round(eval_s, 2),
-                         "items_per_second": round(n_items / eval_s, 3) if eval_s > 0 else None}
+                         "items_per_second": round(n_items / eval_s, 3) if eval_s > 0 else None,
+                         "evaluator": qcfg.evaluator,
+                         **({"counters": {k: round(v, 2) if isinstance(v, float) else v
+                                          for k, v in counters.items()}} if counters else {})}
             with item.writing() as tmp:
                 for task, recs in records.items():
                     atomic_write_text(tmp / f"{task}.jsonl",
                                       "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
                 if dist is not None:
                     atomic_write_json(tmp / "distribution.json", dist)
+            reuse = (f"; computed {counters['computed_tokens']} of {counters['prompt_tokens']} prompt tokens"
+                     if counters.get("prompt_tokens") else "")
             progress(f"quality: {name}: {n_items} items in {eval_s:.1f} s "
-                     f"({n_items / max(eval_s, 1e-9):.2f} items/s)")
+                     f"({n_items / max(eval_s, 1e-9):.2f} items/s{reuse})")
             if model is not ref_model:
                 del model
         timings[name] = {k: read_json(item.path / "meta.json").get(k)
-                         for k in ("items", "eval_seconds", "items_per_second")}
+                         for k in ("items", "eval_seconds", "items_per_second", "counters")}
         _write_summary(ctx, name, reference, list(qcfg.slices) + named)
     _check_same_ids(ctx.out_dir, order, list(qcfg.slices) + named)
     ctx.meta.update({
         "variants": order, "reference": reference, "slices": list(qcfg.slices), "tasks": named,
         "skipped_tasks": skipped, "items_per_slice": qcfg.items_per_slice,
         "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
-                       "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size},
+                       "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size,
+                       "evaluator": qcfg.evaluator},
         "data_sha256": data_hashes, "prompt_tokens": prompt_tokens, "timing": timings,
     })
 

@@ -56,7 +56,10 @@ def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     meta_path = run_stage(STAGES["quality"], run, cfg, {}, STAGES)
     meta = json.loads(meta_path.read_text())
     assert meta["generation"] == {"greedy": True, "max_new_tokens": 4, "chat_template": False,
-                                  "batch_size": 4}
+                                  "batch_size": 4, "evaluator": "prefix"}
+    # The prefix evaluator's counters: the calibration options share their question.
+    counters = meta["timing"]["bf16"]["counters"]
+    assert 0 < counters["computed_tokens"] < counters["prompt_tokens"]
     assert meta["variants"] == ["bf16", "noisy"]
     q = run / "quality"
     for slice_name in SLICES:
