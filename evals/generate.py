@@ -32,7 +32,9 @@ LONG_CONTEXT_DEPTHS = [0.1, 0.5, 0.9]
 # records the real token counts. About 50 tokens go to the instruction, fact and question.
 CHARS_PER_TOKEN = 4.65
 QUESTION_TOKENS = 50
-DISTRACTORS = 2  # facts about other keys planted in the same haystack
+# Facts about keys nobody asks for, beyond the block's own needles (each item already has
+# len(depths) - 1 other facts of its kind in the haystack: the other items' needles).
+DISTRACTORS = 2
 
 NAMES = ["Tom", "Anna", "Sam", "Lisa", "Ben", "Mia", "Max", "Emma", "Leo", "Zoe"]
 OBJECTS = ["apples", "books", "pens", "cards", "balls", "cups", "coins", "eggs"]
@@ -40,6 +42,22 @@ OBJECTS = ["apples", "books", "pens", "cards", "balls", "cups", "coins", "eggs"]
 
 def _rng(slice_name: str, seed: int, i: int) -> random.Random:
     return random.Random(f"{slice_name}:{seed}:{i}")
+
+
+def _shots_and_question(slice_name: str, seed: int, i: int, kind: str, make, k: int):
+    """`k` few-shot examples fixed per `kind` (every item of a kind shows the same ones, as
+    lm-eval's fixed few-shot prompts do, so those items share a prompt prefix the evaluator
+    computes once) and the item's own question, drawn again while it repeats a shot's."""
+    shot_rng = _rng(f"{slice_name}-shots", seed, 0)
+    shot_rng.seed(f"{slice_name}-shots:{seed}:{kind}")
+    shots = [make(shot_rng) for _ in range(k)]
+    r = _rng(slice_name, seed, i)
+    question = make(r)
+    for _ in range(100):
+        if question[0] not in [s[0] for s in shots]:
+            break
+        question = make(r)
+    return shots, question
 
 
 def _qa_prompt(instruction: str, shots: list[tuple[str, str]], question: str) -> str:
@@ -53,13 +71,13 @@ def _qa_prompt(instruction: str, shots: list[tuple[str, str]], question: str) ->
 # ------------------------------------------------------------------ reasoning
 
 def _r_add(r):
-    n, o, a, b = r.choice(NAMES), r.choice(OBJECTS), r.randint(1, 9), r.randint(1, 9)
+    n, o, a, b = r.choice(NAMES), r.choice(OBJECTS), r.randint(1, 5), r.randint(1, 4)
     return f"{n} has {a} {o}. {n} gets {b} more {o}. How many {o} does {n} have now?", str(a + b)
 
 
 def _r_sub(r):
-    n, o, b = r.choice(NAMES), r.choice(OBJECTS), r.randint(1, 8)
-    a = b + r.randint(1, 9)
+    n, o, b = r.choice(NAMES), r.choice(OBJECTS), r.randint(1, 5)
+    a = b + r.randint(1, 5)
     return f"{n} has {a} {o} and gives away {b}. How many {o} are left?", str(a - b)
 
 
@@ -82,7 +100,7 @@ def _r_order(r):
 
 
 def _r_double(r):
-    a = r.randint(2, 20)
+    a = r.randint(1, 10)
     return f"What is double {a}?", str(2 * a)
 
 
@@ -96,10 +114,8 @@ SHOTS = 2
 def reasoning(n: int, seed: int = SEED) -> list[dict]:
     items, kinds = [], list(REASONING)
     for i in range(n):
-        r = _rng("reasoning", seed, i)
         kind = kinds[i % len(kinds)]
-        shots = [REASONING[kind](r) for _ in range(SHOTS)]
-        q, a = REASONING[kind](r)
+        shots, (q, a) = _shots_and_question("reasoning", seed, i, kind, REASONING[kind], SHOTS)
         shots = [(sq.strip(), sa) for sq, sa in shots]
         name_answer = kind == "order"
         instruction = ("Answer each question with one name." if name_answer
@@ -191,37 +207,47 @@ def _filler(r: random.Random, n_chars: int) -> list[str]:
 
 def long_context(n: int, seed: int = SEED, lengths: list[int] | None = None,
                  depths: list[float] | None = None) -> list[dict]:
-    """One haystack (cluster) per block of len(depths) items; each item plants its own fact at one
-    depth of that haystack. Lengths cycle over blocks, so every length gets the same share."""
+    """One haystack (cluster) per block of len(depths) items. The haystack holds one fact per
+    item, each about its own key and planted at that item's depth (plus DISTRACTORS facts about
+    keys nobody asks for); each item asks about its own key. So the items of a block share the
+    whole haystack (the prefix evaluator reads it once per block, not once per item) and each
+    item's distractors are the other items' facts. Lengths cycle over blocks, so every length
+    gets the same share."""
     lengths = list(lengths or LONG_CONTEXT_LENGTHS)
     depths = list(depths or LONG_CONTEXT_DEPTHS)
+    if len(depths) + DISTRACTORS > len(_KEYS):
+        raise ValueError(f"{len(depths)} depths + {DISTRACTORS} distractors need more than {len(_KEYS)} keys")
     items = []
-    for i in range(n):
-        block, d = divmod(i, len(depths))
+    for block in range((n + len(depths) - 1) // len(depths)):
         length = lengths[block % len(lengths)]
-        hay = _rng("long_context-haystack", seed, block * 1000 + length)  # shared by the block
+        hay = _rng("long_context-haystack", seed, block * 1000 + length)
         sentences = _filler(hay, int((length - QUESTION_TOKENS) * CHARS_PER_TOKEN))
-        r = _rng("long_context", seed, i)
-        key, *others = r.sample(_KEYS, 1 + DISTRACTORS)
-        code = str(r.randint(1000, 9999))
-        # Distractors: the same kind of fact about other keys, at random depths (with the needle
-        # alone the reference found it 5 of 5 times: nothing left for the gate to detect).
-        for other in others:
-            k = r.randrange(len(sentences) + 1)
-            sentences = sentences[:k] + [f"The secret number of the {other} is {r.randint(1000, 9999)}."] \
-                + sentences[k:]
-        fact = f"The secret number of the {key} is {code}."
-        pos = int(round(depths[d] * len(sentences)))
-        text = " ".join(sentences[:pos] + [fact] + sentences[pos:])
-        # The answer is cued ("...is") so the first line holds the number: asked open-endedly the
-        # 135M model answered with an empty line on 12 of 12 items.
-        prompt = (f"Read the text and answer the question.\n\n{text}\n\n"
-                  f"Question: What is the secret number of the {key}?\n"
-                  f"Answer: The secret number of the {key} is")
-        items.append({"id": f"long_context-{i:05d}", "slice": "long_context",
-                      "cluster": f"long_context:haystack-{block}", "group": str(length),
-                      "prompt": prompt, "target": code, "answer_type": "number",
-                      "depth": depths[d], "length": length})
+        r = _rng("long_context", seed, block)
+        keys = r.sample(_KEYS, len(depths) + DISTRACTORS)
+        codes = [str(c) for c in r.sample(range(1000, 10000), len(keys))]  # all different
+        facts = [f"The secret number of the {k} is {c}." for k, c in zip(keys, codes)]
+        # Slots in the filler: needles at their depths, distractors anywhere; inserted from the
+        # back so that earlier slots keep their place.
+        slots = [int(round(d * len(sentences))) for d in depths] + \
+            [r.randrange(len(sentences) + 1) for _ in range(DISTRACTORS)]
+        text = list(sentences)
+        for slot, fact in sorted(zip(slots, facts), key=lambda x: -x[0]):
+            text.insert(slot, fact)
+        text = " ".join(text)
+        for d, depth in enumerate(depths):
+            i = block * len(depths) + d
+            if i >= n:
+                break
+            key = keys[d]
+            # The answer is cued ("...is") so the first line holds the number: asked
+            # open-endedly the 135M model answered with an empty line on 12 of 12 items.
+            prompt = (f"Read the text and answer the question.\n\n{text}\n\n"
+                      f"Question: What is the secret number of the {key}?\n"
+                      f"Answer: The secret number of the {key} is")
+            items.append({"id": f"long_context-{i:05d}", "slice": "long_context",
+                          "cluster": f"long_context:haystack-{block}", "group": str(length),
+                          "prompt": prompt, "target": codes[d], "answer_type": "number",
+                          "depth": depth, "length": length})
     return items
 
 
@@ -282,10 +308,9 @@ def calibration(n: int, seed: int = SEED) -> list[dict]:
     the answer (letter answers are at chance for a 135M model)."""
     items = []
     for i in range(n):
-        r = _rng("calibration", seed, i)
         kind = MC_KINDS[i % len(MC_KINDS)]
-        shots = [_mc_question(r, kind) for _ in range(2)]
-        q, options, label = _mc_question(r, kind)
+        shots, (q, options, label) = _shots_and_question(
+            "calibration", seed, i, kind, lambda r, kind=kind: _mc_question(r, kind), 2)
         prompt = "\n\n".join([f"{_mc_block(sq, so)} {so[sl]}" for sq, so, sl in shots]
                               + [_mc_block(q, options)])
         items.append({"id": f"calibration-{i:05d}", "slice": "calibration", "cluster": f"calibration:{kind}",
@@ -337,11 +362,10 @@ def _call(name: str, args: dict) -> str:
 def tool_args(n: int, seed: int = SEED) -> list[dict]:
     items, names = [], list(TOOLS)
     for i in range(n):
-        r = _rng("tool_args", seed, i)
         tool = names[i % len(names)]
-        shot_tool = names[(i + 1) % len(names)]
-        shot_req, shot_args = _tool_request(r, shot_tool)
-        req, args = _tool_request(r, tool)
+        shot_tool = names[(i + 1) % len(names)]  # the example shows another tool's call
+        shot_req, shot_args = _tool_request(_rng("tool_args-shots", seed, names.index(tool)), shot_tool)
+        req, args = _tool_request(_rng("tool_args", seed, i), tool)
         prompt = ("Reply with a JSON function call only, in the form "
                   "{\"name\": ..., \"arguments\": {...}}.\n\n"
                   f"Function: {json.dumps(TOOLS[shot_tool])}\nRequest: {shot_req}\n"

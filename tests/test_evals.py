@@ -43,6 +43,22 @@ def test_slice_specific_fields():
         # longer nominal length -> longer text (the stage records real token counts)
     by_len = {it["length"]: len(it["prompt"]) for it in lc}
     assert by_len[256] < by_len[512] < by_len[1024]
+    # A block's items share the whole haystack (only the question differs), and each item's
+    # fact sits at its depth; the other facts in it are distractors with other keys and numbers.
+    for block in range(3):
+        items = lc[3 * block:3 * block + 3]
+        hays = {it["prompt"].split("\n\nQuestion:")[0] for it in items}
+        assert len(hays) == 1 and len({it["cluster"] for it in items}) == 1
+        hay = hays.pop()
+        assert hay.count("The secret number of the") == len(gen.LONG_CONTEXT_DEPTHS) + gen.DISTRACTORS
+        where = [hay.index(f"is {it['target']}.") / len(hay) for it in items]
+        assert where == sorted(where) and abs(where[0] - 0.1) < 0.1 and abs(where[2] - 0.9) < 0.1
+    # Few-shot examples are fixed per kind (a shared prefix) and never the item's own question.
+    rs = gen.reasoning(12)
+    for a, b in zip(rs[:6], rs[6:]):
+        shots = a["prompt"].rsplit("\nQ: ", 1)[0]
+        assert b["prompt"].rsplit("\nQ: ", 1)[0] == shots
+        assert a["prompt"].rsplit("\nQ: ", 1)[1] not in shots
     for it in gen.calibration(12):
         assert 0 <= it["label"] < len(it["choices"]) and it["target"] == it["choices"][it["label"]]
     for it in gen.tool_args(8):
