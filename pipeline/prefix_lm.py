@@ -276,7 +276,7 @@ class PrefixCachedLM(HFLM):
                 t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
             return False
         return self.backend == "causal" and hasattr(DynamicCache(), "layers") \
-            and self.think_end_token is None
+            and getattr(self, "think_end_token", None) is None
 
     def _account(self, walk: PrefixWalk, prefill_s: float, decode_s: float = 0.0) -> None:
         self.stats["prompt_tokens"] += walk.requested
