@@ -330,7 +330,8 @@ class PrefixCachedLM(HFLM):
         for i, req in enumerate(requests):
             kwargs = normalize_gen_kwargs(req.args[1], self.max_gen_toks)
             greedy = not kwargs.get("do_sample") and not kwargs.get("temperature")
-            if greedy and set(kwargs) <= {"until", "max_gen_toks", "do_sample", "temperature"}:
+            # An empty prompt has no token to prefill from: HFLM's path handles it.
+            if greedy and req.args[0] and set(kwargs) <= {"until", "max_gen_toks", "do_sample", "temperature"}:
                 groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
             else:
                 fallback.append(i)
