@@ -40,7 +40,7 @@ NAMES = ["Tom", "Anna", "Sam", "Lisa", "Ben", "Mia", "Max", "Emma", "Leo", "Zoe"
 OBJECTS = ["apples", "books", "pens", "cards", "balls", "cups", "coins", "eggs"]
 
 
-def _rng(slice_name: str, seed: int, i: int) -> random.Random:
+def _rng(slice_name: str, seed: int, i: int | str) -> random.Random:
     return random.Random(f"{slice_name}:{seed}:{i}")
 
 
@@ -48,8 +48,7 @@ def _shots_and_question(slice_name: str, seed: int, i: int, kind: str, make, k: 
     """`k` few-shot examples fixed per `kind` (every item of a kind shows the same ones, as
     lm-eval's fixed few-shot prompts do, so those items share a prompt prefix the evaluator
     computes once) and the item's own question, drawn again while it repeats a shot's."""
-    shot_rng = _rng(f"{slice_name}-shots", seed, 0)
-    shot_rng.seed(f"{slice_name}-shots:{seed}:{kind}")
+    shot_rng = _rng(f"{slice_name}-shots", seed, kind)
     shots = [make(shot_rng) for _ in range(k)]
     r = _rng(slice_name, seed, i)
     question = make(r)

@@ -47,8 +47,8 @@ from tqdm import tqdm
 CALL_COST = 0.11
 TOKEN_COST = 0.0023
 # A decode batch holds at most this many cached positions (rows x padded length): every step
-# reads (and DynamicCache re-concatenates) the whole cache, so 40 rows of a 1k-token haystack
-# decoded slower together than in batches of ~16.
+# reads the whole cache, so 40 rows of a 1k-token haystack decoded slower together than in
+# batches of ~16.
 DECODE_KV_TOKENS = 16384
 
 
@@ -176,16 +176,17 @@ class Rows:
 
 
 class PrefixWalk:
-    """One batch-1 KV cache moved from head to head, and the batches run on top of it."""
+    """One batch-1 KV cache moved from head to head, and the batches run on top of it.
+    `fwd` is forward_kwargs(model), worked out once per model by the caller."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, fwd: tuple[str, bool]):
         self.model, self.device = model, device
         self.tokens: list[int] = []
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.requested = 0   # prompt tokens asked for
         self.computed = 0    # prompt tokens that went through the model (pads not counted)
         self.calls = 0
-        self._cache_kw, self._keep_arg = forward_kwargs(model)
+        self._cache_kw, self._keep_arg = fwd
 
     def _forward(self, ids, positions, cache, keep: int, mask=None):
         kwargs = {self._cache_kw: cache, **({"logits_to_keep": keep} if self._keep_arg else {})}
@@ -265,6 +266,7 @@ class PrefixCachedLM(HFLM):
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self._stop_ids = {i for i in [self.eot_token_id, *gen_eos] if i is not None}
         self.supported = self._plain_kv_cache()
+        self._fwd = forward_kwargs(self.model)
 
     def _plain_kv_cache(self) -> bool:
         """Only caches made of plain per-layer K/V tensors can be cut and batched as done here."""
@@ -297,7 +299,7 @@ class PrefixCachedLM(HFLM):
             inputs.append((ctx + cont)[-(self.max_length + 1):][:-1])
             need.append(len(cont))
         res: list = [None] * len(requests)
-        walk = PrefixWalk(self.model, self.device)
+        walk = PrefixWalk(self.model, self.device, self._fwd)
         start = time.perf_counter()
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests (prefix-shared)")
@@ -341,7 +343,7 @@ class PrefixCachedLM(HFLM):
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         bar = tqdm(total=len(requests) - len(fallback), disable=disable_tqdm or self.rank != 0,
                    desc="Running generate_until requests (prefix-shared)")
-        walk = PrefixWalk(self.model, self.device)
+        walk = PrefixWalk(self.model, self.device, self._fwd)
         prefill_s = decode_s = 0.0
         with torch.inference_mode(), gqa_attention(self.device):
             for idx in groups.values():
@@ -395,12 +397,14 @@ class PrefixCachedLM(HFLM):
         live = [j for j, i in enumerate(rows.ids) if not self._finished(out[i], until, max_gen)]
         if not live:
             return out
-        sel = torch.tensor(live, dtype=torch.long, device=self.device)
-        cache = _decode_cache([(k[sel], v[sel]) for k, v in rows.kv], room=max_gen)
-        mask, pos = rows.mask[sel], rows.position[sel]
+        kv, mask, pos = rows.kv, rows.mask, rows.position
+        if len(live) < len(rows.ids):  # rows done at their first token; else no extra copy
+            sel = torch.tensor(live, dtype=torch.long, device=self.device)
+            kv, mask, pos = [(k[sel], v[sel]) for k, v in kv], mask[sel], pos[sel]
+        cache = _decode_cache(kv, room=max_gen)
         alive = [rows.ids[j] for j in live]
         cur = torch.tensor([out[i][-1] for i in alive], dtype=torch.long, device=self.device)
-        cache_kw, keep_arg = forward_kwargs(self.model)
+        cache_kw, keep_arg = self._fwd
         kwargs = {cache_kw: cache, **({"logits_to_keep": 1} if keep_arg else {})}
         while alive:
             mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=mask.device)], 1)

@@ -8,7 +8,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from pipeline.prefix_lm import PrefixCachedLM, PrefixWalk, common_prefix, plan_batches
+from pipeline.prefix_lm import PrefixCachedLM, PrefixWalk, common_prefix, forward_kwargs, plan_batches
 
 SHARED = "the quick brown fox jumps over the lazy dog. a cat sat on the mat"
 CONTEXTS = [SHARED + " and looked at", SHARED + " and", "Le chat est sur la table.",
@@ -74,7 +74,7 @@ def test_each_distinct_prefix_is_computed_once(tiny_model, tiny_tokenizer):
     branch on a moved cache equal a fresh forward's."""
     prompts = [tiny_tokenizer.encode(c) for c in CONTEXTS]
     tree = {tuple(p[:i]) for p in prompts for i in range(1, len(p) + 1)}
-    walk = PrefixWalk(tiny_model, torch.device("cpu"))
+    walk = PrefixWalk(tiny_model, torch.device("cpu"), forward_kwargs(tiny_model))
     with torch.inference_mode():
         for p in sorted(prompts):
             walk.move_to(p)
