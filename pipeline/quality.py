@@ -147,14 +147,13 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if qcfg.evaluator == "prefix":
-        from pipeline.prefix_lm import PrefixCachedLM
-
-        lm = PrefixCachedLM(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+        from pipeline.prefix_lm import PrefixCachedLM as lm_class
     else:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+        lm_class = HFLM
     tasks = list(task_configs.values()) + list(named)
     use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
-    with _quiet():
+    with _quiet():  # HFLM warns at construction that it was handed a loaded model: expected here
+        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
         res = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
             bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
