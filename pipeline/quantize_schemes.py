@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -294,11 +295,31 @@ def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
             "bits": 4, "group_size": 64, "scales": "one absmax per block of 64 weights"}
 
 
+class _OncePerMessage(logging.Filter):
+    """Let each distinct message through once."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg in self.seen:
+            return False
+        self.seen.add(msg)
+        return True
+
+
 def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     import warnings
 
-    # LLM.int8 on float32 inputs warns once per matmul call that it casts them to float16.
+    # LLM.int8 on float32 inputs says on every matmul call that it casts them to float16: as a
+    # warning in older bitsandbytes, through its logger in 0.50 (28,980 lines in one int8 quality
+    # run). Keep the logged one once, so the fact is still on record.
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _OncePerMessage) for f in bnb_log.filters):
+        bnb_log.addFilter(_OncePerMessage())
     model = _hf_from_pretrained(path, dtype, device)
     # transformers keeps a pre-quantized bnb model's unquantized parts (embeddings, norms) in the
     # stored dtype and refuses model.to(dtype); cast those plain parameters one by one.
