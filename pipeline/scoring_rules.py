@@ -32,7 +32,17 @@ def normalised(probs) -> np.ndarray:
 
 
 def brier_per_item(option_probs: Sequence[Sequence[float]], labels: Sequence[int]) -> np.ndarray:
-    """Multi-class Brier score per item, after normalising each item's probabilities to sum to 1."""
+    """Multi-class Brier score per item, after normalising each item's probabilities to sum to 1.
+    A 2-D array (every item with the same options) is scored in one vectorised pass."""
+    if isinstance(option_probs, np.ndarray) and option_probs.ndim == 2:
+        p, y = option_probs.astype(float), np.asarray(labels, dtype=int)
+        if not np.all(np.isfinite(p)) or np.any(p < 0) or np.any(p.sum(axis=1) <= 0) or p.shape[1] < 2:
+            raise ValueError("option_probs must be rows of >= 2 finite non-negative numbers")
+        if np.any((y < 0) | (y >= p.shape[1])):
+            raise ValueError(f"labels must lie in 0..{p.shape[1] - 1}")
+        p = p / p.sum(axis=1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        return (p**2).sum(axis=1)
     out = np.empty(len(labels))
     for i, (probs, label) in enumerate(zip(option_probs, labels)):
         p = normalised(probs)

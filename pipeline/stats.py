@@ -110,6 +110,11 @@ def mean_se(d: np.ndarray, codes: np.ndarray | None = None) -> tuple[np.ndarray,
     return mean, np.sqrt(g / (g - 1) * (sums**2).sum(axis=-1) / n**2), g - 1
 
 
+def t_bound(diff, se, df, alpha, side: int):
+    """diff + side * t_{df}(1 - alpha) * se: the one-sided t bound (side -1 lower, +1 upper)."""
+    return np.asarray(diff) + side * sps.t.isf(alpha, df) * np.asarray(se)
+
+
 # ---------------------------------------------------------------- estimates
 
 
@@ -203,7 +208,7 @@ class PairedMean(Estimate):
             end = self.diff_range[0] if side < 0 else self.diff_range[1]
             value = self.diff + self._exceptions(alpha) * (end - self.diff)
         else:
-            value = self.diff + side * sps.t.isf(alpha, self.df) * self.se
+            value = float(t_bound(self.diff, self.se, self.df, alpha, side))
         if self.diff_range is not None:
             value = min(max(value, self.diff_range[0]), self.diff_range[1])
         return float(value)
@@ -380,7 +385,8 @@ def mean_ci(scores: Sequence[float], codes: np.ndarray | None, confidence: float
         usable = 0.0 < se < math.inf and spread > 0.0
         n_eff = spread / se**2 if usable else n / design_effect_bound(codes)
         lo, hi = proportion_confint(mean * n_eff, n_eff, alpha=1.0 - confidence, method="wilson")
-        return mean, [float(lo), float(hi)], f"Wilson at effective n {n_eff:.1f} ({unit})"
+        # min/max: float rounding can put Wilson's end a hair inside a mean of exactly 0 or 1.
+        return mean, [min(float(lo), mean), max(float(hi), mean)], f"Wilson at effective n {n_eff:.1f} ({unit})"
     if g < 2:
         return mean, [None, None], "one cluster"
     q = sps.t.isf((1.0 - confidence) / 2.0, g - 1)
