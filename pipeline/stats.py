@@ -131,6 +131,8 @@ class Estimate:
     n_clusters: int
     method: str
     higher_is_better: bool = True
+    # Variance inflation from clustering: PairedBinary uses the largest the cluster sizes allow;
+    # PairedMean reports the observed one (its CR1 SE already includes it).
     design_effect: float = 1.0
 
     def ci(self, alpha_lower: float, alpha_upper: float | None = None) -> tuple[float, float]:
