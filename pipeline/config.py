@@ -120,6 +120,13 @@ class LatencyConfig(Section):
     # Level of the bootstrap CIs (over repeats) on every latency figure.
     confidence: float = 0.95
 
+    @field_validator("k_max")
+    @classmethod
+    def _k(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("k_max must be >= 1 (or null: acceptance.k_max)")
+        return v
+
 
 class MarginalConfig(Section):
     confidence: float = 0.95
