@@ -123,20 +123,21 @@ def float_matrix_fraction(model, reference_params: int) -> float:
     return remaining / reference_params if reference_params else 1.0
 
 
-def check_engine_cache(config) -> None:
+def check_engine_cache(model_or_config) -> None:
     """The decode engine rolls its static KV cache back by moving one position, which only works
     when every layer's cache is a plain full-attention StaticLayer. A sliding-window layer
     (Gemma 2/3, Mistral with a window) keeps a rolling buffer whose overwritten slots cannot be
     restored, and linear-attention / SSM layers keep no positions at all."""
     from transformers import StaticCache
 
+    config = getattr(model_or_config, "config", model_or_config)
     try:
         cache = StaticCache(config=config, max_cache_len=8)
     except (ValueError, TypeError, AttributeError) as e:
-        raise StageError(f"architecture {architecture(config)}: transformers' StaticCache cannot be built for it "
+        raise StageError(f"architecture {architecture(model_or_config)}: transformers' StaticCache cannot be built for it "
                          f"({str(e).splitlines()[0][:120]}); the decode engine needs one") from None
     kinds = sorted({type(layer).__name__ for layer in cache.layers} - {"StaticLayer"})
     if kinds:
-        raise StageError(f"architecture {architecture(config)}: its KV cache has {', '.join(kinds)} layers, which the "
+        raise StageError(f"architecture {architecture(model_or_config)}: its KV cache has {', '.join(kinds)} layers, which the "
                          "decode engine (drafts, acceptance, latency) cannot roll back by position; it "
                          "supports full-attention caches only")
