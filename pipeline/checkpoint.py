@@ -113,7 +113,9 @@ def _check_loadable(label: str, path: Path, info: dict, device: torch.device) ->
 
     qcfg = dict(info["quantization_config"])
     qcfg.setdefault("quant_method", method)
-    if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+    # transformers files bitsandbytes under two keys, one per bit width.
+    key = f"{method}_{'8bit' if qcfg.get('load_in_8bit') else '4bit'}" if method == "bitsandbytes" else method
+    if key not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         raise StageError(f"{label}: {path} is quantized with '{method}', which transformers "
                          f"{_version('transformers')} does not know")
     try:
