@@ -240,10 +240,9 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
 
 def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     from gptqmodel import GPTQModel
-
-    # GPTQModel prints to stdout while loading; keep stdout for the stages' own output.
     from transformers import AutoConfig
 
+    # GPTQModel prints to stdout while loading; keep stdout for the stages' own output.
     with contextlib.redirect_stdout(sys.stderr), transformers_classes_kept(AutoConfig.from_pretrained(path)):
         gm = GPTQModel.load(str(path), device=str(device), dtype=dtype)
     return gm.model
