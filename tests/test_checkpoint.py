@@ -136,3 +136,54 @@ def test_unusable_checkpoints_are_refused_before_the_first_variant(tmp_path, tin
     line = err.strip().splitlines()[-1]
     assert "Traceback" not in err and line.startswith("specq: variant 'ck': ") and message in line, line
     assert not (run / "variants/ref").exists() and not (run / "variants/ck").exists()
+
+
+def _write_fp8_checkpoint(model, tokenizer, path: Path, block: int = 128) -> dict:
+    """The fine-grained FP8 layout transformers reads (`quant_method: fp8`): each decoder weight
+    as float8_e4m3fn plus a `weight_scale_inv` per [block x block] tile, w = q * scale. Written
+    here because transformers quantizes to FP8 only on a GPU; returns name -> w (dequantized)."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    tensors, expected = {}, {}
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embedding
+            continue
+        if ".layers." not in name or w.dim() != 2:
+            tensors[name] = w.contiguous()
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        scale = torch.empty(rows, cols)
+        q = torch.empty_like(w)
+        for r in range(rows):
+            for c in range(cols):
+                tile = (slice(r * block, (r + 1) * block), slice(c * block, (c + 1) * block))
+                scale[r, c] = w[tile].abs().max() / 448.0  # 448 = largest float8_e4m3fn
+                q[tile] = w[tile] / scale[r, c]
+        tensors[name] = q.to(torch.float8_e4m3fn)
+        tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
+        tile_scale = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+        expected[name] = tensors[name].float() * tile_scale
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return expected
+
+
+def test_fp8_checkpoint_loads_through_transformers(tmp_path, tiny_model_dir, tiny_model, tiny_tokenizer):
+    ckpt = tmp_path / "fp8"
+    expected = _write_fp8_checkpoint(tiny_model, tiny_tokenizer, ckpt)
+    run, cfg = make_run(tmp_path, tiny_model_dir, {"ref": {"scheme": "none", "release": False},
+                                                   "fp8": {"scheme": "checkpoint", "path": str(ckpt)}})
+    assert main(["quantize", "--run", str(run), "--config", str(cfg)]) == 0
+    meta = json.loads((run / "variants/fp8/meta.json").read_text())
+    assert meta["checkpoint"]["quant_method"] == "fp8" and meta["checkpoint"]["quantization_config"]["weight_block_size"]
+    variant, _ = load_variant(run / "variants/fp8", device="cpu")
+    # Without a GPU transformers dequantizes FP8 at load: the weights are exactly q * scale.
+    params = dict(variant.named_parameters())
+    for name, w in expected.items():
+        assert torch.equal(params[name].float(), w), name
+    assert meta["decoder_float_fraction"] == 1.0
