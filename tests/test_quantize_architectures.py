@@ -118,4 +118,4 @@ def test_sliding_window_architecture_is_refused_by_drafts_up_front(tmp_path_fact
     assert main(["drafts", "--run", str(run), "--config", str(cfg)]) == 2
     line = _error_line(capsys)
     assert line.startswith("specq: architecture Gemma2ForCausalLM: ") and "StaticSlidingWindowLayer" in line
-    assert not list((run / "drafts").glob("*/meta.json")) if (run / "drafts").exists() else True
+    assert not list(run.glob("drafts/*/meta.json")) and not (run / "drafts/meta.json").exists()
