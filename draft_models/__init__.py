@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from pipeline.models import compare_tokenizers
 from pipeline.stage import StageError
 
-PROBE_TEXT = "Hello, world! def f(x): return {\"a\": [1, 2.5]}  Le café coûte 3€.\n\tÜber 東京"
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -42,22 +42,7 @@ def build_draft(spec: str, target, tokenizer, run_dir: str | Path | None, device
 def check_tokenizers(spec: str, target_tok, draft_tok) -> None:
     """Refuse (one line naming the difference) unless the draft tokenizer has the target's vocab
     and gives the same ids for a probe text."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if len(tv) != len(dv):
-        raise StageError(f"draft {spec}: tokenizer vocab has {len(dv)} entries, the target's has {len(tv)}")
-    for token, idx in sorted(tv.items(), key=lambda kv: kv[1]):
-        if dv.get(token) != idx:
-            raise StageError(f"draft {spec}: token {token!r} has id {dv.get(token)} in the draft's tokenizer, "
-                             f"{idx} in the target's")
-    t_ids, d_ids = target_tok.encode(PROBE_TEXT), draft_tok.encode(PROBE_TEXT)
-    if t_ids != d_ids:
-        i = next((i for i, (a, b) in enumerate(zip(t_ids, d_ids)) if a != b), min(len(t_ids), len(d_ids)))
-        raise StageError(f"draft {spec}: probe text tokenizes differently at token {i} "
-                         f"(draft {d_ids[i:i + 3]}, target {t_ids[i:i + 3]})")
-    for name in ("eos_token_id", "bos_token_id"):
-        if getattr(target_tok, name, None) != getattr(draft_tok, name, None):
-            raise StageError(f"draft {spec}: {name} is {getattr(draft_tok, name, None)} in the draft's "
-                             f"tokenizer, {getattr(target_tok, name, None)} in the target's")
+    compare_tokenizers(f"draft {spec}", target_tok, draft_tok, "draft", "target")
 
 
 # Imported last: the builder modules use check_tokenizers above.

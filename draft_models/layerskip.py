@@ -11,11 +11,9 @@ import copy
 
 import torch
 
+from pipeline.architecture import decoder_layers
 from pipeline.engine import ModelDraft, _hf_model
 from pipeline.stage import StageError
-
-# Where decoder layers live, by model family: Llama/Qwen/Mistral/Gemma, GPT-2, GPT-NeoX, OPT.
-LAYER_PATHS = [("model", "layers"), ("transformer", "h"), ("gpt_neox", "layers"), ("model", "decoder", "layers")]
 
 
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:
@@ -27,18 +25,16 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
 
 def truncate(model: torch.nn.Module, n: int) -> torch.nn.Module:
     model = _hf_model(model)
-    path = next((p for p in LAYER_PATHS if _get(model, p) is not None), None)
-    if path is None:
-        raise StageError(f"layerskip: cannot find the decoder layers of {type(model).__name__} "
-                         f"(looked for {', '.join('.'.join(p) for p in LAYER_PATHS)})")
-    layers = _get(model, path)
+    dotted, layers = decoder_layers(model)  # found from the model (pipeline.architecture), not by name
+    path = tuple(dotted.split("."))
     total = len(layers)
     if not 1 <= n < total:
         raise StageError(f"layerskip:{n}: n must be between 1 and {total - 1} (the target has {total} layers)")
     cfg = copy.deepcopy(model.config)
-    cfg.num_hidden_layers = n
-    if isinstance(getattr(cfg, "layer_types", None), list):
-        cfg.layer_types = cfg.layer_types[:n]
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text.num_hidden_layers = n  # GPT-2's n_layer through the config's attribute map
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:n]
     root = _shallow(model)
     parent = root
     for attr in path[:-1]:

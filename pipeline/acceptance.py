@@ -55,6 +55,8 @@ def summarize(accepted: list[int], drafted: list[int], betas: list[list[float]],
         hits = int((acc >= i).sum())
         beta = [b[i - 1] if len(b) >= i else 0.0 for b, r in zip(betas, reached) if r]
         lo, hi = proportion_confint(hits, n, alpha=0.05, method="wilson") if n else (None, None)
+        if n:  # statsmodels' bounds at 0/n and n/n miss 0 and 1 by rounding (1 - 1e-16, 3.5e-18)
+            lo, hi = max(0.0, min(lo, hits / n)), min(1.0, max(hi, hits / n))
         per_position.append({
             "position": i,
             "conditional": hits / n if n else None,

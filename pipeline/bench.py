@@ -35,11 +35,14 @@ GOAL = 1.5
 def truncated_copy(model, n_layers: int):
     """A separate model holding copies of the target's first n decoder layers, its final norm and
     its LM head: transformers' view of the layerskip draft (it cannot share the target's modules)."""
+    from pipeline.architecture import decoder_layers
+
     draft = copy.deepcopy(model)
-    inner = draft.get_decoder() if hasattr(draft, "get_decoder") else draft.model
-    if not hasattr(inner, "layers") or n_layers > len(inner.layers):
+    path, layers = decoder_layers(draft)
+    if n_layers > len(layers):
         raise SystemExit(f"bench: cannot truncate {type(model).__name__} to {n_layers} layers")
-    inner.layers = inner.layers[:n_layers]
+    parent_path, _, attr = path.rpartition(".")
+    setattr(draft.get_submodule(parent_path), attr, layers[:n_layers])
     text = draft.config.get_text_config()
     text.num_hidden_layers = n_layers
     if getattr(text, "layer_types", None):

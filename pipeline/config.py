@@ -31,7 +31,8 @@ class PrepareConfig(Section):
 class VariantConfig(Section):
     # none: the unquantized reference (or an identical copy of it); gptq: GPTQModel W4A16;
     # bnb-int8: bitsandbytes LLM.int8; bnb-nf4: bitsandbytes NF4; torchao-int8wo: torchao int8
-    # weight-only; checkpoint: a previously quantized GPTQ / auto-gptq directory given as `path`.
+    # weight-only; checkpoint: any Hugging Face directory given as `path` whose tokenizer is the
+    # reference's (a plain fine-tune, or quantized elsewhere: GPTQ, AWQ, FP8, ...; pipeline/checkpoint.py).
     scheme: Literal["none", "gptq", "bnb-int8", "bnb-nf4", "torchao-int8wo", "checkpoint"]
     bits: int | None = None
     group_size: int | None = None
@@ -119,6 +120,13 @@ class LatencyConfig(Section):
     compile: bool = False
     # Level of the bootstrap CIs (over repeats) on every latency figure.
     confidence: float = 0.95
+
+    @field_validator("k_max")
+    @classmethod
+    def _k(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("k_max must be >= 1 (or null: acceptance.k_max)")
+        return v
 
 
 class MarginalConfig(Section):

@@ -47,6 +47,9 @@ def describe(spec: str, draft, target, run_dir) -> dict:
 
 
 def run(ctx: StageContext) -> None:
+    from transformers import AutoConfig
+
+    from pipeline.architecture import check_engine_cache
     from pipeline.models import load_variant
 
     specs = list(dict.fromkeys(ctx.config.drafts))
@@ -55,6 +58,9 @@ def run(ctx: StageContext) -> None:
         raise StageError(f"drafts: two specs map to the same name ({', '.join(slugs)})")
     device = resolve_device(ctx.config.device)
     ref = reference_dir(ctx)
+    # The first stage that needs the decode engine refuses an architecture it cannot run, before
+    # any draft is built (acceptance and latency read this stage's output).
+    check_engine_cache(AutoConfig.from_pretrained(ref))
     ref_meta = read_json(ref / "meta.json", "variant meta.json")
     target = tokenizer = None
     made = {}

@@ -168,8 +168,10 @@ def write_plot(report: dict, path: Path) -> None:
     if pos:
         x = [p["position"] for p in pos]
         cond = [p.get("conditional") if p.get("conditional") is not None else float("nan") for p in pos]
-        err = [[c - (p.get("ci") or [c, c])[0] for c, p in zip(cond, pos)],
-               [(p.get("ci") or [c, c])[1] - c for c, p in zip(cond, pos)]]
+        # Bars are clipped at 0: a bound a rounding error past its point (a Wilson bound at n/n
+        # made before the acceptance stage clipped them) must not make matplotlib refuse the plot.
+        err = [[max(0.0, c - (p.get("ci") or [c, c])[0]) for c, p in zip(cond, pos)],
+               [max(0.0, (p.get("ci") or [c, c])[1] - c) for c, p in zip(cond, pos)]]
         ax2.errorbar(x, cond, yerr=err, fmt="o-", capsize=3, label="conditional")
         ax2.plot(x, [p.get("prefix") for p in pos], "s--", label="prefix (all up to i)")
         if any(p.get("expected_beta") is not None for p in pos):

@@ -60,6 +60,9 @@ def check_model(config, args: dict) -> None:
                              "an existing directory, or a hub id (org/name)")
         if not (path / "config.json").is_file():
             raise StageError(f"MODEL directory '{model}' has no config.json: not a Hugging Face model directory")
+        from pipeline.models import check_weight_files
+
+        check_weight_files(path, f"MODEL directory '{model}'")
         return
     if not hub_reachable():
         raise StageError(f"MODEL '{model}' looks like a hub id, but the Hugging Face hub is unreachable "
@@ -68,6 +71,7 @@ def check_model(config, args: dict) -> None:
 
 def load_source(model: str):
     """Return (model, tokenizer, source-description) for a MODEL string; StageError if unusable."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model(None, {"model": model})
@@ -92,7 +96,7 @@ def load_source(model: str):
         try:
             return (AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path),
                     {"kind": "local", "path": str(path.resolve())})
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:
             raise StageError(f"MODEL directory '{model}' could not be loaded: {str(e).splitlines()[0]}") from None
     try:
         return (AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model),

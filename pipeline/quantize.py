@@ -5,13 +5,19 @@
 
 Each variant is one resumable item, `variants/<name>/` (an HF-style directory plus meta.json),
 written into `<name>.tmp/` and renamed when finished, so a crash mid-quantization leaves no variant
-directory. Every check that can fail fast (scheme on this device, group size against every layer,
-calibration text present and long enough) runs before the first variant is made.
+directory. Every check that can fail fast (pipeline.quantize_checks: scheme on this device, GPTQ
+support for the architecture, group size against every layer, a scheme that finds layers it
+quantizes, a `checkpoint` directory's tokenizer and files; calibration text present and long
+enough) runs before the first variant is made.
 
 meta.json per variant: scheme, bits, group_size, library, library_version, storage, bytes_on_disk
 (weight files), bytes_in_memory (after load_variant), quantize_seconds, calibration_sha256 and
 calibration_tokens (null for schemes that use no calibration), perplexity on a held-out text and
-reference_perplexity on the same tokens, release, dtype_compute, device_fallback.
+reference_perplexity on the same tokens, release, dtype_compute, device_fallback, architecture, and
+decoder_float_fraction: the share of the decoder's weight-matrix parameters the loaded variant
+still holds in floating point (0 for a fully quantized variant; a bitsandbytes variant of a MoE
+whose experts are fused tensors keeps them float). `checkpoint` variants add `checkpoint`: what
+pipeline/checkpoint.py found in the directory.
 
 The held-out text is the docstrings of a fixed list of Python standard-library modules: present on
 every machine, plain English prose, and unrelated to both the calibration text and the eval slices.
@@ -33,8 +39,9 @@ import torch
 
 from pipeline.device import DTYPES, resolve_device, resolve_dtype
 from pipeline.models import load_tokenizer, load_variant
-from pipeline.quantize_schemes import (SCHEMES, Job, bytes_in_memory, check_group_size, check_supported,
-                                       library_version, weight_bytes)
+from pipeline.architecture import architecture, float_matrix_fraction
+from pipeline.quantize_checks import check_variant, reference_matrices
+from pipeline.quantize_schemes import SCHEMES, Job, bytes_in_memory, library_version, weight_bytes
 from pipeline.stage import REPO, StageContext, StageError, atomic_write_json, progress, read_json, sha256_file
 
 BUILTIN_CALIBRATION = REPO / "evals" / "data" / "calibration.txt"
@@ -148,14 +155,13 @@ def run(ctx: StageContext) -> None:
     src = ctx.run_dir / "model"
     src_meta = read_json(src / "meta.json", "prepared model meta.json")
     storage_dtype = DTYPES.get(src_meta.get("dtype", "bfloat16"), torch.bfloat16)
-    _remove_stale(ctx.out_dir, set(qcfg.variants))
 
     # Everything that can fail fast fails before the first (possibly long) quantization.
-    for name, spec in qcfg.variants.items():
-        check_supported(name, spec.scheme, device)
-        if spec.scheme == "gptq":
-            check_group_size(src, spec.group_size or 128, name)
     tokenizer = load_tokenizer(src)
+    for name, spec in qcfg.variants.items():
+        check_variant(name, spec, src, tokenizer, device)
+    _remove_stale(ctx.out_dir, set(qcfg.variants))
+    reference_matrix_params = sum(w.param.numel() for w in reference_matrices(src))
     calibration = None
     if any(SCHEMES[v.scheme].calibrated for v in qcfg.variants.values()):
         calibration = load_calibration(qcfg.calibration, tokenizer)
@@ -217,6 +223,12 @@ def run(ctx: StageContext) -> None:
                 }
                 atomic_write_json(tmp / "meta.json", meta)  # load_variant reads the scheme from it
                 model, tok = load_variant(tmp, device)
+                meta["architecture"] = architecture(model)
+                # What the library actually did to the decoder's weight matrices (1.0 = nothing).
+                meta["decoder_float_fraction"] = round(float_matrix_fraction(model, reference_matrix_params), 4)
+                if scheme.quantizes and meta["decoder_float_fraction"] >= 1.0:
+                    raise StageError(f"variant '{name}': scheme {spec.scheme} left every decoder weight matrix of "
+                                     f"{meta['architecture']} unquantized")
                 meta["bytes_in_memory"] = bytes_in_memory(model)
                 meta["bytes_on_disk"] = weight_bytes(tmp)
                 meta["perplexity"] = round(perplexity(model, ids), 4)
@@ -233,6 +245,9 @@ def run(ctx: StageContext) -> None:
             progress(f"quantize {name}: {meta['quantize_seconds']:.1f} s, {meta['bytes_on_disk'] / 2**20:.1f} MiB on disk, "
                      f"{meta['bytes_in_memory'] / 2**20:.1f} MiB in memory, perplexity {meta['perplexity']:.2f} "
                      f"(reference {meta['reference_perplexity']:.2f}); sample: {meta['sample']!r}")
+            if scheme.quantizes and meta["decoder_float_fraction"] > 0:
+                progress(f"quantize {name}: {meta['decoder_float_fraction']:.0%} of the decoder weight parameters "
+                         f"were left in floating point by {scheme.library} (layers it does not quantize)")
         m = item.meta
         summary[name] = {"scheme": spec.scheme, "dir": f"{ctx.out_dir.name}/{name}", "release": spec.release,
                          "bytes_on_disk": m.get("bytes_on_disk"), "bytes_in_memory": m.get("bytes_in_memory"),

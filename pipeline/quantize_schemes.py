@@ -11,7 +11,9 @@ importing this module registers every loader into `pipeline.models.LOADERS`, so
     bnb-int8        bitsandbytes   LLM.int8 weights serialized by save_pretrained
     bnb-nf4         bitsandbytes   NF4 weights + quant state serialized by save_pretrained
     torchao-int8wo  torchao        int8 weight-only tensors serialized by save_pretrained
-    checkpoint      gptqmodel      a GPTQ / auto-gptq directory given as `path`, linked in
+    checkpoint      transformers   any HF directory given as `path` (plain, or quantized elsewhere:
+                   (gptqmodel)    GPTQ through GPTQModel, other methods through transformers),
+                                  linked in; see pipeline/checkpoint.py
 """
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.models import LOADERS, _load_hf
+from pipeline.architecture import architecture, text_config, weight_matrices
+from pipeline.checkpoint import load_checkpoint, quantize_checkpoint
+from pipeline.models import LOADERS, WEIGHT_SUFFIXES, _load_hf
 from pipeline.stage import StageError, progress
 
 # Files of a prepared model that belong to specq, not to the HF checkpoint.
 _SPECQ_FILES = {"meta.json", "model_info.json"}
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass
@@ -63,14 +66,19 @@ def library_version(dist: str) -> str | None:
 
 
 def link_or_copy_tree(src: Path, out: Path, skip: set[str] = _SPECQ_FILES) -> None:
-    """Hard-link every file of `src` into `out` (copy across file systems). Weight files are never
-    written in place by anyone, so sharing their inodes is safe and costs no disk."""
+    """Hard-link every weight file of `src` into `out` (copy across file systems) and copy the rest.
+    Weight files are never written in place by anyone, so sharing their inodes is safe and costs
+    no disk; tokenizer and config files are rewritten in the variant (save_pretrained opens them
+    for writing in place), which through a hard link would edit the source directory."""
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if p.is_dir() or rel.name in skip:
             continue
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
+        if not p.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(p, dst)
+            continue
         try:
             os.link(p, dst)
         except OSError:
@@ -123,44 +131,21 @@ def bytes_in_memory(model: torch.nn.Module) -> int:
     return total
 
 
-def linear_input_widths(src: Path) -> dict[str, int]:
-    """name -> in_features of every nn.Linear inside the decoder layers (what GPTQ quantizes; the
-    lm_head and embeddings stay unquantized). Built on the meta device: no weights are read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(src)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return {name: m.in_features for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}."}
-
-
-def check_group_size(src: Path, group_size: int | None, variant: str) -> None:
-    """The group size must divide every quantized layer's input width; say which one it does not."""
-    if group_size in (None, -1):  # -1: one group per output channel
-        return
-    if group_size <= 0:
-        raise StageError(f"variant '{variant}': group_size must be positive or -1, not {group_size}")
-    for name, width in linear_input_widths(src).items():
-        if width % group_size:
-            ok = [g for g in (32, 64, 128) if all(w % g == 0 for w in linear_input_widths(src).values())]
-            raise StageError(
-                f"variant '{variant}': group_size {group_size} does not divide layer {name} "
-                f"(input width {width}); group sizes that divide every layer: {ok or 'none of 32/64/128'}")
-
-
 def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> int:
-    """Deliberate damage: w += relative_std * std(w) * N(0, 1) on every decoder linear weight.
-    Seeded, so the damaged variant is reproducible. Returns the number of matrices changed."""
+    """Deliberate damage: w += relative_std * std(w) * N(0, 1) on every decoder weight matrix
+    (Linear, GPT-2's Conv1D, each expert of a fused expert tensor, a router). Seeded, so the
+    damaged variant is reproducible. Returns the number of matrices changed."""
     gen = torch.Generator().manual_seed(seed)
     changed = 0
     with torch.no_grad():
-        for name, m in model.named_modules():
-            if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}.":
-                w = m.weight
-                noise = torch.randn(w.shape, generator=gen, dtype=torch.float32)
-                w.add_((noise * (relative_std * w.float().std())).to(w.dtype))
+        for matrix in weight_matrices(model):
+            w = matrix.param
+            for m in (w if w.dim() == 3 else [w]):  # each expert is a matrix of its own
+                noise = torch.randn(m.shape, generator=gen, dtype=torch.float32)
+                m.add_((noise * (relative_std * m.float().std())).to(m.dtype))
                 changed += 1
+    if not changed:
+        raise StageError(f"weight_noise: no decoder weight matrices found in {architecture(model)}")
     return changed
 
 
@@ -198,7 +183,7 @@ def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
         model = _hf_from_pretrained(src, job.storage_dtype, torch.device("cpu"))
         n = add_weight_noise(model, spec.weight_noise, noise_seed(job.seed, job.name))
         model.save_pretrained(out, safe_serialization=True)
-        return {"storage": f"copy of the reference with noise on {n} linear weights", "bits": bits,
+        return {"storage": f"copy of the reference with noise on {n} decoder weight matrices", "bits": bits,
                 "library": "transformers", "library_version": library_version("transformers")}
     link_or_copy_tree(src, out)
     return {"storage": "hard links to the reference's files", "library": "transformers", "bits": bits,
@@ -210,13 +195,13 @@ def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
 
 def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
     from gptqmodel import GPTQModel, QuantizeConfig
+    from transformers import AutoConfig
 
     src, out = Path(src).resolve(), Path(out).resolve()  # the library runs in the log directory
     bits, group_size = spec.bits or 4, spec.group_size or 128
-    check_group_size(src, group_size, job.name)
     windows = job.calibration()
     calibration = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in windows]
-    n_layers = len({n.split(".layers.")[1].split(".")[0] for n in linear_input_widths(src)})
+    n_layers = text_config(AutoConfig.from_pretrained(src)).num_hidden_layers
     start = time.perf_counter()
     err = sys.stderr
 
@@ -229,7 +214,7 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
     progress(f"quantize {job.name}: GPTQ {bits}-bit g{group_size} on {job.device.type}, "
              f"{len(windows)} calibration windows; GPTQModel's log -> {log}")
     qdevice = "cuda:0" if job.device.type == "cuda" else "cpu"
-    with library_output_to(log) as err:
+    with library_output_to(log) as err, transformers_classes_kept(AutoConfig.from_pretrained(src)):
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=False, sym=True,
                             device=qdevice, offload_to_disk=False)
         # On CPU GPTQModel would pick bfloat16, which this CPU only emulates (measured ~4x slower
@@ -255,11 +240,43 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
 
 def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     from gptqmodel import GPTQModel
+    from transformers import AutoConfig
 
     # GPTQModel prints to stdout while loading; keep stdout for the stages' own output.
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), transformers_classes_kept(AutoConfig.from_pretrained(path)):
         gm = GPTQModel.load(str(path), device=str(device), dtype=dtype)
     return gm.model
+
+
+@contextlib.contextmanager
+def transformers_classes_kept(config):
+    """Undo, on exit, GPTQModel's process-wide edits to transformers. Loading a MoE model, it
+    (through its `defuser` package) replaces the architecture's sparse-MoE block class in the
+    transformers modeling module and the checkpoint conversion mapping, so every later plain
+    transformers load of that architecture in this process builds unfused experts (a
+    bitsandbytes NF4 Qwen2-MoE variant made after a GPTQ one then fails with 'quant_state is
+    required'). Models already built keep the classes they were built with."""
+    import transformers.conversion_mapping as conversion
+    import transformers.modeling_utils as modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    module = None
+    try:
+        module = sys.modules[AutoModelForCausalLM._model_mapping[type(config)].__module__]
+    except (KeyError, AttributeError):
+        pass
+    saved_module = dict(vars(module)) if module is not None else {}
+    saved = [(m, "get_checkpoint_conversion_mapping", getattr(m, "get_checkpoint_conversion_mapping", None))
+             for m in (conversion, modeling_utils)]
+    try:
+        yield
+    finally:
+        for name, value in saved_module.items():
+            if getattr(module, name, None) is not value:
+                setattr(module, name, value)
+        for m, name, value in saved:
+            if value is not None:
+                setattr(m, name, value)
 
 
 # ---------------------------------------------------------------- bitsandbytes LLM.int8 and NF4
@@ -353,49 +370,6 @@ def load_torchao(path: Path, meta: dict, device: torch.device, dtype: torch.dtyp
     return _hf_from_pretrained(path, dtype, device)
 
 
-# ---------------------------------------------------------------- a previously quantized checkpoint
-
-
-def checkpoint_quant_config(path: Path) -> dict:
-    """The GPTQ settings of a checkpoint: config.json's quantization_config, else
-    quantize_config.json (the auto-gptq layout)."""
-    cfg = {}
-    if (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    if not cfg:
-        for name in ("quantize_config.json", "quant_config.json"):
-            if (path / name).is_file():
-                cfg = json.loads((path / name).read_text())
-                break
-    return cfg
-
-
-def quantize_checkpoint(src: Path, out: Path, spec, job: Job) -> dict:
-    if not spec.path:
-        raise StageError(f"variant '{job.name}': scheme checkpoint needs `path` (a GPTQ / auto-gptq directory)")
-    ckpt = Path(spec.path).expanduser()
-    if not (ckpt / "config.json").is_file():
-        raise StageError(f"variant '{job.name}': checkpoint path {ckpt} is not a model directory (no config.json)")
-    qcfg = checkpoint_quant_config(ckpt)
-    method = str(qcfg.get("quant_method", qcfg.get("method", ""))).lower()
-    if not qcfg or method not in ("gptq", ""):
-        raise StageError(f"variant '{job.name}': {ckpt} is not a GPTQ / auto-gptq checkpoint "
-                         f"(quantization method: {method or 'none'})")
-    ref_vocab = json.loads((src / "config.json").read_text()).get("vocab_size")
-    ck_vocab = json.loads((ckpt / "config.json").read_text()).get("vocab_size")
-    if ref_vocab != ck_vocab:
-        raise StageError(f"variant '{job.name}': checkpoint {ckpt} has vocabulary {ck_vocab}, the reference "
-                         f"{ref_vocab}: it is not a quantization of this model")
-    for key, want in (("bits", spec.bits), ("group_size", spec.group_size)):
-        if want is not None and qcfg.get(key) not in (None, want):
-            raise StageError(f"variant '{job.name}': config says {key} {want}, checkpoint {ckpt} has {qcfg.get(key)}")
-    link_or_copy_tree(ckpt, out, skip=_SPECQ_FILES)
-    return {"storage": f"hard links to the checkpoint {ckpt.resolve()}", "library": "gptqmodel",
-            "library_version": library_version("gptqmodel"), "checkpoint_path": str(ckpt.resolve()),
-            "bits": qcfg.get("bits"), "group_size": qcfg.get("group_size"),
-            "desc_act": qcfg.get("desc_act"), "sym": qcfg.get("sym")}
-
-
 # ---------------------------------------------------------------- the registry
 
 
@@ -406,29 +380,22 @@ class Scheme:
     library: str  # distribution name (for the version and the install hint)
     devices: tuple[str, ...]  # device types this machine's libraries can quantize and run it on
     calibrated: bool = False
+    # Kinds of decoder weight matrix (pipeline.architecture) the library quantizes; () = it
+    # quantizes nothing itself. GPTQModel unfuses fused experts into Linears first;
+    # transformers' bitsandbytes integration replaces Linear and Conv1D; torchao's quantize_
+    # filter takes nn.Linear only.
+    quantizes: tuple[str, ...] = ()
 
 
 SCHEMES: dict[str, Scheme] = {
     "none": Scheme(quantize_none, _load_hf, "transformers", ("cpu", "cuda")),
-    "gptq": Scheme(quantize_gptq, load_gptq, "gptqmodel", ("cpu", "cuda"), calibrated=True),
-    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda")),
-    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda")),
-    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda")),
-    "checkpoint": Scheme(quantize_checkpoint, load_gptq, "gptqmodel", ("cpu", "cuda")),
+    "gptq": Scheme(quantize_gptq, load_gptq, "gptqmodel", ("cpu", "cuda"), calibrated=True,
+                   quantizes=("linear", "conv1d", "fused")),
+    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d")),
+    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d")),
+    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda"), quantizes=("linear",)),
+    "checkpoint": Scheme(quantize_checkpoint, load_checkpoint, "transformers", ("cpu", "cuda")),
 }
-
-
-def check_supported(variant: str, scheme: str, device: torch.device) -> None:
-    """One line naming the scheme, the device and what would work, before any time is spent."""
-    s = SCHEMES[scheme]
-    if device.type not in s.devices:
-        here = [k for k, v in SCHEMES.items() if device.type in v.devices]
-        raise StageError(f"variant '{variant}': scheme {scheme} is not supported on device {device.type} "
-                         f"(it runs on {', '.join(s.devices)}); schemes that work on {device.type}: "
-                         f"{', '.join(here)}")
-    if library_version(s.library) is None:
-        raise StageError(f"variant '{variant}': scheme {scheme} needs the Python package {s.library} "
-                         f"(pip install {s.library})")
 
 
 for _name, _scheme in SCHEMES.items():

@@ -153,7 +153,8 @@ def speed_plot(pair: str, marginal: dict | None, latency: dict | None, dpi: int)
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.errorbar(ks, med, yerr=[[m - c[0] for m, c in zip(med, cis)], [c[1] - m for m, c in zip(med, cis)]],
+    ax.errorbar(ks, med, yerr=[[max(0.0, m - c[0]) for m, c in zip(med, cis)],
+                               [max(0.0, c[1] - m) for m, c in zip(med, cis)]],
                 marker="o", capsize=3, label="speculative ms/token")
     ax.axhline(base, color="grey", ls="--", label="plain decode ms/token")
     ax.xaxis.get_major_locator().set_params(integer=True)

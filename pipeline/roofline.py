@@ -92,13 +92,19 @@ def model_bytes(model) -> dict:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_element = _kv_element_bytes(model)
-    return {
+    out = {
         "weight_bytes": total - embedding_bytes,
         "all_weight_bytes": total,
         "untied_input_embedding_bytes": embedding_bytes,
         "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * kv_element,
         "kv_formula": f"2 * {layers} layers * {kv_heads} kv_heads * {head_dim} head_dim * {kv_element} B",
     }
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if experts:  # Qwen-MoE / Mixtral naming
+        out["moe"] = {"experts": experts, "experts_per_token": getattr(text, "num_experts_per_tok", None),
+                      "note": "weight_bytes counts every expert: an upper bound, since a decode step "
+                              "reads only the experts its tokens are routed to"}
+    return out
 
 
 def _kv_element_bytes(model) -> int:

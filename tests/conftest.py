@@ -68,6 +68,52 @@ def make_tiny_llama(tokenizer, layers: int = 4, hidden: int = 64, seed: int = 0)
     return model
 
 
+# Architectures the tests build at random: one per family of module layout specq must handle.
+#   llama      model.layers, nn.Linear            qwen2   model.layers, nn.Linear with q/k/v biases
+#   gpt2       transformer.h, transformers Conv1D (weight stored [in, out])
+#   qwen2_moe  model.layers, routed experts as fused 3-D parameters + a shared expert
+#   gemma2     alternating sliding-window layers (a cache the engine cannot roll back)
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "qwen2_moe", "gemma2")
+
+
+def make_tiny_model(arch: str, tokenizer, layers: int = 4, hidden: int = 64, seed: int = 0):
+    """A random causal LM of family `arch` sized like make_tiny_llama (every input width a
+    multiple of 32, so GPTQ group size 32 divides each layer)."""
+    import torch
+    import transformers
+
+    if arch == "llama":
+        return make_tiny_llama(tokenizer, layers=layers, hidden=hidden, seed=seed)
+    special = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    attention = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(intermediate_size=2 * hidden, **attention, **special)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=1024, **special)
+        cls = transformers.GPT2LMHeadModel
+    elif arch == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+                                          shared_expert_intermediate_size=hidden, num_experts=4,
+                                          num_experts_per_tok=2, **attention, **special)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "gemma2":
+        cfg = transformers.Gemma2Config(intermediate_size=2 * hidden, head_dim=hidden // 4, sliding_window=16,
+                                        **attention, **special)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        raise ValueError(f"unknown test architecture {arch} (have {', '.join(ARCHITECTURES)})")
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # as make_tiny_llama: distributions far from uniform
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "wpe" not in name:
+                p.mul_(4.0)
+    return model
+
+
 def save_as_prepared(model, tokenizer, path: Path) -> Path:
     """Save like the prepare stage does: HF dir + meta.json with scheme 'reference'."""
     from pipeline.models import model_facts
