@@ -61,7 +61,10 @@ def slice_items(name: str, n: int, lengths: list[int]) -> bytes:
             (name != "long_context" or list(lengths) == gen.LONG_CONTEXT_LENGTHS):
         lines = shipped.read_bytes().splitlines(keepends=True)
         return b"".join(lines[:n])
-    return gen.to_jsonl(gen.generate(name, n, **params))
+    try:
+        return gen.to_jsonl(gen.generate(name, n, **params))
+    except ValueError as e:  # more items than the slice has distinct questions
+        raise StageError(f"quality.items_per_slice {n}: {e}") from None
 
 
 def builtin_task_config(name: str, data_file: Path, max_new_tokens: int) -> dict:

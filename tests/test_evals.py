@@ -171,3 +171,13 @@ def test_calibration_text_does_not_overlap_slices():
         for line in (gen.DATA / f"{name}.jsonl").read_text().splitlines():
             shared = calib & _ngrams(json.loads(line)["prompt"])
             assert not shared, f"{name}: calibration text shares {' '.join(next(iter(shared)))!r}"
+
+
+def test_more_items_than_distinct_questions_is_one_clear_error():
+    """A slice's templates hold a finite number of distinct questions (language about 1260):
+    asking for more is bad input, not a repeated prompt."""
+    from pipeline.quality import slice_items
+    from pipeline.stage import StageError
+
+    with pytest.raises(StageError, match="items_per_slice 2000: language: .* ask for fewer items"):
+        slice_items("language", 2000, [])
