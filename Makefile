@@ -63,7 +63,11 @@ marginal:   $(RUN)/marginal/meta.json
 quality:    $(RUN)/quality/meta.json
 report:     $(RUN)/report/meta.json
 
-# Exit status 0 = go, 1 = no-go or inconclusive: a release job can block on it.
+# The gate-check command exits 0 = go, 1 = no-go (a release variant fails a cell),
+# 3 = inconclusive (nothing fails, but not enough items to pass: the table says how many would
+# settle each cell), 2 = bad input. make itself reports any non-zero status as
+# "Error N" and exits 2; a release job that must tell no-go from inconclusive runs
+# `$(PY) -m pipeline gate-check --run ...` (what this target runs) and reads its status.
 gate: $(RUN)/gate/meta.json
 	$(PIPE) gate-check $(ARGS)
 

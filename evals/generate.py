@@ -7,7 +7,9 @@ Item i of a slice comes from its own random stream, seeded by ("<slice>", seed, 
 items never change when more are asked for: the shipped file is a prefix of any larger set, and a
 run that needs more items (GPU config) or other context lengths regenerates them exactly.
 
-Every item has: id, slice, cluster (template / haystack, for clustered errors), group (language or
+Every item has: id, slice, cluster (what items share that can make them fail together: the
+haystack on long_context; elsewhere each item is its own, since no two items of a slice share a
+prompt), template (the fixed kind/template, a stratum not a cluster), group (language or
 context length; null if none), prompt (the full user message, few-shot examples included: the
 embedded 135M model needs them), target (string), answer_type, and slice-specific keys.
 Items are deliberately very easy: the reference score must sit inside 20-90% for the gate to have
@@ -44,19 +46,32 @@ def _rng(slice_name: str, seed: int, i: int | str) -> random.Random:
     return random.Random(f"{slice_name}:{seed}:{i}")
 
 
-def _shots_and_question(slice_name: str, seed: int, i: int, kind: str, make, k: int):
-    """`k` few-shot examples fixed per `kind` (every item of a kind shows the same ones, as
+MAX_DRAWS = 2000  # draws for a question no earlier item of the slice asked, before giving up
+
+
+def _shots_and_question(slice_name: str, seed: int, i: int, kind: str, make, k: int, seen: set):
+    """`k` distinct few-shot examples fixed per `kind` (every item of a kind shows the same ones, as
     lm-eval's fixed few-shot prompts do, so those items share a prompt prefix the evaluator
-    computes once) and the item's own question, drawn again while it repeats a shot's."""
+    computes once) and the item's own question, drawn again while it repeats a shot's or an
+    earlier item's question: no two items of a slice share a prompt (duplicates score alike
+    under greedy decoding, so they would count one measurement several times). `seen` holds the
+    questions already asked; items are made in order, so item i depends only on items < i and
+    the first n items never change when more are asked for."""
     shot_rng = _rng(f"{slice_name}-shots", seed, kind)
-    shots = [make(shot_rng) for _ in range(k)]
+    shots: list = []
+    while len(shots) < k:
+        shot = make(shot_rng)
+        if shot[0] not in [s[0] for s in shots]:
+            shots.append(shot)
+    taken = seen | {s[0] for s in shots}
     r = _rng(slice_name, seed, i)
-    question = make(r)
-    for _ in range(100):
-        if question[0] not in [s[0] for s in shots]:
-            break
+    for _ in range(MAX_DRAWS):
         question = make(r)
-    return shots, question
+        if question[0] not in taken:
+            seen.add(question[0])
+            return shots, question
+    raise ValueError(f"{slice_name}: no new '{kind}' question in {MAX_DRAWS} draws after {len(seen)} "
+                     f"items; its templates are nearly used up, ask for fewer items")
 
 
 def _qa_prompt(instruction: str, shots: list[tuple[str, str]], question: str) -> str:
@@ -87,9 +102,12 @@ def _r_two_step(r):
             str(a + b - c))
 
 
+_CONTAINERS = ["box", "bag", "basket", "jar"]
+
+
 def _r_times(r):
-    a, b, o = r.randint(2, 5), r.randint(2, 5), r.choice(OBJECTS)
-    return f"There are {a} boxes with {b} {o} in each box. How many {o} are there in total?", str(a * b)
+    a, b, o, c = r.randint(2, 5), r.randint(2, 5), r.choice(OBJECTS), r.choice(_CONTAINERS)
+    return f"There are {a} {c}s with {b} {o} in each {c}. How many {o} are there in total?", str(a * b)
 
 
 def _r_order(r):
@@ -99,8 +117,8 @@ def _r_order(r):
 
 
 def _r_double(r):
-    a = r.randint(1, 10)
-    return f"What is double {a}?", str(2 * a)
+    (n, m), o, a = r.sample(NAMES, 2), r.choice(OBJECTS), r.randint(1, 10)
+    return f"{n} has {a} {o}. {m} has double that. How many {o} does {m} have?", str(2 * a)
 
 
 REASONING = {"add": _r_add, "sub": _r_sub, "two_step": _r_two_step, "times": _r_times,
@@ -111,16 +129,17 @@ SHOTS = 2
 
 
 def reasoning(n: int, seed: int = SEED) -> list[dict]:
-    items, kinds = [], list(REASONING)
+    items, kinds, seen = [], list(REASONING), set()
     for i in range(n):
         kind = kinds[i % len(kinds)]
-        shots, (q, a) = _shots_and_question("reasoning", seed, i, kind, REASONING[kind], SHOTS)
+        shots, (q, a) = _shots_and_question("reasoning", seed, i, kind, REASONING[kind], SHOTS, seen)
         shots = [(sq.strip(), sa) for sq, sa in shots]
         name_answer = kind == "order"
         instruction = ("Answer each question with one name." if name_answer
                        else "Answer each question with a single number.")
-        items.append({"id": f"reasoning-{i:05d}", "slice": "reasoning", "cluster": f"reasoning:{kind}",
-                      "group": None, "prompt": _qa_prompt(instruction, shots, q.strip()), "target": a,
+        items.append({"id": f"reasoning-{i:05d}", "slice": "reasoning", "cluster": f"reasoning-{i:05d}",
+                      "template": f"reasoning:{kind}", "group": None,
+                      "prompt": _qa_prompt(instruction, shots, q.strip()), "target": a,
                       "answer_type": "name" if name_answer else "number",
                       "candidates": [w for w in NAMES if w in q] if name_answer else None})
     return items
@@ -129,24 +148,34 @@ def reasoning(n: int, seed: int = SEED) -> list[dict]:
 # ------------------------------------------------------------------ language
 
 _NUMBER_WORDS = {
-    "en": ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"],
-    "fr": ["zéro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf", "dix"],
-    "de": ["null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn"],
-    "es": ["cero", "uno", "dos", "tres", "cuatro", "cinco", "seis", "siete", "ocho", "nueve", "diez"],
+    "en": ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+           "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+           "nineteen", "twenty"],
+    "fr": ["zéro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf", "dix",
+           "onze", "douze", "treize", "quatorze", "quinze", "seize", "dix-sept", "dix-huit", "dix-neuf",
+           "vingt"],
+    "de": ["null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn",
+           "elf", "zwölf", "dreizehn", "vierzehn", "fünfzehn", "sechzehn", "siebzehn", "achtzehn",
+           "neunzehn", "zwanzig"],
+    "es": ["cero", "uno", "dos", "tres", "cuatro", "cinco", "seis", "siete", "ocho", "nueve", "diez",
+           "once", "doce", "trece", "catorce", "quince", "dieciséis", "diecisiete", "dieciocho",
+           "diecinueve", "veinte"],
 }
 _LANG_TEXT = {
     "en": {"instruction": "Answer each question with a single number.",
            "add": "What is {a} plus {b}?", "after": "What number comes after {a}?",
-           "digits": "Write the number \"{w}\" in digits.", "sub": "What is {a} minus {b}?"},
+           "digits": "{n} wrote the number \"{w}\". Write it in digits.", "sub": "What is {a} minus {b}?"},
     "fr": {"instruction": "Réponds à chaque question par un seul nombre.",
            "add": "Combien font {a} plus {b} ?", "after": "Quel nombre vient après {a} ?",
-           "digits": "Écris le nombre « {w} » en chiffres.", "sub": "Combien font {a} moins {b} ?"},
+           "digits": "{n} a écrit le nombre « {w} ». Écris-le en chiffres.",
+           "sub": "Combien font {a} moins {b} ?"},
     "de": {"instruction": "Beantworte jede Frage mit einer einzigen Zahl.",
            "add": "Was ist {a} plus {b}?", "after": "Welche Zahl kommt nach {a}?",
-           "digits": "Schreibe die Zahl \"{w}\" in Ziffern.", "sub": "Was ist {a} minus {b}?"},
+           "digits": "{n} hat die Zahl \"{w}\" geschrieben. Schreibe sie in Ziffern.",
+           "sub": "Was ist {a} minus {b}?"},
     "es": {"instruction": "Responde a cada pregunta con un solo número.",
            "add": "¿Cuánto es {a} más {b}?", "after": "¿Qué número viene después del {a}?",
-           "digits": "Escribe el número «{w}» en cifras.", "sub": "¿Cuánto es {a} menos {b}?"},
+           "digits": "{n} escribió el número «{w}». Escríbelo en cifras.", "sub": "¿Cuánto es {a} menos {b}?"},
 }
 LANGUAGES = list(_LANG_TEXT)
 LANGUAGE_KINDS = ["add", "after", "digits", "sub"]
@@ -161,23 +190,26 @@ def _language_question(r, lang: str, kind: str) -> tuple[str, str]:
         a = r.randint(1, 98)
         return t["after"].format(a=a), str(a + 1)
     if kind == "digits":
-        v = r.randint(1, 10)
-        return t["digits"].format(w=_NUMBER_WORDS[lang][v]), str(v)
+        v = r.randint(1, 20)
+        return t["digits"].format(n=r.choice(NAMES), w=_NUMBER_WORDS[lang][v]), str(v)
     b = r.randint(1, 9)
     a = b + r.randint(0, 9)
     return t["sub"].format(a=a, b=b), str(a - b)
 
 
 def language(n: int, seed: int = SEED) -> list[dict]:
-    items = []
+    """Two few-shot examples fixed per (language, kind); the question is never one of them nor an
+    earlier item's."""
+    items, seen = [], set()
     for i in range(n):
-        r = _rng("language", seed, i)
         lang = LANGUAGES[i % len(LANGUAGES)]
         kind = LANGUAGE_KINDS[(i // len(LANGUAGES)) % len(LANGUAGE_KINDS)]
-        shots = [_language_question(r, lang, kind) for _ in range(2)]
-        q, a = _language_question(r, lang, kind)
-        items.append({"id": f"language-{i:05d}", "slice": "language", "cluster": f"language:{kind}:{lang}",
-                      "group": lang, "prompt": _qa_prompt(_LANG_TEXT[lang]["instruction"], shots, q),
+        shots, (q, a) = _shots_and_question("language", seed, i, f"{lang}:{kind}",
+                                            lambda r, lang=lang, kind=kind: _language_question(r, lang, kind),
+                                            2, seen)
+        items.append({"id": f"language-{i:05d}", "slice": "language", "cluster": f"language-{i:05d}",
+                      "template": f"language:{kind}:{lang}", "group": lang,
+                      "prompt": _qa_prompt(_LANG_TEXT[lang]["instruction"], shots, q),
                       "target": a, "answer_type": "number", "kind": kind})
     return items
 
@@ -253,43 +285,41 @@ def long_context(n: int, seed: int = SEED, lengths: list[int] | None = None,
 # ------------------------------------------------------------------ calibration (multiple choice)
 
 _CATEGORIES = {
-    "fruit": ["apple", "banana", "orange", "pear", "grape", "cherry"],
-    "animal": ["dog", "cat", "horse", "cow", "lion", "rabbit"],
-    "color": ["red", "blue", "green", "yellow", "purple", "black"],
-    "vehicle": ["car", "bus", "truck", "bicycle", "train", "boat"],
-    "piece of furniture": ["chair", "table", "sofa", "bed", "desk", "shelf"],
+    "fruit": ["apple", "banana", "orange", "pear", "grape", "cherry", "lemon", "peach"],
+    "animal": ["dog", "cat", "horse", "cow", "lion", "rabbit", "sheep", "tiger"],
+    "color": ["red", "blue", "green", "yellow", "purple", "black", "white", "pink"],
+    "vehicle": ["car", "bus", "truck", "bicycle", "train", "boat", "plane", "taxi"],
+    "piece of furniture": ["chair", "table", "sofa", "bed", "desk", "shelf", "stool", "wardrobe"],
+    "piece of clothing": ["shirt", "hat", "sock", "coat", "dress", "scarf", "glove", "jacket"],
 }
-_OPPOSITES = [("hot", "cold"), ("big", "small"), ("up", "down"), ("day", "night"), ("fast", "slow"),
-              ("happy", "sad"), ("open", "closed"), ("old", "young"), ("wet", "dry"), ("full", "empty")]
-_COLORS_OF = [("the sky on a clear day", "blue"), ("grass", "green"), ("snow", "white"),
-              ("a banana", "yellow"), ("coal", "black"), ("a ripe tomato", "red")]
 
 
 def _mc_question(r: random.Random, kind: str) -> tuple[str, list[str], int]:
+    """(question, options, index of the right option). Every kind has hundreds of distinct
+    questions (category: 6 x C(8, 3) = 336 example sets; the number kinds many more), so a
+    1000-item slice needs no repeat."""
     if kind == "category":
         cat = r.choice(list(_CATEGORIES))
-        right = r.choice(_CATEGORIES[cat])
+        examples = r.sample(_CATEGORIES[cat], 4)
+        right, examples = examples[0], sorted(examples[1:])
         others = [w for c, ws in _CATEGORIES.items() if c != cat for w in ws]
         options = [right] + r.sample(others, 3)
-        q = f"Which of these is a {cat}?"
-    elif kind == "opposite":
-        word, right = r.choice(_OPPOSITES)
-        others = [w for pair in _OPPOSITES for w in pair if w not in (word, right)]
-        options = [right] + r.sample(others, 3)
-        q = f"What is the opposite of \"{word}\"?"
-    elif kind == "color_of":
-        thing, right = r.choice(_COLORS_OF)
-        options = [right] + r.sample([c for c in _CATEGORIES["color"] + ["white"] if c != right], 3)
-        q = f"What color is {thing}?"
-    else:  # largest
+        article = "an" if cat[0] in "aeiou" else "a"
+        q = f"Which of these is {article} {cat}, like {examples[0]}, {examples[1]} and {examples[2]}?"
+    elif kind == "sum":
+        a, b = r.randint(1, 20), r.randint(1, 20)
+        right = str(a + b)
+        options = [right] + [str(a + b + d) for d in r.sample([-2, -1, 1, 2, 3], 3)]
+        q = f"What is {a} + {b}?"
+    else:  # largest / smallest: the numbers are in the question
         options = [str(v) for v in r.sample(range(1, 100), 4)]
-        right = max(options, key=int)
+        right = (max if kind == "largest" else min)(options, key=int)
         options.remove(right)
         options = [right] + options
         q = None
     r.shuffle(options)
-    if q is None:  # the numbers must be in the question for this one
-        q = f"Which number is the largest: {', '.join(options[:-1])} or {options[-1]}?"
+    if q is None:
+        q = f"Which number is the {kind}: {', '.join(options[:-1])} or {options[-1]}?"
     return q, options, options.index(right)
 
 
@@ -299,30 +329,34 @@ def _mc_block(q: str, options: list[str]) -> str:
     return f"Question: {q}\nAnswer:"
 
 
-MC_KINDS = ["category", "opposite", "color_of", "largest"]
+MC_KINDS = ["category", "largest", "smallest", "sum"]
 
 
 def calibration(n: int, seed: int = SEED) -> list[dict]:
     """Cloze-style multiple choice: each option is scored by the log-likelihood of its own text as
     the answer (letter answers are at chance for a 135M model)."""
-    items = []
+    items, seen = [], set()
     for i in range(n):
         kind = MC_KINDS[i % len(MC_KINDS)]
         shots, (q, options, label) = _shots_and_question(
-            "calibration", seed, i, kind, lambda r, kind=kind: _mc_question(r, kind), 2)
+            "calibration", seed, i, kind, lambda r, kind=kind: _mc_question(r, kind), 2, seen)
         prompt = "\n\n".join([f"{_mc_block(sq, so)} {so[sl]}" for sq, so, sl in shots]
                               + [_mc_block(q, options)])
-        items.append({"id": f"calibration-{i:05d}", "slice": "calibration", "cluster": f"calibration:{kind}",
-                      "group": None, "prompt": prompt, "choices": options, "label": label,
-                      "target": options[label], "answer_type": "choice"})
+        items.append({"id": f"calibration-{i:05d}", "slice": "calibration", "cluster": f"calibration-{i:05d}",
+                      "template": f"calibration:{kind}", "group": None, "prompt": prompt, "choices": options,
+                      "label": label, "target": options[label], "answer_type": "choice"})
     return items
 
 
 # ------------------------------------------------------------------ tool_args
 
-CITIES = ["Paris", "Berlin", "Madrid", "Rome", "London", "Tokyo", "Oslo", "Lima"]
-CONTACTS = ["Alice", "Bob", "Carol", "David", "Eve"]
-CURRENCIES = ["USD", "EUR", "GBP", "JPY"]
+CITIES = ["Paris", "Berlin", "Madrid", "Rome", "London", "Tokyo", "Oslo", "Lima", "Vienna", "Dublin",
+          "Lisbon", "Prague", "Warsaw", "Athens", "Cairo", "Delhi", "Seoul", "Sydney", "Toronto",
+          "Chicago", "Boston", "Denver", "Miami", "Nairobi", "Bangkok", "Manila", "Moscow", "Zurich",
+          "Helsinki", "Stockholm", "Budapest", "Santiago"]
+CONTACTS = ["Alice", "Bob", "Carol", "David", "Eve", "Frank", "Grace", "Henry", "Irene", "Jack",
+            "Kate", "Liam"]
+CURRENCIES = ["USD", "EUR", "GBP", "JPY", "CHF", "CAD"]
 TOOLS = {
     "get_weather": {"name": "get_weather", "parameters": {
         "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -335,21 +369,32 @@ TOOLS = {
         "amount": {"type": "integer"}, "source": {"type": "string", "enum": CURRENCIES},
         "target": {"type": "string", "enum": CURRENCIES}}, "required": ["amount", "source", "target"]},
 }
-_MESSAGES = ["hello", "see you soon", "thank you", "good night", "call me"]
+_MESSAGES = ["hello", "see you soon", "thank you", "good night", "call me", "I am on my way",
+             "happy birthday", "running late", "see you at noon", "good luck", "where are you",
+             "dinner is ready", "the meeting moved", "drive safely", "welcome home"]
+_AMOUNTS = [5, 10, 15, 20, 25, 30, 40, 50, 60, 75, 80, 100, 120, 150, 200, 250, 300, 500]
 
 
 def _tool_request(r: random.Random, tool: str) -> tuple[str, dict]:
+    """A request and the arguments it asks for. Each tool has 300+ distinct requests, so a
+    1000-item slice (250 per tool) needs no repeat."""
     if tool == "get_weather":
         city, unit = r.choice(CITIES), r.choice(["celsius", "fahrenheit"])
         return r.choice([f"What is the weather in {city} in {unit}?",
-                         f"Tell me the weather in {city}, in {unit}."]), {"city": city, "unit": unit}
+                         f"Tell me the weather in {city}, in {unit}.",
+                         f"How is the weather in {city}? Answer in {unit}.",
+                         f"Weather for {city} please, in {unit}.",
+                         f"I need the {city} weather in {unit}.",
+                         f"Is it warm in {city}? Give me the weather in {unit}."]), {"city": city, "unit": unit}
     if tool == "set_alarm":
-        h, m = r.randint(5, 11), r.choice([0, 15, 30, 45])
-        return f"Set an alarm for {h}:{m:02d}.", {"hour": h, "minute": m}
+        h, m = r.randint(1, 12), r.choice(range(0, 60, 5))
+        return r.choice([f"Set an alarm for {h}:{m:02d}.", f"Wake me up at {h}:{m:02d}.",
+                         f"Please set my alarm to {h}:{m:02d}."]), {"hour": h, "minute": m}
     if tool == "send_message":
         to, text = r.choice(CONTACTS), r.choice(_MESSAGES)
-        return f"Send the message \"{text}\" to {to}.", {"to": to, "text": text}
-    amount = r.choice([5, 10, 20, 50, 100])
+        return r.choice([f"Send the message \"{text}\" to {to}.",
+                         f"Tell {to} \"{text}\" by message."]), {"to": to, "text": text}
+    amount = r.choice(_AMOUNTS)
     src, dst = r.sample(CURRENCIES, 2)
     return f"Convert {amount} {src} to {dst}.", {"amount": amount, "source": src, "target": dst}
 
@@ -359,20 +404,21 @@ def _call(name: str, args: dict) -> str:
 
 
 def tool_args(n: int, seed: int = SEED) -> list[dict]:
-    items, names = [], list(TOOLS)
+    items, names, seen = [], list(TOOLS), set()
     for i in range(n):
         tool = names[i % len(names)]
         shot_tool = names[(i + 1) % len(names)]  # the example shows another tool's call
         shot_req, shot_args = _tool_request(_rng("tool_args-shots", seed, names.index(tool)), shot_tool)
-        req, args = _tool_request(_rng("tool_args", seed, i), tool)
+        _, (req, args) = _shots_and_question("tool_args", seed, i, tool,
+                                             lambda r, tool=tool: _tool_request(r, tool), 0, seen)
         prompt = ("Reply with a JSON function call only, in the form "
                   "{\"name\": ..., \"arguments\": {...}}.\n\n"
                   f"Function: {json.dumps(TOOLS[shot_tool])}\nRequest: {shot_req}\n"
                   f"Call: {_call(shot_tool, shot_args)}\n\n"
                   f"Function: {json.dumps(TOOLS[tool])}\nRequest: {req}\nCall:")
-        items.append({"id": f"tool_args-{i:05d}", "slice": "tool_args", "cluster": f"tool_args:{tool}",
-                      "group": None, "prompt": prompt, "target": _call(tool, args),
-                      "answer_type": "json_call", "tool": TOOLS[tool],
+        items.append({"id": f"tool_args-{i:05d}", "slice": "tool_args", "cluster": f"tool_args-{i:05d}",
+                      "template": f"tool_args:{tool}", "group": None, "prompt": prompt,
+                      "target": _call(tool, args), "answer_type": "json_call", "tool": TOOLS[tool],
                       "expected": {"name": tool, "arguments": args}})
     return items
 

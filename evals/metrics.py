@@ -1,4 +1,4 @@
-"""Item scores for the built-in slices, and the calibration summaries (ECE, Brier).
+"""Item scores for the built-in slices (calibration summaries, ECE and Brier: pipeline/scoring_rules.py).
 
 Every score is a float in [0, 1], higher is better. Answers are extracted from the first non-empty
 line of the prediction: an instruct model often restates the question ("2 + 3 = 5"), so a number
@@ -7,7 +7,6 @@ answer is the LAST integer on that line and a name answer is the first candidate
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import numpy as np
@@ -116,30 +115,3 @@ def option_probs(loglikelihoods: list[float]) -> list[float]:
     ll = np.asarray(loglikelihoods, dtype=np.float64)
     p = np.exp(ll - ll.max())
     return (p / p.sum()).tolist()
-
-
-def brier(probs: list[list[float]], labels: list[int]) -> float:
-    """Multi-class Brier score: mean over items of sum_k (p_k - [k == label])^2 (0 is perfect)."""
-    total = 0.0
-    for p, y in zip(probs, labels):
-        onehot = np.zeros(len(p))
-        onehot[y] = 1.0
-        total += float(((np.asarray(p) - onehot) ** 2).sum())
-    return total / max(len(labels), 1)
-
-
-def ece(probs: list[list[float]], labels: list[int], bins: int = 10) -> float:
-    """Expected calibration error with equal-width confidence bins: sum_b |acc_b - conf_b| * n_b / n,
-    where confidence is the top option's probability and acc whether the top option is right."""
-    if not labels:
-        return math.nan
-    conf = np.array([max(p) for p in probs])
-    hit = np.array([float(int(np.argmax(p)) == y) for p, y in zip(probs, labels)])
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    which = np.clip(np.digitize(conf, edges[1:-1], right=True), 0, bins - 1)
-    err = 0.0
-    for b in range(bins):
-        sel = which == b
-        if sel.any():
-            err += abs(hit[sel].mean() - conf[sel].mean()) * sel.sum() / len(labels)
-    return float(err)

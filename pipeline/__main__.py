@@ -2,11 +2,11 @@
 
     python -m pipeline prepare  --run runs/smollm2-135m --config configs/default.yaml --model smollm2-135m
     python -m pipeline quantize --run runs/smollm2-135m --config configs/default.yaml
-    python -m pipeline gate-check --run runs/smollm2-135m      # prints the table, exit 0 = go
+    python -m pipeline gate-check --run runs/smollm2-135m      # the table; exit 0 go, 1 no-go, 3 inconclusive
     python -m pipeline config   --config configs/default.yaml  # prints the resolved config
 
 Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
-the input is bad, and 1 when gate-check says no-go.
+the input is bad; gate-check exits 1 on no-go and 3 on inconclusive (pipeline/gate_table.py).
 """
 from __future__ import annotations
 

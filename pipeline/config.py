@@ -164,22 +164,33 @@ class GateConfig(Section):
     confidence: float = 0.95
     # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
     margin: float = 0.05
+    # Per-row margins: "<slice>", "<slice>/<group>" or "<slice>:brier" (a metric row never takes
+    # its slice's margin: other units).
     margins: dict[str, float] = Field(default_factory=dict)
+    # Margin of every "<slice>:brier" row (multi-class Brier, 0..2, lower is better). At a typical
+    # top-option confidence of 0.6, an item turning wrong adds ~0.9, so 0.05 is about a 5-point
+    # accuracy loss.
+    brier_margin: float = 0.05
     multiplicity: Literal["holm", "bonferroni", "none"] = "holm"
+    # A variant is go only if all its cells pass (intersection-union), so the pass side is not
+    # adjusted within a variant. Set true when the release picks whichever release variant passes:
+    # the pass side is then adjusted across the release variants (never the release: false ones).
+    select_among_variants: bool = False
     # Optional thresholds on distribution metrics; null = reported, not gated.
     max_kl: float | None = None
     min_top1_agreement: float | None = None
     power: float = 0.8
     # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
-    # true they are also gated and join the multiplicity family (few items each: low power).
+    # true they are also gated and join their variant's fail family (few items each: low power).
     gate_groups: bool = False
-    # Resamples for bootstrapped metrics (ECE); each slice's seed comes from its name.
-    bootstrap_resamples: int = 2000
-    # Calibration slices (items with option_probs/label) also gate ECE and Brier (lower = better).
+    # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
+    # report ECE (debiased; not gated).
     calibration_metrics: bool = True
-    # Clustered SEs need enough clusters to estimate the between-cluster spread; a slice with
-    # fewer (e.g. 4 prompt templates) treats them as strata and uses item-level paired SEs.
+    # No longer used, kept so configs that set them still load: clusters are always honoured
+    # (issue 13; template "strata" are no longer labelled as clusters), and ECE is reported, not
+    # bootstrapped.
     min_clusters: int = 10
+    bootstrap_resamples: int = 2000
 
 
 class ReportConfig(Section):

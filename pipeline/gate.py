@@ -1,44 +1,48 @@
-"""The gate: go / no-go per variant and slice, from paired per-item quality scores.
+"""The gate: go / no-go / inconclusive per variant and slice, from paired per-item quality scores.
 
     python -m pipeline gate       --run runs/smollm2-135m --config configs/default.yaml
-    python -m pipeline gate-check --run runs/smollm2-135m   # prints the table; exit 0 = go, 1 = not
+    python -m pipeline gate-check --run runs/smollm2-135m   # the table; exit 0 go, 1 no-go, 3 inconclusive
 
-Reads `quality/<variant>/<slice>.jsonl` (one line per item and sample), `quality/<variant>.json`
-(distribution metrics) and `acceptance/<pair>.json` (`lossless`), and writes `runs/<run>/gate.json`
-and `gate/table.md`. How a cell is decided (pipeline/stats.py has the formulas):
+Reads `quality/<variant>/<slice>.jsonl` (one line per item and sample), `quality/data/<slice>.jsonl`
+(the prompts, for clustering), `quality/<variant>.json` (distribution metrics) and
+`acceptance/<pair>.json` (`lossless`), and writes `runs/<run>/gate.json` and `gate/table.md`.
+How a cell is decided (pipeline/stats.py and pipeline/tango.py have the formulas):
 
 1. Per variant and slice, pair the variant's items with the reference's by id (the id sets must be
    equal); average repeated samples of one item first, so the item is the unit. The difference is
-   variant - reference (oriented so negative = worse). Items sharing a `cluster` are clustered
-   (CR1 standard error, t with clusters - 1 df); calibration slices also gate Brier (a per-item
-   mean) and ECE (not a mean: paired cluster bootstrap through scipy.stats.bootstrap).
-2. Non-inferiority: pass if the CI's lower bound is above -margin, fail if its upper bound is below
-   -margin, otherwise inconclusive with the items that would settle it at 80% power.
-3. Multiplicity: every gated cell of every variant is one family, adjusted twice: the lower CI
-   bounds (the `pass` tests; a false pass is a false go) and the upper bounds (the `fail` tests; a
-   false fail is a false no-go). Holm (default) orders the cells by one-sided p and draws the r-th
-   bound at alpha/(m - r), stopping at the first that is not rejected; Bonferroni draws all at
-   alpha/m. Each cell records `alpha_lower`, `alpha_upper` and `ci_level` = 1 - both, so what is
-   printed is what was decided. Groups are reported unadjusted (gated only if gate.gate_groups).
-4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall go
-   only if every release variant is go. Speculation pairs are judged apart (lossless or not): a
-   failing pair is no-go for speculation; it does not change a variant's quality decision.
+   variant - reference (oriented so negative = worse). Items that share a `cluster` label OR a
+   prompt (lm-eval's prompt hash, else the hash of the item's prompt in quality/data) are one
+   cluster, always: duplicated prompts score identically under greedy decoding.
+2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by the clusters'
+   largest possible design effect. Other scores (per-item Brier on calibration slices): t bounds
+   from the CR1 cluster-robust SE. Non-inferiority: pass if the lower bound is above -margin, fail
+   if the upper bound is below -margin, otherwise inconclusive with the items per slice that would
+   settle it at `gate.power`. ECE is reported (debiased), never gated: it is not a mean and its
+   plug-in estimate is biased.
+3. Multiplicity. A variant is go only if ALL its cells pass: an intersection-union test, whose
+   false-go rate is at most alpha without adjustment, so the lower bounds are drawn at alpha.
+   Only when the user picks among release variants (`gate.select_among_variants`) is the pass
+   side adjusted, across the release variants (Holm or Bonferroni on each variant's largest
+   cell p). The upper bounds (a false fail is a false no-go) are adjusted within each variant,
+   over its gated cells. So a `release: false` variant never changes another variant's verdict.
+4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
+   no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
+   A config with no release variant is bad input. Speculation pairs are judged apart (lossless or
+   not): a failing pair is no-go for speculation; it does not change a variant's quality decision.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
-import zlib
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-from pipeline import stats
+from pipeline import scoring_rules, stats
+from pipeline.gate_table import cell_text, gate_check, render_table  # noqa: F401 (re-exported)
 from pipeline.stage import StageError, atomic_write_json, atomic_write_text, progress, read_json, read_jsonl
-
-STATUS_ORDER = {"fail": 0, "inconclusive": 1, "pass": 2}
-
 
 # ---------------------------------------------------------------- reading quality items
 
@@ -62,10 +66,11 @@ def _quality_item(row) -> dict:
 
 
 def by_item(rows: list[dict]) -> dict[str, dict]:
-    """Collapse repeated samples of one item: mean score, first cluster/group/probabilities."""
+    """Collapse repeated samples of one item: mean score, first cluster/prompt/group/probabilities."""
     out: dict[str, dict] = {}
     for r in rows:
         it = out.setdefault(r["id"], {"scores": [], "cluster": r.get("cluster"),
+                                      "prompt_hash": r.get("prompt_hash"),
                                       "group": r.get("group"), "metric": r.get("metric", "score"),
                                       "option_probs": r.get("option_probs"), "label": r.get("label")})
         it["scores"].append(float(r["score"]))
@@ -83,68 +88,90 @@ def pair_items(ref: dict[str, dict], var: dict[str, dict], where: str) -> list[s
     return sorted(ref)
 
 
+def prompt_hashes(data_file: Path) -> dict[str, str]:
+    """id -> sha256 of the item's prompt, from the items the quality stage scored (for results
+    written before quality recorded lm-eval's prompt hash); {} when there is no such file."""
+    if not data_file.is_file():
+        return {}
+    return {str(it["id"]): hashlib.sha256(str(it.get("prompt", "")).encode()).hexdigest()
+            for it in read_jsonl(data_file, "quality items") if isinstance(it, dict) and "id" in it}
+
+
+def item_clusters(items: dict[str, dict], ids: list[str], prompts: dict[str, str]) -> np.ndarray:
+    """Cluster codes for `ids`: a shared `cluster` label or a shared prompt puts items together."""
+    labels = [items[i]["cluster"] for i in ids]
+    keys = [items[i]["prompt_hash"] or prompts.get(i) for i in ids]
+    return stats.merge_clusters(len(ids), labels, keys)
+
+
 # ---------------------------------------------------------------- estimates per slice
 
 
-def slice_estimates(ref: dict, var: dict, ids: list[str], gcfg, seed: int) -> dict[str, stats.Estimate]:
-    """Row key -> estimate: the slice's primary metric, plus ECE/Brier on calibration items. The
-    bootstrap seed comes from the variant/slice name, so a re-run reproduces the same CI."""
-    clusters = [ref[i]["cluster"] for i in ids]
+def slice_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray,
+                    gcfg) -> tuple[dict[str, stats.Estimate], dict | None]:
+    """Row key -> estimate (the slice's primary metric, plus per-item Brier on calibration items),
+    and the calibration errors reported beside them (None without option probabilities)."""
     metric = ref[ids[0]]["metric"] or "score"
-    k = gcfg.min_clusters
     out = {"": stats.paired_difference([ref[i]["score"] for i in ids], [var[i]["score"] for i in ids],
-                                       clusters, metric=metric, min_clusters=k)}
+                                       codes, metric=metric)}
     calibrated = all(m[i]["option_probs"] is not None and m[i]["label"] is not None
                      for m in (ref, var) for i in ids)
-    if gcfg.calibration_metrics and calibrated and len(ids) >= 2:
-        try:
-            probs = {k: ([m[i]["option_probs"] for i in ids], [m[i]["label"] for i in ids])
-                     for k, m in (("ref", ref), ("var", var))}
-            brier = {k: stats.brier_per_item(*v) for k, v in probs.items()}
-            conf = {k: stats.confidence_and_correct(*v) for k, v in probs.items()}
-        except (ValueError, IndexError) as e:
-            raise StageError(f"corrupt calibration item: {e}") from None
-        out["brier"] = stats.paired_difference(brier["ref"], brier["var"], clusters, metric="brier",
-                                               higher_is_better=False, min_clusters=k,
-                                               score_range=(0.0, 2.0))
-        out["ece"] = stats.cluster_bootstrap(
-            stats.ece_statistic(*conf["ref"]), stats.ece_statistic(*conf["var"]), len(ids), clusters,
-            metric="ece", higher_is_better=False, n_resamples=gcfg.bootstrap_resamples, seed=seed,
-            min_clusters=k, score_range=(0.0, 1.0))
-    return out
+    if not (gcfg.calibration_metrics and calibrated):
+        return out, None
+    try:
+        probs = {k: ([m[i]["option_probs"] for i in ids], [m[i]["label"] for i in ids])
+                 for k, m in (("reference", ref), ("variant", var))}
+        brier = {k: scoring_rules.brier_per_item(*v) for k, v in probs.items()}
+        summary = {k: scoring_rules.calibration_summary(*v) for k, v in probs.items()}
+    except (ValueError, IndexError, TypeError) as e:
+        raise StageError(f"corrupt calibration item: {e}") from None
+    out["brier"] = stats.paired_difference(brier["reference"], brier["variant"], codes, metric="brier",
+                                           higher_is_better=False, score_range=(0.0, 2.0))
+    reported = {name: {"reference": summary["reference"][name], "variant": summary["variant"][name],
+                       "diff": summary["reference"][name] - summary["variant"][name] + 0.0}
+                for name in ("ece_debiased", "ece")}
+    reported["gated"] = False
+    reported["note"] = ("calibration errors, lower is better, diff = reference - variant (negative "
+                        "= worse); ece_debiased: Kumar et al. 2019 l2 estimator, equal-mass bins")
+    return out, reported
 
 
-def group_estimates(ref: dict, var: dict, ids: list[str], gcfg) -> dict[str, stats.Estimate]:
-    groups: dict[str, list[str]] = defaultdict(list)
-    for i in ids:
+def group_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray) -> dict[str, stats.Estimate]:
+    groups: dict[str, list[int]] = defaultdict(list)
+    for k, i in enumerate(ids):
         if ref[i]["group"] is not None:
-            groups[str(ref[i]["group"])].append(i)
-    return {g: stats.paired_difference([ref[i]["score"] for i in gids], [var[i]["score"] for i in gids],
-                                       [ref[i]["cluster"] for i in gids], metric=ref[gids[0]]["metric"],
-                                       min_clusters=gcfg.min_clusters)
-            for g, gids in sorted(groups.items()) if len(gids) >= 2}
+            groups[str(ref[i]["group"])].append(k)
+    return {g: stats.paired_difference([ref[ids[k]]["score"] for k in ks], [var[ids[k]]["score"] for k in ks],
+                                       codes[ks], metric=ref[ids[ks[0]]]["metric"])
+            for g, ks in sorted(groups.items()) if len(ks) >= 2}
 
 
 def _margin(gcfg, key: str, slice_name: str) -> float:
+    """A metric row (`calibration:brier`) has its own units: its own margin, never the slice's
+    accuracy margin. A slice or group row: its key, else its slice's, else the default."""
+    if ":" in key:
+        metric = key.split(":", 1)[1]
+        default = gcfg.brier_margin if metric == "brier" else gcfg.margin
+        return float(gcfg.margins.get(key, default))
     return float(gcfg.margins.get(key, gcfg.margins.get(slice_name, gcfg.margin)))
 
 
 def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, gcfg,
           p_adj: tuple[float, float] | None) -> dict:
-    lo, hi = est.ci(alpha_lo, margin)[0], est.ci(alpha_hi)[1]
+    lo, hi = est.ci(alpha_lo, alpha_hi)
     status = stats.noninferiority_status(lo, hi, margin)
+    settle = None
+    if status == "inconclusive":
+        # Settling means reaching pass (diff above -margin) or fail (below): the side it is on.
+        settle = est.items_needed(margin, alpha_lo if est.diff > -margin else alpha_hi, gcfg.power)
     return {
         "metric": est.metric, "higher_is_better": est.higher_is_better,
         "reference": est.reference, "variant": est.variant, "diff": est.diff, "ci": [lo, hi],
         "ci_level": 1 - alpha_lo - alpha_hi, "alpha_lower": alpha_lo, "alpha_upper": alpha_hi,
         "margin": margin, "n": est.n, "n_clusters": est.n_clusters, "se": est.se,
-        "method": est.method, "p_noninferior": est.p_value(margin),
-        "p_inferior": est.p_value_inferior(margin),
-        "p_adjusted": list(p_adj) if p_adj else None, "status": status,
-        # Settling means reaching pass (diff above -margin) or fail (below): the side it is on.
-        "items_to_settle": (stats.items_needed(est, margin, alpha_lo if est.diff > -margin
-                                               else alpha_hi, gcfg.power)
-                            if status == "inconclusive" else None),
+        "design_effect": est.design_effect, "method": est.method,
+        "p_noninferior": est.p_pass(margin), "p_inferior": est.p_fail(margin),
+        "p_adjusted": list(p_adj) if p_adj else None, "status": status, "items_to_settle": settle,
     }
 
 
@@ -228,9 +255,38 @@ def decide(statuses: list[str]) -> str:
     return "inconclusive"
 
 
+def overall_decision(decisions: list[str]) -> str:
+    """Over the release variants: one no-go blocks; all go ships; anything else waits."""
+    if "no-go" in decisions:
+        return "no-go"
+    return "go" if decisions and all(d == "go" for d in decisions) else "inconclusive"
+
+
+def pass_levels(tests: dict[str, list], release: list[str], alpha: float, gcfg) -> tuple[dict, dict]:
+    """Per variant, the one-sided alpha of its lower bounds and the adjusted p of its go. No
+    adjustment (intersection-union: go needs every cell) unless the user chooses among the
+    release variants; then Holm/Bonferroni over those variants, each tested by its largest
+    cell p (the intersection-union p)."""
+    levels = {name: alpha for name in tests}
+    adjusted = {name: None for name in tests}
+    chosen = [n for n in release if tests.get(n)] if gcfg.select_among_variants else []
+    if chosen:
+        p_go = [max(est.p_pass(m) for _, _, est, m in tests[n]) for n in chosen]
+        steps = stats.step_levels(
+            p_go, lambda i, a: all(est.lower(a) > -m for _, _, est, m in tests[chosen[i]]),
+            alpha, gcfg.multiplicity)
+        levels.update(zip(chosen, steps))
+        adjusted.update(zip(chosen, stats.adjusted_p_values(p_go, alpha, gcfg.multiplicity)[1]))
+    return levels, adjusted
+
+
 def build_gate(run_dir: Path, cfg) -> dict:
     gcfg, qcfg = cfg.gate, cfg.quantize
     reference = qcfg.reference
+    release = [n for n, v in qcfg.variants.items() if v.release and n != reference]
+    if not release:
+        raise StageError("no variant besides the reference is marked release: true, so the gate has "
+                         "nothing to decide (mark the variants you would ship in quantize.variants)")
     alpha = (1.0 - gcfg.confidence) / 2.0
     quality = run_dir / "quality"
     ref_dir = quality / reference
@@ -240,16 +296,19 @@ def build_gate(run_dir: Path, cfg) -> dict:
     if not slices:
         raise StageError(f"empty artifact: {ref_dir} has no <slice>.jsonl")
     ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
+    prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
 
     variants: dict[str, dict] = {}
-    tests: list[tuple[str, str, str, stats.Estimate, float]] = []  # variant, row, slice, est, margin
+    tests: dict[str, list] = {}  # variant -> [(row key, slice, estimate, margin)]
     groups: dict[tuple[str, str], dict[str, stats.Estimate]] = {}
+    reported: dict[tuple[str, str], dict] = {}
     for name, vcfg in qcfg.variants.items():
         if name == reference:
             continue
         entry = {"decision": "inconclusive", "release": vcfg.release, "scheme": vcfg.scheme,
                  "slices": {}, "missing": []}
         variants[name] = entry
+        tests[name] = []
         vdir = quality / name
         if not vdir.is_dir():
             entry["missing"].append("quality results")
@@ -262,34 +321,37 @@ def build_gate(run_dir: Path, cfg) -> dict:
             ids = pair_items(ref_items[s], var, f"{name}/{s}")
             if len(ids) < 2:
                 raise StageError(f"slice {s} has {len(ids)} item(s); the gate needs at least 2")
-            seed = zlib.crc32(f"{name}/{s}".encode())
-            for row, est in slice_estimates(ref_items[s], var, ids, gcfg, seed).items():
+            codes = item_clusters(ref_items[s], ids, prompts[s])
+            rows, reported[(name, s)] = slice_estimates(ref_items[s], var, ids, codes, gcfg)
+            for row, est in rows.items():
                 key = f"{s}:{row}" if row else s
-                tests.append((name, key, s, est, _margin(gcfg, key, s)))
-            groups[(name, s)] = group_estimates(ref_items[s], var, ids, gcfg)
+                tests[name].append((key, s, est, _margin(gcfg, key, s)))
+            groups[(name, s)] = group_estimates(ref_items[s], var, ids, codes)
             if gcfg.gate_groups:
                 for g, est in groups[(name, s)].items():
                     key = f"{s}/{g}"
-                    tests.append((name, key, s, est, _margin(gcfg, key, s)))
+                    tests[name].append((key, s, est, _margin(gcfg, key, s)))
         summary_path = quality / f"{name}.json"
         entry["distribution"] = (distribution_checks(read_json(summary_path, "quality summary"), gcfg)
                                  if summary_path.is_file() else {"checks": {}})
 
-    # Multiplicity over the whole family of gated cells, once for the lower bounds (pass) and
-    # once for the upper bounds (fail).
-    p_pass = [est.p_value(margin) for _, _, _, est, margin in tests]
-    p_fail = [est.p_value_inferior(margin) for _, _, _, est, margin in tests]
-    lo_levels = stats.step_levels(
-        p_pass, lambda i, a: tests[i][3].ci(a, tests[i][4])[0] > -tests[i][4], alpha, gcfg.multiplicity)
-    hi_levels = stats.step_levels(
-        p_fail, lambda i, a: tests[i][3].ci(a)[1] < -tests[i][4], alpha, gcfg.multiplicity)
-    adj_pass = stats.adjusted_p_values(p_pass, alpha, gcfg.multiplicity)[1]
-    adj_fail = stats.adjusted_p_values(p_fail, alpha, gcfg.multiplicity)[1]
-    for i, (name, key, s, est, margin) in enumerate(tests):
-        variants[name]["slices"][key] = _cell(est, margin, lo_levels[i], hi_levels[i], gcfg,
-                                              (adj_pass[i], adj_fail[i]))
+    lo_alpha, go_p_adjusted = pass_levels(tests, release, alpha, gcfg)
+    for name, cells in tests.items():
+        # The fail family: this variant's gated cells, upper bounds adjusted among themselves.
+        p_fail = [est.p_fail(m) for _, _, est, m in cells]
+        hi_levels = stats.step_levels(p_fail, lambda i, a: cells[i][2].upper(a) < -cells[i][3], alpha,
+                                      gcfg.multiplicity)
+        fail_adj = stats.adjusted_p_values(p_fail, alpha, gcfg.multiplicity)[1]
+        for i, (key, s, est, margin) in enumerate(cells):
+            p_go = go_p_adjusted[name] if go_p_adjusted[name] is not None else est.p_pass(margin)
+            variants[name]["slices"][key] = _cell(est, margin, lo_alpha[name], hi_levels[i], gcfg,
+                                                  (p_go, fail_adj[i]))
+        variants[name]["alpha_pass"] = lo_alpha[name]
+        variants[name]["fail_family_size"] = len(cells)
     for (name, s), gests in groups.items():
         cell = variants[name]["slices"][s]
+        if reported.get((name, s)):
+            cell["calibration_error"] = reported[(name, s)]
         cell["groups"] = {}
         for g, est in gests.items():
             gated = variants[name]["slices"].pop(f"{s}/{g}", None)
@@ -303,36 +365,36 @@ def build_gate(run_dir: Path, cfg) -> dict:
                      if g["gated"]]
         statuses += [c["status"] for c in entry.get("distribution", {}).get("checks", {}).values()]
         entry["decision"] = "inconclusive" if entry["missing"] else decide(statuses)
-    release = [n for n, e in variants.items() if e["release"]]
-    decision = "go" if all(variants[n]["decision"] == "go" for n in release) else "no-go"
+    chosen = [n for n in release if tests[n]] if gcfg.select_among_variants else []
     return {
-        "decision": decision,
+        "decision": overall_decision([variants[n]["decision"] for n in release]),
         "reference": reference,
         "release_variants": release,
         "confidence": gcfg.confidence,
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
-        "family_size": len(tests),
-        "method": _method_text(gcfg, len(tests)),
+        "select_among_variants": gcfg.select_among_variants,
+        # The largest family any bound is adjusted over (kept from the single-family gate).
+        "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),
+        "families": {"pass": chosen, "fail": {n: len(c) for n, c in tests.items()}},
+        "method": _method_text(gcfg, chosen),
         "variants": variants,
         "speculation": speculation(run_dir, gcfg.multiplicity),
     }
 
 
-def _method_text(gcfg, m: int) -> str:
-    adj = {"holm": f"Holm step-down over {m} gated cells, separately for the lower bounds (pass) "
-                   "and the upper bounds (fail): the r-th smallest p drawn at alpha/(m-r), later cells "
-                   "at the level where Holm stopped",
-           "bonferroni": f"Bonferroni over {m} gated cells (each CI at alpha/{m})",
-           "none": "no multiplicity adjustment"}[gcfg.multiplicity]
+def _method_text(gcfg, chosen: list[str]) -> str:
+    name = {"holm": "Holm step-down", "bonferroni": "Bonferroni", "none": "no adjustment"}[gcfg.multiplicity]
+    pass_side = (f"{name} across the release variants {', '.join(chosen)} (the user picks among them)"
+                 if chosen else "unadjusted: a variant is go only if all its cells pass "
+                                "(intersection-union test)")
     return (f"paired differences variant - reference over the same items (negative = worse); "
-            f"{gcfg.confidence:.0%} two-sided CIs = one-sided alpha {(1 - gcfg.confidence) / 2:g} "
-            f"before adjustment; {adj}; pass if the CI's lower end > -margin, fail if its upper end "
-            f"< -margin; clustered SEs where items share a cluster (with >= {gcfg.min_clusters} "
-            f"clusters; fewer are treated as strata); ECE by paired (cluster) bootstrap; when no "
-            f"item differs, the exact binomial bound on the share that could (0 of n), not a "
-            f"zero-width CI; on 0/1 scores the lower end uses at least the SE a difference at the "
-            f"margin would have; CIs clipped to the possible range")
+            f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
+            f"bounds (pass) {pass_side}; upper bounds (fail) {name} within each variant; pass if "
+            f"the lower bound > -margin, fail if the upper bound < -margin; 0/1 scores: Tango "
+            f"score bounds, variance times the clusters' largest design effect; other scores: t "
+            f"with CR1 cluster-robust SE (exact binomial bound when no cluster differs); items "
+            f"sharing a cluster label or a prompt are one cluster; ECE reported, not gated")
 
 
 def run(ctx) -> None:
@@ -343,67 +405,3 @@ def run(ctx) -> None:
     ctx.meta["decision"] = gate["decision"]
     ctx.meta["gate_json"] = str(ctx.run_dir / "gate.json")
     print(table, file=sys.stderr)
-
-
-# ---------------------------------------------------------------- the table and the exit code
-
-
-def _fmt(x: float | None, signed: bool = False) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:+.3f}" if signed else f"{x:.3f}"
-
-
-def cell_text(c: dict) -> str:
-    lo, hi = c["ci"]
-    settle = ""
-    if c["status"] == "inconclusive":
-        settle = (f" (~{c['items_to_settle']} items to settle)" if c.get("items_to_settle")
-                  else " (diff sits on -margin: no n settles it)")
-    return f"{_fmt(c['diff'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}] {c['status']}{settle}"
-
-
-def render_table(gate: dict) -> str:
-    """Markdown: one line per variant, then one row per gated cell (diff, CI, margin, status)."""
-    lines = [f"# specq gate: {gate['decision'].upper()}", "",
-             f"Reference `{gate['reference']}`. {gate['method']}.", "",
-             "| variant | release | decision | slice | metric | reference | variant | diff [CI] status "
-             "| CI level | margin | n |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, v in gate["variants"].items():
-        rel = "yes" if v["release"] else "no"
-        if not v["slices"]:
-            lines.append(f"| {name} | {rel} | **{v['decision']}** | - | - | - | - | missing: "
-                         f"{', '.join(v['missing']) or 'nothing gated'} | - | - | - |")
-        for i, (key, c) in enumerate(v["slices"].items()):
-            head = f"| {name} | {rel} | **{v['decision']}** " if i == 0 else "| | | "
-            lines.append(f"{head}| {key} | {c['metric']} | {_fmt(c['reference'])} | {_fmt(c['variant'])} "
-                         f"| {cell_text(c)} | {c['ci_level']:.4f} | {c['margin']:g} | {c['n']} |")
-            for g, gc in (c.get("groups") or {}).items():
-                tag = "" if gc.get("gated", True) else " (reported, not gated)"
-                lines.append(f"| | | | {key}/{g} | {gc['metric']} | {_fmt(gc['reference'])} "
-                             f"| {_fmt(gc['variant'])} | {cell_text(gc)}{tag} | {gc['ci_level']:.4f} "
-                             f"| {gc['margin']:g} | {gc['n']} |")
-        for what, chk in (v.get("distribution") or {}).get("checks", {}).items():
-            lo, hi = chk["ci"]
-            lines.append(f"| | | | distribution | {what} | - | - | [{_fmt(lo)}, {_fmt(hi)}] "
-                         f"{chk['status']} (threshold {chk['threshold']:g}) | - | - | - |")
-    spec = gate.get("speculation") or {"pairs": {}}
-    if spec["pairs"]:
-        lines += ["", f"Speculation (lossless check, judged apart from quality): "
-                      f"**{spec['decision']}**", "",
-                  "| pair | greedy identical (dtype) | sampling p (adjusted) | decision |", "|---|---|---|---|"]
-        for key, p in spec["pairs"].items():
-            lines.append(f"| {key} | {p['greedy_identical']} ({p.get('dtype') or '-'}) | {_fmt(p['sampling_p'])} "
-                         f"({_fmt(p['sampling_p_adjusted'])}) | **{p['decision']}** |")
-    if not gate["release_variants"]:
-        lines += ["", "No variant is marked release: true; the decision is go by default."]
-    return "\n".join(lines) + "\n"
-
-
-def gate_check(run_dir: str | Path) -> int:
-    """Print the go/no-go table of a finished gate; 0 if the decision is go, 1 otherwise."""
-    gate = read_json(Path(run_dir) / "gate.json", "gate result")
-    if not isinstance(gate, dict) or gate.get("decision") not in ("go", "no-go"):
-        raise StageError(f"corrupt artifact: {Path(run_dir) / 'gate.json'} has no decision")
-    print(render_table(gate), end="")
-    return 0 if gate["decision"] == "go" else 1

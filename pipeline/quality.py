@@ -16,8 +16,9 @@ float summation order; the prefix evaluator's token counts go into meta.json.
 Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
   quality/data/<slice>.jsonl        the items scored (the shipped ones, or regenerated when the
                                     config asks for more items or other context lengths)
-  quality/<variant>/<slice>.jsonl   one line per item: id, cluster, slice, group, metric, score,
-                                    scores, prediction, target (+ option_probs, label)
+  quality/<variant>/<slice>.jsonl   one line per item: id, cluster, slice, group, prompt_hash
+                                    (lm-eval's hash of the prompt sent), metric, score, scores,
+                                    prediction, target (+ option_probs, label)
   quality/<variant>/distribution.json   KL / top-1 / perplexity ratio vs the reference
   quality/<variant>.json            per-slice mean, CI, n, groups; distribution summary
 """
@@ -36,6 +37,7 @@ import numpy as np
 from evals import generate as gen
 from evals import metrics
 from pipeline import distribution
+from pipeline.scoring_rules import calibration_summary
 from pipeline.device import resolve_device
 from pipeline.models import load_tokenizer, load_variant
 from pipeline.stage import (StageError, atomic_write_json, atomic_write_text, progress, read_json, read_jsonl,
@@ -59,7 +61,10 @@ def slice_items(name: str, n: int, lengths: list[int]) -> bytes:
             (name != "long_context" or list(lengths) == gen.LONG_CONTEXT_LENGTHS):
         lines = shipped.read_bytes().splitlines(keepends=True)
         return b"".join(lines[:n])
-    return gen.to_jsonl(gen.generate(name, n, **params))
+    try:
+        return gen.to_jsonl(gen.generate(name, n, **params))
+    except ValueError as e:  # more items than the slice has distinct questions
+        raise StageError(f"quality.items_per_slice {n}: {e}") from None
 
 
 def builtin_task_config(name: str, data_file: Path, max_new_tokens: int) -> dict:
@@ -170,7 +175,8 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], 
 
 def _builtin_record(slice_name: str, sample: dict) -> dict:
     doc = sample["doc"]
-    rec = {"id": doc["id"], "cluster": doc["cluster"], "slice": slice_name, "group": doc.get("group")}
+    rec = {"id": doc["id"], "cluster": doc["cluster"], "slice": slice_name, "group": doc.get("group"),
+           "prompt_hash": sample.get("prompt_hash")}
     if slice_name == "calibration":
         lls = [float(r[0]) for r in sample["filtered_resps"]]
         probs = metrics.option_probs(lls)
@@ -197,54 +203,35 @@ def _named_record(task: str, sample: dict) -> dict | None:
     resp = sample.get("filtered_resps")
     pred = resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
     rid = f"{task}-{sample['doc_id']:05d}"
-    return {"id": rid, "cluster": rid, "slice": task, "group": None, "metric": names[0],
-            "score": float(sample[names[0]]), "scores": {m: float(sample[m]) for m in names},
+    return {"id": rid, "cluster": rid, "slice": task, "group": None, "prompt_hash": sample.get("prompt_hash"),
+            "metric": names[0], "score": float(sample[names[0]]), "scores": {m: float(sample[m]) for m in names},
             "prediction": pred, "target": str(sample.get("target"))}
 
 
 # ------------------------------------------------------------------ summaries
 
 
-def mean_ci(scores, clusters, confidence: float, min_clusters: int = 10) -> tuple[float, list[float | None]]:
-    """Mean with a cluster-robust CI (items sharing a haystack are not independent): OLS on a
-    constant with a cluster covariance (statsmodels), t with G-1 degrees of freedom. With fewer
-    than `min_clusters` clusters (a handful of templates) they are fixed strata and the CI is
-    item-level, the same rule the gate applies (pipeline.stats.usable_clusters)."""
-    from pipeline.stats import usable_clusters
-
-    y = np.asarray(scores, dtype=np.float64)
-    mean = float(y.mean())
-    if len(y) < 2 or np.all(y == y[0]):
-        return mean, [mean, mean] if len(y) >= 2 else [None, None]
-    import statsmodels.api as sm
-
-    groups, _ = usable_clusters(list(clusters), len(y), min_clusters)
-    if 1 <= groups.max() < len(y) - 1:
-        fit = sm.OLS(y, np.ones_like(y)).fit(cov_type="cluster", cov_kwds={"groups": groups},
-                                             use_t=True)
-    else:  # one cluster: no between-cluster information, fall back to item-level
-        fit = sm.OLS(y, np.ones_like(y)).fit(use_t=True)
-    lo, hi = fit.conf_int(alpha=1 - confidence)[0]
-    return mean, [float(lo), float(hi)]
-
-
 def summarize_slice(records: list[dict], confidence: float) -> dict:
-    scores = [r["score"] for r in records]
-    clusters = [r["cluster"] for r in records]
-    mean, ci = mean_ci(scores, clusters, confidence)
-    out = {"metric": records[0]["metric"], "mean": mean, "ci": ci, "n": len(records),
-           "clusters": len(set(clusters)), "groups": {}}
+    """Per-slice (and per-group) mean with a CI inside the scores' range, clustered like the gate
+    clusters (a shared `cluster` label or prompt): pipeline.stats.mean_ci."""
+    from pipeline.stats import mean_ci, merge_clusters
+
+    def summary(recs: list[dict]) -> tuple[float, list, str, int]:
+        codes = merge_clusters(len(recs), [r["cluster"] for r in recs], [r.get("prompt_hash") for r in recs])
+        return (*mean_ci([r["score"] for r in recs], codes, confidence), int(codes.max()) + 1)
+
+    mean, ci, how, clusters = summary(records)
+    out = {"metric": records[0]["metric"], "mean": mean, "ci": ci, "ci_method": how, "n": len(records),
+           "clusters": clusters, "groups": {}}
     for g in sorted({r["group"] for r in records if r["group"] is not None}):
         sub = [r for r in records if r["group"] == g]
-        gm, gci = mean_ci([r["score"] for r in sub], [r["cluster"] for r in sub], confidence)
+        gm, gci, _, _ = summary(sub)
         out["groups"][g] = {"mean": gm, "ci": gci, "n": len(sub)}
     all_metrics = sorted(records[0]["scores"])
     if len(all_metrics) > 1:
         out["metrics"] = {m: float(np.mean([r["scores"][m] for r in records])) for m in all_metrics}
     if "option_probs" in records[0]:
-        probs, labels = [r["option_probs"] for r in records], [r["label"] for r in records]
-        out["ece"] = metrics.ece(probs, labels)
-        out["brier"] = metrics.brier(probs, labels)
+        out.update(calibration_summary([r["option_probs"] for r in records], [r["label"] for r in records]))
     return out
 
 

@@ -1,6 +1,7 @@
-"""The built-in slices: generators are deterministic and match the shipped data byte for byte, the
-task YAMLs are lm-eval tasks over that data, the metrics score known cases, and the quantization
-calibration text shares no 8-gram with any slice."""
+"""The built-in slices: generators are deterministic and match the shipped data byte for byte, no
+two items of a slice share a prompt (at gpu.yaml's 1000 items), the task YAMLs are lm-eval tasks
+over that data, the metrics score known cases, and the quantization calibration text shares no
+8-gram with any slice."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,29 @@ def test_items_are_prefix_stable_and_well_formed(name):
     for it in large:
         assert it["slice"] == name and it["cluster"] and it["prompt"] and it["target"]
     assert len({it["cluster"] for it in large}) > 1
+
+
+@pytest.mark.parametrize("name", list(gen.GENERATORS))
+def test_no_two_items_share_a_prompt_at_gpu_size(name):
+    """Greedy copies of one prompt score identically, so a repeated prompt is one measurement
+    counted twice. Measured before the fix at 1000 items: 145 distinct tool_args prompts, 265
+    calibration, 738 reasoning; now 1000 of 1000 everywhere. Clusters: each item its own, except
+    a long_context haystack's items."""
+    from pipeline.config import Config
+
+    cfg = Config.model_validate(__import__("yaml").safe_load((REPO / "configs/gpu.yaml").read_text()))
+    n = cfg.quality.items_per_slice
+    params = {"lengths": cfg.quality.long_context_lengths} if name == "long_context" else {}
+    items = gen.generate(name, n, **params)
+    assert n == 1000 and len({it["prompt"] for it in items}) == n
+    clusters = {it["cluster"] for it in items}
+    assert len(clusters) == (n + 2) // 3 if name == "long_context" else len(clusters) == n
+
+
+def test_language_question_is_never_one_of_its_shots():
+    for it in gen.language(1000):  # was: 12 of the first 200 asked one of their own examples
+        question = it["prompt"].rsplit("\nQ: ", 1)[1].removesuffix("\nA:")
+        assert it["prompt"].count(f"Q: {question}\n") == 1, it["prompt"]
 
 
 def test_slice_specific_fields():
@@ -119,12 +143,13 @@ def test_tool_call_scores_are_separate():
 
 
 def test_calibration_summaries_on_known_values():
+    from pipeline.scoring_rules import calibration_summary
+
     # Two items, both predicted with confidence 0.8, one right: ECE = |0.5 - 0.8| = 0.3.
-    probs = [[0.8, 0.2], [0.8, 0.2]]
-    labels = [0, 1]
-    assert metrics.ece(probs, labels) == pytest.approx(0.3, abs=1e-12)
-    # Brier: (0.2^2 + 0.2^2) + (0.8^2 + 0.8^2) over 2 items = (0.08 + 1.28) / 2
-    assert metrics.brier(probs, labels) == pytest.approx(0.68, abs=1e-12)
+    # Brier: (0.2^2 + 0.2^2) + (0.8^2 + 0.8^2) over 2 items = (0.08 + 1.28) / 2.
+    summary = calibration_summary([[0.8, 0.2], [0.8, 0.2]], [0, 1])
+    assert summary["ece"] == pytest.approx(0.3, abs=1e-12) and summary["brier"] == pytest.approx(0.68, abs=1e-12)
+    assert not hasattr(metrics, "ece") and not hasattr(metrics, "brier")  # one implementation
     p = metrics.option_probs([-1.0, -1.0, -3.0])
     assert sum(p) == pytest.approx(1.0) and p[0] == pytest.approx(p[1])
 
@@ -146,3 +171,13 @@ def test_calibration_text_does_not_overlap_slices():
         for line in (gen.DATA / f"{name}.jsonl").read_text().splitlines():
             shared = calib & _ngrams(json.loads(line)["prompt"])
             assert not shared, f"{name}: calibration text shares {' '.join(next(iter(shared)))!r}"
+
+
+def test_more_items_than_distinct_questions_is_one_clear_error():
+    """A slice's templates hold a finite number of distinct questions (language about 1260):
+    asking for more is bad input, not a repeated prompt."""
+    from pipeline.quality import slice_items
+    from pipeline.stage import StageError
+
+    with pytest.raises(StageError, match="items_per_slice 2000: language: .* ask for fewer items"):
+        slice_items("language", 2000, [])

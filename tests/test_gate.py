@@ -1,5 +1,6 @@
 """The gate stage on synthetic artifacts (written to the contract in tmp dirs): decisions, the
-multiplicity bookkeeping, bad input, and `gate-check`'s exit code through pipeline.__main__.main."""
+multiplicity families, clustering by prompt, bad input, and `gate-check`'s exit status (0 go,
+1 no-go, 3 inconclusive, 2 bad input) through pipeline.__main__.main."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.__main__ import main
-from pipeline.gate import decide
+from pipeline.gate import decide, overall_decision
 
 SLICES = ("reasoning", "language", "calibration", "long_context")
 
@@ -24,12 +25,13 @@ def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 
     """A run dir with quality and acceptance results for a reference `bf16`
     and the given variants: name -> {"release": bool, "damage": {slice: fraction of the
     reference's correct items the variant gets wrong}, "flip": fraction flipped either way}.
-    Returns (run_dir, config path)."""
+    Variants draw their noise in order, so appending a variant leaves the earlier ones' data
+    as they were. Returns (run_dir, config path)."""
     variants = variants if variants is not None else {"good": {"release": True, "flip": 0.02}}
     rng = np.random.default_rng(seed)
     run = root / "run"
-    # Reference items: binary scores; long_context items come 5 to a haystack (40 clusters),
-    # reasoning items from 6 templates (too few clusters: strata); language items carry a group;
+    # Reference items: binary scores; long_context items come 5 to a haystack (n/5 clusters), the
+    # other slices' items are distinct (their own clusters); language items carry a group;
     # calibration items carry option probabilities.
     ref_rows = {}
     for s in SLICES:
@@ -38,7 +40,7 @@ def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 
             probs = rng.dirichlet([2, 1, 1, 1]).tolist()
             label = int(np.argmax(probs)) if rng.random() < 0.7 else int(rng.integers(4))
             score = float(label == int(np.argmax(probs))) if s == "calibration" else float(rng.random() < 0.7)
-            cluster = {"long_context": f"hay-{i // 5}", "reasoning": f"template-{i % 6}"}.get(s)
+            cluster = f"hay-{i // 5}" if s == "long_context" else None
             row = {"id": f"{s}-{i}", "cluster": cluster,
                    "slice": s, "group": ["fr", "de", "es", "zh"][i % 4] if s == "language" else None,
                    "metric": "accuracy", "score": score, "scores": {"accuracy": score},
@@ -83,9 +85,9 @@ def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 
     return run, config
 
 
-def gate(run: Path, config: Path, capsys=None) -> tuple[int, int, dict | None]:
+def gate(run: Path, config: Path, force: bool = False) -> tuple[int, int, dict | None]:
     """Run the gate stage, then gate-check; returns (stage rc, check rc, gate.json)."""
-    rc = main(["gate", "--run", str(run), "--config", str(config)])
+    rc = main(["gate", "--run", str(run), "--config", str(config)] + (["--force"] if force else []))
     check = main(["gate-check", "--run", str(run), "--config", str(config)]) if rc == 0 else None
     path = run / "gate.json"
     return rc, check, json.loads(path.read_text()) if path.exists() else None
@@ -97,24 +99,26 @@ def test_good_variant_is_go_and_exit_code_zero(tmp_path, capsys):
     assert (rc, check) == (0, 0)
     assert g["decision"] == "go" and g["variants"]["good"]["decision"] == "go"
     cells = g["variants"]["good"]["slices"]
-    assert set(cells) == {*SLICES, "calibration:brier", "calibration:ece"}
+    assert set(cells) == {*SLICES, "calibration:brier"}  # ECE is reported, not gated
     for key, c in cells.items():
         assert c["status"] == "pass", (key, c)
         assert c["ci"][0] > -c["margin"] and c["n"] == 1000
-    assert cells["long_context"]["method"] == "cluster-t" and cells["long_context"]["n_clusters"] == 200
-    assert cells["reasoning"]["method"] == "paired-t (6 clusters < 10: treated as strata)"
-    assert cells["language"]["method"] == "paired-t"
-    assert cells["calibration:ece"]["method"] == "paired bootstrap"
+    assert cells["long_context"]["n_clusters"] == 200 and cells["long_context"]["design_effect"] == 5.0
+    assert cells["long_context"]["method"].startswith("tango score, 200 clusters")
+    assert cells["reasoning"]["method"] == "tango score" and cells["reasoning"]["design_effect"] == 1.0
+    assert cells["calibration:brier"]["method"] == "paired-t"
+    ece = cells["calibration"]["calibration_error"]
+    assert ece["gated"] is False and set(ece["ece_debiased"]) == {"reference", "variant", "diff"}
     assert set(cells["language"]["groups"]) == {"fr", "de", "es", "zh"}
     assert not cells["language"]["groups"]["fr"]["gated"]
     out = capsys.readouterr().out
-    assert "specq gate: GO" in out and "| good |" in out
+    assert "specq gate: GO" in out and "| good |" in out and "calibration:ece_debiased" in out
     assert (run / "gate" / "table.md").read_text().startswith("# specq gate: GO")
 
 
 def test_identical_copy_is_go_with_enough_items(tmp_path):
-    # No item differs, so the CI is the exact bound on the share of items that could (0 of G
-    # clusters): 400 items (80 haystacks on long_context) bound it under the 5-point margin.
+    # No item differs: Tango's bound at 0 of n discordant items (the haystacks' design effect of
+    # 5 makes long_context count as 80 items): 400 items put it above the 5-point margin.
     run, config = make_fake_run(tmp_path, {"copy": {"release": True}}, n=400)
     rc, check, g = gate(run, config)
     assert (rc, check) == (0, 0)
@@ -123,16 +127,20 @@ def test_identical_copy_is_go_with_enough_items(tmp_path):
         assert -c["margin"] < c["ci"][0] < 0.0 < c["ci"][1]
 
 
-def test_identical_copy_at_small_n_is_inconclusive_never_no_go(tmp_path):
+def test_identical_copy_at_small_n_is_inconclusive_never_no_go(tmp_path, capsys):
     # 40 items that all agree cannot rule out a 5-point regression (up to ~9% of items could
-    # differ): the cell says so, and how many agreeing items would settle it.
+    # differ): the cell says so, and how many agreeing items would settle it; gate-check exits 3
+    # and the headline says INCONCLUSIVE, not NO-GO.
     run, config = make_fake_run(tmp_path, {"copy": {"release": True}}, n=40)
     rc, check, g = gate(run, config)
-    assert (rc, check) == (0, 1)
-    assert g["variants"]["copy"]["decision"] == "inconclusive"
+    assert (rc, check) == (0, 3)
+    assert g["decision"] == "inconclusive" and g["variants"]["copy"]["decision"] == "inconclusive"
     for c in g["variants"]["copy"]["slices"].values():
         assert c["diff"] == 0.0 and c["status"] == "inconclusive"
         assert c["ci"][0] < -c["margin"] and c["items_to_settle"] > 40
+    out = capsys.readouterr().out
+    assert out.startswith("# specq gate: INCONCLUSIVE") and "NO-GO" not in out
+    assert "items per slice would settle it" in out
 
 
 def test_damaged_variant_is_no_go_on_the_damaged_slices(tmp_path):
@@ -148,7 +156,7 @@ def test_damaged_variant_is_no_go_on_the_damaged_slices(tmp_path):
     assert broken["slices"]["reasoning"]["status"] == "fail"
     assert broken["slices"]["calibration"]["status"] == "fail"
     assert broken["slices"]["calibration:brier"]["status"] == "fail"
-    assert broken["slices"]["calibration:ece"]["diff"] < 0
+    assert broken["slices"]["calibration"]["calibration_error"]["ece_debiased"]["diff"] < 0
     assert broken["slices"]["language"]["status"] == "pass"
     assert g["variants"]["good"]["decision"] == "go"
 
@@ -163,11 +171,65 @@ def test_non_release_failure_does_not_block(tmp_path):
     assert g["variants"]["experiment"]["decision"] == "no-go" and g["decision"] == "go"
 
 
-def test_inconclusive_says_how_many_items_would_settle_it(tmp_path):
+def _verdict(g: dict, name: str) -> dict:
+    v = g["variants"][name]
+    return {"decision": v["decision"], **{k: (c["status"], c["ci"], c["alpha_lower"], c["alpha_upper"])
+                                         for k, c in v["slices"].items()}}
+
+
+@pytest.mark.parametrize("sibling", [{"release": False, "damage": {"reasoning": 0.6, "language": 0.6}},
+                                     {"release": True, "flip": 0.02}])
+def test_a_sibling_never_changes_a_variants_verdict(tmp_path, sibling):
+    """Same data for `good` with and without a sibling (a broken release: false experiment, or
+    another release variant): its cells, their levels and its decision are identical. Under the
+    old single Holm family over every variant, a broken sibling turned an identical `good` from go
+    to inconclusive in 4 of 10 seeds at n = 400."""
+    alone = make_fake_run(tmp_path / "alone", {"good": {"release": True, "flip": 0.03}}, n=400, seed=3)
+    both = make_fake_run(tmp_path / "both", {"good": {"release": True, "flip": 0.03}, "sib": sibling},
+                         n=400, seed=3)
+    (_, _, g1), (_, _, g2) = gate(*alone), gate(*both)
+    for s in SLICES:  # the same data, drawn before the sibling's
+        a = (tmp_path / "alone/run/quality/good" / f"{s}.jsonl").read_text()
+        assert a == (tmp_path / "both/run/quality/good" / f"{s}.jsonl").read_text()
+    assert _verdict(g1, "good") == _verdict(g2, "good")
+    assert g2["families"]["fail"] == {"good": len(SLICES) + 1, "sib": len(SLICES) + 1}
+    assert g2["families"]["pass"] == []
+
+
+def test_choosing_among_release_variants_adjusts_the_pass_side_across_them_only(tmp_path):
+    variants = {"a": {"flip": 0.02}, "b": {"flip": 0.02},
+                "exp": {"release": False, "damage": {"reasoning": 0.5}}}
+    run, config = make_fake_run(tmp_path, variants, gate_yaml="gate: {multiplicity: bonferroni, "
+                                                              "select_among_variants: true}\n")
+    _, _, g = gate(run, config)
+    assert g["families"]["pass"] == ["a", "b"]
+    m = len(SLICES) + 1  # each variant's fail family: its slices and its Brier row
+    for name in ("a", "b"):
+        for c in g["variants"][name]["slices"].values():
+            assert c["alpha_lower"] == pytest.approx(0.025 / 2) and c["alpha_upper"] == pytest.approx(0.025 / m)
+            assert c["ci_level"] == pytest.approx(1 - c["alpha_lower"] - c["alpha_upper"])
+    # The release: false variant is in nobody's pass family and is drawn at alpha.
+    assert all(c["alpha_lower"] == pytest.approx(0.025) for c in g["variants"]["exp"]["slices"].values())
+
+
+def test_holm_on_the_fail_side_within_a_variant(tmp_path):
+    run, config = make_fake_run(tmp_path, {"a": {"flip": 0.02}, "b": {"flip": 0.02}})
+    _, _, g = gate(run, config)
+    m = len(SLICES) + 1
+    assert g["family_size"] == m
+    for v in g["variants"].values():
+        cells = list(v["slices"].values())
+        # No cell fails, so Holm's first step already stops: every upper bound at alpha/m.
+        assert all(c["alpha_upper"] == pytest.approx(0.025 / m) for c in cells)
+        assert all(c["alpha_lower"] == pytest.approx(0.025) for c in cells)  # intersection-union
+        assert all(c["p_adjusted"][1] >= c["p_inferior"] for c in cells)
+
+
+def test_inconclusive_says_how_many_items_would_settle_it(tmp_path, capsys):
     # Few items and real disagreement: the CI straddles -margin.
     run, config = make_fake_run(tmp_path, {"noisy": {"release": True, "flip": 0.15}}, n=40)
     rc, check, g = gate(run, config)
-    assert (rc, check) == (0, 1)
+    assert (rc, check) == (0, 3)
     cells = g["variants"]["noisy"]["slices"]
     assert cells["language"]["status"] == "inconclusive"
     assert cells["language"]["items_to_settle"] > 40
@@ -176,39 +238,47 @@ def test_inconclusive_says_how_many_items_would_settle_it(tmp_path):
             assert (c["items_to_settle"] is None) == (c["diff"] == -c["margin"]), c
         else:
             assert c["items_to_settle"] is None
-    assert g["variants"]["noisy"]["decision"] == "inconclusive" and g["decision"] == "no-go"
+    assert g["variants"]["noisy"]["decision"] == "inconclusive" and g["decision"] == "inconclusive"
+    table = capsys.readouterr().out
+    assert f"| {cells['language']['items_to_settle']} |" in table
 
 
-def test_multiplicity_levels_recorded(tmp_path):
-    variants = {"a": {"flip": 0.02}, "b": {"flip": 0.02}}
-    run, config = make_fake_run(tmp_path, variants, gate_yaml="gate: {multiplicity: bonferroni}\n")
-    _, _, g = gate(run, config)
-    m = g["family_size"]
-    assert m == 2 * (len(SLICES) + 2)
-    for v in g["variants"].values():
-        for c in v["slices"].values():
-            assert c["ci_level"] == pytest.approx(1 - 0.05 / m)
-    run2, config2 = make_fake_run(tmp_path / "holm", variants)
-    _, _, h = gate(run2, config2)
-    cells = [c for v in h["variants"].values() for c in v["slices"].values()]
-    lower = sorted(c["alpha_lower"] for c in cells)
-    # Holm, pass family: every cell passes here, so the steps run from alpha/m up to alpha.
-    assert lower[0] == pytest.approx(0.025 / m) and lower[-1] == pytest.approx(0.025)
-    assert len(set(lower)) == m or any(c["se"] == 0 for c in cells)
-    # Fail family: the first step already does not reject, so every upper bound is at alpha/m.
-    assert all(c["alpha_upper"] == pytest.approx(0.025 / m) for c in cells)
-    assert all(c["ci_level"] == pytest.approx(1 - c["alpha_lower"] - c["alpha_upper"]) for c in cells)
-    width = {k: c["ci"][1] - c["ci"][0] for k, c in g["variants"]["a"]["slices"].items()}
-    width_h = {k: c["ci"][1] - c["ci"][0] for k, c in h["variants"]["a"]["slices"].items()}
-    assert all(width_h[k] <= width[k] + 1e-12 for k in width)
-
-
-def test_gated_groups_join_the_family(tmp_path):
+def test_gated_groups_join_the_variants_fail_family(tmp_path):
     run, config = make_fake_run(tmp_path, gate_yaml="gate: {gate_groups: true}\n")
     _, _, g = gate(run, config)
-    assert g["family_size"] == len(SLICES) + 2 + 4
+    assert g["families"]["fail"]["good"] == len(SLICES) + 1 + 4
     groups = g["variants"]["good"]["slices"]["language"]["groups"]
     assert all(gc["gated"] for gc in groups.values())
+
+
+def test_brier_has_its_own_margin(tmp_path):
+    run, config = make_fake_run(tmp_path, gate_yaml="gate: {margins: {calibration: 0.3}, brier_margin: 0.07}\n")
+    _, _, g = gate(run, config)
+    cells = g["variants"]["good"]["slices"]
+    assert cells["calibration"]["margin"] == 0.3 and cells["calibration:brier"]["margin"] == 0.07
+
+
+def test_duplicated_prompts_form_one_cluster(tmp_path):
+    """Items that share a prompt are one cluster even when nothing labels them so: from the
+    per-item prompt hash lm-eval records, or else from quality/data/<slice>.jsonl's prompts.
+    Here 1000 reasoning items come from 145 prompts (the old tool_args slice at gpu.yaml size)."""
+    run, config = make_fake_run(tmp_path)
+    prompt_of = [f"prompt {i % 145}" for i in range(1000)]
+    data = [{"id": f"reasoning-{i}", "prompt": p} for i, p in enumerate(prompt_of)]
+    _write_jsonl(run / "quality" / "data" / "reasoning.jsonl", data)
+    _, _, g = gate(run, config)
+    cell = g["variants"]["good"]["slices"]["reasoning"]
+    sizes = np.bincount(np.arange(1000) % 145)
+    assert cell["n_clusters"] == 145 and cell["design_effect"] == pytest.approx((sizes**2).sum() / 1000)
+    # The same from the records' own prompt_hash, with no data file.
+    (run / "quality" / "data" / "reasoning.jsonl").unlink()
+    for name in ("bf16", "good"):
+        path = run / "quality" / name / "language.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        _write_jsonl(path, [{**r, "prompt_hash": f"h{i % 100}"} for i, r in enumerate(rows)])
+    _, _, g = gate(run, config, force=True)
+    cells = g["variants"]["good"]["slices"]
+    assert cells["language"]["n_clusters"] == 100 and cells["reasoning"]["n_clusters"] == 1000
 
 
 def test_distribution_threshold_is_gated(tmp_path):
@@ -226,7 +296,7 @@ def test_distribution_threshold_without_a_measurement_is_inconclusive(tmp_path):
     doc["distribution"]["top1_ci"] = None
     summary.write_text(json.dumps(doc))
     rc, check, g = gate(run, config)
-    assert (rc, check) == (0, 1)
+    assert (rc, check) == (0, 3)
     assert g["variants"]["good"]["distribution"]["checks"]["top1_agreement"]["status"] == "inconclusive"
     assert g["variants"]["good"]["decision"] == "inconclusive"
 
@@ -245,9 +315,17 @@ def test_missing_quality_for_a_release_variant_is_not_go(tmp_path):
     run, config = make_fake_run(tmp_path)
     config.write_text(config.read_text().replace("    good:", "    extra: {scheme: none}\n    good:"))
     rc, check, g = gate(run, config)
-    assert (rc, check) == (0, 1)
+    assert (rc, check) == (0, 3)
     assert g["variants"]["extra"]["decision"] == "inconclusive"
     assert g["variants"]["extra"]["missing"] == ["quality results"]
+
+
+def test_no_release_variant_is_bad_input(tmp_path, capsys):
+    run, config = make_fake_run(tmp_path, {"good": {"release": False, "flip": 0.02}})
+    rc, check, g = gate(run, config)
+    assert rc == 2 and g is None
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specq:")]
+    assert len(err) == 1 and "release: true" in err[0]
 
 
 def test_different_item_ids_are_an_error(tmp_path, capsys):
@@ -269,9 +347,16 @@ def test_corrupt_item_is_an_error(tmp_path, capsys):
     assert "language.jsonl:1001" in capsys.readouterr().err
 
 
-def test_gate_check_without_gate_json(tmp_path, capsys):
+def test_gate_check_exit_status_and_bad_input(tmp_path, capsys):
     assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml"]) == 2
     assert "missing gate result" in capsys.readouterr().err
+    for decision, code in (("go", 0), ("no-go", 1), ("inconclusive", 3), ("maybe", 2)):
+        (tmp_path / "gate.json").write_text(json.dumps(
+            {"decision": decision, "reference": "bf16", "release_variants": ["v"], "method": "m",
+             "variants": {"v": {"decision": decision, "release": True, "slices": {}, "missing": []}}}))
+        assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml"]) == code
+        assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml",
+                     "--no-exit-code"]) == (0 if code != 2 else 2)
 
 
 def test_decide():
@@ -279,3 +364,6 @@ def test_decide():
     assert decide(["pass", "inconclusive"]) == "inconclusive"
     assert decide(["inconclusive", "fail", "pass"]) == "no-go"
     assert decide([]) == "inconclusive"
+    assert overall_decision(["go", "inconclusive"]) == "inconclusive"
+    assert overall_decision(["inconclusive", "no-go"]) == "no-go"
+    assert overall_decision(["go", "go"]) == "go"

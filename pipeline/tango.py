@@ -1,0 +1,108 @@
+"""Tango's score interval for a difference of paired proportions, with a design effect for
+clustered items. The gate uses it for every slice whose scores are 0/1 for both models.
+
+Hand-written: statsmodels 0.15 has no paired-proportion score interval (proportion_confint is for
+one proportion, confint_proportions_2indep for independent samples), and scipy has none.
+
+Notation (one item = one pair of 0/1 scores): `better` items the variant gets right and the
+reference wrong, `worse` the other way round, n items. The paired difference is
+    diff = (better - worse) / n = p_better - p_worse      (negative = the variant is worse).
+Tango (1998, Stat Med 17:891) tests H0: diff = d0 with the score statistic
+    Z(d0) = (better - worse - n d0) / sqrt(n (2 q + d0 (1 - d0)))
+where q is the maximum-likelihood p_worse under the constraint p_better - p_worse = d0:
+    q = (sqrt(B^2 - 4 A C) - B) / (2 A),  A = 2n,  B = -better - worse + (2n - better + worse) d0,
+    C = -worse d0 (1 - d0).
+Z falls as d0 rises, so the lower confidence bound at one-sided alpha is the d0 with
+Z(d0) = z_{1-alpha} and the upper bound the d0 with Z(d0) = -z_{1-alpha} (tests/test_stats.py
+checks both against Fagerland, Lydersen & Laake's published example). Unlike a Wald interval its
+variance is the one H0 implies, so few discordant items (or none) do not make it narrow.
+
+Clusters: items that share a prompt, haystack or document may fail together. The variance of the
+numerator is then at most sum_g n_g^2 / n times the independent one (every cluster's items
+agreeing), so Z is divided by sqrt(design_effect) with design_effect = sum_g n_g^2 / n: the
+largest the cluster sizes allow. Equivalently, Tango on (better, worse, n) / design_effect (the
+Rao-Scott effective sample size). It is exact for duplicated prompts (greedy copies agree) and
+conservative when a cluster's items are in fact independent; tests/test_stats.py simulates both.
+
+Everything broadcasts over arrays, so the simulations run thousands of gates per call.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats as sps
+from scipy.optimize import elementwise
+
+_EDGE = 1e-12  # bounds are searched inside (-1, 1): Z is undefined at the ends themselves
+
+
+def constrained_worse_rate(better, worse, n, d0):
+    """Tango's maximum-likelihood p_worse given p_better - p_worse = d0 (see the module doc)."""
+    better, worse, n, d0 = (np.asarray(x, dtype=float) for x in (better, worse, n, d0))
+    a = 2.0 * n
+    b = -better - worse + (2.0 * n - better + worse) * d0
+    c = -worse * d0 * (1.0 - d0)
+    return (np.sqrt(np.maximum(b * b - 4.0 * a * c, 0.0)) - b) / (2.0 * a)
+
+
+def null_variance(better, worse, n, d0):
+    """Variance of one item's difference under H0: diff = d0 (Tango's constrained estimate)."""
+    d0 = np.asarray(d0, dtype=float)
+    return np.maximum(2.0 * constrained_worse_rate(better, worse, n, d0) + d0 * (1.0 - d0), 0.0)
+
+
+def score_z(better, worse, n, d0, design_effect=1.0):
+    """Tango's Z(d0), divided by sqrt(design_effect). Z = 0 where the numerator is 0 (d0 equal
+    to the observed difference, including no discordant item at d0 = 0)."""
+    better, worse, n = (np.asarray(x, dtype=float) for x in (better, worse, n))
+    num = better - worse - n * np.asarray(d0, dtype=float)
+    var = n * null_variance(better, worse, n, d0) * np.asarray(design_effect, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(var > 0.0, num / np.sqrt(np.where(var > 0.0, var, 1.0)), np.sign(num) * np.inf)
+    return np.where(num == 0.0, 0.0, z)
+
+
+def bound(better, worse, n, alpha, design_effect=1.0, side: str = "lower"):
+    """The lower (or upper) confidence bound at one-sided `alpha`: the root of Z(d0) = +-z."""
+    better, worse, n, alpha, deff = np.broadcast_arrays(
+        *(np.asarray(x, dtype=float) for x in (better, worse, n, alpha, design_effect)))
+    diff = (better - worse) / n
+    q = sps.norm.isf(alpha)
+    if side == "lower":
+        end, sign, lo, hi = -1.0, 1.0, np.full(diff.shape, -1.0 + _EDGE), diff
+    elif side == "upper":
+        end, sign, lo, hi = 1.0, -1.0, diff, np.full(diff.shape, 1.0 - _EDGE)
+    else:
+        raise ValueError(f"side must be 'lower' or 'upper', not {side!r}")
+    at_end = diff == end
+    # Z(diff) = 0 and Z runs to +-inf towards the far end, so [lo, hi] brackets the root.
+    res = elementwise.find_root(
+        lambda x, b, w, m, target, d: score_z(b, w, m, x, d) - target,
+        (np.where(at_end, end / 2, lo), np.where(at_end, end / 2 + 1e-3, hi)),
+        args=(better, worse, n, sign * q, deff),
+        tolerances={"xatol": 1e-10, "xrtol": 0.0})
+    return np.where(at_end, end, res.x)
+
+
+def p_value(better, worse, n, d0, design_effect=1.0, side: str = "above"):
+    """One-sided p of H0: diff <= d0 (side "above": small = diff is above d0) or H0: diff >= d0
+    (side "below"); p < alpha exactly when the matching bound excludes d0."""
+    z = score_z(better, worse, n, d0, design_effect)
+    return sps.norm.sf(z) if side == "above" else sps.norm.cdf(z)
+
+
+def items_needed(better, worse, n, d0, alpha, power, design_effect=1.0):
+    """Items for the score test of H0: diff = d0 to reject (on the side the observed difference
+    lies) with probability `power`, if the discordance rates are the observed ones. The normal
+    approximation with the null and the alternative variances apart (Connor 1987's form):
+        n = design_effect * ((z_{1-alpha} sd_0 + z_power sd_1) / |diff - d0|)^2
+    Hand-written: statsmodels.stats.power takes one standard deviation, and with few discordant
+    items sd_1 (the observed spread, 0 for an identical copy) is far below sd_0 (the null's), so
+    one sd would ask for about twice the items. None when diff == d0 (no n settles it)."""
+    diff = (better - worse) / n
+    gap = abs(diff - d0)
+    if gap == 0.0:
+        return None
+    sd0 = float(np.sqrt(null_variance(better, worse, n, d0)))
+    sd1 = float(np.sqrt(max((better + worse) / n - diff**2, 0.0)))
+    z = sps.norm.isf(alpha) * sd0 + sps.norm.ppf(power) * sd1
+    return int(np.ceil(design_effect * (z / gap) ** 2))
