@@ -7,7 +7,7 @@ target's width, padded entries getting probability 0.
 """
 from __future__ import annotations
 
-from pipeline.engine import ModelDraft, _hf_model
+from pipeline.decode import ModelDraft, hf_model
 from pipeline.stage import StageError
 
 
@@ -21,11 +21,11 @@ def build(spec, target, tokenizer, run_dir, device):
         raise StageError(f"draft {spec}: expected hf:<hub id or local path>")
     try:
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=next(_hf_model(target).parameters()).dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=next(hf_model(target).parameters()).dtype)
     except OSError as e:
         raise StageError(f"draft {spec}: cannot load '{source}' ({str(e).splitlines()[0][:160]})") from None
     if tokenizer is not None:
         check_tokenizers(spec, tokenizer, tok)
     model = model.to(device).eval()
-    vocab = _hf_model(target).get_output_embeddings().weight.shape[0]
+    vocab = hf_model(target).get_output_embeddings().weight.shape[0]
     return ModelDraft(spec, model, vocab_size=vocab)

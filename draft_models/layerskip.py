@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from pipeline.engine import ModelDraft, _hf_model
+from pipeline.decode import ModelDraft, hf_model
 from pipeline.stage import StageError
 
 # Where decoder layers live, by model family: Llama/Qwen/Mistral/Gemma, GPT-2, GPT-NeoX, OPT.
@@ -26,7 +26,7 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def truncate(model: torch.nn.Module, n: int) -> torch.nn.Module:
-    model = _hf_model(model)
+    model = hf_model(model)
     path = next((p for p in LAYER_PATHS if _get(model, p) is not None), None)
     if path is None:
         raise StageError(f"layerskip: cannot find the decoder layers of {type(model).__name__} "

@@ -3,7 +3,7 @@
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/default.yaml
 
 For each target (acceptance.targets, default the reference), each draft, each prompt kind (slice)
-and each temperature it runs `pipeline.engine.generate` at k = k_max (the loop latency times) and
+and each temperature it runs `pipeline.decode.generate` at k = k_max (the loop latency times) and
 writes acceptance/<variant>__<draft_slug>.json. From the one k_max pass, per position i:
 
     n_i          rounds that reached position i (positions 1..i-1 accepted)
@@ -29,11 +29,9 @@ from statsmodels.stats.proportion import proportion_confint
 
 from draft_models import build_draft, draft_slug
 from pipeline.device import resolve_device
-from pipeline.engine import CachedModel, Draft, generate, prefill, speculative_step
+from pipeline.decode import CachedModel, Draft, SamplingParams, Timer, generate, prefill, speculative_step
 from pipeline.prompts import prompt_ids, prompts_by_kind
-from pipeline.sampling import SamplingParams
 from pipeline.stage import StageContext, StageError, progress, read_json
-from pipeline.timing import Timer
 
 
 def temp_key(t: float) -> str:

@@ -4,7 +4,7 @@
     python -m pipeline.bench --run runs/smollm2-135m --config configs/default.yaml \
         --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 3
 
-1. Plain greedy decode: `pipeline.engine.generate(model, ids, N)` vs `model.generate(ids,
+1. Plain greedy decode: `pipeline.decode.generate(model, ids, N)` vs `model.generate(ids,
    max_new_tokens=N, do_sample=False)` (transformers' default dynamic cache).
 2. Speculative greedy decode at the same draft and k: the engine with the config's first
    `layerskip:<n>` draft (draft_models) vs transformers assisted generation with `assistant_model`
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from draft_models import build_draft
     from pipeline.config import load_config
     from pipeline.device import resolve_device
-    from pipeline.engine import generate
+    from pipeline.decode import generate
     from pipeline.latency import PROMPTS, encode_prompt
     from pipeline.models import load_variant
     from pipeline.stage import atomic_write_json, library_versions

@@ -8,8 +8,8 @@ memory, bytes per step and the share of the device's measured bandwidth it reach
 overhead and round time, tokens/s, and the speedup over plain decode of the same target, timed in
 the same repeats so the ratio is paired).
 
-Every figure goes through pipeline.engine.generate (the computation the acceptance stage measured)
-and pipeline.timing (CUDA events on GPU, a synchronized perf_counter on CPU). Warm-up runs are not
+Every figure goes through pipeline.decode.generate (the computation the acceptance stage measured)
+and pipeline.decode.timing (CUDA events on GPU, a synchronized perf_counter on CPU). Warm-up runs are not
 recorded; every figure is the median over `latency.repeats` repeats with a bootstrap CI over those
 repeats, and the raw per-repeat samples are kept in the JSON.
 """
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from pipeline.device import resolve_device
-from pipeline.marginal import median_ci
 from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
 from pipeline.stage import StageError, progress, read_json
+from pipeline.stats import median_ci
 
 # Speculative timings need text a draft can predict some of (acceptance depends on content, and
 # tokens/round feeds the measured ms/token), so they run on these; the plain grid uses random ids
@@ -101,7 +101,7 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
 
     TTFT = the prompt forward + picking the first token (engine's prefill_s; no queue here);
     TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it."""
-    from pipeline.engine import generate
+    from pipeline.decode import generate
 
     ids = _random_prompt(vocab, batch, context, seed)
     for _ in range(warmup):
@@ -127,7 +127,7 @@ def speculative_repeat(model, draft, prompts: list[torch.Tensor], ks: list[int],
     ms/token is end to end over the decode (every token after the first, which prefill made).
     The per-round figures use the rounds that really drafted k tokens: near max_new_tokens the
     engine shortens the last round, and averaging it in would make T_round(k) look cheaper."""
-    from pipeline.engine import generate
+    from pipeline.decode import generate
 
     out = {}
     for k in [0, *ks]:
@@ -257,10 +257,10 @@ def _maybe_compile(models: list, lat, device: torch.device) -> str:
         return "off"
     if device.type != "cuda":
         return "requested, ignored on CPU (eager)"
-    from pipeline.engine import _hf_model
+    from pipeline.decode import hf_model
 
     for m in models:
-        hf = _hf_model(m)  # the module the engine calls (inside any quantization wrapper)
+        hf = hf_model(m)  # the module the engine calls (inside any quantization wrapper)
         if "forward" not in hf.__dict__:
             hf.forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)
     return "torch.compile(mode=reduce-overhead): static cache + CUDA graphs"

@@ -17,13 +17,12 @@ cost growing with k or per-round overhead is what the model leaves out.
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 from pipeline.stage import StageError, progress, read_json
+from pipeline.stats import median_ci, percentile_bootstrap
 
 RULE = (
     "k beats plain decoding when the lower end of its speedup CI is above 1. Among those, take the k "
@@ -34,30 +33,7 @@ RULE = (
 )
 
 
-# ---------------------------------------------------------------- bootstrap helpers
-
-
-def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
-    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median over repeats."""
-    x = np.asarray([float(s) for s in samples], dtype=float)
-    if x.size == 0:
-        raise ValueError("median_ci needs at least one sample")
-    med = float(np.median(x))
-    if x.size < 2 or np.ptp(x) == 0:
-        lo = hi = med
-    else:
-        res = _bootstrap((x,), lambda a, axis: np.median(a, axis=axis), confidence, seed)
-        lo, hi = res
-    return {"median": med, "ci": [lo, hi], "samples": x.tolist()}
-
-
-def _bootstrap(data: tuple, statistic, confidence: float, seed: int) -> tuple[float, float]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # degenerate resamples of tiny samples are expected
-        res = stats.bootstrap(data, statistic, paired=False, vectorized=True, n_resamples=2000,
-                              confidence_level=confidence, method="percentile",
-                              random_state=np.random.default_rng(seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+# ---------------------------------------------------------------- helpers
 
 
 def _overlap(a: list[float], b: list[float]) -> bool:
@@ -168,7 +144,7 @@ def _ratio_cis(rms, plain, accepted, k, tokens, confidence, seed):
         if all(np.ptp(d) == 0 for d in data):
             v = float(fn(*[d[None, :] for d in data], axis=-1)[0])
             return [v, v]
-        return list(_bootstrap(data, lambda *a, axis: fn(*a, axis=axis), confidence, seed))
+        return list(percentile_bootstrap(data, lambda *a, axis: fn(*a, axis=axis), confidence, seed))
 
     base = (rms,) if emitted is None else (rms, emitted)
     ms_ci = ci(ms, base)

@@ -10,8 +10,7 @@ import torch
 
 from draft_models import build_draft
 from pipeline.acceptance import expected_tokens_from_runs, summarize, temp_key, two_sample_chi2
-from pipeline.engine import generate
-from pipeline.sampling import SamplingParams
+from pipeline.decode import SamplingParams, generate
 from tests.conftest import make_tiny_llama, save_as_prepared
 
 

@@ -11,9 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine import EngineError, ModelDraft, generate
-from pipeline.sampling import SamplingParams
-from pipeline.timing import Timer
+from pipeline.decode import EngineError, ModelDraft, SamplingParams, Timer, generate
 from tests.conftest import make_tiny_llama
 
 PROMPTS = ["the quick brown fox", "def add(a, b): return", "Le chat est sur la", "{\"name\": \"get_"]

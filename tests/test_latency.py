@@ -12,7 +12,7 @@ import torch
 
 from pipeline.config import Config
 from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
-from pipeline.timing import Timer, wall_clock
+from pipeline.decode.timing import Timer, wall_clock
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def test_plain_grid_figures_on_the_tiny_model(tiny_model):
 def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokenizer):
     """The target drafting for itself at temperature 0 accepts every token: with 7 new tokens (the
     first from prefill, then 6 from rounds) k = 1 emits 2 per round and k = 2 emits 3."""
-    from pipeline.engine import ModelDraft
+    from pipeline.decode import ModelDraft
     from pipeline.latency import speculative_pair
 
     draft = ModelDraft("self:tiny", tiny_model, len(tiny_tokenizer))

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.marginal import marginal_table, median_ci, pair_report, recommend_k
+from pipeline.marginal import marginal_table, pair_report, recommend_k
+from pipeline.stats import median_ci
 
 TOL = 1e-9
 

@@ -1,5 +1,6 @@
 """One timer for every latency figure: CUDA events on GPU, a synchronized perf_counter on CPU.
 
+    from pipeline.decode.timing import Timer
     t = Timer(device)
     with t.measure("verify"):
         logits = model(...)
@@ -56,8 +57,13 @@ class Timer:
         self._pending.clear()
 
 
-def wall_clock(device: torch.device) -> float:
-    """perf_counter after synchronizing the device, for timing whole loops end to end."""
+def synchronize(device: torch.device) -> None:
+    """A CPU-GPU sync point: call it before reading a wall clock around device work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def wall_clock(device: torch.device) -> float:
+    """perf_counter after synchronizing the device, for timing whole loops end to end."""
+    synchronize(device)
     return time.perf_counter()

@@ -1,6 +1,6 @@
 """The decode engine: plain and speculative decoding on a static KV cache.
 
-    from pipeline.engine import generate, SamplingParams
+    from pipeline.decode import generate, SamplingParams
     res = generate(model, input_ids, max_new_tokens=32)                    # plain (k = 0)
     res = generate(model, input_ids, 32, draft=d, k=4, sampling=SamplingParams(0.7))
     res.tokens, res.rounds, res.prefill_s, res.decode_s
@@ -9,12 +9,9 @@ One set of small functions serves both modes, so acceptance (pipeline/acceptance
 (pipeline/latency.py) describe the same computation: `prefill`, `decode_one_token`, `draft_k`,
 `verify`, `speculative_step`.
 
-The KV cache is transformers' StaticCache: tensors [B, kv_heads, max_len, head_dim] allocated once
-and written in place at the cache's current length. Rolling back after a rejection is moving that
-length back (`CachedModel.rollback`): nothing is copied and nothing is re-run. The slots beyond the
-length still hold the rejected tokens' keys and values; they are never attended, because every
-forward passes explicit position_ids and the causal mask (query at position t sees key slots
-0..t only, built from the cache's length) excludes them, and the next write overwrites them.
+The KV cache is a transformers StaticCache inside `CachedModel` (pipeline/decode/cache.py):
+allocated once, written in place, rolled back after a rejection by moving its write position
+(nothing is copied, nothing re-run).
 
 Positions: `CachedModel.length` is one number for the whole batch, because transformers'
 StaticLayer writes every row at the same offset. Plain decode runs B equal-length prompts in
@@ -24,24 +21,19 @@ per sequence already (one RoundRecord list per generate call, one position per d
 """
 from __future__ import annotations
 
-import inspect
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from pipeline.device import synchronize
-from pipeline.sampling import SamplingParams, logits_to_probs, pick, verify_draft
-from pipeline.timing import Timer
+from pipeline.decode.cache import CachedModel
+from pipeline.decode.drafts import Draft
+from pipeline.decode.errors import EngineError
+from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick, verify_draft
+from pipeline.decode.timing import Timer, synchronize
 
-__all__ = ["SamplingParams", "generate", "GenerationResult", "RoundRecord", "CachedModel", "ModelDraft",
-           "Draft", "EngineError", "prefill", "decode_one_token", "draft_k", "verify", "speculative_step"]
-
-
-class EngineError(Exception):
-    """A model or draft the engine cannot run; one line for the user."""
+__all__ = ["generate", "GenerationResult", "RoundRecord", "prefill", "decode_one_token", "draft_k", "verify",
+           "speculative_step"]
 
 
 # ---------------------------------------------------------------- records
@@ -53,7 +45,7 @@ class RoundRecord:
     accepted: int  # of those, how many the target kept (leading accepts)
     emitted: int  # tokens appended to the output this round (accepted + 1, less after EOS)
     betas: list[float]  # beta_i = sum_x min(p_i, q_i) for each drafted position i = 1..drafted
-    draft_s: float  # seconds drafting (device-synchronized via pipeline.timing.Timer)
+    draft_s: float  # seconds drafting (device-synchronized via pipeline.decode.timing.Timer)
     verify_s: float  # seconds in the target's verify forward + the accept/reject rule
     round_s: float  # the whole round, including bookkeeping
     k: int = 0  # draft length requested this round (k, or fewer near max_new_tokens)
@@ -68,155 +60,6 @@ class GenerationResult:
     decode_s: float = 0.0  # every token after the first
     batch_tokens: list[list[int]] = field(default_factory=list)  # always per sequence
     stop: str = "length"  # "eos" or "length" (sequence 0)
-
-
-# ---------------------------------------------------------------- a model with its static cache
-
-
-def _hf_model(model):
-    """The transformers model inside a wrapper (GPTQModel returns one around the HF module)."""
-    from transformers import PreTrainedModel
-
-    seen = 0
-    while not isinstance(model, PreTrainedModel) and hasattr(model, "model") and seen < 3:
-        model, seen = model.model, seen + 1
-    return model
-
-
-def _cache_kwarg(model) -> str:
-    # transformers >= 5.2x names it `cache`; earlier 4.x/5.x `past_key_values`.
-    params = inspect.signature(model.forward).parameters
-    return "past_key_values" if "cache" not in params and "past_key_values" in params else "cache"
-
-
-class CachedModel:
-    """A causal LM plus its static KV cache and the number of positions the cache holds."""
-
-    # One cache per (model, batch, dtype); reused across generate() calls while large enough, so
-    # repeated timing runs do not allocate (the stale contents are masked like any rollback).
-    _pool: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-    def __init__(self, model, batch: int, max_len: int, slot: str = "target"):
-        from transformers import StaticCache
-
-        self.model = _hf_model(model)
-        self.kwarg = _cache_kwarg(self.model)
-        self.batch = batch
-        self.device = next(self.model.parameters()).device
-        # `slot` keeps a model drafting for itself (self-draft) from sharing the target's cache.
-        key = (slot, batch, self.device, next(self.model.parameters()).dtype)
-        pooled = self._pool.get(self.model, {}).get(key)
-        if pooled is not None and pooled.max_cache_len >= max_len:
-            self.cache = pooled
-        else:
-            size = max(max_len, 64)
-            self.cache = StaticCache(config=self.model.config, max_cache_len=size)
-            self.cache.max_cache_len = size
-            for layer in self.cache.layers:
-                if type(layer).__name__ != "StaticLayer":
-                    raise EngineError(f"{type(self.model).__name__}: cache layer {type(layer).__name__} cannot "
-                                      "be rolled back by position (sliding-window or linear attention)")
-            self._pool.setdefault(self.model, {})[key] = self.cache
-        self.max_len = self.cache.max_cache_len
-        self.length = 0
-        self._cache_offset: int | None = None  # the offset the cache layers hold (None = unknown)
-        emb = self.model.get_output_embeddings()
-        self.vocab = emb.weight.shape[0] if emb is not None and hasattr(emb, "weight") else self.model.config.vocab_size
-
-    def rollback(self, length: int) -> None:
-        """Keep the first `length` positions: move the write offset, copy nothing."""
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
-
-    def forward(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32)."""
-        b, t = tokens.shape
-        start = self.length
-        if start + t > self.max_len:
-            raise EngineError(f"static cache of {self.max_len} positions is full ({start} + {t})")
-        if self._cache_offset != start:  # after a rollback: move the cache's write offset to ours
-            for layer in self.cache.layers:
-                layer.cumulative_length.fill_(start)
-        positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0).expand(b, t)  # [B, T]
-        out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
-                         logits_to_keep=0 if all_logits else 1, **{self.kwarg: self.cache})
-        self.length = self._cache_offset = start + t
-        return out.logits.float()
-
-
-# ---------------------------------------------------------------- drafts
-
-
-class Draft(Protocol):
-    """What the engine needs from a draft (draft_models/ builds these)."""
-
-    spec: str
-
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
-        """input_ids: [1, T], the prompt; max_len bounds every position the round will reach."""
-
-    def propose(self, seq: torch.Tensor, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """seq: [L] the committed tokens -> (draft tokens [k'], q [k', V] or None for one-hot q),
-        k' <= k (0 = nothing to offer: the round is a plain step)."""
-
-    def accept(self, n: int) -> None:
-        """The target kept n of the proposed tokens: roll any state back to match."""
-
-
-class ModelDraft:
-    """A causal LM drafting through its own static cache (layerskip, self, hf drafts).
-
-    Cache bookkeeping per round, with L committed tokens: the cache holds a prefix seq[:c] (c <= L).
-    propose() feeds the catch-up tokens seq[c:L] in one forward (1 token, or 2 after a round whose
-    k drafts were all accepted: d_k and the bonus were never fed), then d_1..d_{k-1} one at a
-    time, sampling d_i from q_i. After the target keeps n drafts, the valid prefix is
-    L + min(n, k-1) positions; the rest is rolled back.
-    """
-
-    def __init__(self, spec: str, model, vocab_size: int):
-        self.spec = spec
-        self.model = model
-        self.vocab_size = vocab_size  # the target's logits width; q is padded/cut to it
-        self.cached: CachedModel | None = None
-        self._round = (0, 0)  # (L, k) of the last proposal
-
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
-        self.cached = CachedModel(self.model, batch=1, max_len=max_len, slot="draft")
-        self.cached.forward(input_ids, all_logits=False)
-        self._round = (0, 0)
-
-    def _q(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        v = logits.shape[-1]
-        if v > self.vocab_size:  # padded embedding rows beyond the shared vocabulary: never proposed
-            logits = logits[..., : self.vocab_size]
-        elif v < self.vocab_size:
-            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
-            logits = torch.cat([logits, pad], -1)
-        return logits_to_probs(logits, sampling)
-
-    def propose(self, seq, k, sampling, generator):
-        assert self.cached is not None, "prefill first"
-        length = seq.shape[0]
-        self._round = (length, k)
-        if k == 0:
-            return seq.new_empty(0), None
-        tokens, qs = [], []
-        feed = seq[self.cached.length:length].unsqueeze(0)  # [1, catch-up]
-        for i in range(k):
-            logits = self.cached.forward(feed, all_logits=False)[0, -1]  # [V]
-            q = self._q(logits, sampling)
-            tok = pick(q, sampling, generator)
-            tokens.append(tok)
-            qs.append(q)
-            if i + 1 < k:
-                feed = tok.view(1, 1)
-        return torch.stack(tokens), torch.stack(qs)  # [k], [k, V]
-
-    def accept(self, n: int) -> None:
-        length, k = self._round
-        if k > 0 and self.cached is not None:
-            self.cached.rollback(min(self.cached.length, length + min(n, k - 1)))
 
 
 # ---------------------------------------------------------------- the decode steps
