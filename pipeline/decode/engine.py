@@ -49,6 +49,8 @@ class RoundRecord:
     verify_s: float  # seconds in the target's verify forward + the accept/reject rule
     round_s: float  # the whole round, including bookkeeping
     k: int = 0  # draft length requested this round (k, or fewer near max_new_tokens)
+    # This round's own timer blocks (draft, verify, round): read after Timer.collect().
+    measured: tuple = field(default=(), repr=False, compare=False)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class GenerationResult:
     decode_s: float = 0.0  # every token after the first
     batch_tokens: list[list[int]] = field(default_factory=list)  # always per sequence
     stop: str = "length"  # "eos" or "length" (sequence 0)
+    step_s: list[float] = field(default_factory=list)  # plain decode: seconds of each step after the first
 
 
 # ---------------------------------------------------------------- the decode steps
@@ -111,15 +114,16 @@ def verify(target: CachedModel, last: torch.Tensor, draft_tokens: torch.Tensor,
 
 def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int,
                      sampling: SamplingParams, generator: torch.Generator | None,
-                     timer: Timer) -> tuple[list[int], int, int, list[float]]:
+                     timer: Timer) -> tuple[list[int], RoundRecord]:
     """One round on seq: [L] (B = 1; the target cache holds L-1 positions, seq[-1] is not in it).
 
-    Returns (new tokens: accepted drafts + the residual/bonus token, drafted, accepted, betas).
+    Returns (new tokens: accepted drafts + the residual/bonus token, the round's record; its
+    seconds are filled in once the timer is collected).
     """
     start = target.length  # = L - 1
-    with timer.measure("draft"):
+    with timer.measure("draft") as t_draft:
         d, q = draft_k(draft, seq, k, sampling, generator, vocab=target.vocab)
-    with timer.measure("verify"):
+    with timer.measure("verify") as t_verify:
         p = verify(target, seq[-1:], d, sampling)
         verdict = verify_draft(p, q, d, sampling, generator)
     n = verdict.accepted
@@ -127,7 +131,19 @@ def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: in
     target.rollback(start + 1 + n)
     draft.accept(n)
     new = d[:n].tolist() + [verdict.next_token]
-    return new, int(d.shape[0]), n, verdict.betas
+    return new, RoundRecord(int(d.shape[0]), n, len(new), verdict.betas, 0.0, 0.0, 0.0, k, (t_draft, t_verify))
+
+
+def _last_token_step(target: CachedModel, draft: Draft, seq: torch.Tensor, sampling: SamplingParams,
+                     generator: torch.Generator | None, timer: Timer) -> tuple[list[int], RoundRecord]:
+    """One token left before max_new_tokens: a plain step, timed like a round (the draft is still
+    asked, for k = 0, inside the draft timer, and accept(0) keeps its state consistent)."""
+    with timer.measure("draft") as t_draft:
+        draft.propose(seq, 0, sampling, generator)
+    with timer.measure("verify") as t_verify:
+        new = [int(decode_one_token(target, seq[-1:], sampling, generator)[0])]
+    draft.accept(0)
+    return new, RoundRecord(0, 0, 1, [], 0.0, 0.0, 0.0, 0, (t_draft, t_verify))
 
 
 # ---------------------------------------------------------------- the loop
@@ -174,47 +190,52 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     synchronize(device)
     t1 = time.perf_counter()
 
-    out: list[list[int]] = [[x] for x in first.tolist()]
-    done = [bool(eos) and x[0] in eos for x in out]
     rounds: list[RoundRecord] = []
+    if speculative or eos:
+        out: list[list[int]] = [[x] for x in first.tolist()]
+        done = [bool(eos) and x[0] in eos for x in out]
     if speculative:
         seq = torch.cat([input_ids[0], first])  # [L]
         while not done[0] and len(out[0]) < max_new_tokens:
             k_round = min(k, max_new_tokens - len(out[0]) - 1)
-            with own.measure("round"):
+            with own.measure("round") as t_round:
                 if k_round > 0:
-                    new, drafted, n, beta = speculative_step(cached, draft, seq, k_round, sampling, generator, own)
-                else:  # one token left: a plain step, the draft's state stays consistent via accept(0)
-                    draft.propose(seq, 0, sampling, generator)
-                    with own.measure("draft"):
-                        pass
-                    with own.measure("verify"):
-                        new = [int(decode_one_token(cached, seq[-1:], sampling, generator)[0])]
-                    draft.accept(0)
-                    drafted, n, beta = 0, 0, []
+                    new, record = speculative_step(cached, draft, seq, k_round, sampling, generator, own)
+                else:
+                    new, record = _last_token_step(cached, draft, seq, sampling, generator, own)
             kept, hit = _cut_at_eos(new, eos)
             out[0].extend(kept)
             done[0] = hit
             seq = torch.cat([seq, torch.tensor(kept, device=device, dtype=seq.dtype)])
-            rounds.append(RoundRecord(drafted, n, len(kept), beta, 0.0, 0.0, 0.0, k_round))
-    else:
+            record.emitted, record.measured = len(kept), (*record.measured, t_round)
+            rounds.append(record)
+    elif eos:
         last = first
         while not all(done) and len(out[0]) < max_new_tokens:
             with own.measure("decode"):
                 last = decode_one_token(cached, last, sampling, generator)  # [B]
+            # .tolist() is a CPU-GPU sync point, once per step: the host must see an EOS to stop.
             for row, x in zip(out, last.tolist()):
                 row.append(x)
             done = [d or (x[-1] in eos) for d, x in zip(done, out)]
+    else:
+        # No EOS: the step count is known, so the tokens stay on the device until the end (no
+        # per-step host sync) and are read back in one transfer.
+        steps = [first]
+        for _ in range(max_new_tokens - 1):
+            with own.measure("decode"):
+                steps.append(decode_one_token(cached, steps[-1], sampling, generator))  # [B]
+        out = torch.stack(steps, 1).tolist()  # [B, max_new_tokens]
     synchronize(device)
     t2 = time.perf_counter()
 
     samples = own.collect()
-    for i, r in enumerate(rounds):
-        r.draft_s, r.verify_s, r.round_s = samples["draft"][i], samples["verify"][i], samples["round"][i]
+    for r in rounds:  # each record holds its own blocks: draft, verify, round
+        r.draft_s, r.verify_s, r.round_s = (m.seconds for m in r.measured)
     if timer is not None:
         for name, vals in samples.items():
             timer.samples[name].extend(vals)
     per_seq = [_cut_at_eos(row, eos)[0] for row in out]
     stop = "eos" if per_seq[0] and per_seq[0][-1] in eos else "length"
     return GenerationResult(tokens=per_seq[0] if b == 1 else per_seq, rounds=rounds, prefill_s=t1 - t0,
-                            decode_s=t2 - t1, batch_tokens=per_seq, stop=stop)
+                            decode_s=t2 - t1, batch_tokens=per_seq, stop=stop, step_s=samples.get("decode", []))
