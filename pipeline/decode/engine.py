@@ -63,6 +63,8 @@ class GenerationResult:
     batch_tokens: list[list[int]] = field(default_factory=list)  # always per sequence
     stop: str = "length"  # "eos" or "length" (sequence 0)
     step_s: list[float] = field(default_factory=list)  # plain decode: seconds of each step after the first
+    # Slots of the target's static cache: every step's attention reads all of them (cache.py).
+    cache_positions: int = 0
 
 
 # ---------------------------------------------------------------- the decode steps
@@ -238,4 +240,5 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     per_seq = [_cut_at_eos(row, eos)[0] for row in out]
     stop = "eos" if per_seq[0] and per_seq[0][-1] in eos else "length"
     return GenerationResult(tokens=per_seq[0] if b == 1 else per_seq, rounds=rounds, prefill_s=t1 - t0,
-                            decode_s=t2 - t1, batch_tokens=per_seq, stop=stop, step_s=samples.get("decode", []))
+                            decode_s=t2 - t1, batch_tokens=per_seq, stop=stop, step_s=samples.get("decode", []),
+                            cache_positions=cached.max_len)
