@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 GOAL = 1.5
+PROMPT = "Explain in a few sentences why the sky is blue, for a ten-year-old."
 
 
 def truncated_copy(model, n_layers: int):
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_config
     from pipeline.device import resolve_device
     from pipeline.decode import generate
-    from pipeline.latency import PROMPTS, encode_prompt
+    from pipeline.prompts import prompt_ids
     from pipeline.models import load_variant
     from pipeline.stage import atomic_write_json, library_versions
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.device)
     run = Path(args.run)
     model, tok = load_variant(_model_dir(run, args.config, args.model), device=device, dtype="float32")
-    ids = encode_prompt(tok, PROMPTS[0]).to(device)
+    ids = torch.tensor([prompt_ids(tok, PROMPT)], device=device)
     n, k = args.new_tokens, args.k
     print(f"bench: {args.model} on {device} ({torch.get_num_threads()} threads), float32, greedy, "
           f"prompt {ids.shape[1]} tokens, {n} new tokens, draft {spec}, k={k}, "
