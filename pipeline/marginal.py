@@ -102,9 +102,11 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
     acc: the acceptance JSON's block for the slice and temperature (expected_tokens_per_round,
     per_prompt, per_position); timing: the latency pair JSON's block for the temperature
     (plain_ms_per_token, round_ms_by_drafted, draft_ms_by_drafted)."""
-    ks = sorted(int(k) for k in acc["expected_tokens_per_round"])
+    # Only the k whose drafted counts were all timed (latency.k_max may stop below acceptance's).
+    timed = max((int(d) for d in timing["round_ms_by_drafted"]), default=0)
+    ks = sorted(int(k) for k in acc["expected_tokens_per_round"] if 1 <= int(k) <= timed)
     if not ks:
-        raise ValueError("no k in the acceptance block")
+        raise ValueError("no k with both acceptance and latency")
     d_max = max(ks)
     tokens, rounds, drafted = _prompt_arrays(acc, ks, d_max)
     t_round, filled = by_drafted_matrix(timing["round_ms_by_drafted"], d_max)  # [R, D]

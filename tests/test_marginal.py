@@ -100,6 +100,12 @@ def test_a_drafted_count_no_timed_round_had_is_read_off_the_line():
     assert m[1, 1] == pytest.approx(15.0) and m[1, 2] == pytest.approx(19.0)  # 11 + 4 d
 
 
+def test_only_k_whose_drafted_counts_were_timed():
+    # latency.k_max = 2 below acceptance's 3: k = 3 would need T(3) extrapolated, so it is left out.
+    tab = marginal_table(_acc(_expected(0.8, 3)), _timing(2, lambda d: 10.0 + 4 * d, 10.0))
+    assert [r["k"] for r in tab["rows"]] == [1, 2]
+
+
 def test_never_speculate_when_no_k_beats_plain():
     # a = 0.1 and a draft step as dear as half a target step: every k is slower than plain.
     E = _expected(0.1, 5)
