@@ -141,14 +141,16 @@ def _position_section(report: dict) -> list[str]:
     if not pos:
         return []
     out = ["## Acceptance per position", "",
-           "conditional = P(position i accepted | 1..i-1 accepted); prefix = P(1..i all accepted); "
-           "beta = mean of 1 - TV(p, q) at that position.", "",
-           "| position | conditional | prefix | mean beta | rounds reaching it | CI (conditional) |",
+           "Rounds at k = k_max (not shortened near the end), in expectation over the accept/reject "
+           "outcomes given the texts: conditional = P(position i accepted | 1..i-1 accepted); prefix = "
+           "P(1..i all accepted); beta = mean of 1 - TV(p, q) at that position; the CI resamples prompts "
+           "and is never narrower than the Wilson interval on the expected round counts.", "",
+           "| position | conditional | prefix | mean beta | rounds reaching it (expected) | CI (conditional) |",
            "|---:|---:|---:|---:|---:|---:|"]
     for p in pos:
         ci = p.get("ci") or [None, None]
         out.append(f"| {p['position']} | {_f(p.get('conditional'), 3)} | {_f(p.get('prefix'), 3)} "
-                   f"| {_f(p.get('expected_beta'), 3)} | {p.get('n')} | {_ci(ci, 3)} |")
+                   f"| {_f(p.get('expected_beta'), 3)} | {_f(p.get('n'), 1)} | {_ci(ci, 3)} |")
     return out + [""]
 
 
