@@ -5,8 +5,9 @@
     draft_slug("self:w4a16-gptq")                                             # "self-w4a16-gptq"
 
 Spec strings: `ngram` (or `ngram:<max_n>`), `layerskip:<n>`, `self:<variant>`, `hf:<id or path>`.
-Every builder returns an object with the engine's Draft interface (pipeline/engine.py): prefill,
-propose (tokens + q), accept (roll back to the kept prefix).
+Every builder returns a runtime draft from pipeline/decode/drafts.py (ModelDraft or NgramDraft),
+which has the engine's Draft interface: prefill, propose (tokens + q), accept (roll back to the
+kept prefix). This package only builds: it checks the spec and the tokenizer and loads weights.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.architecture import check_engine_cache
-from pipeline.engine import ModelDraft, _hf_model
+from pipeline.decode import ModelDraft, hf_model
 from pipeline.models import check_weight_files
 from pipeline.stage import StageError
 
@@ -28,12 +28,12 @@ def build(spec, target, tokenizer, run_dir, device):
         check_weight_files(Path(source).expanduser(), f"draft {spec}")
     try:
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=next(_hf_model(target).parameters()).dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=next(hf_model(target).parameters()).dtype)
     except (OSError, ValueError, SafetensorError) as e:
         raise StageError(f"draft {spec}: cannot load '{source}' ({str(e).splitlines()[0][:160]})") from None
     if tokenizer is not None:
         check_tokenizers(spec, tokenizer, tok)
     check_engine_cache(model.config)
     model = model.to(device).eval()
-    vocab = _hf_model(target).get_output_embeddings().weight.shape[0]
+    vocab = hf_model(target).get_output_embeddings().weight.shape[0]
     return ModelDraft(spec, model, vocab_size=vocab)

@@ -12,7 +12,7 @@ import copy
 import torch
 
 from pipeline.architecture import decoder_layers
-from pipeline.engine import ModelDraft, _hf_model
+from pipeline.decode import ModelDraft, hf_model
 from pipeline.stage import StageError
 
 
@@ -24,7 +24,7 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def truncate(model: torch.nn.Module, n: int) -> torch.nn.Module:
-    model = _hf_model(model)
+    model = hf_model(model)
     dotted, layers = decoder_layers(model)  # found from the model (pipeline.architecture), not by name
     path = tuple(dotted.split("."))
     total = len(layers)

@@ -5,7 +5,7 @@ scheme), on the target's device, and drafts with its own static cache.
 """
 from __future__ import annotations
 
-from pipeline.engine import ModelDraft, _hf_model
+from pipeline.decode import ModelDraft, hf_model
 from pipeline.stage import StageError
 
 
@@ -31,5 +31,5 @@ def build(spec, target, tokenizer, run_dir, device):
     model, tok = load_variant(variant_dir(spec, run_dir), device=device)
     if tokenizer is not None:
         check_tokenizers(spec, tokenizer, tok)
-    vocab = _hf_model(target).get_output_embeddings().weight.shape[0]
+    vocab = hf_model(target).get_output_embeddings().weight.shape[0]
     return ModelDraft(spec, model, vocab_size=vocab)

@@ -6,7 +6,8 @@
     python -m pipeline config   --config configs/default.yaml  # prints the resolved config
 
 Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
-the input is bad; gate-check exits 1 on no-go and 3 on inconclusive (pipeline/gate_table.py).
+the input is bad (a config, stage or decode-engine error); gate-check exits 1 on no-go and 3 on
+inconclusive (pipeline/gate_table.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
+from pipeline.decode import EngineError
 from pipeline.stage import StageError, StageSpec, run_stage
 
 # name: config sections read, upstream stages, output dir, code, entry point. The order is the
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             stage_args = {"model": args.model} if name == "prepare" else {}
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
         return 0
-    except (ConfigError, StageError) as e:
+    except (ConfigError, StageError, EngineError) as e:
         print(f"specq: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

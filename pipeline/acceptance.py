@@ -1,196 +1,120 @@
-"""The acceptance stage: per-position acceptance of every (target variant, draft) pair.
+"""The acceptance stage: per-position acceptance and E[tokens/round] at every k, per (target, draft).
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/default.yaml
 
-For each target (acceptance.targets, default the reference), each draft, each prompt kind (slice)
-and each temperature it runs `pipeline.engine.generate` at k = k_max (the loop latency times) and
-writes acceptance/<variant>__<draft_slug>.json. From the one k_max pass, per position i:
+For each target variant (acceptance.targets, default the reference), each temperature and each
+prompt of every kind (slice), the target generates its text once with plain decoding
+(pipeline.decode.generate; speculation is lossless, so that text is distributed as any
+speculative run's, at any k and with any draft). Then, per draft:
 
-    n_i          rounds that reached position i (positions 1..i-1 accepted)
-    conditional  P(A_i | A_1..A_{i-1}) = #(accepted >= i) / n_i, with a 95% Wilson CI
-    prefix       P(A_1..A_i) = #(accepted >= i) / rounds
-    expected_beta mean of beta_i = sum_x min(p_i, q_i) over the n_i rounds (0 where the draft
-                 proposed fewer than i tokens: nothing there could be accepted)
+1. One teacher-forced pass of target and draft over each text (pipeline/teacher_forced.py) gives,
+   at every position, the probability that a draft token there would be accepted given the text.
+2. The round chain (pipeline/expected_rounds.py, which shows why this is exact) turns those into
+   E[rounds | text] at every k = 1..k_max, with the engine's own shortening of k near
+   max_new_tokens and its EOS handling. E(k) = sum(tokens) / sum(E[rounds]) over the slice's
+   prompts; the per-position rates come from the same chain at k_max.
+3. `direct_check`: real engine runs at each k in acceptance.direct_check_k on the same prompts.
+   Greedy, derived and direct must be equal (same text); sampled, the prompt-bootstrap CI of
+   direct - derived must contain 0.
 
-and for every k <= k_max, E[tokens/round](k) = 1 + sum_{i<=k} prefix_i, the mean over rounds of
-1 + min(accepted, k): position i is accepted at draft length k iff it is at k_max, because a
-draft's first k proposals do not depend on k (the +1 is the residual or bonus token).
-Rounds shortened near max_new_tokens (k < k_max) are left out of these figures.
-
-`lossless`: greedy speculative == greedy plain on the pair's prompts, and a two-sample chi-square
-of the first verify-emitted token (speculative vs plain sampling) at acceptance.lossless_alpha.
+Writes acceptance/<variant>__<draft_slug>.json: per slice ("all" pools every prompt) and
+temperature, `per_position` (position, conditional, prefix, expected_beta, n, ci, ...),
+`expected_tokens_per_round` k -> E(k) with CIs, the drafted-count distribution per k (what the
+marginal stage weights round times by), the per-prompt records, `direct_check`; and `lossless`.
+Intervals resample prompts (pipeline/acceptance_stats.py).
 """
 from __future__ import annotations
 
-import numpy as np
+import time
+
 import torch
-from scipy import stats
-from statsmodels.stats.proportion import proportion_confint
 
 from draft_models import build_draft, draft_slug
+from pipeline.acceptance_stats import direct_check, prompt_record, summarize_slice
+from pipeline.decode import Draft, SamplingParams, generate
 from pipeline.device import resolve_device
-from pipeline.engine import CachedModel, Draft, generate, prefill, speculative_step
-from pipeline.prompts import prompt_ids, prompts_by_kind
-from pipeline.sampling import SamplingParams
-from pipeline.stage import StageContext, StageError, progress, read_json
-from pipeline.timing import Timer
+from pipeline.expected_rounds import round_chain
+from pipeline.lossless import lossless_checks
+from pipeline.prompts import acceptance_prompts
+from pipeline.stage import StageContext, progress, read_json
+from pipeline.teacher_forced import score_text
 
 
 def temp_key(t: float) -> str:
     return f"{float(t):.1f}" if round(t, 1) == t else repr(float(t))
 
 
-# ---------------------------------------------------------------- statistics from rounds
+def sampling_of(cfg, t: float) -> SamplingParams:
+    return SamplingParams(t, cfg.sampling.top_k, cfg.sampling.top_p)
 
 
-def summarize(accepted: list[int], drafted: list[int], betas: list[list[float]], k_max: int,
-              tokens: int) -> dict:
-    """Per-position figures from rounds run at k_max (accepted/drafted/betas: one entry per round)."""
-    acc = np.asarray(accepted, dtype=int)
-    rounds = int(acc.size)
-    per_position = []
-    for i in range(1, k_max + 1):
-        reached = acc >= i - 1  # positions 1..i-1 accepted: position i was tested (or had no draft)
-        n = int(reached.sum())
-        hits = int((acc >= i).sum())
-        beta = [b[i - 1] if len(b) >= i else 0.0 for b, r in zip(betas, reached) if r]
-        lo, hi = proportion_confint(hits, n, alpha=0.05, method="wilson") if n else (None, None)
-        if n:  # statsmodels' bounds at 0/n and n/n miss 0 and 1 by rounding (1 - 1e-16, 3.5e-18)
-            lo, hi = max(0.0, min(lo, hits / n)), min(1.0, max(hi, hits / n))
-        per_position.append({
-            "position": i,
-            "conditional": hits / n if n else None,
-            "prefix": hits / rounds if rounds else None,
-            "expected_beta": float(np.mean(beta)) if beta else None,
-            "n": n,
-            "accepted": hits,
-            "ci": [float(lo), float(hi)] if n else None,
-        })
-    expected = {str(k): 1.0 + sum(p["prefix"] or 0.0 for p in per_position[:k]) for k in range(1, k_max + 1)}
-    histogram = np.bincount(acc, minlength=k_max + 1).tolist() if rounds else [0] * (k_max + 1)
-    return {
-        "per_position": per_position,
-        "expected_tokens_per_round": expected,
-        "histogram": histogram,
-        "rounds": rounds,
-        "tokens": tokens,
-        "mean_drafted": float(np.mean(drafted)) if rounds else None,
-    }
-
-
-def expected_tokens_from_runs(accepted: list[int], k: int) -> tuple[float, float]:
-    """Mean and standard error of 1 + min(accepted, k) over rounds (the estimator above, per round)."""
-    x = 1.0 + np.minimum(np.asarray(accepted, dtype=float), k)
-    return float(x.mean()), float(x.std(ddof=1) / np.sqrt(x.size)) if x.size > 1 else float("inf")
-
-
-# ---------------------------------------------------------------- measuring one pair
-
-
-def run_prompts(model, prompts: dict[str, list[list[int]]], draft: Draft, k_max: int, sampling: SamplingParams,
-                max_new_tokens: int, eos, generator) -> dict[str, list]:
-    """slice -> list of (rounds run at k_max, tokens emitted), one generate() per prompt."""
-    out = {}
+def generate_texts(model, prompts: dict, cfg, seed: int, eos) -> dict[str, dict[str, list[int]]]:
+    """temperature key -> prompt id -> the target's own output (plain decode, one per prompt)."""
     device = next(model.parameters()).device
-    for kind, rows in prompts.items():
-        out[kind] = []
-        for ids in rows:
-            res = generate(model, torch.tensor([ids], device=device), max_new_tokens, draft=draft, k=k_max,
+    texts: dict[str, dict[str, list[int]]] = {}
+    for ti, t in enumerate(cfg.temperatures):
+        g = torch.Generator(device).manual_seed(seed * 1000 + ti)
+        texts[temp_key(t)] = {
+            pid: generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling_of(cfg, t),
+                          generator=g, eos_token_id=eos).tokens
+            for rows in prompts.values() for pid, ids in rows}
+    return texts
+
+
+def direct_runs(model, draft: Draft, prompts: dict, k: int, sampling: SamplingParams, max_new_tokens: int,
+                eos, generator) -> dict[str, dict]:
+    """prompt id -> {"tokens" (emitted by rounds), "rounds", "output"} of a real run at k."""
+    device = next(model.parameters()).device
+    out = {}
+    for rows in prompts.values():
+        for pid, ids in rows:
+            res = generate(model, torch.tensor([ids], device=device), max_new_tokens, draft=draft, k=k,
                            sampling=sampling, generator=generator, eos_token_id=eos)
-            full = [r for r in res.rounds if r.k == k_max]
-            out[kind].append((full, len(res.tokens)))
+            out[pid] = {"tokens": len(res.tokens) - 1, "rounds": len(res.rounds), "output": res.tokens}
     return out
 
 
-def slice_stats(runs: list, k_max: int) -> dict:
-    rounds = [r for full, _ in runs for r in full]
-    return summarize([r.accepted for r in rounds], [r.drafted for r in rounds], [r.betas for r in rounds],
-                     k_max, tokens=sum(n for _, n in runs))
-
-
-def first_verified_token(model, ids: list[int], draft: Draft, k: int, sampling: SamplingParams, generator) -> int:
-    """The second output token of a speculative run: the first one the verify rule emits (the
-    first comes from the prefill in both modes). Runs the engine's own prefill and
-    speculative_step, one round."""
-    device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        cached = CachedModel(model, batch=1, max_len=len(ids) + k + 2)
-        first = prefill(cached, x, sampling, generator)
-        draft.prefill(x, len(ids) + k + 2)
-        new, *_ = speculative_step(cached, draft, torch.cat([x[0], first]), k, sampling, generator,
-                                   Timer(device, enabled=False))
-    return new[0]
-
-
-def two_sample_chi2(a: list[int], b: list[int]) -> float:
-    """p-value of a chi-square test that two samples of token ids share one distribution; tokens
-    with fewer than 10 draws in total are pooled into one category."""
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
-    rare = table.sum(0) < 10
-    if rare.any():
-        table = np.column_stack([table[:, ~rare], table[:, rare].sum(1)])
-    table = table[:, table.sum(0) > 0]
-    if table.shape[1] < 2:
-        return 1.0  # one category: the samples agree entirely
-    return float(stats.chi2_contingency(table)[1])
-
-
-def lossless_checks(model, prompts: dict[str, list[list[int]]], draft: Draft, k_max: int, cfg, seed: int,
-                    max_new_tokens: int, eos) -> dict:
-    device = next(model.parameters()).device
-    mismatches, n = [], 0
-    greedy = SamplingParams(0.0)
-    for kind, rows in prompts.items():
-        for j, ids in enumerate(rows):
-            x = torch.tensor([ids], device=device)
-            plain = generate(model, x, max_new_tokens, eos_token_id=eos).tokens
-            spec = generate(model, x, max_new_tokens, draft=draft, k=k_max, sampling=greedy, eos_token_id=eos).tokens
-            n += 1
-            if plain != spec:
-                at = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-                mismatches.append({"prompt": f"{kind}-{j}", "index": at, "plain": plain[at:at + 3],
-                                   "speculative": spec[at:at + 3]})
-    # Sampling: the first verify-emitted token, speculative vs plain, on the first prompt.
-    params = SamplingParams(cfg.lossless_temperature, cfg.sampling.top_k, cfg.sampling.top_p)
-    ids = next(iter(prompts.values()))[0]
-    g = torch.Generator(device).manual_seed(seed + 1)
-    m = cfg.lossless_samples
-    plain = generate(model, torch.tensor([ids] * m, device=device), 2, sampling=params, generator=g).tokens
-    plain_second = [row[1] for row in plain]
-    spec_second = [first_verified_token(model, ids, draft, k_max, params, g) for _ in range(m)]
-    p_value = two_sample_chi2(plain_second, spec_second)
-    return {
-        "greedy_identical": not mismatches,
-        "prompts": n,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "mismatches": mismatches,
-        "sampling": {"test": "two-sample chi-square on the first verify-emitted token", "temperature":
-                     params.temperature, "samples": m, "p_value": p_value, "alpha": cfg.lossless_alpha,
-                     "pass": p_value > cfg.lossless_alpha},
-    }
-
-
-def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int) -> dict:
+def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict) -> dict:
     """The acceptance JSON for one (target, draft) pair (without the variant/draft names)."""
-    k_max = cfg.k_max
-    eos = tokenizer.eos_token_id
-    prompts = {kind: [prompt_ids(tokenizer, text) for _, text in rows]
-               for kind, rows in prompts_by_kind(cfg.prompts_per_kind).items()}
-    if not any(prompts.values()):
-        raise StageError("acceptance: prompts_per_kind must be >= 1 (no prompts to measure)")
+    k_max, eos = cfg.k_max, tokenizer.eos_token_id
+    check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
     device = next(model.parameters()).device
     slices: dict[str, dict] = {}
+    greedy_runs: dict[int, dict] = {}
     for ti, t in enumerate(cfg.temperatures):
-        sampling = SamplingParams(t, cfg.sampling.top_k, cfg.sampling.top_p)
-        g = torch.Generator(device).manual_seed(seed * 1000 + ti)
-        runs = run_prompts(model, prompts, draft, k_max, sampling, cfg.max_new_tokens, eos, g)
-        for kind, r in runs.items():
-            slices.setdefault(kind, {})[temp_key(t)] = slice_stats(r, k_max)
-        slices.setdefault("all", {})[temp_key(t)] = slice_stats([x for r in runs.values() for x in r], k_max)
-    return {"k_max": k_max, "slices": slices,
-            "lossless": lossless_checks(model, prompts, draft, k_max, cfg, seed, cfg.max_new_tokens, eos)}
+        sampling, key = sampling_of(cfg, t), temp_key(t)
+        records: dict[str, dict] = {}
+        for kind, rows in prompts.items():
+            for pid, ids in rows:
+                text = score_text(model, draft, ids, texts[key][pid], sampling, k_max, cfg.max_new_tokens)
+                records[pid] = prompt_record(pid, kind, text, {k: round_chain(text, k) for k in range(1, k_max + 1)})
+        direct = {}
+        for k in check_ks:
+            g = torch.Generator(device).manual_seed(seed * 1000 + 100 * k + ti + 17)
+            direct[k] = direct_runs(model, draft, prompts, k, sampling, cfg.max_new_tokens, eos, g)
+            if sampling.greedy:
+                greedy_runs[k] = direct[k]
+        groups = {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()}
+        groups["all"] = [pid for rows in prompts.values() for pid, _ in rows]
+        for name, pids in groups.items():
+            if not pids:
+                continue
+            recs = [records[p] for p in pids]
+            summary = summarize_slice(recs, k_max, cfg.confidence, seed)
+            summary["direct_check"] = direct_check(recs, {k: [direct[k][p] for p in pids] for k in check_ks},
+                                                   sampling.greedy, cfg.confidence, seed)
+            slices.setdefault(name, {})[key] = summary
+    if "0.0" in texts and greedy_runs:
+        greedy_plain = texts["0.0"]
+    else:  # no greedy temperature (or no direct k) configured: the lossless check runs its own pair
+        greedy_plain = {pid: generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens,
+                                      eos_token_id=eos).tokens for rows in prompts.values() for pid, ids in rows}
+        greedy_runs = {1: direct_runs(model, draft, prompts, 1, SamplingParams(0.0), cfg.max_new_tokens, eos, None)}
+    return {"k_max": k_max, "method": "teacher-forced round chain (pipeline/expected_rounds.py)",
+            "direct_check_k": check_ks, "max_new_tokens": cfg.max_new_tokens,
+            "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
+            "slices": slices,
+            "lossless": lossless_checks(model, prompts, draft, cfg, seed, greedy_plain, greedy_runs)}
 
 
 # ---------------------------------------------------------------- the stage
@@ -202,11 +126,11 @@ def run(ctx: StageContext) -> None:
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
     targets = cfg.targets or [ctx.config.quantize.reference]
-    pairs = {}
+    pairs, timings = {}, {}
     for variant in targets:
         vdir = ctx.run_dir / "variants" / variant
         vmeta = read_json(vdir / "meta.json", f"variant '{variant}' meta.json")
-        model = tokenizer = None
+        model = tokenizer = prompts = texts = None
         for spec in ctx.config.drafts:
             slug = draft_slug(spec)
             dmeta = read_json(ctx.run_dir / "drafts" / slug / "meta.json", f"draft '{spec}' meta.json")
@@ -217,14 +141,24 @@ def run(ctx: StageContext) -> None:
             pairs[name] = {"variant": variant, "draft": spec, "file": f"acceptance/{name}.json"}
             if item.fresh:
                 continue
+            t0 = time.time()
             if model is None:
                 model, tokenizer = load_variant(vdir, device=device)
+                prompts = acceptance_prompts(cfg.prompts_per_kind, tokenizer, "acceptance")
+                progress(f"acceptance: {variant}: generating the texts ({sum(map(len, prompts.values()))} prompts "
+                         f"x {len(cfg.temperatures)} temperatures)")
+                texts = generate_texts(model, prompts, cfg, ctx.config.seed, tokenizer.eos_token_id)
+                timings[f"{variant} texts"] = round(time.time() - t0, 1)
+                t0 = time.time()
             progress(f"acceptance: {name}")
             draft = build_draft(spec, model, tokenizer, ctx.run_dir, device)
-            result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed)
+            result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts)
             item.write_json({"variant": variant, "draft": spec, "draft_slug": slug, **result})
-            summary = result["slices"]["all"]
-            progress("acceptance: " + name + " " + ", ".join(
-                f"T={t}: E[tokens/round]@k_max={v['expected_tokens_per_round'][str(cfg.k_max)]:.2f}"
-                for t, v in summary.items()))
+            timings[name] = round(time.time() - t0, 1)
+            for t, v in result["slices"]["all"].items():
+                checks = ", ".join(f"k={k}: {c['derived']:.3f} vs {c['direct']:.3f}"
+                                   f"{'' if c['agree'] else ' DISAGREE'}" for k, c in v["direct_check"].items())
+                progress(f"acceptance: {name} T={t}: E[tokens/round]@k_max="
+                         f"{v['expected_tokens_per_round'][str(cfg.k_max)]:.2f}; derived vs direct {checks}")
     ctx.meta["pairs"] = pairs
+    ctx.meta["seconds"] = timings

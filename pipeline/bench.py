@@ -4,7 +4,7 @@
     python -m pipeline.bench --run runs/smollm2-135m --config configs/default.yaml \
         --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 3
 
-1. Plain greedy decode: `pipeline.engine.generate(model, ids, N)` vs `model.generate(ids,
+1. Plain greedy decode: `pipeline.decode.generate(model, ids, N)` vs `model.generate(ids,
    max_new_tokens=N, do_sample=False)` (transformers' default dynamic cache).
 2. Speculative greedy decode at the same draft and k: the engine with the config's first
    `layerskip:<n>` draft (draft_models) vs transformers assisted generation with `assistant_model`
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 GOAL = 1.5
+PROMPT = "Explain in a few sentences why the sky is blue, for a ten-year-old."
 
 
 def truncated_copy(model, n_layers: int):
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from draft_models import build_draft
     from pipeline.config import load_config
     from pipeline.device import resolve_device
-    from pipeline.engine import generate
-    from pipeline.latency import PROMPTS, encode_prompt
+    from pipeline.decode import generate
+    from pipeline.prompts import prompt_ids
     from pipeline.models import load_variant
     from pipeline.stage import atomic_write_json, library_versions
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.device)
     run = Path(args.run)
     model, tok = load_variant(_model_dir(run, args.config, args.model), device=device, dtype="float32")
-    ids = encode_prompt(tok, PROMPTS[0]).to(device)
+    ids = torch.tensor([prompt_ids(tok, PROMPT)], device=device)
     n, k = args.new_tokens, args.k
     print(f"bench: {args.model} on {device} ({torch.get_num_threads()} threads), float32, greedy, "
           f"prompt {ids.shape[1]} tokens, {n} new tokens, draft {spec}, k={k}, "

@@ -93,12 +93,17 @@ class AcceptanceConfig(Section):
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_new_tokens: int = 48
-    prompts_per_kind: int = 2  # CPU-sized; the GPU config uses 16
+    # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/prompts.py), all of them on GPU.
+    prompts_per_kind: int = 2
     # Lossless check (issue 4): samples per mode of the first verify-emitted token (speculative vs
     # plain), compared by a two-sample chi-square at lossless_alpha, at lossless_temperature.
     lossless_samples: int = 120
     lossless_alpha: float = 0.001
     lossless_temperature: float = 1.0
+    # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
+    direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
+    # Level of the prompt-bootstrap CIs in the acceptance JSON.
+    confidence: float = 0.95
 
     @field_validator("k_max")
     @classmethod
@@ -116,6 +121,11 @@ class LatencyConfig(Section):
     repeats: int = 5
     # Speculative timings use k = 1..k_list_max (default: acceptance.k_max).
     k_max: int | None = None
+    # Speculative round times are timed on the acceptance prompts (the first this many of each
+    # kind; null = acceptance.prompts_per_kind) at the acceptance temperatures. Round time depends
+    # on the content through the drafted count, which the acceptance stage weights it by, so a
+    # GPU run with many prompts can time a few.
+    speculative_prompts_per_kind: int | None = None
     # GPU fast path: static cache + torch.compile (CUDA graphs). Ignored on CPU.
     compile: bool = False
     # Level of the bootstrap CIs (over repeats) on every latency figure.

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import torch
 
+# The decode package owns the device sync (it imports nothing from the stages); stages use it here.
+from pipeline.decode.timing import synchronize  # noqa: F401
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -22,9 +25,3 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def synchronize(device: torch.device) -> None:
-    """A CPU-GPU sync point: call it before reading a wall clock around device work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

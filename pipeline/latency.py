@@ -2,16 +2,18 @@
 
     python -m pipeline latency --run runs/smollm2-135m --config configs/default.yaml
 
-Writes `latency/<variant>.json` (plain decode over batch sizes x context lengths: TTFT, TPOT, peak
-memory, bytes per step and the share of the device's measured bandwidth it reaches) and
-`latency/<variant>__<draft_slug>.json` (speculative decode at k = 1..k_max, B = 1: draft, verify,
-overhead and round time, tokens/s, and the speedup over plain decode of the same target, timed in
-the same repeats so the ratio is paired).
+Writes `latency/<variant>.json`: plain decode over batch sizes x context lengths, per cell TTFT and
+TPOT (medians with CIs), TTFT and inter-token p50/p90/p99 from the per-step samples (kept raw),
+peak memory, bytes per step and the share of the measured device bandwidth it reaches, and
+`tpot_ratio_vs_reference` (this variant's TPOT / the reference's, with a CI) beside the roofline's
+prediction; `latency/tpot_ratio.png` plots that against B x context. And
+`latency/<variant>__<draft_slug>.json`: speculative round times on the acceptance prompts and
+temperatures at k = 1..k_max, as a function of the drafted count (pipeline/latency_spec.py).
 
-Every figure goes through pipeline.engine.generate (the computation the acceptance stage measured)
-and pipeline.timing (CUDA events on GPU, a synchronized perf_counter on CPU). Warm-up runs are not
-recorded; every figure is the median over `latency.repeats` repeats with a bootstrap CI over those
-repeats, and the raw per-repeat samples are kept in the JSON.
+Every figure goes through pipeline.decode.generate (the computation the acceptance stage measured)
+and pipeline.decode.timing (CUDA events on GPU, a synchronized perf_counter on CPU). Warm-up runs
+are not recorded; every CI is a bootstrap over `latency.repeats` repeats (the unit of
+resampling), and the raw per-repeat (and per-step) samples are kept in the JSON.
 """
 from __future__ import annotations
 
@@ -23,18 +25,18 @@ from pathlib import Path
 
 import torch
 
-from pipeline.device import resolve_device
-from pipeline.marginal import median_ci
-from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
-from pipeline.stage import StageError, progress, read_json
+import numpy as np
 
-# Speculative timings need text a draft can predict some of (acceptance depends on content, and
-# tokens/round feeds the measured ms/token), so they run on these; the plain grid uses random ids
-# of the exact context length, since plain decode time does not depend on which tokens they are.
-PROMPTS = [
-    "Explain in a few sentences why the sky is blue, for a ten-year-old.",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-]
+from pipeline.device import resolve_device
+from pipeline.latency_spec import speculative_pair
+from pipeline.prompts import acceptance_prompts
+from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
+from pipeline.stage import StageError, atomic_write_bytes, atomic_write_json, progress, read_json
+from pipeline.stats import median_ci, percentile_bootstrap
+
+# The plain grid uses random ids of the exact context length: plain decode time does not depend
+# on which tokens they are. Speculative timings run on the acceptance prompts (latency_spec.py).
+PERCENTILES = (50, 90, 99)
 
 
 # ---------------------------------------------------------------- measuring
@@ -97,16 +99,18 @@ def _random_prompt(vocab: int, batch: int, context: int, seed: int) -> torch.Ten
 
 def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, repeats: int,
                device: torch.device, vocab: int, seed: int = 0) -> dict:
-    """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one sample per repeat.
+    """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one sample per repeat,
+    and every step's time.
 
     TTFT = the prompt forward + picking the first token (engine's prefill_s; no queue here);
-    TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it."""
-    from pipeline.engine import generate
+    TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it; the
+    inter-token samples are those steps one by one."""
+    from pipeline.decode import generate
 
     ids = _random_prompt(vocab, batch, context, seed)
     for _ in range(warmup):
         generate(model, ids, new_tokens)
-    ttft, tpot = [], []
+    ttft, tpot, steps, cache = [], [], [], 0
     mem = PeakMemory(device)
     with mem.track():
         for _ in range(repeats):
@@ -116,39 +120,39 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
                 raise StageError(f"latency: the engine produced {n} tokens, asked {new_tokens}")
             ttft.append(res.prefill_s * 1e3)
             tpot.append(res.decode_s / (n - 1) * 1e3)
-    return {"ttft_ms": ttft, "tpot_ms": tpot, "peak_memory_bytes": mem.peak,
-            "peak_memory_kind": mem.kind, "memory_before_bytes": mem.before}
+            steps.append([x * 1e3 for x in res.step_s])
+            cache = res.cache_positions
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "step_ms": steps, "cache_positions": cache,
+            "peak_memory_bytes": mem.peak, "peak_memory_kind": mem.kind, "memory_before_bytes": mem.before}
 
 
-def speculative_repeat(model, draft, prompts: list[torch.Tensor], ks: list[int], new_tokens: int) -> dict:
-    """One repeat: plain decode and speculative decode at every k on the same prompts, so each
-    repeat yields one paired sample of every figure. Returns k -> figures (k = 0 is plain).
+def percentiles_ci(per_repeat: list[list[float]], confidence: float, seed: int) -> dict:
+    """p50/p90/p99 of the pooled samples, each with a CI that resamples whole repeats (a repeat's
+    steps share its machine state, so the repeat is the unit). Written out because
+    scipy.stats.bootstrap resamples single observations, not groups."""
+    x = np.asarray(per_repeat, dtype=float)  # [R, S]: every repeat has the same number of steps
+    point = np.percentile(x.ravel(), PERCENTILES)
+    if x.shape[0] < 2:
+        cis = [[float(p), float(p)] for p in point]
+    else:
+        idx = np.random.default_rng(seed).integers(0, x.shape[0], (2000, x.shape[0]))
+        boot = np.percentile(x[idx].reshape(2000, -1), PERCENTILES, axis=1)  # [3, B]
+        lo, hi = np.quantile(boot, [(1 - confidence) / 2, (1 + confidence) / 2], axis=1)
+        cis = [[float(min(a, p)), float(max(b, p))] for a, b, p in zip(lo, hi, point)]
+    return {**{f"p{q}": {"value": float(p), "ci": ci} for q, p, ci in zip(PERCENTILES, point, cis)},
+            "ci_unit": "repeat"}
 
-    ms/token is end to end over the decode (every token after the first, which prefill made).
-    The per-round figures use the rounds that really drafted k tokens: near max_new_tokens the
-    engine shortens the last round, and averaging it in would make T_round(k) look cheaper."""
-    from pipeline.engine import generate
 
-    out = {}
-    for k in [0, *ks]:
-        tokens, decode_s, rounds = 0, 0.0, []
-        for ids in prompts:
-            res = generate(model, ids, new_tokens, draft=draft if k else None, k=k)
-            tokens += len(res.tokens) - 1
-            decode_s += res.decode_s
-            rounds += res.rounds
-        fig = {"ms_per_token": decode_s / max(tokens, 1) * 1e3}
-        if k:
-            full = [r for r in rounds if r.k == k] or rounds  # all shortened: new_tokens <= k + 1
-            n = len(full)
-            draft_s, verify_s = sum(r.draft_s for r in full), sum(r.verify_s for r in full)
-            round_s = sum(r.round_s for r in full)
-            fig.update(draft_ms=draft_s / n * 1e3, verify_ms=verify_s / n * 1e3, round_ms=round_s / n * 1e3,
-                       overhead_ms=(round_s - draft_s - verify_s) / n * 1e3,
-                       tokens_per_round=sum(r.emitted for r in full) / n, rounds_at_k=n,
-                       rounds=len(rounds))
-        out[k] = fig
-    return out
+def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: int) -> dict:
+    """median(a) / median(b) with a percentile-bootstrap CI, a and b resampled independently
+    (they are different runs; their repeats are not paired)."""
+    point = float(np.median(a) / np.median(b))
+    if len(a) < 2 or len(b) < 2:
+        return {"value": point, "ci": [point, point], "ci_unit": "repeat (too few to resample)"}
+    lo, hi = percentile_bootstrap((np.asarray(a, float), np.asarray(b, float)),
+                                  lambda x, y, axis: np.median(x, axis=axis) / np.median(y, axis=axis),
+                                  confidence, seed)
+    return {"value": point, "ci": [min(lo, point), max(hi, point)], "ci_unit": "repeat, each variant resampled"}
 
 
 # ---------------------------------------------------------------- the two artifacts
@@ -176,12 +180,16 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                 grid.append({**cell, "skipped": "out of device memory"})
                 continue
             tpot = median_ci(raw["tpot_ms"], confidence, seed)
-            # Mean cache length over the decode steps: context + (new_tokens) / 2.
-            step_bytes = bytes_per_step(mb["weight_bytes"], batch, context + lat.new_tokens / 2,
-                                        mb["kv_bytes_per_token"])
+            # Attention reads every slot of the static cache each step (pipeline/decode/cache.py),
+            # so the KV bytes are the allocated length's, not the filled length's.
+            step_bytes = bytes_per_step(mb["weight_bytes"], batch, raw["cache_positions"], mb["kv_bytes_per_token"])
             grid.append({**cell,
                          "ttft_ms": median_ci(raw["ttft_ms"], confidence, seed), "tpot_ms": tpot,
+                         "ttft_percentiles": percentiles_ci([[x] for x in raw["ttft_ms"]], confidence, seed),
+                         "inter_token_ms": {**percentiles_ci(raw["step_ms"], confidence, seed),
+                                            "samples": raw["step_ms"]},
                          "tokens_per_s": batch * 1e3 / tpot["median"],
+                         "cache_positions": raw["cache_positions"],
                          "peak_memory_bytes": raw["peak_memory_bytes"],
                          "peak_memory_kind": raw["peak_memory_kind"],
                          "memory_before_bytes": raw["memory_before_bytes"],
@@ -192,48 +200,63 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats, "grid": grid}
 
 
-def speculative_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list[int], lat,
-                     device: torch.device, confidence: float, seed: int,
-                     texts: list[str] = PROMPTS) -> dict:
-    prompts = [encode_prompt(tokenizer, p) for p in texts]
-    for _ in range(lat.warmup):
-        speculative_repeat(model, draft, prompts, ks, lat.new_tokens)
-    reps = []
-    for r in range(lat.repeats):
-        progress(f"latency: {target} + {draft_spec}: repeat {r + 1}/{lat.repeats}")
-        reps.append(speculative_repeat(model, draft, prompts, ks, lat.new_tokens))
-    plain = [rep[0]["ms_per_token"] for rep in reps]
-    rows = []
-    for k in ks:
-        col = {key: [rep[k][key] for rep in reps] for key in reps[0][k]}
-        ms = median_ci(col["ms_per_token"], confidence, seed)
-        rows.append({
-            "k": k,
-            **{key: median_ci(col[key], confidence, seed)
-               for key in ("draft_ms", "verify_ms", "overhead_ms", "round_ms")},
-            "tokens_per_round": float(sum(col["tokens_per_round"]) / len(col["tokens_per_round"])),
-            "rounds_at_k": int(sum(col["rounds_at_k"])), "rounds": int(sum(col["rounds"])),
-            "ms_per_token": ms,
-            "tokens_per_s": 1e3 / ms["median"],
-            # Paired: plain and speculative of the same repeat, so drift between repeats cancels.
-            "speedup": median_ci([p / s for p, s in zip(plain, col["ms_per_token"])], confidence, seed),
-        })
-    return {"variant": target, "draft": draft_spec, "device": str(device),
-            "plain_ms_per_token": median_ci(plain, confidence, seed),
-            "prompts": list(texts), "new_tokens": lat.new_tokens, "warmup": lat.warmup,
-            "repeats": lat.repeats, "rows": rows}
+def add_reference_ratios(grid: dict, reference: dict, confidence: float, seed: int) -> bool:
+    """Give every measured cell of a non-reference grid its TPOT over the reference's (with a
+    CI) and the roofline's ratio of bytes per step, (W_q + B K_q) / (W + B K). Returns whether
+    anything was added."""
+    if grid is reference or grid.get("variant") == reference.get("variant"):
+        return False
+    ref = {(c["batch"], c["context"]): c for c in reference["grid"] if "tpot_ms" in c}
+    added = False
+    for cell in grid["grid"]:
+        other = ref.get((cell["batch"], cell["context"]))
+        if other is None or "tpot_ms" not in cell:
+            continue
+        cell["tpot_ratio_vs_reference"] = {
+            **ratio_of_medians(cell["tpot_ms"]["samples"], other["tpot_ms"]["samples"], confidence, seed),
+            "reference": reference.get("variant"), "meaning": "this variant's TPOT / the reference's (< 1: faster)"}
+        cell["roofline_tpot_ratio_vs_reference"] = cell["bytes_per_step"] / other["bytes_per_step"]
+        added = True
+    return added
 
 
-def encode_prompt(tokenizer, text: str) -> torch.Tensor:
-    """A chat prompt as the model would see it: [1, T]."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    return torch.tensor([list(ids)], dtype=torch.long)
+def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
+    """Speedup over the reference (reference TPOT / variant TPOT, with CIs) against B x context,
+    beside the roofline's (W + B K) / (W_q + B K): the W4 speedup should fall towards 1 as B K grows."""
+    series = {name: [c for c in g["grid"] if "tpot_ratio_vs_reference" in c] for name, g in grids.items()
+              if name != reference}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, cells) in enumerate(sorted(series.items())):
+        cells = sorted(cells, key=lambda c: (c["batch"] * c["context"], c["batch"]))
+        x = [c["batch"] * c["context"] for c in cells]
+        r = [c["tpot_ratio_vs_reference"] for c in cells]
+        y = [1 / v["value"] for v in r]
+        err = [[yi - 1 / v["ci"][1] for yi, v in zip(y, r)], [1 / v["ci"][0] - yi for yi, v in zip(y, r)]]
+        line = ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=f"{name} measured")
+        ax.plot(x, [1 / c["roofline_tpot_ratio_vs_reference"] for c in cells], "s--", color=line[0].get_color(),
+                alpha=0.6, label=f"{name} roofline (W + BK) / (W_q + BK)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("batch x context (tokens in the KV cache)")
+    ax.set_ylabel(f"speedup over {reference} (TPOT ratio)")
+    ax.set_title("Decode speedup of each variant over the reference", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
 
 
 # ---------------------------------------------------------------- the stage
@@ -257,10 +280,10 @@ def _maybe_compile(models: list, lat, device: torch.device) -> str:
         return "off"
     if device.type != "cuda":
         return "requested, ignored on CPU (eager)"
-    from pipeline.engine import _hf_model
+    from pipeline.decode import hf_model
 
     for m in models:
-        hf = _hf_model(m)  # the module the engine calls (inside any quantization wrapper)
+        hf = hf_model(m)  # the module the engine calls (inside any quantization wrapper)
         if "forward" not in hf.__dict__:
             hf.forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)
     return "torch.compile(mode=reduce-overhead): static cache + CUDA graphs"
@@ -310,10 +333,21 @@ def run(ctx) -> None:
         ctx.meta["compile"] = _maybe_compile([model], lat, device)
         item.write_json(plain_grid(name, model, lat, device, bw(), cfg.seed, confidence))
         del model
+    reference = cfg.quantize.reference
+    if reference in dirs:
+        grids = {name: read_json(ctx.out_dir / f"{name}.json", "latency grid") for name in dirs}
+        for name, grid in grids.items():  # a cheap join, redone on every run: never stale
+            if add_reference_ratios(grid, grids[reference], confidence, cfg.seed):
+                atomic_write_json(ctx.out_dir / f"{name}.json", grid)
+        png = tpot_ratio_plot(grids, reference)
+        if png:
+            atomic_write_bytes(ctx.out_dir / "tpot_ratio.png", png)
 
     from draft_models import build_draft, draft_slug
 
     targets = cfg.acceptance.targets or [cfg.quantize.reference]
+    # Round times are measured on the acceptance stage's prompts and temperatures.
+    acc_inputs = {key: cfg.section("acceptance")[key] for key in ("temperatures", "sampling", "prompts_per_kind")}
     for target in targets:
         if target not in dirs:
             raise StageError(f"latency: target '{target}' is not a variant ({', '.join(dirs)})")
@@ -322,7 +356,7 @@ def run(ctx) -> None:
         for spec in cfg.drafts:
             slug = draft_slug(spec)
             draft_meta = ctx.run_dir / "drafts" / slug / "meta.json"
-            inputs = {**common, "target": target_hash, "draft": spec, "ks": ks,
+            inputs = {**common, "target": target_hash, "draft": spec, "ks": ks, "acceptance": acc_inputs,
                       "draft_meta": read_json(draft_meta).get("input_hash") if draft_meta.is_file() else None}
             item = ctx.item(f"{target}__{slug}.json", inputs, is_dir=False)
             if not item.fresh:
@@ -330,12 +364,14 @@ def run(ctx) -> None:
         if not pending:
             continue
         model, tok = load_variant(dirs[target], device=device)
+        prompts = acceptance_prompts(lat.speculative_prompts_per_kind or cfg.acceptance.prompts_per_kind, tok,
+                                     "latency")
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         ctx.meta["compile"] = _maybe_compile(
             [model, *(d.model for d in drafts.values() if getattr(d, "model", None) is not None)], lat, device)
         for spec, item in pending.items():
             t0 = time.time()
-            item.write_json(speculative_pair(target, spec, model, drafts[spec], tok, ks, lat, device,
-                                             confidence, cfg.seed, texts=PROMPTS))
+            item.write_json(speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
+                                             device, confidence, cfg.seed, ks))
             progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
         del model, drafts

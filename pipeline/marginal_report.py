@@ -31,7 +31,8 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
     p = report["primary"]
     out = [f"# Draft length k for `{v}` drafted by `{d}`", ""]
     out.append(f"Device: {report.get('device') or 'unknown'}. Acceptance: slice `{p['slice']}`, "
-               f"temperature {_temp_label(p['temperature'])}. All intervals are {conf}% bootstrap CIs.")
+               f"temperature {_temp_label(p['temperature'])}. All intervals are {conf}% bootstrap CIs "
+               f"({report.get('ci_unit', 'timing repeats')}).")
     out.append("")
     out.append(f"Plain decoding of `{v}`: **{_f(base)} ms/token** {_ci(base_ci)}.")
     if rec:
@@ -43,8 +44,8 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
         out.append(f"**Recommended k = 0: do not speculate.** No k was measurably faster than plain "
                    f"decoding (best: k = {best['k']}, speedup {_f(best['speedup'])}x "
                    f"{_ci(best['speedup_ci'])}).")
-    out += ["", "| k | E[tokens/round] | round ms | ms/token | speedup | marginal ms/token (k-1 to k) "
-            "| Leviathan ms/token |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    out += ["", "| k | E[tokens/round] | mean drafted | round ms | ms/token | speedup | marginal ms/token (k-1 to k) "
+            "| Leviathan ms/token |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         m = r["marginal_ms_per_token"]
         marginal = "n/a (no extra tokens)" if m is None else \
@@ -52,14 +53,16 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
         mark = " **<-**" if r["k"] == rec else ""
         out.append(
             f"| {r['k']}{mark} | {_f(r['tokens_per_round'])} {_ci(r['tokens_per_round_ci'])} "
-            f"| {_f(r['round_ms'])} | {_f(r['ms_per_token'])} {_ci(r['ms_per_token_ci'])} "
+            f"| {_f(r.get('mean_drafted'))} | {_f(r['round_ms'])} {_ci(r.get('round_ms_ci') or [None, None])} | {_f(r['ms_per_token'])} {_ci(r['ms_per_token_ci'])} "
             f"| {_f(r['speedup'])}x {_ci(r['speedup_ci'])} | {marginal} "
             f"| {_f(r.get('predicted_ms_per_token'))} |")
     c = report.get("cost_ratio_c")
-    out += ["", "How to read it: E[tokens/round] comes from the acceptance stage (1 + the probability "
-            "that the first 1, 2, ..., k drafted tokens are all accepted); the round time "
-            "(draft k tokens + verify them in one target pass + bookkeeping) is measured by the "
-            "latency stage; ms/token = round ms / E[tokens/round]. The marginal column is the extra "
+    out += ["", "How to read it: E[tokens/round] comes from the acceptance stage (emitted tokens / "
+            "expected rounds at that k, from one teacher-forced pass over the target's own text, "
+            "checked against direct runs below); the round time (draft up to k tokens + verify them "
+            "in one target pass + bookkeeping) is the latency stage's time per drafted count, on the "
+            "same prompts and temperature, weighted by this slice's share of rounds drafting each "
+            "count at k (mean drafted below); ms/token = round ms / E[tokens/round]. The marginal column is the extra "
             "round time per extra expected token when k grows by one (from plain decoding for k = 1); "
             "a step *pays* when that is below the ms/token at k-1 (the average falls); SEEDS' "
             f"looser test, below the plain {_f(base)} ms/token, only says the extra tokens come "
@@ -80,17 +83,35 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
              "cheap as one plain step and the draft is cheaper in the loop than alone")
         out.append(f"Measured / predicted ms/token differ by more than 10% at {ks}: {why}.")
     out += ["", "## Rule for the recommended k", "", report["rule"], ""]
+    out += _direct_section(report)
     out += _slice_section(report)
     out += _position_section(report)
     measured = [r for r in rows if "measured_tokens_per_round" in r]
     if measured:
         out += ["## Tokens per round in the latency run itself", "",
-                "The latency stage's own prompts (not the acceptance slices) gave, per k: " +
+                f"The latency stage's timed runs ({report.get('latency_new_tokens')} new tokens per prompt, "
+                "so more of their rounds are shortened near the end than the acceptance runs') gave, per k: " +
                 ", ".join(f"k={r['k']}: {_f(r['measured_tokens_per_round'])} tokens/round, "
                           f"{_f(r.get('measured_ms_per_token'))} ms/token" for r in measured) + ".", ""]
     if png_name:
         out += [f"![ms/token vs k and acceptance per position]({png_name})", ""]
     return "\n".join(out)
+
+
+def _direct_section(report: dict) -> list[str]:
+    checks = report.get("direct_check") or {}
+    if not checks:
+        return []
+    out = ["## E[tokens/round] derived vs direct runs", "",
+           "Derived: from the teacher-forced pass; direct: real engine runs at that k on the same prompts. "
+           "Greedy, they must be equal (the same text); sampled, the prompt-bootstrap CI of the "
+           "difference must contain 0.", "",
+           "| k | derived [CI] | direct | direct - derived [CI] | agree |", "|---:|---:|---:|---:|---|"]
+    for k, c in sorted(checks.items(), key=lambda kv: int(kv[0])):
+        out.append(f"| {k} | {_f(c['derived'], 3)} {_ci(c['ci'], 3)} | {_f(c['direct'], 3)} "
+                   f"| {_f(c['direct'] - c['derived'], 3)} {_ci(c['difference_ci'], 3)} | "
+                   f"{'yes' if c['agree'] else '**no**'} |")
+    return out + [""]
 
 
 def _slice_section(report: dict) -> list[str]:
@@ -120,14 +141,16 @@ def _position_section(report: dict) -> list[str]:
     if not pos:
         return []
     out = ["## Acceptance per position", "",
-           "conditional = P(position i accepted | 1..i-1 accepted); prefix = P(1..i all accepted); "
-           "beta = mean of 1 - TV(p, q) at that position.", "",
-           "| position | conditional | prefix | mean beta | rounds reaching it | CI (conditional) |",
+           "Rounds at k = k_max (not shortened near the end), in expectation over the accept/reject "
+           "outcomes given the texts: conditional = P(position i accepted | 1..i-1 accepted); prefix = "
+           "P(1..i all accepted); beta = mean of 1 - TV(p, q) at that position; the CI resamples prompts "
+           "and is never narrower than the Wilson interval on the expected round counts.", "",
+           "| position | conditional | prefix | mean beta | rounds reaching it (expected) | CI (conditional) |",
            "|---:|---:|---:|---:|---:|---:|"]
     for p in pos:
         ci = p.get("ci") or [None, None]
         out.append(f"| {p['position']} | {_f(p.get('conditional'), 3)} | {_f(p.get('prefix'), 3)} "
-                   f"| {_f(p.get('expected_beta'), 3)} | {p.get('n')} | {_ci(ci, 3)} |")
+                   f"| {_f(p.get('expected_beta'), 3)} | {_f(p.get('n'), 1)} | {_ci(ci, 3)} |")
     return out + [""]
 
 

@@ -62,9 +62,9 @@ def common_prefix(a, b) -> int:
 
 def forward_kwargs(model) -> tuple[str, bool]:
     """The forward's name for the cache argument, and whether it takes `logits_to_keep`."""
-    from pipeline.engine import _cache_kwarg
+    from pipeline.decode import cache_kwarg
 
-    return _cache_kwarg(model), "logits_to_keep" in inspect.signature(model.forward).parameters
+    return cache_kwarg(model), "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def _cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None):

@@ -92,3 +92,21 @@ def prompts_by_kind(per_kind: int) -> dict[str, list[tuple[str, str]]]:
         texts = PROMPTS[kind][:per_kind]
         out[kind] = [(f"{kind}-{i}", t) for i, t in enumerate(texts)]
     return out
+
+
+def acceptance_prompts(per_kind: int, tokenizer, stage: str) -> dict[str, list[tuple[str, list[int]]]]:
+    """kind -> [(prompt id, token ids)], the acceptance slices' prompts (the latency stage times
+    speculative rounds on the same ones). A kind with fewer built-in prompts than asked uses all
+    it has and says so on stderr; the artifacts record the prompt ids actually used."""
+    from pipeline.stage import StageError, progress
+
+    by_kind = prompts_by_kind(per_kind)
+    short = {kind: len(rows) for kind, rows in by_kind.items() if len(rows) < per_kind}
+    if short:
+        progress(f"{stage}: acceptance.prompts_per_kind = {per_kind}, but the built-in set has only "
+                 + ", ".join(f"{n} {kind}" for kind, n in short.items()) + " prompts: using those "
+                 "(the JSON lists the prompts used under 'prompts')")
+    prompts = {kind: [(pid, prompt_ids(tokenizer, text)) for pid, text in rows] for kind, rows in by_kind.items()}
+    if not any(prompts.values()):
+        raise StageError(f"{stage}: acceptance.prompts_per_kind must be >= 1 (no prompts to measure)")
+    return prompts

@@ -263,7 +263,7 @@ def _optional_json(path: Path, what: str) -> dict:
     return read_json(path, what) if path.is_file() else {}
 
 
-def variant_blocks(run_dir: Path) -> list[Block]:
+def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> list[Block]:
     out: list[Block] = [("h2", "Variants: size, memory, decode latency")]
     rows = []
     for vdir in sorted(p for p in (run_dir / "variants").glob("*") if (p / "meta.json").is_file()):
@@ -287,9 +287,14 @@ def variant_blocks(run_dir: Path) -> list[Block]:
         for cell in doc.get("grid", []):
             head = [name, str(cell.get("batch")), str(cell.get("context"))]
             if cell.get("skipped"):
-                grid_rows.append([*head, f"skipped: {cell['skipped']}", "", "", "", ""])
+                grid_rows.append([*head, f"skipped: {cell['skipped']}", "", "", "", "", "", ""])
                 continue
+            ratio = cell.get("tpot_ratio_vs_reference")
+            p99 = (cell.get("inter_token_ms") or {}).get("p99")
             grid_rows.append([*head, _median(cell.get("tpot_ms")), _median(cell.get("ttft_ms")),
+                              f"{_f(p99['value'], 2)} {_ci(p99['ci'], 2)}" if p99 else "-",
+                              f"{_f(ratio['value'], 2)} {_ci(ratio['ci'], 2)} (roofline "
+                              f"{_f(cell.get('roofline_tpot_ratio_vs_reference'), 2)})" if ratio else "-",
                               _bytes(cell.get("peak_memory_bytes")), _f(cell.get("achieved_gbps"), 1),
                               _f(cell.get("roofline_fraction"), 2)])
     if grid_rows:
@@ -297,8 +302,14 @@ def variant_blocks(run_dir: Path) -> list[Block]:
         out += [("h3", "Plain decode latency grid (median [CI] over repeats)"),
                 ("p", "Measured bandwidth: " + "; ".join(bw) + ". Roofline fraction = achieved bytes/s "
                       "over measured bandwidth for the bytes a decode step must read."),
-                ("table", ["variant", "batch", "context", "TPOT ms", "TTFT ms", "peak memory",
-                           "achieved GB/s", "roofline fraction"], grid_rows, None)]
+                ("table", ["variant", "batch", "context", "TPOT ms", "TTFT ms", "p99 inter-token ms",
+                           "TPOT / reference (roofline)", "peak memory", "achieved GB/s", "roofline fraction"],
+                 grid_rows, None)]
+        ratio_png = run_dir / "latency" / "tpot_ratio.png"
+        if figures is not None and ratio_png.is_file():
+            figures["tpot-ratio.png"] = ratio_png.read_bytes()
+            out.append(("img", "tpot-ratio.png", "speedup over the reference vs batch x context, with the "
+                                                 "roofline's (W + BK) / (W_q + BK)"))
     else:
         out.append(("p", "No plain-decode latency grid in this run (latency/<variant>.json missing)."))
     return out
@@ -407,7 +418,7 @@ def run(ctx) -> None:
         blocks.insert(3, ("img", "forest.png", "paired differences (dots) with their CIs; red tick = -margin",
                           "wide"))
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
-    blocks += variant_blocks(run_dir)
+    blocks += variant_blocks(run_dir, figures)
     blocks += provenance_blocks(run_dir, cfg, gate_meta)
     title = f"{cfg.report.title}: {run_dir.name}"
     for name, png in figures.items():

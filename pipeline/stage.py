@@ -147,7 +147,7 @@ PROJECT_PACKAGES = ("pipeline", "evals", "draft_models")
 
 
 def _module_file(dotted: str) -> Path | None:
-    """pipeline.engine -> pipeline/engine.py; a package -> its __init__.py; None if not ours."""
+    """pipeline.decode.engine -> pipeline/decode/engine.py; a package -> its __init__.py; None if not ours."""
     if dotted.split(".")[0] not in PROJECT_PACKAGES:
         return None
     base = REPO.joinpath(*dotted.split("."))

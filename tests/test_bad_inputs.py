@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from statsmodels.stats.proportion import proportion_confint
@@ -40,33 +41,46 @@ def _one_line(capsys) -> str:
 # ---------------------------------------------------------------- acceptance CIs and the marginal plot
 
 
-def test_wilson_bounds_hold_the_point_at_0_of_n_and_n_of_n():
-    from pipeline.acceptance import summarize
+def _slice_with_constant_acceptance(a: float, n_tokens: int, k_max: int, prompts: int = 1) -> dict:
+    """The acceptance stage's slice summary for texts whose every draft token is accepted with
+    probability a (1.0: all accepted, 0.0: none) -- the 0/n and n/n cases."""
+    from pipeline.acceptance_stats import prompt_record, summarize_slice
+    from pipeline.expected_rounds import TextAcceptance, model_draft_rows, round_chain
 
+    recs = []
+    for i in range(prompts):
+        rows = model_draft_rows(np.full(n_tokens - 1, a), k_max)
+        text = TextAcceptance(rows, rows, np.full(n_tokens - 1, k_max), n_tokens, n_tokens + k_max + 1)
+        recs.append(prompt_record(f"p{i}", "code", text, {k: round_chain(text, k) for k in range(1, k_max + 1)}))
+    return summarize_slice(recs, k_max)
+
+
+def test_wilson_bounds_hold_the_point_at_0_of_n_and_n_of_n():
     raw_misses = 0
     for n in range(1, 301):
         lo, hi = proportion_confint(n, n, alpha=0.05, method="wilson")
         raw_misses += hi < 1.0
-        for accepted in ([2] * n, [0] * n):  # k_max 2: every round accepted both, or none
-            pos = summarize(accepted, [2] * n, [[0.5, 0.5]] * n, 2, tokens=n)["per_position"][0]
-            lo, hi = pos["ci"]
-            assert 0.0 <= lo <= pos["conditional"] <= hi <= 1.0, (n, pos)
+    for n in (2, 3, 7, 40, 81, 160):
+        for a, prompts in ((1.0, 1), (0.0, 1), (1.0, 3), (0.0, 3)):
+            for pos in _slice_with_constant_acceptance(a, n, 2, prompts)["per_position"]:
+                if pos["conditional"] is None:
+                    continue
+                lo, hi = pos["ci"]
+                assert 0.0 <= lo <= pos["conditional"] <= hi <= 1.0, (n, a, pos)
     # The rounding the clip removes is real: statsmodels' n/n upper bound is below 1 for many n
     # (96 of 1..300 with statsmodels 0.14 when the issue was filed).
     assert raw_misses > 0
 
 
 def test_marginal_plot_draws_all_and_none_accepted(tmp_path):
-    from pipeline.acceptance import summarize
     from pipeline.marginal import pair_report
     from pipeline.marginal_report import write_plot
     from tests.test_marginal import _latency
 
-    n = 80
-    all_in = summarize([3] * n, [3] * n, [[0.9] * 3] * n, 3, tokens=4 * n)
-    none_in = summarize([0] * 76, [3] * 76, [[0.1]] * 76, 3, tokens=76)
+    all_in = _slice_with_constant_acceptance(1.0, 80, 3, prompts=2)
+    none_in = _slice_with_constant_acceptance(0.0, 76, 3, prompts=2)
     for per in (all_in, none_in):
-        acc = {"variant": "bf16", "draft": "ngram", "k_max": 3, "slices": {"all": {"0.0": per}}}
+        acc = {"variant": "bf16", "draft": "ngram", "k_max": 3, "slices": {"all": {"0.0": per, "0.7": per}}}
         rep = pair_report(acc, _latency(3))
         write_plot(rep, tmp_path / "p.png")
         assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

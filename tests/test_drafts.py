@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from draft_models import build_draft, check_tokenizers, draft_slug
-from draft_models.ngram import NgramDraft
-from pipeline.engine import generate
-from pipeline.sampling import SamplingParams
+from pipeline.decode import NgramDraft, SamplingParams, generate
 from pipeline.stage import StageError
 from tests.conftest import make_tiny_tokenizer, save_as_prepared
 

@@ -11,9 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine import EngineError, ModelDraft, generate
-from pipeline.sampling import SamplingParams
-from pipeline.timing import Timer
+from pipeline.decode import EngineError, ModelDraft, SamplingParams, Timer, generate
 from tests.conftest import make_tiny_llama
 
 PROMPTS = ["the quick brown fox", "def add(a, b): return", "Le chat est sur la", "{\"name\": \"get_"]
@@ -182,3 +180,49 @@ def test_other_architectures_greedy(family):
     assert plain == _hf_greedy(model, ids, 12)
     draft = ModelDraft("layerskip:2", truncate(model, 2), 300)
     assert generate(model, ids, 12, draft=draft, k=3).tokens == plain
+
+
+def test_plain_decode_without_eos_reads_tokens_back_once(tiny_model, tiny_tokenizer, monkeypatch):
+    """No EOS: the step count is known, so no step waits on a device->host copy (.tolist()); with an
+    EOS each step must look at its token."""
+    calls = {"n": 0}
+    real = torch.Tensor.tolist
+
+    def counting(self):
+        calls["n"] += 1
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    ids = _ids(tiny_tokenizer, PROMPTS[0])
+    res = generate(tiny_model, ids, 12)
+    assert calls["n"] == 1 and len(res.tokens) == 12 and len(res.step_s) == 11
+    calls["n"] = 0
+    generate(tiny_model, ids, 12, eos_token_id=tiny_tokenizer.eos_token_id)
+    assert calls["n"] >= 11
+
+
+class _SleepyDraft(ModelDraft):
+    """Sleeps a known time in every propose (k = 0 included): each round's draft_s must hold its
+    own sleep. Only lower bounds are checked, which a loaded machine cannot break."""
+
+    def __init__(self, model, sleeps):
+        super().__init__("test:sleepy", model, model.config.vocab_size)
+        self.sleeps, self.calls = sleeps, 0
+
+    def propose(self, seq, k, sampling, generator):
+        import time
+
+        time.sleep(self.sleeps[min(self.calls, len(self.sleeps) - 1)])
+        self.calls += 1
+        return super().propose(seq, k, sampling, generator)
+
+
+def test_each_round_carries_its_own_times_and_the_last_step_times_propose(tiny_model, tiny_tokenizer):
+    # max_new_tokens = 5 with k = 3: rounds at k = 3 (1 + 4 tokens if all accepted), then the
+    # one-token-left plain step, whose propose(k = 0) is timed as its draft.
+    sleeps = [0.01, 0.03, 0.05, 0.07]
+    draft = _SleepyDraft(tiny_model, sleeps)
+    res = generate(tiny_model, _ids(tiny_tokenizer, PROMPTS[1]), 6, draft=draft, k=3)
+    assert res.rounds[-1].k == 0 and res.rounds[-1].drafted == 0  # the last-token step ran
+    for i, r in enumerate(res.rounds):
+        assert r.draft_s >= sleeps[min(i, 3)] and r.round_s >= r.draft_s + r.verify_s

@@ -253,12 +253,23 @@ def test_stage_code_hash_follows_imports_not_the_whole_tree():
 
     acceptance, quality, gate = rel("pipeline.acceptance"), rel("pipeline.quality"), rel("pipeline.gate")
     # Direct, indirect (quantize_schemes through models) and package imports are followed...
-    assert {"pipeline/engine.py", "pipeline/sampling.py", "pipeline/quantize_schemes.py",
-            "draft_models/__init__.py", "draft_models/ngram.py", "pipeline/__init__.py"} <= acceptance
+    assert {"pipeline/decode/engine.py", "pipeline/decode/sampling.py", "pipeline/decode/drafts.py",
+            "pipeline/decode/__init__.py", "pipeline/quantize_schemes.py", "draft_models/__init__.py",
+            "draft_models/ngram.py", "pipeline/__init__.py"} <= acceptance
     assert {"pipeline/distribution.py", "pipeline/stats.py", "evals/generate.py"} <= quality
     # ...and a module a stage never imports does not re-run it.
     assert "pipeline/gate.py" not in acceptance | quality and "pipeline/quality.py" not in gate
     assert rel("numpy") == set() and rel("pipeline.nonexistent") == set()
+
+
+def test_decode_package_imports_nothing_from_the_stages():
+    """pipeline.decode is the core other code builds on: it may import only itself (and the
+    package __init__, which sets logging), never a stage, StageError or draft_models."""
+    from pipeline.stage import REPO as ROOT, import_closure
+
+    files = {str(p.relative_to(ROOT)) for p in import_closure(["pipeline.decode"])}
+    assert "pipeline/decode/engine.py" in files and "pipeline/decode/drafts.py" in files
+    assert {f for f in files if not f.startswith("pipeline/decode/")} == {"pipeline/__init__.py"}, files
 
 
 def test_editing_an_imported_module_changes_the_hash(tmp_path, monkeypatch):

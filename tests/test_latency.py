@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from pipeline.config import Config
 from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
-from pipeline.timing import Timer, wall_clock
+from pipeline.decode.timing import Timer, wall_clock
 
 CPU = torch.device("cpu")
 
@@ -87,24 +88,46 @@ def test_plain_grid_figures_on_the_tiny_model(tiny_model):
             s = c[key]
             assert len(s["samples"]) == 2 and all(x > 0 for x in s["samples"])
             assert s["ci"][0] <= s["median"] <= s["ci"][1]
-        # Bytes per step: weights + B sequences' KV at the mean decode length (8 + 3/2).
-        assert c["bytes_per_step"] == int(out["weight_bytes"] + b * 9.5 * out["model_bytes"]["kv_bytes_per_token"])
+        # Bytes per step: weights + B sequences' KV over every slot of the static cache, which
+        # attention reads whole (at least context + new tokens + 1; the engine allocates >= 64).
+        assert c["cache_positions"] >= 8 + 3 + 1
+        assert c["bytes_per_step"] == int(out["weight_bytes"] + b * c["cache_positions"]
+                                          * out["model_bytes"]["kv_bytes_per_token"])
+        steps = c["inter_token_ms"]
+        assert len(steps["samples"]) == 2 and all(len(r) == 2 for r in steps["samples"])  # repeats x (3 - 1)
+        assert steps["p50"]["value"] <= steps["p90"]["value"] <= steps["p99"]["value"]
+        for q in ("p50", "p90", "p99"):
+            for key in ("inter_token_ms", "ttft_percentiles"):
+                lo, hi = c[key][q]["ci"]
+                assert lo <= c[key][q]["value"] <= hi
         assert c["achieved_gbps"] == pytest.approx(c["bytes_per_step"] / (c["tpot_ms"]["median"] / 1e3) / 1e9)
         assert c["roofline_fraction"] == pytest.approx(c["achieved_gbps"] / 10.0)
         assert c["peak_memory_bytes"] >= c["memory_before_bytes"] > 0
 
 
 def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokenizer):
-    """The target drafting for itself at temperature 0 accepts every token: with 7 new tokens (the
-    first from prefill, then 6 from rounds) k = 1 emits 2 per round and k = 2 emits 3."""
-    from pipeline.engine import ModelDraft
-    from pipeline.latency import speculative_pair
+    """The target drafting for itself accepts every token (greedy and sampled: q = p): with 7 new
+    tokens (the first from prefill, then 6 from rounds) k = 1 emits 2 per round and k = 2 emits
+    3; the round time by drafted count has a sample per repeat where rounds drafted that many."""
+    from pipeline.decode import ModelDraft
+    from pipeline.latency_spec import speculative_pair
 
+    acc = Config.model_validate({"acceptance": {"temperatures": [0.0, 0.7]}}).acceptance
+    prompts = {"chat": [("chat-0", tiny_tokenizer.encode("the cat"))],
+               "code": [("code-0", tiny_tokenizer.encode("def add(a, b):"))]}
     draft = ModelDraft("self:tiny", tiny_model, len(tiny_tokenizer))
-    out = speculative_pair("tiny", "self:tiny", tiny_model, draft, tiny_tokenizer, [1, 2],
-                           _lat(new_tokens=7), CPU, 0.95, 0, texts=["the cat"])
+    out = speculative_pair("tiny", "self:tiny", tiny_model, draft, prompts, _lat(new_tokens=7), acc, CPU, 0.95, 0,
+                           [1, 2])
+    assert set(out["by_temperature"]) == {"0.0", "0.7"} and out["primary_temperature"] == "0.0"
+    assert out["prompts"] == {"chat": ["chat-0"], "code": ["code-0"]}
+    for block in out["by_temperature"].values():
+        rows = {r["k"]: r for r in block["rows"]}
+        assert rows[1]["tokens_per_round"] == 2.0 and rows[2]["tokens_per_round"] == 3.0
+        by_d = block["round_ms_by_drafted"]
+        # k = 1: 3 rounds drafting 1; k = 2: 2 rounds drafting 2 (6 tokens = 3 + 3).
+        assert by_d["1"]["rounds"] == 2 * 3 * 2 and by_d["2"]["rounds"] == 2 * 2 * 2 and by_d["0"]["rounds"] == 0
+        assert all(x > 0 for x in by_d["1"]["samples"]) and by_d["0"]["samples"] == [None, None]
     rows = {r["k"]: r for r in out["rows"]}
-    assert rows[1]["tokens_per_round"] == 2.0 and rows[2]["tokens_per_round"] == 3.0
     assert len(out["plain_ms_per_token"]["samples"]) == 2
     for r in rows.values():
         assert all(o >= 0 for o in r["overhead_ms"]["samples"])  # round contains draft + verify
@@ -115,6 +138,21 @@ def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokeniz
         for sp, p, s in zip(r["speedup"]["samples"], out["plain_ms_per_token"]["samples"],
                             r["ms_per_token"]["samples"]):
             assert sp == pytest.approx(p / s)
+
+
+def test_percentiles_and_ratio_intervals():
+    from pipeline.latency import percentiles_ci, ratio_of_medians
+
+    steps = [[1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 50.0], [1.5, 2.5, 3.5, 4.5]]
+    p = percentiles_ci(steps, 0.95, 0)
+    pooled = np.array(steps).ravel()
+    for q in (50, 90, 99):
+        assert p[f"p{q}"]["value"] == pytest.approx(np.percentile(pooled, q))
+        lo, hi = p[f"p{q}"]["ci"]
+        assert lo <= p[f"p{q}"]["value"] <= hi
+    assert p["p99"]["ci"][1] == pytest.approx(50.0, rel=0.05)  # the repeat with the stall drives p99
+    r = ratio_of_medians([2.0, 2.2, 1.8, 2.1], [4.0, 4.4, 3.6, 4.0], 0.95, 0)
+    assert r["value"] == pytest.approx(2.05 / 4.0) and r["ci"][0] < r["value"] < r["ci"][1]
 
 
 def test_peak_memory_tracks_an_allocation(monkeypatch):
@@ -142,24 +180,24 @@ def _fake_stage(run, out, **extra):
     (run / out / "meta.json").write_text(json.dumps({"stage": out, "input_hash": out, **extra}))
 
 
-def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, tiny_tokenizer):
     import json
 
     from conftest import save_as_prepared
-    from pipeline import latency
     from pipeline.__main__ import STAGES
     from pipeline.stage import run_stage
 
-    monkeypatch.setattr(latency, "PROMPTS", ["the cat"])
     run = tmp_path / "run"
     save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
-    _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"}})
+    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "copy")
+    _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"},
+                                           "copy": {"scheme": "none", "dir": "variants/copy"}})
     _fake_stage(run, "drafts")
     cfg = Config.model_validate({
         "device": "cpu", "drafts": ["layerskip:2", "ngram"],
-        "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
-        "acceptance": {"k_max": 2},
-        "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 1},
+        "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}, "copy": {"scheme": "none"}}},
+        "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
+        "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2},
     })
     meta_path = run_stage(STAGES["latency"], run, cfg, {}, STAGES)
     meta = json.loads(meta_path.read_text())
@@ -167,11 +205,19 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
     grid = json.loads((run / "latency" / "bf16.json").read_text())
     assert grid["bandwidth_gbps"] == meta["bandwidth"]["gbps"]
     assert [(c["batch"], c["context"]) for c in grid["grid"]] == [(2, 8)]
+    copy = json.loads((run / "latency" / "copy.json").read_text())["grid"][0]
+    ratio = copy["tpot_ratio_vs_reference"]
+    assert ratio["ci"][0] <= ratio["value"] <= ratio["ci"][1] and ratio["reference"] == "bf16"
+    assert copy["roofline_tpot_ratio_vs_reference"] == pytest.approx(1.0)  # the same weights
+    assert "tpot_ratio_vs_reference" not in grid["grid"][0]
+    assert (run / "latency" / "tpot_ratio.png").read_bytes()[:4] == b"\x89PNG"
     for slug in ("layerskip-2", "ngram"):
         pair = json.loads((run / "latency" / f"bf16__{slug}.json").read_text())
         assert pair["variant"] == "bf16" and [r["k"] for r in pair["rows"]] == [1, 2]
         assert {"draft_ms", "verify_ms", "overhead_ms", "round_ms", "tokens_per_round", "ms_per_token",
                 "tokens_per_s", "speedup"} <= set(pair["rows"][0])
+        assert set(pair["prompts"]) == {"chat", "code", "long_context", "structured"}
+        assert set(pair["by_temperature"]["0.0"]["round_ms_by_drafted"]) == {"0", "1", "2"}
     before = (run / "latency" / "bf16.json").read_text()
     run_stage(STAGES["latency"], run, cfg, {}, STAGES)  # unchanged inputs: nothing re-measured
     assert (run / "latency" / "bf16.json").read_text() == before

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.sampling import (SamplingParams, betas, logits_to_probs, pick, sample, verify_draft,
+from pipeline.decode.sampling import (SamplingParams, betas, logits_to_probs, pick, sample, verify_draft,
                                verify_probs)
 
 ALPHA = 1e-3

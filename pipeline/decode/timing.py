@@ -1,9 +1,12 @@
 """One timer for every latency figure: CUDA events on GPU, a synchronized perf_counter on CPU.
 
+    from pipeline.decode.timing import Timer
     t = Timer(device)
-    with t.measure("verify"):
+    with t.measure("verify") as m:
         logits = model(...)
+    t.collect()
     t.samples["verify"]  # list of seconds, one per measured block
+    m.seconds            # this block's seconds (set by collect() on CUDA, at once on CPU)
 
 On CUDA, events are recorded on the current stream and read only at `collect()` (one sync for
 many blocks, so timing does not serialise the pipeline more than it must).
@@ -13,9 +16,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+
+
+@dataclass(eq=False)
+class Measurement:
+    """One measured block; a caller keeps it to read that block's time (matched by identity, not
+    by its index in a list)."""
+
+    name: str
+    seconds: float | None = None
 
 
 class Timer:
@@ -23,31 +36,34 @@ class Timer:
         self.device = torch.device(device)
         self.enabled = enabled
         self.samples: dict[str, list[float]] = defaultdict(list)
-        self._pending: list[tuple[str, object, object]] = []
+        self._pending: list[tuple[Measurement, object, object]] = []
 
     @contextlib.contextmanager
-    def measure(self, name: str) -> Iterator[None]:
+    def measure(self, name: str) -> Iterator[Measurement]:
+        m = Measurement(name)
         if not self.enabled:
-            yield
+            yield m
             return
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            yield
+            yield m
             end.record()
-            self._pending.append((name, start, end))
+            self._pending.append((m, start, end))
         else:
             t0 = time.perf_counter()
-            yield
-            self.samples[name].append(time.perf_counter() - t0)
+            yield m
+            m.seconds = time.perf_counter() - t0
+            self.samples[name].append(m.seconds)
 
     def collect(self) -> dict[str, list[float]]:
         """Resolve pending CUDA events (a sync point) and return all samples in seconds."""
         if self._pending:
             torch.cuda.synchronize(self.device)
-            for name, start, end in self._pending:
-                self.samples[name].append(start.elapsed_time(end) / 1000.0)  # type: ignore[attr-defined]
+            for m, start, end in self._pending:
+                m.seconds = start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
+                self.samples[m.name].append(m.seconds)
             self._pending.clear()
         return dict(self.samples)
 
@@ -56,8 +72,13 @@ class Timer:
         self._pending.clear()
 
 
-def wall_clock(device: torch.device) -> float:
-    """perf_counter after synchronizing the device, for timing whole loops end to end."""
+def synchronize(device: torch.device) -> None:
+    """A CPU-GPU sync point: call it before reading a wall clock around device work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def wall_clock(device: torch.device) -> float:
+    """perf_counter after synchronizing the device, for timing whole loops end to end."""
+    synchronize(device)
     return time.perf_counter()

@@ -1,0 +1,131 @@
+"""What the engine needs from a draft (the Draft protocol) and the runtime draft classes.
+
+    from pipeline.decode.drafts import ModelDraft, NgramDraft
+    d = NgramDraft("ngram", max_n=3)                 # prompt lookup, model-free
+    d = ModelDraft("layerskip:8", small_model, vocab_size=49152)
+
+draft_models/ turns a spec string ("ngram", "layerskip:8", "self:<variant>", "hf:<path>") into one
+of these; the engine (pipeline/decode/engine.py) only calls prefill, propose and accept.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from pipeline.decode.cache import CachedModel
+from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
+
+
+class Draft(Protocol):
+    """What the engine needs from a draft."""
+
+    spec: str
+
+    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
+        """input_ids: [1, T], the prompt; max_len bounds every position the round will reach."""
+
+    def propose(self, seq: torch.Tensor, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """seq: [L] the committed tokens -> (draft tokens [k'], q [k', V] or None for one-hot q),
+        k' <= k (0 = nothing to offer: the round is a plain step)."""
+
+    def accept(self, n: int) -> None:
+        """The target kept n of the proposed tokens: roll any state back to match."""
+
+
+class ModelDraft:
+    """A causal LM drafting through its own static cache (layerskip, self, hf drafts).
+
+    Cache bookkeeping per round, with L committed tokens: the cache holds a prefix seq[:c] (c <= L).
+    propose() feeds the catch-up tokens seq[c:L] in one forward (1 token, or 2 after a round whose
+    k drafts were all accepted: d_k and the bonus were never fed), then d_1..d_{k-1} one at a
+    time, sampling d_i from q_i. After the target keeps n drafts, the valid prefix is
+    L + min(n, k-1) positions; the rest is rolled back.
+    """
+
+    def __init__(self, spec: str, model, vocab_size: int):
+        self.spec = spec
+        self.model = model
+        self.vocab_size = vocab_size  # the target's logits width; q is padded/cut to it
+        self.cached: CachedModel | None = None
+        self._round = (0, 0)  # (L, k) of the last proposal
+
+    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
+        self.cached = CachedModel(self.model, batch=1, max_len=max_len, slot="draft")
+        self.cached.forward(input_ids, all_logits=False)
+        self._round = (0, 0)
+
+    def probs(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """Draft logits [..., V_draft] -> q [..., V_target], shaped by `sampling` like p is."""
+        v = logits.shape[-1]
+        if v > self.vocab_size:  # padded embedding rows beyond the shared vocabulary: never proposed
+            logits = logits[..., : self.vocab_size]
+        elif v < self.vocab_size:
+            pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
+            logits = torch.cat([logits, pad], -1)
+        return logits_to_probs(logits, sampling)
+
+    def propose(self, seq, k, sampling, generator):
+        assert self.cached is not None, "prefill first"
+        length = seq.shape[0]
+        self._round = (length, k)
+        if k == 0:
+            return seq.new_empty(0), None
+        tokens, qs = [], []
+        feed = seq[self.cached.length:length].unsqueeze(0)  # [1, catch-up]
+        for i in range(k):
+            logits = self.cached.forward(feed, all_logits=False)[0, -1]  # [V]
+            q = self.probs(logits, sampling)
+            tok = pick(q, sampling, generator)
+            tokens.append(tok)
+            qs.append(q)
+            if i + 1 < k:
+                feed = tok.view(1, 1)
+        return torch.stack(tokens), torch.stack(qs)  # [k], [k, V]
+
+    def accept(self, n: int) -> None:
+        length, k = self._round
+        if k > 0 and self.cached is not None:
+            self.cached.rollback(min(self.cached.length, length + min(n, k - 1)))
+
+
+class NgramDraft:
+    """Prompt lookup, a model-free draft.
+
+    Match the last n tokens of the committed sequence (n = max_n down to 1) against earlier text,
+    take the most recent earlier occurrence, and propose the (up to k) tokens that followed it. q
+    is one-hot on the proposal, so beta_i = p_i(d_i) and the accept test is u < p_i(d_i). When no
+    suffix occurs earlier the draft proposes nothing and the round is a plain decode step
+    (drafted = 0): the cheapest fallback, and honest in the acceptance figures (such rounds emit
+    exactly one token). The proposal for k is the first k tokens of the proposal for any larger k.
+    """
+
+    def __init__(self, spec: str, max_n: int = 3):
+        self.spec = spec
+        self.max_n = max_n
+
+    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
+        pass  # stateless: everything it needs is the committed sequence
+
+    def lookup(self, seq: np.ndarray, k: int) -> np.ndarray:
+        """seq: [L] -> up to k tokens that followed the latest earlier match of the longest suffix."""
+        length = seq.shape[0]
+        for n in range(min(self.max_n, length - 1), 0, -1):
+            tail = seq[length - n:]
+            windows = sliding_window_view(seq[: length - 1], n)  # starts 0..L-1-n: never the tail itself
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return seq[start: start + k]
+        return seq[:0]
+
+    def propose(self, seq, k, sampling, generator):
+        # .cpu() is a CPU-GPU sync point on CUDA: the lookup is host work.
+        found = self.lookup(seq.cpu().numpy(), k) if k > 0 else np.zeros(0, dtype=np.int64)
+        return torch.as_tensor(found, dtype=torch.long).to(seq.device), None
+
+    def accept(self, n: int) -> None:
+        pass

@@ -1,0 +1,244 @@
+"""The decode engine: plain and speculative decoding on a static KV cache.
+
+    from pipeline.decode import generate, SamplingParams
+    res = generate(model, input_ids, max_new_tokens=32)                    # plain (k = 0)
+    res = generate(model, input_ids, 32, draft=d, k=4, sampling=SamplingParams(0.7))
+    res.tokens, res.rounds, res.prefill_s, res.decode_s
+
+One set of small functions serves both modes, so acceptance (pipeline/acceptance.py) and latency
+(pipeline/latency.py) describe the same computation: `prefill`, `decode_one_token`, `draft_k`,
+`verify`, `speculative_step`.
+
+The KV cache is a transformers StaticCache inside `CachedModel` (pipeline/decode/cache.py):
+allocated once, written in place, rolled back after a rejection by moving its write position
+(nothing is copied, nothing re-run).
+
+Positions: `CachedModel.length` is one number for the whole batch, because transformers'
+StaticLayer writes every row at the same offset. Plain decode runs B equal-length prompts in
+lock step; speculative decoding is B = 1. Ragged acceptance for B > 1 would need a cache layer
+that writes row b at its own offset and a per-row 4-D mask; the engine's round bookkeeping is
+per sequence already (one RoundRecord list per generate call, one position per draft).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.decode.cache import CachedModel
+from pipeline.decode.drafts import Draft
+from pipeline.decode.errors import EngineError
+from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick, verify_draft
+from pipeline.decode.timing import Timer, synchronize
+
+__all__ = ["generate", "GenerationResult", "RoundRecord", "prefill", "decode_one_token", "draft_k", "verify",
+           "speculative_step"]
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass
+class RoundRecord:
+    drafted: int  # draft tokens proposed this round (< k when the draft had fewer to offer)
+    accepted: int  # of those, how many the target kept (leading accepts)
+    emitted: int  # tokens appended to the output this round (accepted + 1, less after EOS)
+    betas: list[float]  # beta_i = sum_x min(p_i, q_i) for each drafted position i = 1..drafted
+    draft_s: float  # seconds drafting (device-synchronized via pipeline.decode.timing.Timer)
+    verify_s: float  # seconds in the target's verify forward + the accept/reject rule
+    round_s: float  # the whole round, including bookkeeping
+    k: int = 0  # draft length requested this round (k, or fewer near max_new_tokens)
+    # This round's own timer blocks (draft, verify, round): read after Timer.collect().
+    measured: tuple = field(default=(), repr=False, compare=False)
+
+
+@dataclass
+class GenerationResult:
+    # New token ids: a flat list for one prompt; a list of per-sequence lists when B > 1.
+    tokens: list
+    rounds: list[RoundRecord] = field(default_factory=list)  # speculative only (empty for k = 0)
+    prefill_s: float = 0.0  # prompt forward(s) + first token (target and draft prefill)
+    decode_s: float = 0.0  # every token after the first
+    batch_tokens: list[list[int]] = field(default_factory=list)  # always per sequence
+    stop: str = "length"  # "eos" or "length" (sequence 0)
+    step_s: list[float] = field(default_factory=list)  # plain decode: seconds of each step after the first
+    # Slots of the target's static cache: every step's attention reads all of them (cache.py).
+    cache_positions: int = 0
+
+
+# ---------------------------------------------------------------- the decode steps
+
+
+def prefill(target: CachedModel, input_ids: torch.Tensor, sampling: SamplingParams,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """input_ids: [B, T] -> first new token per sequence [B]. The cache then holds T positions."""
+    logits = target.forward(input_ids, all_logits=False)[:, -1]  # [B, V]
+    return _next_token(logits, sampling, generator)
+
+
+def decode_one_token(target: CachedModel, token: torch.Tensor, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """token: [B] the last emitted token (not yet in the cache) -> the next token [B]."""
+    logits = target.forward(token.unsqueeze(1), all_logits=False)[:, -1]  # [B, V]
+    return _next_token(logits, sampling, generator)
+
+
+def _next_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    """logits: [B, V] -> [B]. Greedy skips building the one-hot: argmax of the logits is the same."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return pick(logits_to_probs(logits, sampling), sampling, generator)
+
+
+def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
+            generator: torch.Generator | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq: [L] committed tokens -> draft tokens [k'] and q [k', V] (one-hot rows for a
+    model-free draft, which makes beta_i = p_i(d_i) and the accept test u < p_i(d_i))."""
+    tokens, q = draft.propose(seq, k, sampling, generator)
+    tokens = tokens.to(seq.device, torch.long)
+    if q is None:
+        q = torch.nn.functional.one_hot(tokens, vocab).to(torch.float32)  # [k', V]
+    return tokens, q
+
+
+def verify(target: CachedModel, last: torch.Tensor, draft_tokens: torch.Tensor,
+           sampling: SamplingParams) -> torch.Tensor:
+    """last: [1] the newest committed token, draft_tokens: [k] -> p: [k+1, V].
+
+    One target forward over [last, d_1..d_k] at positions L-1..L+k-1 scores every draft token
+    (row i gives p for d_{i+1}) and the bonus position (row k) at once.
+    """
+    tokens = torch.cat([last, draft_tokens]).unsqueeze(0)  # [1, k+1]
+    logits = target.forward(tokens, all_logits=True)[0]  # [k+1, V]
+    return logits_to_probs(logits, sampling)
+
+
+def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int,
+                     sampling: SamplingParams, generator: torch.Generator | None,
+                     timer: Timer) -> tuple[list[int], RoundRecord]:
+    """One round on seq: [L] (B = 1; the target cache holds L-1 positions, seq[-1] is not in it).
+
+    Returns (new tokens: accepted drafts + the residual/bonus token, the round's record; its
+    seconds are filled in once the timer is collected).
+    """
+    start = target.length  # = L - 1
+    with timer.measure("draft") as t_draft:
+        d, q = draft_k(draft, seq, k, sampling, generator, vocab=target.vocab)
+    with timer.measure("verify") as t_verify:
+        p = verify(target, seq[-1:], d, sampling)
+        verdict = verify_draft(p, q, d, sampling, generator)
+    n = verdict.accepted
+    # Keep [last, d_1..d_n] in the target cache; the rest of this round's k+1 writes are stale.
+    target.rollback(start + 1 + n)
+    draft.accept(n)
+    new = d[:n].tolist() + [verdict.next_token]
+    return new, RoundRecord(int(d.shape[0]), n, len(new), verdict.betas, 0.0, 0.0, 0.0, k, (t_draft, t_verify))
+
+
+def _last_token_step(target: CachedModel, draft: Draft, seq: torch.Tensor, sampling: SamplingParams,
+                     generator: torch.Generator | None, timer: Timer) -> tuple[list[int], RoundRecord]:
+    """One token left before max_new_tokens: a plain step, timed like a round (the draft is still
+    asked, for k = 0, inside the draft timer, and accept(0) keeps its state consistent)."""
+    with timer.measure("draft") as t_draft:
+        draft.propose(seq, 0, sampling, generator)
+    with timer.measure("verify") as t_verify:
+        new = [int(decode_one_token(target, seq[-1:], sampling, generator)[0])]
+    draft.accept(0)
+    return new, RoundRecord(0, 0, 1, [], 0.0, 0.0, 0.0, 0, (t_draft, t_verify))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.inference_mode()
+def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft | None = None, k: int = 0,
+             sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
+             timer: Timer | None = None, eos_token_id: int | list[int] | None = None) -> GenerationResult:
+    """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts).
+
+    k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B = 1):
+    near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
+    (the EOS is emitted; tokens after it, accepted or not, are not). Timer sections: "prefill" once,
+    then "decode" per plain step, or "round" (containing "draft" and "verify") per speculative round.
+    """
+    if max_new_tokens < 1:
+        raise EngineError("max_new_tokens must be >= 1")
+    speculative = draft is not None and k > 0
+    if k < 0:
+        raise EngineError(f"draft length k must be >= 0 (got {k})")
+    b, t = input_ids.shape
+    if speculative and b != 1:
+        raise EngineError(f"speculative decoding runs one sequence at a time (got a batch of {b})")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    cached = CachedModel(target, batch=b, max_len=t + max_new_tokens + 1)
+    device = cached.device
+    input_ids = input_ids.to(device)
+    own = Timer(device)  # per-round figures; merged into the caller's timer at the end
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    with own.measure("prefill"):
+        first = prefill(cached, input_ids, sampling, generator)  # [B]
+        if speculative:
+            draft.prefill(input_ids, t + max_new_tokens + 1)
+    synchronize(device)
+    t1 = time.perf_counter()
+
+    rounds: list[RoundRecord] = []
+    if speculative or eos:
+        out: list[list[int]] = [[x] for x in first.tolist()]
+        done = [bool(eos) and x[0] in eos for x in out]
+    if speculative:
+        seq = torch.cat([input_ids[0], first])  # [L]
+        while not done[0] and len(out[0]) < max_new_tokens:
+            k_round = min(k, max_new_tokens - len(out[0]) - 1)
+            with own.measure("round") as t_round:
+                if k_round > 0:
+                    new, record = speculative_step(cached, draft, seq, k_round, sampling, generator, own)
+                else:
+                    new, record = _last_token_step(cached, draft, seq, sampling, generator, own)
+            kept, hit = _cut_at_eos(new, eos)
+            out[0].extend(kept)
+            done[0] = hit
+            seq = torch.cat([seq, torch.tensor(kept, device=device, dtype=seq.dtype)])
+            record.emitted, record.measured = len(kept), (*record.measured, t_round)
+            rounds.append(record)
+    elif eos:
+        last = first
+        while not all(done) and len(out[0]) < max_new_tokens:
+            with own.measure("decode"):
+                last = decode_one_token(cached, last, sampling, generator)  # [B]
+            # .tolist() is a CPU-GPU sync point, once per step: the host must see an EOS to stop.
+            for row, x in zip(out, last.tolist()):
+                row.append(x)
+            done = [d or (x[-1] in eos) for d, x in zip(done, out)]
+    else:
+        # No EOS: the step count is known, so the tokens stay on the device until the end (no
+        # per-step host sync) and are read back in one transfer.
+        steps = [first]
+        for _ in range(max_new_tokens - 1):
+            with own.measure("decode"):
+                steps.append(decode_one_token(cached, steps[-1], sampling, generator))  # [B]
+        out = torch.stack(steps, 1).tolist()  # [B, max_new_tokens]
+    synchronize(device)
+    t2 = time.perf_counter()
+
+    samples = own.collect()
+    for r in rounds:  # each record holds its own blocks: draft, verify, round
+        r.draft_s, r.verify_s, r.round_s = (m.seconds for m in r.measured)
+    if timer is not None:
+        for name, vals in samples.items():
+            timer.samples[name].extend(vals)
+    per_seq = [_cut_at_eos(row, eos)[0] for row in out]
+    stop = "eos" if per_seq[0] and per_seq[0][-1] in eos else "length"
+    return GenerationResult(tokens=per_seq[0] if b == 1 else per_seq, rounds=rounds, prefill_s=t1 - t0,
+                            decode_s=t2 - t1, batch_tokens=per_seq, stop=stop, step_s=samples.get("decode", []),
+                            cache_positions=cached.max_len)
