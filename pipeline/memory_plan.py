@@ -195,12 +195,24 @@ def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
         free, total = torch.cuda.mem_get_info(device)
         source = "torch.cuda.mem_get_info"
     else:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        free, total = vm.available, vm.total
-        source = "psutil.virtual_memory().available"
+        free, total, source = _host_memory()
     reserve = max(reserve_min, int(reserve_fraction * total))
     budget = free - reserve - (0 if weights_loaded else weight_bytes)
     return {"budget_bytes": int(max(budget, 0)), "free_bytes": int(free), "total_bytes": int(total),
             "reserve_bytes": reserve, "weights_counted": not weights_loaded, "source": source}
+
+
+def _host_memory() -> tuple[int, int, str]:
+    """(available, total, source) of the host's memory: psutil where installed, else the kernel's
+    own MemAvailable (a bare image's python may lack psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024  # kB
+        return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total), "psutil.virtual_memory().available"
