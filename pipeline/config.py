@@ -115,8 +115,12 @@ class LatencyConfig(Section):
     repeats: int = 5
     # Speculative timings use k = 1..k_list_max (default: acceptance.k_max).
     k_max: int | None = None
-    # GPU fast path: static cache + torch.compile (CUDA graphs). Ignored on CPU.
+    # GPU fast path: the decode / verify / draft steps compiled on the static cache (torch.compile,
+    # CUDA graphs; pipeline/decode/compiled.py). The latency meta says what really ran, per shape.
     compile: bool = False
+    # auto: inductor + CUDA graphs on CUDA, not run on CPU. eager / aot_eager run the same
+    # compiled path on any device (a check of the machinery, no speed-up expected).
+    compile_backend: Literal["auto", "inductor", "eager", "aot_eager"] = "auto"
     # Level of the bootstrap CIs (over repeats) on every latency figure.
     confidence: float = 0.95
 

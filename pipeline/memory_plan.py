@@ -135,8 +135,8 @@ class MemoryPlan:
 
     @property
     def cells(self) -> list[CellPlan]:
-        return [CellPlan(**{k: v for k, v in s.items() if k != "action"}) for s in self.steps
-                if s["action"] == "run"]
+        names = CellPlan.__dataclass_fields__  # a step may carry notes of its own (a draft's cache)
+        return [CellPlan(**{k: v for k, v in s.items() if k in names}) for s in self.steps if s["action"] == "run"]
 
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "steps": self.steps, "dropped": self.dropped,
@@ -171,9 +171,8 @@ def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_to
             if need > budget_bytes:
                 plan.dropped.append({"batch": batch, "context": context, "cache_len": length,
                                      "needs_bytes": int(need), "budget_bytes": int(budget_bytes),
-                                     "reason": f"needs {need / 1e9:.1f} GB (cache {cache / 1e9:.1f} GB + "
-                                               f"activations {activation / 1e9:.1f} GB) of "
-                                               f"{budget_bytes / 1e9:.1f} GB"})
+                                     "reason": f"needs {_size(need)} (cache {_size(cache)} + activations "
+                                               f"{_size(activation)}) of {_size(budget_bytes)}"})
                 continue
             if live is not None:
                 plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
@@ -184,6 +183,13 @@ def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_to
     if live is not None:
         plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
     return plan
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
 
 
 def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
