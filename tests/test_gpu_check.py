@@ -1,9 +1,9 @@
 """`make gpu-check` at the tiny shape on CPU, as a bare GPU image would run it.
 
 The run goes through the Make target with a python that cannot import GPTQModel, bitsandbytes,
-torchao, accelerate, scipy, statsmodels, pydantic, lm-eval, datasets, matplotlib or psutil (each
-set to None in sys.modules, so importing fails and transformers' find_spec checks say absent):
-the script must not need them. The run is float32, so every greedy check must be exact; the
+torchao, accelerate, scipy, scikit-learn, statsmodels, pydantic, lm-eval, datasets, matplotlib or
+psutil (each set to None in sys.modules, so importing fails and transformers' find_spec checks say
+absent): the script must not need them. The run is float32, so every greedy check must be exact; the
 compiled part runs dynamo's eager backend, and its record must agree with dynamo's own counter.
 
     .venv/bin/python -m pytest -q tests/test_gpu_check.py
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCKED = ("gptqmodel", "bitsandbytes", "torchao", "accelerate", "optimum", "scipy", "statsmodels", "pydantic",
-           "lm_eval", "datasets", "matplotlib", "psutil")
+BLOCKED = ("gptqmodel", "bitsandbytes", "torchao", "accelerate", "optimum", "scipy", "sklearn", "statsmodels",
+           "pydantic", "lm_eval", "datasets", "matplotlib", "psutil")
 BARE_PYTHON = f"""
 import runpy, sys
 for name in {BLOCKED!r}:

@@ -7,8 +7,9 @@
 
 The cache is transformers' StaticCache: tensors [B, kv_heads, max_len, head_dim] allocated once and
 written in place at the cache's write offset (each layer's `cumulative_length`). Rolling back is
-`StaticCache.crop(-n)`, transformers' own call for "the next update overwrites the last n
-positions": it moves the offset and touches no tensor. The slots past the offset still hold the
+StaticLayer.crop(-n), transformers' own call for "the next update overwrites the last n
+positions" (5.17 has no crop for static layers: the same in-place move of the offset, see
+_move_offset): it moves the offset and touches no K/V tensor. The slots past the offset still hold the
 rejected tokens' keys and values; they are never attended, because every forward passes explicit
 position_ids and the causal mask (query at position t sees key slots 0..t) excludes them.
 
@@ -54,6 +55,7 @@ def cache_kwarg(model) -> str:
 class _Pooled:
     cache: object  # transformers.StaticCache
     offset: int  # the write offset its layers hold (tracked here: reading it back is a device sync)
+    max_len: int  # positions it holds (StaticCache.max_cache_len is a read-only property in 5.17)
 
 
 class CachedModel:
@@ -77,23 +79,21 @@ class CachedModel:
         key = (slot, batch, self.device, next(self.model.parameters()).dtype)
         pooled = self._pool.get(self.model, {}).get(key)
         size = max(max_len, 64)
-        if pooled is not None and (pooled.cache.max_cache_len < size
-                                   or exact and pooled.cache.max_cache_len != size):
+        if pooled is not None and (pooled.max_len < size or exact and pooled.max_len != size):
             self._pool[self.model].pop(key)  # dropped before the new one is allocated: one alive at a time
             pooled = None
             _empty_device_cache(self.device)
         if pooled is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
-            cache.max_cache_len = size
-            if not cache.is_croppable or any(type(layer).__name__ != "StaticLayer" for layer in cache.layers):
+            if any(type(layer).__name__ != "StaticLayer" for layer in cache.layers):
                 kinds = sorted({type(layer).__name__ for layer in cache.layers})
                 raise EngineError(f"{type(self.model).__name__}: cache layers {', '.join(kinds)} cannot be rolled "
                                   "back by position (sliding-window or linear attention)")
-            pooled = _Pooled(cache, 0)
+            pooled = _Pooled(cache, 0, size)
             self._pool.setdefault(self.model, {})[key] = pooled
         self._pooled = pooled
         self.cache = pooled.cache
-        self.max_len = self.cache.max_cache_len
+        self.max_len = pooled.max_len
         self.length = 0
         emb = self.model.get_output_embeddings()
         self.vocab = emb.weight.shape[0] if emb is not None and hasattr(emb, "weight") else self.model.config.vocab_size
@@ -117,7 +117,7 @@ class CachedModel:
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions. Only the engine's count moves here; the cache's own
-        offset follows at the next forward (one crop however many rollbacks came between)."""
+        offset follows at the next forward (one move however many rollbacks came between)."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
@@ -133,7 +133,7 @@ class CachedModel:
         if pooled.offset < start:  # another CachedModel wrote this pooled cache since: ours is gone
             raise EngineError("a pooled KV cache was used by two CachedModels at once; run them in turn")
         if pooled.offset != start:  # after a rollback (or a reused cache): move the write offset back
-            self.cache.crop(start - pooled.offset)  # negative: StaticLayer.crop removes that many
+            _move_offset(self.cache, start - pooled.offset)
             pooled.offset = start
         positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0).expand(b, t)  # [B, T]
         session = compiled.attached(self.model) if start > 0 and not prefill else None
@@ -168,8 +168,19 @@ class CachedModel:
         offset = int(layer.cumulative_length) if isinstance(getattr(layer, "cumulative_length", None),
                                                             torch.Tensor) else self._pooled.offset
         if offset != self.length:
-            self.cache.crop(self.length - offset)
+            _move_offset(self.cache, self.length - offset)
         self._pooled.offset = self.length
+
+
+def _move_offset(cache, delta: int) -> None:
+    """Move every layer's write offset by delta (< 0: the next update overwrites the last -delta
+    positions). transformers >= 5.2x: StaticLayer.crop(delta), its own call for this. 5.17's
+    StaticLayer has no crop (is_croppable False); the same in-place move of its offset tensor."""
+    for layer in cache.layers:
+        if getattr(layer, "is_croppable", False):
+            layer.crop(delta)
+        else:
+            layer.cumulative_length.sub_(-delta)  # in place: the tensor's address is marked static
 
 
 def _empty_device_cache(device: torch.device) -> None:
