@@ -24,11 +24,13 @@ torchao, scipy or pydantic), so it runs on a bare image's python with the reposi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -49,7 +51,7 @@ class Check:
         self.budget_s = budget_s
         self.slowest_step_s = 0.0  # for estimating what the next part costs
         self.doc: dict = {"argv": argv, "budget_s": budget_s, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                          "parts": {}, "skipped": [], "notes": []}
+                          "parts": {}, "skipped": [], "notes": [], "errors": []}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -65,6 +67,20 @@ class Check:
         self.doc["skipped"].append({"part": part, "why": why})
         progress(f"gpu-check: skipped {part}: {why}")
         self.save()
+
+    @contextlib.contextmanager
+    def guard(self, part: str):
+        """A part that fails is recorded (error and the last traceback lines) and the next part
+        runs: one run on a borrowed machine should bring back everything that worked."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - recorded, reported, and the exit status says so
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            self.doc["errors"].append({"part": part, "error": f"{type(e).__name__}: {str(e)[:500]}",
+                                       "traceback": traceback.format_exc().splitlines()[-12:]})
+            progress(f"gpu-check: {part} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            self.save()
 
     def progress(self, text: str) -> None:
         progress(f"gpu-check: {text}")
@@ -160,17 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     model = build_model(args.shape, device, dtype, args.seed)
     mb = model_bytes(model)
-    check.doc["model"] = {"shape": args.shape, "config": SHAPES[args.shape]["config"], "build_s": time.perf_counter() - t,
+    check.doc["model"] = {"shape": args.shape, "config": SHAPES[args.shape]["config"],
+                          "build_s": time.perf_counter() - t,
                           "parameters": sum(p.numel() for p in model.parameters()), **mb}
     progress(f"gpu-check: model built in {check.doc['model']['build_s']:.1f} s "
              f"({mb['all_weight_bytes'] / 1e9:.2f} GB of weights)")
     check.save()
 
     if check.fits("bandwidth", 15):
-        size = (args.bandwidth_mib << 20) if args.bandwidth_mib else None
-        check.doc["parts"]["bandwidth"] = measure_bandwidth(device, size_bytes=size)
-        progress(f"gpu-check: copy bandwidth {check.doc['parts']['bandwidth']['gbps']:.1f} GB/s")
-        check.save()
+        with check.guard("bandwidth"):
+            size = (args.bandwidth_mib << 20) if args.bandwidth_mib else None
+            check.doc["parts"]["bandwidth"] = measure_bandwidth(device, size_bytes=size)
+            progress(f"gpu-check: copy bandwidth {check.doc['parts']['bandwidth']['gbps']:.1f} GB/s")
+            check.save()
     gbps = (check.doc["parts"].get("bandwidth") or {}).get("gbps")
 
     # Memory plan of the check's own cells, before any runs (pipeline.memory_plan).
@@ -184,24 +202,30 @@ def main(argv: list[str] | None = None) -> int:
     cells = plan.cells
 
     draft = make_draft(model, args.draft_layers)
-    eager = plain_part(check, model, cells, args, gbps)
+    with check.guard("plain"):
+        plain_part(check, model, cells, args, gbps)
     # Plain greedy output of the B = 1 cell: what every speculative run must reproduce.
-    reference = next((c["tokens"] for c in eager["cells"] if c["batch"] == 1), None)
-    speculative_part(check, model, draft, args, reference, args.ks)
+    reference = next((c["tokens"] for c in check.doc["parts"].get("plain", {}).get("cells", [])
+                      if c["batch"] == 1), None)
+    with check.guard("speculative"):
+        speculative_part(check, model, draft, args, reference, args.ks)
     if args.compile == "on":
-        compile_part(check, model, draft, cells, args, gbps, reference)
+        with check.guard("compiled"):
+            compile_part(check, model, draft, cells, args, gbps, reference)
     else:
         check.skip("compiled", "--compile off")
     if dtype != torch.float32:
-        fp32_part(check, model, draft, args)
+        with check.guard("greedy float32"):
+            fp32_part(check, model, draft, args)
     else:
         check.note("the run is float32 already: its greedy checks are the exact ones")
     check.doc["finished"] = True
     check.save()
     times = [c.get("tpot_ms", {}).get("median") for c in check.doc["parts"].get("plain", {}).get("cells", [])]
     progress(f"gpu-check: done in {check.elapsed():.0f} s; plain TPOT ms {[round(x, 2) for x in times if x]}; "
-             f"{args.out_dir / 'gpu_check.md'}")
-    return 0
+             f"{args.out_dir / 'gpu_check.md'}" + (f"; {len(check.doc['errors'])} parts FAILED" if check.doc["errors"]
+                                                      else ""))
+    return 1 if check.doc["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -242,12 +242,12 @@ def compile_part(check, model, draft, cells, args, gbps, reference) -> None:
                          label="speculative_compiled")
         plain_part(check, model, [c for c in cells if c.batch != 1], args, gbps, session=session,
                    label="plain_compiled", reference=reference)
+    finally:  # the record of what ran is kept even when a part failed
         record = session.record()
-    finally:
         session.close()
-    record["dynamo_graph_counter"] = int(counters["stats"]["unique_graphs"]) - before
-    record["record_agrees_with_dynamo_counter"] = record["dynamo_graph_counter"] == record["graphs_compiled"]
-    check.doc["parts"]["compile"] = record
+        record["dynamo_graph_counter"] = int(counters["stats"]["unique_graphs"]) - before
+        record["record_agrees_with_dynamo_counter"] = record["dynamo_graph_counter"] == record["graphs_compiled"]
+        check.doc["parts"]["compile"] = record
     check.progress(f"compiled ({backend}): {record['graphs_compiled']} graphs, {record['recompiles']} recompiles, "
                    f"{record['eager_shapes']} shapes eager")
     check.save()
@@ -339,9 +339,11 @@ def render_markdown(doc: dict) -> str:
     if rec:
         eager = [s for s in rec["shapes"] if s["ran"] == "eager"]
         why = sorted({s["reason"] for s in eager})
+        skips = (f", CUDA graphs skipped on {rec['cudagraph_skipped_shapes']} shapes"
+                 if rec.get("cudagraph_skipped_shapes") and rec.get("mode") else "")
         lines.append(f"| compile record | {rec['backend']}{' ' + rec['mode'] if rec.get('mode') else ''} | | "
                      f"{rec['graphs_compiled']} of {rec['planned_graphs']} planned graphs, {rec['recompiles']} "
-                     f"recompiles, {rec['compile_s']:.0f} s | | {len(eager)} shapes eager"
+                     f"recompiles, {rec['compile_s']:.0f} s{skips} | | {len(eager)} shapes eager"
                      f"{': ' + '; '.join(why) if why else ''}; dynamo counter agrees: "
                      f"{rec['record_agrees_with_dynamo_counter']} |")
     g32 = parts.get("greedy_float32")
@@ -359,6 +361,8 @@ def render_markdown(doc: dict) -> str:
     if rec and rec.get("backend") != "inductor":
         lines.append(f"- compiled with the {rec['backend']} backend: a check of the compile machinery and its "
                      "record, not of speed")
+    for e in doc.get("errors", []):
+        lines.append(f"- FAILED {e['part']}: {e['error']}")
     for s in doc.get("skipped", []):
         lines.append(f"- skipped {s['part']}: {s['why']}")
     for n in doc.get("notes", []):

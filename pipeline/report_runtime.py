@@ -42,7 +42,10 @@ def compile_text(rec: dict | None) -> str:
     eager = [s for s in rec["shapes"] if s["ran"] == "eager"]
     why = sorted({s["reason"] for s in eager})
     return (f"{rec['ran']} ({rec.get('backend')}): {rec['graphs_compiled']} of {rec['planned_graphs']} planned "
-            f"graphs, {rec['recompiles']} recompiles" + (f"; eager: {'; '.join(why)}" if why else ""))
+            f"graphs, {rec['recompiles']} recompiles"
+            + (f", CUDA graphs skipped on {rec['cudagraph_skipped_shapes']} shapes"
+               if rec.get("cudagraph_skipped_shapes") and rec.get("mode") else "")
+            + (f"; eager: {'; '.join(why)}" if why else ""))
 
 
 def _files(folder: Path) -> dict[str, dict]:

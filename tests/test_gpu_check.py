@@ -112,6 +112,21 @@ def test_budget_guard_skips_parts_with_a_note(tmp_path):
     assert "- skipped plain B=1: needs about" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
+    from pipeline import gpu_check
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(gpu_check, "plain_part", broken)
+    assert gpu_check.main([str(tmp_path), "--shape", "tiny", "--budget-s", "0", "--compile", "off"]) == 1
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["finished"] and [e["part"] for e in doc["errors"]] == ["plain"]
+    assert doc["errors"][0]["error"] == "RuntimeError: kernel exploded" and doc["errors"][0]["traceback"]
+    assert "speculative k=1" in [s["part"] for s in doc["skipped"]]  # the next part was still reached
+    assert "- FAILED plain: RuntimeError: kernel exploded" in (tmp_path / "gpu_check.md").read_text()
+
+
 def test_logit_gap_at_a_divergence():
     """compare_greedy: where two outputs first differ, the target's logit gap between the token
     of the reference and the other one, from an uncached forward (checked by hand here)."""

@@ -71,7 +71,8 @@ def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
     assert out["memory_plan"]["dropped"][0]["batch"] == 2 and out["memory_plan"]["budget"]["budget_bytes"] == budget
     assert out["compile"] == {"requested": False, "ran": "eager", "reason": "off", "graphs_compiled": 0,
                               "recompiles": 0, "shapes": []}
-    assert out["kernels"]["library"] == "none (unquantized)" and out["kernels"]["unquantized_linear_layers"] == 29  # 4 x 7 + head
+    assert out["kernels"]["library"] == "none (unquantized)"
+    assert out["kernels"]["unquantized_linear_layers"] == 4 * 7 + 1  # the decoder layers' linears and the head
     assert out["device_name"]
 
 

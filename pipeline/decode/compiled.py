@@ -272,6 +272,7 @@ class CompileSession:
                 "planned_graphs": len(self.expected), "graphs_compiled": self.graphs_compiled(),
                 "recompiles": sum(r.recompiles for r in self.shapes.values()),
                 "eager_shapes": len(eager), "compiled_shapes": len(compiled),
+                "cudagraph_skipped_shapes": sum(1 for r in self.shapes.values() if r.cudagraph_skips),
                 "compile_s": round(sum(r.compile_s for r in self.shapes.values()), 3),
                 "dynamo_settings": dict(self.settings), "torch": torch.__version__, "shapes": shapes}
 
