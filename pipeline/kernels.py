@@ -1,12 +1,12 @@
 """What a loaded variant really computes with: the quantized linear kernels and the device.
 
     from pipeline.kernels import device_name, quantized_kernels
-    quantized_kernels(model)   # {"library": "gptqmodel", "kernels": {"TorchQuantLinear": 210}, ...}
+    quantized_kernels(model)   # {"library": "gptqmodel", "kernels": {"TorchFusedLinear": 210}, ...}
     device_name(device)        # "NVIDIA H200" or the CPU model from /proc/cpuinfo
 
 Read off the modules and weight tensors of the model as loaded, never from the config or a file
-name: GPTQModel picks its kernel (Marlin, ExLlamaV2, Triton, torch, ...) at load time from the
-device and the checkpoint, bitsandbytes layers carry their compute dtype, and torchao swaps the
+name: GPTQModel picks its kernel (Marlin, ExLlamaV2, Triton, torch; QUANT_TYPE says which, e.g.
+"torch_fused" for TorchFusedLinear on CPU) at load time from the device and the checkpoint, bitsandbytes layers carry their compute dtype, and torchao swaps the
 weight for a tensor subclass. Nothing here imports those libraries: classes are recognised by the
 module they come from, so the check also runs where the libraries are absent.
 """

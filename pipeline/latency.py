@@ -32,7 +32,7 @@ import torch
 from pipeline.device import resolve_device
 from pipeline.kernels import device_name, quantized_kernels
 from pipeline.latency_plan import (compile_session, draft_label, plain_phase, plain_shapes, speculative_phase,
-                                   speculative_shapes)
+                                   speculative_shapes, why_not_compiled)
 from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
 from pipeline.stage import StageError, progress, read_json
 from pipeline.stats import median_ci
@@ -281,7 +281,7 @@ def speculative_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: 
             "repeats": lat.repeats, "rows": rows, "cache_len": length,
             "memory_plan": {**plan.to_json(), "budget": budget},
             "compile": session.record() if session is not None else not_compiled(
-                "off" if not lat.compile else "requested; this call was given no compile session"),
+                why_not_compiled(lat, device) or "requested; this call was given no compile session"),
             "kernels": quantized_kernels(model),
             "draft_kernels": quantized_kernels(draft.model) if getattr(draft, "model", None) is not None else None}
 

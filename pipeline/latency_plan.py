@@ -57,15 +57,21 @@ def compile_session(lat, device):
     The caller says which shapes to compile (session.expect) once its plan is known."""
     from pipeline.decode.compiled import CompileSession, not_compiled
 
-    if not lat.compile:
-        return None, not_compiled("off")
-    backend = lat.compile_backend
-    if backend == "auto":
-        if device.type != "cuda":
-            return None, not_compiled("requested, not run on CPU: the compiled path is the GPU's "
-                                      "(inductor + CUDA graphs); latency.compile_backend: eager checks it here")
-        backend = "inductor"
+    why = why_not_compiled(lat, device)
+    if why is not None:
+        return None, not_compiled(why)
+    backend = "inductor" if lat.compile_backend == "auto" else lat.compile_backend
     return CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None), None
+
+
+def why_not_compiled(lat, device) -> str | None:
+    """Why the config's steps run eagerly on this device, or None when they are to be compiled."""
+    if not lat.compile:
+        return "off"
+    if lat.compile_backend == "auto" and device.type != "cuda":
+        return ("requested, not run on CPU: the compiled path is the GPU's (inductor + CUDA graphs); "
+                "latency.compile_backend: eager checks it here")
+    return None
 
 
 # ---------------------------------------------------------------- the two phases, measured

@@ -26,7 +26,7 @@ def kernel_text(kernels: dict | None) -> str:
     parts = []
     for name, count in kernels["kernels"].items():
         info = kernels.get("details", {}).get(name, {})
-        extra = ", ".join(f"{k} {info[k]}" for k in ("backend", "compute_dtype", "quant_type", "tensor_impl")
+        extra = ", ".join(f"{k} {info[k]}" for k in ("backend", "QUANT_TYPE", "compute_dtype", "quant_type", "tensor_impl")
                           if info.get(k))
         parts.append(f"{name} x{count}" + (f" ({extra})" if extra else ""))
     return f"{kernels.get('library')}: " + "; ".join(parts)

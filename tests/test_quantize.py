@@ -117,9 +117,10 @@ def test_kernel_actually_used_is_recorded_per_variant(quantized):
         assert found[name]["kernels"] == {} and found[name]["unquantized_linear_layers"] == decoder_linears + 1
     gptq = found["gptq"]
     assert gptq["library"] == "gptqmodel" and sum(gptq["kernels"].values()) == decoder_linears
-    (kernel,) = gptq["kernels"]  # one backend for every layer, chosen by GPTQModel at load time
-    assert kernel.endswith("QuantLinear") and gptq["details"][kernel]["module"].startswith("gptqmodel.")
-    assert gptq["details"][kernel]["bits"] == "4" and gptq["details"][kernel]["group_size"] == "32"
+    (kernel,) = gptq["kernels"]  # one kernel class for every layer, chosen by GPTQModel at load time
+    info = gptq["details"][kernel]  # on CPU: TorchFusedLinear, QUANT_TYPE torch_fused
+    assert info["module"].startswith("gptqmodel.nn_modules.qlinear.") and info["QUANT_TYPE"]
+    assert info["bits"] == "4" and info["group_size"] == "32"
     assert found["int8"]["kernels"] == {"Linear8bitLt": decoder_linears}
     assert found["nf4"]["kernels"] == {"Linear4bit": decoder_linears}
     assert found["nf4"]["details"]["Linear4bit"]["compute_dtype"] == "float32"
