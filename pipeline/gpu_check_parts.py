@@ -219,7 +219,10 @@ def speculative_part(check, model, draft, args, reference, ks, session=None, lab
 
 def compile_part(check, model, draft, cells, args, gbps, reference) -> None:
     """The same cells with the steps compiled; the session's record of what ran, checked against
-    dynamo's own graph counter."""
+    dynamo's own graph counter. Planned graphs: each plain cell's decode step, the verify at each
+    of --compile-ks, the draft's widths 1 and 2. A round cut short near the end of a generation
+    verifies fewer tokens and runs eagerly (recorded as such): round times count full rounds only,
+    ms/token includes those few eager rounds."""
     from torch._dynamo.utils import counters
 
     device = next(model.parameters()).device
