@@ -162,7 +162,7 @@ def plain_part(check, model, cells, args, gbps, session=None, label="plain", ref
             row["greedy_vs_eager"] = compare_greedy(model, ids, reference, res.batch_tokens[0])
         part["cells"].append(row)
         check.progress(f"{label} B={cell.batch}: TPOT {statistics.median(tpot):.2f} ms"
-                       + (f", {100 * row['roofline_fraction']:.0f}% of the bandwidth roofline" if gbps else ""))
+                       + (f", {100 * row['roofline_fraction']:.3g}% of the bandwidth roofline" if gbps else ""))
         check.save()
     return part
 
