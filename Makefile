@@ -21,7 +21,8 @@ STAMP  := $(VENV)/.installed
 PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
-.PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench clean FORCE
+.PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench gpu-check \
+        clean FORCE
 all: evaluate
 
 # ------------------------------------------------------------------ install (once, or when pyproject changes)
@@ -78,6 +79,15 @@ evaluate: $(RUN)/report/meta.json
 # Not a test: engine vs transformers, plain and speculative, on the embedded model.
 bench: $(RUN)/model/meta.json
 	$(PY) -m pipeline.bench $(ARGS)
+
+# On a GPU box, with the machine's own python (no .venv, no network): copy bandwidth, plain decode
+# and its roofline, speculative rounds k = 1..6, compile on vs off, on a random 8B-shaped model;
+# about 6-8 minutes on one H200. Writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md.
+GPU_PY         ?= python3
+OUT            ?= runs/gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pipeline.gpu_check '$(OUT)' $(GPU_CHECK_ARGS)
 
 test: $(STAMP)
 	GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pytest -q

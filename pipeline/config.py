@@ -126,8 +126,12 @@ class LatencyConfig(Section):
     # on the content through the drafted count, which the acceptance stage weights it by, so a
     # GPU run with many prompts can time a few.
     speculative_prompts_per_kind: int | None = None
-    # GPU fast path: static cache + torch.compile (CUDA graphs). Ignored on CPU.
+    # GPU fast path: the decode / verify / draft steps compiled on the static cache (torch.compile,
+    # CUDA graphs; pipeline/decode/compiled.py). The latency meta says what really ran, per shape.
     compile: bool = False
+    # auto: inductor + CUDA graphs on CUDA, not run on CPU. eager / aot_eager run the same
+    # compiled path on any device (a check of the machinery, no speed-up expected).
+    compile_backend: Literal["auto", "inductor", "eager", "aot_eager"] = "auto"
     # Level of the bootstrap CIs (over repeats) on every latency figure.
     confidence: float = 0.95
 

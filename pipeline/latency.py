@@ -14,6 +14,12 @@ Every figure goes through pipeline.decode.generate (the computation the acceptan
 and pipeline.decode.timing (CUDA events on GPU, a synchronized perf_counter on CPU). Warm-up runs
 are not recorded; every CI is a bootstrap over `latency.repeats` repeats (the unit of
 resampling), and the raw per-repeat (and per-step) samples are kept in the JSON.
+
+Before any cell runs, a memory plan (pipeline/latency_plan.py) drops the cells that cannot fit
+(one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
+cells so each runs on a cache of exactly its length, freed before the next. With latency.compile
+the steps run compiled (pipeline/decode/compiled.py). Each JSON records the plan, what compiled
+(per shape), the quantized kernels the variant really runs and the device's name.
 """
 from __future__ import annotations
 
@@ -23,11 +29,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-import numpy as np
-
 from pipeline.device import resolve_device
+from pipeline.kernels import device_name, quantized_kernels
+from pipeline.latency_plan import compile_session, draft_label, plain_phase, plain_shapes
 from pipeline.latency_spec import speculative_pair
 from pipeline.prompts import acceptance_prompts
 from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
@@ -98,23 +105,25 @@ def _random_prompt(vocab: int, batch: int, context: int, seed: int) -> torch.Ten
 
 
 def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, repeats: int,
-               device: torch.device, vocab: int, seed: int = 0) -> dict:
+               device: torch.device, vocab: int, seed: int = 0, cache_len: int | None = None,
+               prefill_chunk: int | None = None) -> dict:
     """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one sample per repeat,
     and every step's time.
 
     TTFT = the prompt forward + picking the first token (engine's prefill_s; no queue here);
     TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it; the
-    inter-token samples are those steps one by one."""
+    inter-token samples are those steps one by one. cache_len / prefill_chunk: the memory plan's."""
     from pipeline.decode import generate
 
     ids = _random_prompt(vocab, batch, context, seed)
+    run = dict(cache_len=cache_len, prefill_chunk=prefill_chunk)
     for _ in range(warmup):
-        generate(model, ids, new_tokens)
+        generate(model, ids, new_tokens, **run)
     ttft, tpot, steps, cache = [], [], [], 0
     mem = PeakMemory(device)
     with mem.track():
         for _ in range(repeats):
-            res = generate(model, ids, new_tokens)
+            res = generate(model, ids, new_tokens, **run)
             n = len(res.batch_tokens[0])
             if n != new_tokens:
                 raise StageError(f"latency: the engine produced {n} tokens, asked {new_tokens}")
@@ -160,25 +169,45 @@ def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: in
 
 def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, seed: int,
                confidence: float) -> dict:
+    from pipeline.decode import CachedModel
+
     mb = model_bytes(model)
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
         else model.config.vocab_size
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     grid = []
+    fits = [c for c in lat.context_lengths if not (max_pos and c + lat.new_tokens > max_pos)]
     for batch in lat.batch_sizes:
-        for context in lat.context_lengths:
-            cell = {"batch": batch, "context": context}
-            if max_pos and context + lat.new_tokens > max_pos:
-                grid.append({**cell, "skipped": f"context + new tokens exceeds the model's {max_pos} positions"})
-                continue
-            progress(f"latency: {name}: B={batch} context={context}")
+        for context in sorted(set(lat.context_lengths) - set(fits)):
+            grid.append({"batch": batch, "context": context,
+                         "skipped": f"context + new tokens exceeds the model's {max_pos} positions"})
+    plan, budget = plain_phase(model, lat, device, fits)
+    for cell in plan.dropped:
+        progress(f"latency: {name}: B={cell['batch']} context={cell['context']} dropped by the memory plan: "
+                 f"{cell['reason']}")
+        grid.append({"batch": cell["batch"], "context": cell["context"], "skipped": f"memory plan: {cell['reason']}"})
+    session, compiled = compile_session(lat, device)
+    try:
+        if session is not None:
+            session.attach(model, "target")
+            session.expect(plain_shapes(plan.cells))
+        for planned in plan.cells:
+            batch, context = planned.batch, planned.context
+            cell = {"batch": batch, "context": context, "cache_len": planned.cache_len,
+                    "prefill_chunk": planned.prefill_chunk}
+            progress(f"latency: {name}: B={batch} context={context}"
+                     + (f" (prefill in chunks of {planned.prefill_chunk})" if planned.prefill_chunk else ""))
+            if session is not None:  # this cell's graph compiles now, on its own cache, before any timed run
+                session.warm(model, shapes=plain_shapes([planned]))
             try:
                 raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, lat.repeats, device,
-                                 vocab, seed)
+                                 vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                grid.append({**cell, "skipped": "out of device memory"})
+                grid.append({**cell, "skipped": "out of device memory (the memory plan expected it to fit)"})
                 continue
+            finally:
+                CachedModel.release(model)  # no later cell uses this cache: each gets one of its own length
             tpot = median_ci(raw["tpot_ms"], confidence, seed)
             # Attention reads every slot of the static cache each step (pipeline/decode/cache.py),
             # so the KV bytes are the allocated length's, not the filled length's.
@@ -195,9 +224,16 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                          "memory_before_bytes": raw["memory_before_bytes"],
                          "bytes_per_step": step_bytes,
                          **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"])})
-    return {"variant": name, "device": str(device), "bandwidth_gbps": bandwidth["gbps"],
-            "bandwidth": bandwidth, "weight_bytes": mb["weight_bytes"], "model_bytes": mb,
-            "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats, "grid": grid}
+        if session is not None:
+            compiled = session.record()
+    finally:
+        if session is not None:
+            session.close()
+    return {"variant": name, "device": str(device), "device_name": device_name(device),
+            "bandwidth_gbps": bandwidth["gbps"], "bandwidth": bandwidth, "weight_bytes": mb["weight_bytes"],
+            "model_bytes": mb, "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
+            "grid": grid, "memory_plan": {**plan.to_json(), "budget": budget}, "compile": compiled,
+            "kernels": quantized_kernels(model)}
 
 
 def add_reference_ratios(grid: dict, reference: dict, confidence: float, seed: int) -> bool:
@@ -269,26 +305,6 @@ def _resolve_dir(ctx, name: str, d: str | None) -> Path:
     raise StageError(f"latency: variant '{name}' has no directory with a meta.json under {ctx.run_dir}")
 
 
-def _maybe_compile(models: list, lat, device: torch.device) -> str:
-    """The GPU fast path: the same engine and static cache, each model's forward compiled with
-    CUDA graphs ("reduce-overhead"); each new shape (prefill length, verify width k+1) compiles
-    once during the warm-up runs, which are not recorded. CPU ignores the switch.
-
-    Call it after the drafts are built: a layerskip draft is a shallow copy of the target, and a
-    copy made after compiling would inherit the target's compiled forward."""
-    if not lat.compile:
-        return "off"
-    if device.type != "cuda":
-        return "requested, ignored on CPU (eager)"
-    from pipeline.decode import hf_model
-
-    for m in models:
-        hf = hf_model(m)  # the module the engine calls (inside any quantization wrapper)
-        if "forward" not in hf.__dict__:
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)
-    return "torch.compile(mode=reduce-overhead): static cache + CUDA graphs"
-
-
 def run(ctx) -> None:
     from pipeline.models import load_variant
 
@@ -311,7 +327,10 @@ def run(ctx) -> None:
     dirs = {n: _resolve_dir(ctx, n, (listed.get(n) or {}).get("dir")) for n in names}
     bandwidth: dict | None = None
     common = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed}
-    ctx.meta.update(device=str(device), compile=_maybe_compile([], lat, device), threads=torch.get_num_threads(),
+    ctx.meta.update(device=str(device), device_name=device_name(device),
+                    compile="off" if not lat.compile else "requested; no cell ran",
+                    compile_record={"plain": {}, "speculative": {}}, memory_plan={"plain": {}, "speculative": {}},
+                    kernels={}, threads=torch.get_num_threads(),
                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
     def bw() -> dict:
@@ -330,8 +349,9 @@ def run(ctx) -> None:
             ctx.meta.setdefault("bandwidth", read_json(item.path).get("bandwidth"))
             continue
         model, _ = load_variant(d, device=device)
-        ctx.meta["compile"] = _maybe_compile([model], lat, device)
-        item.write_json(plain_grid(name, model, lat, device, bw(), cfg.seed, confidence))
+        doc = plain_grid(name, model, lat, device, bw(), cfg.seed, confidence)
+        _record(ctx.meta, "plain", name, doc)
+        item.write_json(doc)
         del model
     reference = cfg.quantize.reference
     if reference in dirs:
@@ -367,11 +387,33 @@ def run(ctx) -> None:
         prompts = acceptance_prompts(lat.speculative_prompts_per_kind or cfg.acceptance.prompts_per_kind, tok,
                                      "latency")
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
-        ctx.meta["compile"] = _maybe_compile(
-            [model, *(d.model for d in drafts.values() if getattr(d, "model", None) is not None)], lat, device)
-        for spec, item in pending.items():
-            t0 = time.time()
-            item.write_json(speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
-                                             device, confidence, cfg.seed, ks))
-            progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
+        session, _ = compile_session(lat, device)
+        if session is not None:
+            session.attach(model, "target")
+            for spec, d in drafts.items():
+                if getattr(d, "model", None) is not None:
+                    session.attach(d.model, draft_label(spec))
+        try:
+            for spec, item in pending.items():
+                t0 = time.time()
+                doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
+                                       device, confidence, cfg.seed, ks, session=session)
+                _record(ctx.meta, "speculative", f"{target}__{draft_slug(spec)}", doc)
+                item.write_json(doc)
+                progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
+        finally:
+            if session is not None:
+                session.close()
         del model, drafts
+
+
+def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
+    """What ran, into the stage's meta.json: the plan, the compile record, the kernels. `compile`
+    stays a one-word summary (its old meaning); the per-shape detail is in `compile_record`."""
+    meta["memory_plan"][phase][name] = doc["memory_plan"]
+    meta["compile_record"][phase][name] = doc["compile"]
+    runs = {r["ran"] for p in meta["compile_record"].values() for r in p.values() if r.get("requested")}
+    if runs:
+        meta["compile"] = runs.pop() if len(runs) == 1 else "mixed: " + ", ".join(sorted(runs))
+    if phase == "plain":
+        meta["kernels"][name] = doc["kernels"]

@@ -14,8 +14,9 @@ a round that drafted d does the same work whichever k was asked). The marginal s
 the acceptance stage's distribution of drafted counts at each k, per slice and temperature.
 
 Runs use no EOS (every run emits latency.new_tokens tokens, so plain ms/token is over a fixed
-count). The warm-up repeats run every prompt first, which also sizes the pooled static cache for
-the longest prompt: every timed run then attends the same number of cache slots.
+count). Every run gets a static cache of one length, the memory plan's for the longest prompt
+(pipeline/latency_plan.py), so every timed run attends the same number of cache slots and a
+compiled step (latency.compile) has one shape per width for every prompt.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import numpy as np
 import torch
 
 from pipeline.decode import SamplingParams, generate
-from pipeline.stage import progress
+from pipeline.kernels import device_name, quantized_kernels
+from pipeline.latency_plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
+from pipeline.stage import StageError, progress
 from pipeline.stats import median_ci
 
 PARTS = ("round", "draft", "verify")
@@ -34,7 +37,7 @@ def _temp_key(t: float) -> str:
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],
-               new_tokens: int, seed: int) -> dict:
+               new_tokens: int, seed: int, cache_len: int | None = None) -> dict:
     """temperature key -> {k: {"decode_s", "tokens", "rounds": [(k_round, drafted, emitted, round_s,
     draft_s, verify_s)]}}, k = 0 being plain decoding, over every prompt."""
     device = next(model.parameters()).device
@@ -48,7 +51,7 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
             for rows in prompts.values():
                 for _, ids in rows:
                     res = generate(model, torch.tensor([ids], device=device), new_tokens, draft=draft if k else None,
-                                   k=k, sampling=sampling, generator=g)
+                                   k=k, sampling=sampling, generator=g, cache_len=cache_len)
                     fig["decode_s"] += res.decode_s
                     fig["tokens"] += len(res.tokens) - 1
                     fig["rounds"] += [(r.k, r.drafted, r.emitted, r.round_s, r.draft_s, r.verify_s) for r in res.rounds]
@@ -105,20 +108,44 @@ def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, se
 
 
 def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, lat, acc, device: torch.device,
-                     confidence: float, seed: int, ks: list[int]) -> dict:
-    """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)])."""
+                     confidence: float, seed: int, ks: list[int], session=None) -> dict:
+    """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). With a
+    compile `session` (pipeline.decode.compiled), this pair's step shapes compile before any timed run."""
+    from pipeline.decode import CachedModel
+    from pipeline.decode.compiled import not_compiled
+
+    longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
+    plan, budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
+    if plan.dropped:
+        raise StageError(f"latency: {target} + {draft_spec}: the speculative cell does not fit: "
+                         f"{plan.dropped[0]['reason']}")
+    length = plan.cells[0].cache_len
+    has_model = getattr(draft, "model", None) is not None
+    if session is not None:
+        labels = [draft_label(draft_spec)] if has_model else []
+        session.expect(speculative_shapes(length, max(ks), labels))
+        made = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
+        progress(f"latency: {target} + {draft_spec}: compiled {made} step graphs")
     for w in range(lat.warmup):
-        one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + 1000 + w)
+        one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + 1000 + w, length)
     reps = []
     for r in range(lat.repeats):
         progress(f"latency: {target} + {draft_spec}: repeat {r + 1}/{lat.repeats}")
-        reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + r))
+        reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + r,
+                               length))
+    if has_model:
+        CachedModel.release(draft.model)  # the next pair's draft gets its own
     by_temp = {t: summarize_temperature([rep[t] for rep in reps], ks, confidence, seed) for t in reps[0]}
     primary = min(by_temp, key=float)  # greedy when measured: the top-level figures (older readers)
-    return {"variant": target, "draft": draft_spec, "device": str(device),
+    return {"variant": target, "draft": draft_spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
             "timing_unit": "repeat (every prompt, temperature and k once)",
             "primary_temperature": primary,
             "plain_ms_per_token": by_temp[primary]["plain_ms_per_token"], "rows": by_temp[primary]["rows"],
-            "by_temperature": by_temp}
+            "by_temperature": by_temp, "cache_len": length,
+            "memory_plan": {**plan.to_json(), "budget": budget},
+            "compile": session.record() if session is not None else not_compiled(
+                why_not_compiled(lat, device) or "requested; this call was given no compile session"),
+            "kernels": quantized_kernels(model),
+            "draft_kernels": quantized_kernels(draft.model) if has_model else None}

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline.gate import cell_text
+from pipeline.report_runtime import runtime_blocks
 from pipeline.stage import StageError, atomic_write_bytes, atomic_write_text, library_versions, read_json
 
 # A block is ("h2"|"h3"|"p"|"pre", text) | ("table", headers, rows, classes) |
@@ -419,6 +420,7 @@ def run(ctx) -> None:
                           "wide"))
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
     blocks += variant_blocks(run_dir, figures)
+    blocks += runtime_blocks(run_dir)
     blocks += provenance_blocks(run_dir, cfg, gate_meta)
     title = f"{cfg.report.title}: {run_dir.name}"
     for name, png in figures.items():

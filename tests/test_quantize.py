@@ -102,6 +102,35 @@ def test_every_variant_has_meta_and_loads(quantized):
     assert gptq["group_size"] == 32 and gptq["library"] == "gptqmodel"
 
 
+def test_kernel_actually_used_is_recorded_per_variant(quantized):
+    """pipeline.kernels reads the kernel off each loaded variant: GPTQModel's QuantLinear class,
+    bitsandbytes' layer class with its compute dtype, torchao's weight tensor subclass."""
+    from pipeline.kernels import device_name, quantized_kernels
+
+    _, run = quantized
+    decoder_linears = 4 * 7  # the tiny Llama: q, k, v, o, gate, up, down per layer
+    found = {}
+    for name in VARIANTS:
+        model, _ = load_variant(run / "variants" / name)
+        found[name] = quantized_kernels(model)
+    for name in ("ref", "noisy"):
+        assert found[name]["kernels"] == {} and found[name]["unquantized_linear_layers"] == decoder_linears + 1
+    gptq = found["gptq"]
+    assert gptq["library"] == "gptqmodel" and sum(gptq["kernels"].values()) == decoder_linears
+    (kernel,) = gptq["kernels"]  # one kernel class for every layer, chosen by GPTQModel at load time
+    info = gptq["details"][kernel]  # on CPU: TorchFusedLinear, QUANT_TYPE torch_fused
+    assert info["module"].startswith("gptqmodel.nn_modules.qlinear.") and info["QUANT_TYPE"]
+    assert info["bits"] == "4" and info["group_size"] == "32"
+    assert found["int8"]["kernels"] == {"Linear8bitLt": decoder_linears}
+    assert found["nf4"]["kernels"] == {"Linear4bit": decoder_linears}
+    assert found["nf4"]["details"]["Linear4bit"]["compute_dtype"] == "float32"
+    assert found["nf4"]["details"]["Linear4bit"]["quant_type"] == "nf4"
+    torchao = found["w8a16"]
+    assert torchao["library"] == "torchao" and sum(torchao["kernels"].values()) == decoder_linears
+    assert all(d["module"].startswith("torchao.") for d in torchao["details"].values())
+    assert device_name("cpu")
+
+
 def math_finite(x) -> bool:
     return isinstance(x, float) and x == x and x not in (float("inf"), float("-inf"))
 

@@ -7,14 +7,21 @@
 
 The cache is transformers' StaticCache: tensors [B, kv_heads, max_len, head_dim] allocated once and
 written in place at the cache's write offset (each layer's `cumulative_length`). Rolling back is
-`StaticCache.crop(-n)`, transformers' own call for "the next update overwrites the last n
-positions": it moves the offset and touches no tensor. The slots past the offset still hold the
+StaticLayer.crop(-n), transformers' own call for "the next update overwrites the last n
+positions" (5.17 has no crop for static layers: the same in-place move of the offset, see
+_move_offset): it moves the offset and touches no K/V tensor. The slots past the offset still hold the
 rejected tokens' keys and values; they are never attended, because every forward passes explicit
 position_ids and the causal mask (query at position t sees key slots 0..t) excludes them.
 
 What attention reads: a StaticLayer hands the attention its whole [B, H, max_len, D] tensors and
 `get_mask_sizes` says kv_length = max_len, so every step's attention reads (and masks) all
-max_len slots, not just the filled ones. The roofline (pipeline/roofline.py) counts those bytes.
+max_len slots, not just the filled ones. The roofline (pipeline/roofline.py) counts those bytes,
+and a timed cell asks for a cache of exactly its own length (`exact=True`), never a longer pooled one.
+
+Prefill vs steps: the first forward on a new cache (the prefill, in one piece or in chunks) always
+runs eagerly; it allocates the cache tensors, which transformers then marks as static addresses.
+Later forwards (decode, verify and draft steps) go through a CompileSession when one is attached
+to the model (pipeline/decode/compiled.py), else eagerly too.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.decode import compiled
 from pipeline.decode.errors import EngineError
 
 
@@ -47,6 +55,7 @@ def cache_kwarg(model) -> str:
 class _Pooled:
     cache: object  # transformers.StaticCache
     offset: int  # the write offset its layers hold (tracked here: reading it back is a device sync)
+    max_len: int  # positions it holds (StaticCache.max_cache_len is a read-only property in 5.17)
 
 
 class CachedModel:
@@ -54,10 +63,12 @@ class CachedModel:
 
     # One cache per (model, slot, batch, device, dtype); reused across generate() calls while large
     # enough, so repeated timing runs do not allocate (the stale contents are masked like any
-    # rollback). A reused cache keeps its larger size: attention then reads that many slots.
+    # rollback). A reused cache keeps its larger size (attention then reads that many slots)
+    # unless `exact`: then a pooled cache of another length is dropped and one of max_len made.
+    # `release` frees pooled caches when no later cell can use them.
     _pool: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def __init__(self, model, batch: int, max_len: int, slot: str = "target"):
+    def __init__(self, model, batch: int, max_len: int, slot: str = "target", exact: bool = False):
         from transformers import StaticCache
 
         self.model = hf_model(model)
@@ -67,31 +78,53 @@ class CachedModel:
         # `slot` keeps a model drafting for itself (self-draft) from sharing the target's cache.
         key = (slot, batch, self.device, next(self.model.parameters()).dtype)
         pooled = self._pool.get(self.model, {}).get(key)
-        if pooled is None or pooled.cache.max_cache_len < max_len:
-            size = max(max_len, 64)
+        size = max(max_len, 64)
+        if pooled is not None and (pooled.max_len < size or exact and pooled.max_len != size):
+            self._pool[self.model].pop(key)  # dropped before the new one is allocated: one alive at a time
+            pooled = None
+            _empty_device_cache(self.device)
+        if pooled is None:
             cache = StaticCache(config=self.model.config, max_cache_len=size)
-            cache.max_cache_len = size
-            if not cache.is_croppable or any(type(layer).__name__ != "StaticLayer" for layer in cache.layers):
+            if any(type(layer).__name__ != "StaticLayer" for layer in cache.layers):
                 kinds = sorted({type(layer).__name__ for layer in cache.layers})
                 raise EngineError(f"{type(self.model).__name__}: cache layers {', '.join(kinds)} cannot be rolled "
                                   "back by position (sliding-window or linear attention)")
-            pooled = _Pooled(cache, 0)
+            pooled = _Pooled(cache, 0, size)
             self._pool.setdefault(self.model, {})[key] = pooled
         self._pooled = pooled
         self.cache = pooled.cache
-        self.max_len = self.cache.max_cache_len
+        self.max_len = pooled.max_len
         self.length = 0
         emb = self.model.get_output_embeddings()
         self.vocab = emb.weight.shape[0] if emb is not None and hasattr(emb, "weight") else self.model.config.vocab_size
 
+    @classmethod
+    def release(cls, model, slot: str | None = None) -> int:
+        """Drop `model`'s pooled caches (one slot's, or all); returns the bytes they held. The
+        memory is freed once no CachedModel refers to them (on CUDA, handed back to the driver)."""
+        pools = cls._pool.get(hf_model(model), {})
+        freed, device = 0, None
+        for key in [k for k in pools if slot is None or k[0] == slot]:
+            pooled = pools.pop(key)
+            device = key[2]
+            for layer in pooled.cache.layers:
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    if isinstance(t, torch.Tensor):
+                        freed += t.numel() * t.element_size()
+        if device is not None:
+            _empty_device_cache(device)
+        return freed
+
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions. Only the engine's count moves here; the cache's own
-        offset follows at the next forward (one crop however many rollbacks came between)."""
+        offset follows at the next forward (one move however many rollbacks came between)."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
-    def forward(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32)."""
+    def forward(self, tokens: torch.Tensor, all_logits: bool, prefill: bool = False) -> torch.Tensor:
+        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32).
+        prefill=True (or an empty cache) runs eagerly; other forwards are steps (compiled when a
+        CompileSession is attached to the model)."""
         b, t = tokens.shape
         start = self.length
         if start + t > self.max_len:
@@ -100,10 +133,56 @@ class CachedModel:
         if pooled.offset < start:  # another CachedModel wrote this pooled cache since: ours is gone
             raise EngineError("a pooled KV cache was used by two CachedModels at once; run them in turn")
         if pooled.offset != start:  # after a rollback (or a reused cache): move the write offset back
-            self.cache.crop(start - pooled.offset)  # negative: StaticLayer.crop removes that many
+            _move_offset(self.cache, start - pooled.offset)
             pooled.offset = start
         positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0).expand(b, t)  # [B, T]
+        session = compiled.attached(self.model) if start > 0 and not prefill else None
+        if session is not None:  # a decode / verify / draft step on a cache an eager forward made
+            logits = session[0].run(session[1], self, tokens, positions, all_logits)
+        else:
+            logits = self.eager_forward(tokens, positions, all_logits)
+        self.length = pooled.offset = start + t
+        return logits
+
+    def eager_forward(self, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool) -> torch.Tensor:
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
                          logits_to_keep=0 if all_logits else 1, **{self.kwarg: self.cache})
-        self.length = pooled.offset = start + t
         return out.logits.float()
+
+    def prefill(self, tokens: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """tokens: [B, T] from position `length` on, in forwards of at most `chunk` tokens (None:
+        one), each at its own positions -> logits of the last position [B, 1, V]. Chunks attend to
+        every earlier position through the cache, so the cache and the last logits are those of
+        one forward up to float rounding; the activations are those of one chunk."""
+        t = tokens.shape[1]
+        step = t if not chunk or chunk >= t else chunk
+        logits = None
+        for i in range(0, t, step):
+            logits = self.forward(tokens[:, i:i + step], all_logits=False, prefill=True)
+        return logits
+
+    def resync(self) -> None:
+        """Set the cache's write offset back to the engine's count (after a failed compiled call,
+        which may or may not have advanced it). Reads the offset: a device sync, on a rare path."""
+        layer = self.cache.layers[0]
+        offset = int(layer.cumulative_length) if isinstance(getattr(layer, "cumulative_length", None),
+                                                            torch.Tensor) else self._pooled.offset
+        if offset != self.length:
+            _move_offset(self.cache, self.length - offset)
+        self._pooled.offset = self.length
+
+
+def _move_offset(cache, delta: int) -> None:
+    """Move every layer's write offset by delta (< 0: the next update overwrites the last -delta
+    positions). transformers >= 5.2x: StaticLayer.crop(delta), its own call for this. 5.17's
+    StaticLayer has no crop (is_croppable False); the same in-place move of its offset tensor."""
+    for layer in cache.layers:
+        if getattr(layer, "is_croppable", False):
+            layer.crop(delta)
+        else:
+            layer.cumulative_length.sub_(-delta)  # in place: the tensor's address is marked static
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # freed cache blocks back to the driver: the next cell may be larger

@@ -24,8 +24,9 @@ class Draft(Protocol):
 
     spec: str
 
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
-        """input_ids: [1, T], the prompt; max_len bounds every position the round will reach."""
+    def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
+        """input_ids: [1, T], the prompt; max_len bounds every position the round will reach
+        (exact: a cache of exactly max_len positions, see CachedModel)."""
 
     def propose(self, seq: torch.Tensor, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -53,9 +54,9 @@ class ModelDraft:
         self.cached: CachedModel | None = None
         self._round = (0, 0)  # (L, k) of the last proposal
 
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
-        self.cached = CachedModel(self.model, batch=1, max_len=max_len, slot="draft")
-        self.cached.forward(input_ids, all_logits=False)
+    def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
+        self.cached = CachedModel(self.model, batch=1, max_len=max_len, slot="draft", exact=exact)
+        self.cached.prefill(input_ids)
         self._round = (0, 0)
 
     def probs(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -107,7 +108,7 @@ class NgramDraft:
         self.spec = spec
         self.max_n = max_n
 
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
+    def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
         pass  # stateless: everything it needs is the committed sequence
 
     def lookup(self, seq: np.ndarray, k: int) -> np.ndarray:

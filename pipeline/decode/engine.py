@@ -71,9 +71,10 @@ class GenerationResult:
 
 
 def prefill(target: CachedModel, input_ids: torch.Tensor, sampling: SamplingParams,
-            generator: torch.Generator | None) -> torch.Tensor:
-    """input_ids: [B, T] -> first new token per sequence [B]. The cache then holds T positions."""
-    logits = target.forward(input_ids, all_logits=False)[:, -1]  # [B, V]
+            generator: torch.Generator | None, chunk: int | None = None) -> torch.Tensor:
+    """input_ids: [B, T] -> first new token per sequence [B]. The cache then holds T positions.
+    chunk: prefill in forwards of at most that many tokens (a memory plan's choice; eager always)."""
+    logits = target.prefill(input_ids, chunk)[:, -1]  # [B, V]
     return _next_token(logits, sampling, generator)
 
 
@@ -161,8 +162,13 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
 @torch.inference_mode()
 def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft | None = None, k: int = 0,
              sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
-             timer: Timer | None = None, eos_token_id: int | list[int] | None = None) -> GenerationResult:
+             timer: Timer | None = None, eos_token_id: int | list[int] | None = None,
+             prefill_chunk: int | None = None, cache_len: int | None = None) -> GenerationResult:
     """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts).
+
+    cache_len: the static caches (target and draft) get exactly this many positions (at least
+    T + max_new_tokens + 1), so a timed cell never attends over a longer pooled cache and a
+    compiled step sees one cache length for every prompt of a set. prefill_chunk: see prefill().
 
     k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B = 1):
     near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
@@ -178,7 +184,10 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     if speculative and b != 1:
         raise EngineError(f"speculative decoding runs one sequence at a time (got a batch of {b})")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    cached = CachedModel(target, batch=b, max_len=t + max_new_tokens + 1)
+    need = t + max_new_tokens + 1
+    if cache_len is not None and cache_len < need:
+        raise EngineError(f"cache_len {cache_len} < prompt {t} + max_new_tokens {max_new_tokens} + 1")
+    cached = CachedModel(target, batch=b, max_len=cache_len or need, exact=cache_len is not None)
     device = cached.device
     input_ids = input_ids.to(device)
     own = Timer(device)  # per-round figures; merged into the caller's timer at the end
@@ -186,9 +195,12 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     synchronize(device)
     t0 = time.perf_counter()
     with own.measure("prefill"):
-        first = prefill(cached, input_ids, sampling, generator)  # [B]
+        first = prefill(cached, input_ids, sampling, generator, prefill_chunk)  # [B]
         if speculative:
-            draft.prefill(input_ids, t + max_new_tokens + 1)
+            if cache_len is None:
+                draft.prefill(input_ids, need)
+            else:
+                draft.prefill(input_ids, cache_len, exact=True)
     synchronize(device)
     t1 = time.perf_counter()
 

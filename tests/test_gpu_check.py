@@ -1,0 +1,147 @@
+"""`make gpu-check` at the tiny shape on CPU, as a bare GPU image would run it.
+
+The run goes through the Make target with a python that cannot import GPTQModel, bitsandbytes,
+torchao, accelerate, scipy, scikit-learn, statsmodels, pydantic, lm-eval, datasets, matplotlib or
+psutil (each set to None in sys.modules, so importing fails and transformers' find_spec checks say
+absent): the script must not need them. The run is float32, so every greedy check must be exact; the
+compiled part runs dynamo's eager backend, and its record must agree with dynamo's own counter.
+
+    .venv/bin/python -m pytest -q tests/test_gpu_check.py
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCKED = ("gptqmodel", "bitsandbytes", "torchao", "accelerate", "optimum", "scipy", "sklearn", "statsmodels",
+           "pydantic", "lm_eval", "datasets", "matplotlib", "psutil")
+BARE_PYTHON = f"""
+import runpy, sys
+for name in {BLOCKED!r}:
+    sys.modules[name] = None  # as if not installed
+assert sys.argv[1] == "-m", sys.argv
+module = sys.argv[2]
+sys.argv = [module] + sys.argv[3:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu_check(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    wrapper = tmp / "bare_python.py"
+    wrapper.write_text(BARE_PYTHON)
+    out = tmp / "out"
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"OUT={out}",
+                           f"GPU_PY={sys.executable} {wrapper}", "GPU_CHECK_ARGS=--shape tiny --bandwidth-mib 16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text(), proc.stderr
+
+
+def test_every_part_ran_and_greedy_is_exact_in_float32(gpu_check):
+    doc, _, stderr = gpu_check
+    assert doc["finished"] and doc["skipped"] == [] and "gpu-check: done" in stderr
+    assert doc["environment"]["device"] == "cpu" and doc["settings"]["dtype"] == "float32"
+    assert doc["model"]["shape"] == "tiny" and doc["model"]["parameters"] > 0
+    parts = doc["parts"]
+    assert parts["bandwidth"]["gbps"] > 0
+    assert [s["batch"] for s in doc["memory_plan"]["steps"] if s["action"] == "run"] == [1, 2]
+    for label in ("plain", "plain_compiled"):
+        cells = parts[label]["cells"]
+        assert [c["batch"] for c in cells] == [1, 2]
+        for c in cells:
+            assert len(c["tpot_ms"]["samples"]) == 2 and c["tpot_ms"]["min"] <= c["tpot_ms"]["median"] > 0
+            assert c["roofline_fraction"] == pytest.approx(c["achieved_gbps"] / parts["bandwidth"]["gbps"])
+            assert len(c["tokens"]) == 12
+    assert parts["plain_compiled"]["cells"][0]["greedy_vs_eager"] == {"equal": True}
+    rows = parts["speculative"]["rows"]
+    assert parts["speculative"]["draft"] == "layerskip:1" and [r["k"] for r in rows] == [1, 2, 3]
+    for r in rows + parts["speculative_compiled"]["rows"]:
+        assert r["greedy"] == {"equal": True}, r  # float32: speculative greedy == plain greedy, exactly
+        assert 1.0 <= r["tokens_per_round"]["median"] <= r["k"] + 1
+        assert r["round_ms"]["median"] >= r["draft_ms"]["min"] > 0
+    assert [r["k"] for r in parts["speculative_compiled"]["rows"]] == [2]
+
+
+def test_the_compile_record_is_the_truth(gpu_check):
+    rec = gpu_check[0]["parts"]["compile"]
+    assert rec["backend"] == "eager" and rec["fullgraph"] and rec["dynamic"] is False
+    # Planned: the two plain cells' decode steps, the verify at k = 2, the draft's widths 1 and 2.
+    assert rec["planned_graphs"] == rec["graphs_compiled"] == 5 and rec["recompiles"] == 0
+    assert rec["dynamo_graph_counter"] == 5 and rec["record_agrees_with_dynamo_counter"]
+    for s in rec["shapes"]:
+        if s["ran"] == "compiled":
+            assert s["calls"] == s["compiled_calls"] > 0 and s["graphs"] == 1
+        else:  # a round cut short by max_new_tokens verifies fewer tokens: planned to run eagerly
+            assert s["compiled_calls"] == 0 and s["graphs"] == 0 and "not in the compile plan" in s["reason"]
+            assert s["width"] < 3 and s["all_logits"]
+
+
+def test_markdown_table(gpu_check):
+    _, md, _ = gpu_check
+    lines = md.splitlines()
+    assert lines[0] == "# gpu-check: tiny shape on " + gpu_check[0]["environment"]["device_name"]
+    assert "| part | cell | eager | compiled | eager / compiled | note |" in lines
+    rows = [line for line in lines if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| bandwidth", "| plain decode", "| plain decode",
+                                                     *["| speculative (layerskip:1)"] * 3, "| compile record"]
+    assert all(r.count("|") == 7 for r in rows)  # six columns in every row
+    assert sum("greedy == plain" in r for r in rows) == 4  # k = 1, 2, 3, and k = 2 compiled (same row)
+    assert "5 of 5 planned graphs, 0 recompiles" in md and "memory plan: 2 cells" in md
+
+
+def test_budget_guard_skips_parts_with_a_note(tmp_path):
+    """No time left: every part is skipped with its reason, and the files still say so."""
+    from pipeline.gpu_check import main
+
+    assert main([str(tmp_path), "--shape", "tiny", "--budget-s", "0", "--compile", "off"]) == 0
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["finished"] and "bandwidth" not in doc["parts"] and "compile" not in doc["parts"]
+    assert doc["parts"]["plain"]["cells"] == [] and doc["parts"]["speculative"]["rows"] == []
+    skipped = [s["part"] for s in doc["skipped"]]
+    assert skipped == ["bandwidth", "plain B=1", "plain B=2", "speculative k=1", "speculative k=2",
+                       "speculative k=3", "compiled"]
+    assert all("budget" in s["why"] or s["why"] == "--compile off" for s in doc["skipped"])
+    assert "- skipped plain B=1: needs about" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
+    from pipeline import gpu_check
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(gpu_check, "plain_part", broken)
+    assert gpu_check.main([str(tmp_path), "--shape", "tiny", "--budget-s", "0", "--compile", "off"]) == 1
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["finished"] and [e["part"] for e in doc["errors"]] == ["plain"]
+    assert doc["errors"][0]["error"] == "RuntimeError: kernel exploded" and doc["errors"][0]["traceback"]
+    assert "speculative k=1" in [s["part"] for s in doc["skipped"]]  # the next part was still reached
+    assert "- FAILED plain: RuntimeError: kernel exploded" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_logit_gap_at_a_divergence():
+    """compare_greedy: where two outputs first differ, the target's logit gap between the token
+    of the reference and the other one, from an uncached forward (checked by hand here)."""
+    from pipeline.decode import generate
+    from pipeline.gpu_check_parts import build_model, compare_greedy, prompt
+
+    model = build_model("tiny", torch.device("cpu"), torch.float32, seed=1)
+    ids = prompt(model.config.vocab_size, 1, 10, seed=2)
+    reference = generate(model, ids, 6).tokens
+    with torch.inference_mode():
+        logits = model(input_ids=torch.cat([ids[0], torch.tensor(reference[:3])]).unsqueeze(0)).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    other = reference[:3] + [runner_up] + reference[4:]
+    out = compare_greedy(model, ids, reference, other)
+    assert out["first_divergence"] == 3 and out["token"] == runner_up and not out["equal"]
+    assert out["logit_gap"] == pytest.approx(float(logits[reference[3]] - logits[runner_up]), abs=1e-5)
+    assert out["logit_gap"] > 0 and out["near_tie"] == (out["logit_gap"] <= 0.02 * max(1.0, abs(out["top_logit"])))
+    assert compare_greedy(model, ids, reference, list(reference)) == {"equal": True}
