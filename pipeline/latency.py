@@ -339,3 +339,8 @@ def run(ctx) -> None:
                                              confidence, cfg.seed, texts=PROMPTS))
             progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
         del model, drafts
+
+    # Speculation under batching: (B, k) cells and the closed loop (pipeline/batch_latency.py).
+    from pipeline.batch_latency import run_batched
+
+    run_batched(ctx, dirs, ks, device, confidence)

@@ -202,20 +202,20 @@ def _two_sample_p(a, b):
 
 
 def test_sampled_batch_matches_plain_sampling_on_tiny_model(tiny_tokenizer, other_draft):
-    """The engine at B = 3 (one prompt in every row, a disagreeing draft, k = 2): tokens 2 and 3
-    of every row, 120 runs, pooled over rows (rows are independent, as in plain batched
+    """The engine at B = 4 (one prompt in every row, a disagreeing draft, k = 2): tokens 2 and 3
+    of every row, 80 runs, pooled over rows (rows are independent, as in plain batched
     sampling: see pipeline/decode/batched.py), against plain B = 3 sampling; two-sample
     chi-square at alpha = 1e-3."""
     model = make_tiny_llama(tiny_tokenizer, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.15)
-    ids = torch.tensor([tiny_tokenizer.encode(PROMPTS[3])] * 3)
+    ids = torch.tensor([tiny_tokenizer.encode(PROMPTS[3])] * 4)
     params = SamplingParams(1.0)
 
     def draws(draft, k, seed):
         gen = torch.Generator().manual_seed(seed)
         pos2, pos3, cuts = [], [], 0
-        for _ in range(120):
+        for _ in range(80):
             res = generate(model, ids, 3, draft=draft, k=k, sampling=params, generator=gen)
             for row in res.tokens:
                 pos2.append(row[1])
@@ -235,13 +235,12 @@ def test_embedded_model_batch_greedy_equals_plain(embedded_model_dir):
     from pipeline.models import load_variant
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype="float32")
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there",
-             "The three primary colours are"]
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     batch = _batch(tok, texts)
-    plain = [generate(model, row.unsqueeze(0), 10).tokens for row in batch]
+    plain = [generate(model, row.unsqueeze(0), 8).tokens for row in batch]
     spread = {}
     for draft in (build_layerskip("layerskip:8", model, tok, None, torch.device("cpu")), NgramDraft("ngram")):
-        res = generate(model, batch, 10, draft=draft, k=3)
+        res = generate(model, batch, 8, draft=draft, k=3)
         assert res.tokens == plain, draft.spec
         _check_rounds(res.rounds)
         spread[draft.spec] = sum(max(r.accepted) > r.kept for r in res.rounds)

@@ -159,7 +159,9 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
         "device": "cpu", "drafts": ["layerskip:2", "ngram"],
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
         "acceptance": {"k_max": 2},
-        "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 1},
+        "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 1,
+                    "spec_batch_sizes": [1, 2], "closed_loop_batch_sizes": [2], "closed_loop_waves": 2,
+                    "closed_loop_tokens": 3},
     })
     meta_path = run_stage(STAGES["latency"], run, cfg, {}, STAGES)
     meta = json.loads(meta_path.read_text())
@@ -172,6 +174,10 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
         assert pair["variant"] == "bf16" and [r["k"] for r in pair["rows"]] == [1, 2]
         assert {"draft_ms", "verify_ms", "overhead_ms", "round_ms", "tokens_per_round", "ms_per_token",
                 "tokens_per_s", "speedup"} <= set(pair["rows"][0])
+        batched = json.loads((run / "latency" / "batched" / f"bf16__{slug}.json").read_text())
+        assert [(c["batch"], c["k"]) for c in batched["cells"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+        (loop,) = batched["closed_loop"]
+        assert loop["batch"] == 2 and loop["k"] in (1, 2) and len(loop["speculative"]["waves"]) == 2
     before = (run / "latency" / "bf16.json").read_text()
     run_stage(STAGES["latency"], run, cfg, {}, STAGES)  # unchanged inputs: nothing re-measured
     assert (run / "latency" / "bf16.json").read_text() == before
