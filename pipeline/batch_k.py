@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.stats import median_ci, percentile_bootstrap
+from pipeline.stats import percentile_bootstrap
 
 # vLLM's dynamic speculative decoding (DSD): speculative_config.num_speculative_tokens_per_batch_size,
 # a list of [start_bs, end_bs, K] rows, ranges inclusive; num_speculative_tokens is the startup
@@ -176,17 +176,3 @@ def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, s
         "recommended_k_by_batch": {str(b): k for b, k in rec.items()},
         "speculative_config_by_batch": speculative_config(rec),
     }
-
-
-def speedup_table(rows: list[dict]) -> dict[str, dict[str, dict]]:
-    """{B: {k: {"speedup", "ci"}}} for the report and the closing note."""
-    out: dict[str, dict[str, dict]] = {}
-    for r in rows:
-        out.setdefault(str(r["batch"]), {})[str(r["k"])] = {"speedup": r["speedup"], "ci": r["speedup_ci"]}
-    return out
-
-
-def plain_summary(cells: list[dict], confidence: float = 0.95, seed: int = 0) -> dict:
-    """Plain decode ms/token at each measured B (median, CI over repeats)."""
-    return {str(c["batch"]): median_ci(c["ms_per_token"]["samples"], confidence, seed)
-            for c in cells if c["k"] == 0}

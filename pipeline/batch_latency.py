@@ -23,6 +23,8 @@ pair files `latency/*__*.json` sees it):
 
 Every figure is a median over `latency.repeats` repeats (cells) or over waves (closed loop) with a
 percentile-bootstrap CI whose unit of resampling is the repeat or the wave; raw samples are kept.
+The model runs eager here even where latency.compile is on (one compiled graph per (B, verify
+width) would be a compile path of its own).
 """
 from __future__ import annotations
 

@@ -119,7 +119,9 @@ def serving_plot(report: dict, dpi: int) -> bytes:
     axes[0].set_ylabel("TPOT ms")
     axes[1].set_ylabel("TTFT ms")
     axes[1].set_yscale("log")
-    axes[2].set_ylabel(f"goodput req/s (TTFT <= {sv['slo']['ttft_ms']:.0f} ms, TPOT <= {sv['slo']['tpot_ms']:.0f} ms)")
+    axes[2].set_ylabel("goodput, requests/s within the SLO")
+    axes[2].set_title(f"SLO: TTFT <= {sv['slo']['ttft_ms']:.0f} ms and TPOT <= {sv['slo']['tpot_ms']:.0f} ms",
+                      fontsize=9)
     axes[2].plot(rates, rates, color="grey", lw=0.8, ls="--", label="offered rate")
     for ax in axes:
         ax.set_xlabel("arrival rate, requests/s (Poisson)")
@@ -193,7 +195,7 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     out += ["", f"vLLM dynamic speculation (`{cfg['config_key']}`): {cfg['note']}", "", "```json",
-            json.dumps(cfg["vllm_speculative_config"], indent=1), "```", "",
+            json.dumps(cfg["vllm_speculative_config"]), "```", "",
             f"![speedup vs batch size]({batch_png})", "", "## What pays at a request rate (simulated)", ""]
     out += [f"- {line}" for line in crossover_lines(report)]
     out += ["", f"Plain server capacity at full batch: {_f(sv['plain_capacity_rps'], 3)} req/s. Assumptions:", ""]
@@ -222,7 +224,7 @@ def batching_blocks(run_dir: Path, figures: dict[str, bytes]) -> list[tuple]:
                       "accepted tokens thrown away against per-row offsets."),
                 ("table", head, rows, None),
                 ("p", f"vLLM: {cfg['config_key']}. {cfg['note']} Sources: {', '.join(cfg['sources'])}"),
-                ("pre", json.dumps(cfg["vllm_speculative_config"], indent=1))]
+                ("pre", json.dumps(cfg["vllm_speculative_config"]))]
         for suffix, caption in (("batch", "speedup vs batch size, one line per k"),
                                 ("serving", "simulated TPOT, TTFT and goodput vs request rate")):
             png = run_dir / "marginal" / f"{pair}.{suffix}.png"

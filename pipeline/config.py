@@ -150,7 +150,7 @@ class ServingConfig(Section):
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
     # Simulated closed-loop runs behind the validation's predicted TPOT and its interval.
-    validation_resamples: int = 200
+    validation_resamples: int = 100
 
     @field_validator("prompt_tokens", "requests", "seeds", "rate_points", "validation_resamples")
     @classmethod

@@ -84,17 +84,20 @@ class CostModel:
     round_ms: dict[int, list[float]]  # k -> per anchor batch
     accept_pmf: np.ndarray
     max_batch: int = field(init=False)
+    k_max: int = field(init=False)
 
     def __post_init__(self):
         self.max_batch = int(max(self.anchor_batches))
+        self.k_max = len(self.accept_pmf) - 1
         self._memo: dict[tuple, float] = {}  # the simulation asks the same points thousands of times
+        self._usable = [max((x for x in self.round_ms if x <= k), default=0) for k in range(self.k_max + 1)]
 
     def _at(self, values: list[float], batch: float) -> float:
         return float(np.interp(batch, self.anchor_batches, values))
 
     def usable_k(self, k: int) -> int:
         """The largest measured k <= k (0: none, a plain step)."""
-        return max((x for x in self.round_ms if x <= k), default=0)
+        return self._usable[max(0, min(k, self.k_max))]
 
     def plain_step(self, batch: int, context: float) -> float:
         return self.round(batch, 0, context)
@@ -113,10 +116,6 @@ class CostModel:
             base = self._at(self.anchor_spec_prefill_ms if speculative else self.anchor_prefill_ms, batch)
             self._memo[key] = base + self.prefill_grid(batch, prompt) - self.prefill_grid(batch, self.anchor_prompt)
         return self._memo[key]
-
-    @property
-    def k_max(self) -> int:
-        return len(self.accept_pmf) - 1
 
     @classmethod
     def from_artifacts(cls, grid: dict, batched: dict, prefix: np.ndarray, rng: np.random.Generator | None = None):
@@ -198,6 +197,7 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
     running: list[Request] = []
     done: list[Request] = []
     t = 0.0
+    draws, used = [], 0  # accepted counts, drawn in blocks (one rng call per block)
     while pending or waiting or running:
         while pending and pending[0].arrival <= t:
             waiting.append(pending.popleft())
@@ -218,8 +218,10 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
             t += costs.round(b, k, context)
             gain = 1
             if k > 0:
-                accepted = rng.choice(costs.k_max + 1, size=b, p=costs.accept_pmf)
-                gain = int(min(accepted.min(), k)) + 1  # n_min + 1 for every row
+                if used + b > len(draws):
+                    draws, used = rng.choice(costs.k_max + 1, size=4096, p=costs.accept_pmf).tolist(), 0
+                gain = min(min(draws[used:used + b]), k) + 1  # n_min + 1 for every row
+                used += b
             for r in running:
                 r.produced += gain
             finished = [r for r in running if r.produced >= r.output]
