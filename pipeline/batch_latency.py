@@ -171,7 +171,8 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
     cells = batched_cells(reps, batch_sizes, ks, confidence, seed)
     loops = [closed_loop_summary(waves[b], b, loop_k[b], lat.closed_loop_tokens, confidence, seed)
              for b in loop_sizes]
-    return {"variant": target, "draft": draft_spec, "device": str(device), "batch_sizes": batch_sizes, "ks": ks,
+    return {"variant": target, "draft": draft_spec, "device": str(device), "threads": torch.get_num_threads(),
+            "batch_sizes": batch_sizes, "ks": ks,
             "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
             "cells": cells, "closed_loop": loops}

@@ -150,10 +150,13 @@ def speedup_matrix(report: dict) -> tuple[list[str], list[list[str]]]:
             r = cells.get((b, k))
             mark = " *" if r and str(k) == str(rec.get(str(b))) else ""
             line.append(f"{_f(r['speedup'])}x {_ci(r['speedup_ci'])}{mark}" if r else "-")
-        thrown = [cells[(b, k)]["thrown_away_share"] for k in ks if (b, k) in cells]
-        line.append(f"{100 * max(thrown):.0f}%" if thrown else "-")
+        top = cells.get((b, ks[-1]))
+        measured = top.get("measured_thrown_away_fraction") if top else None
+        line.append(f"{100 * top['thrown_away_share']:.0f}% / {'-' if measured is None else f'{100 * measured:.0f}%'}"
+                    if top else "-")
         out.append(line)
-    return ["B", "recommended k", *[f"k={k}" for k in ks], "tokens thrown away (max over k)"], out
+    return ["B", "recommended k", *[f"k={k}" for k in ks],
+            f"accepted tokens thrown away at k={ks[-1]}: model / measured"], out
 
 
 def crossover_lines(report: dict) -> list[str]:
