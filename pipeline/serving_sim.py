@@ -267,18 +267,25 @@ def plain_capacity_rps(costs: CostModel, prompt: int, output: int) -> float:
     return b * 1e3 / per_batch_ms
 
 
-def crossover(rates: list[float], plain: list[float], spec: list[float]) -> dict:
-    """The rate above which speculation stops paying on a lower-is-better metric: the lowest swept
-    rate from which spec >= plain at it and every higher rate, interpolated linearly between it and
-    the swept rate before it. None when speculation pays at every rate or at none."""
-    diff = np.asarray(spec, dtype=float) - np.asarray(plain, dtype=float)
-    worse = diff >= 0
-    if worse.all():
-        return {"rate_rps": None, "status": "never pays"}
-    if not worse[-1]:
-        return {"rate_rps": None, "status": f"pays at every simulated rate (up to {rates[-1]:.3g} req/s)"}
-    i = int(np.max(np.flatnonzero(~worse))) + 1  # first index of the final run of non-paying rates
+def crossover(rates: list[float], plain: list[float], spec: list[float], rel_tol: float = 0.01) -> dict:
+    """The rate above which speculation stops paying on a lower-is-better metric: the first swept
+    rate from which spec is worse than plain by more than rel_tol (of plain) and never better again,
+    interpolated linearly on spec - plain between it and the rate before it. Ties (within rel_tol,
+    e.g. goodput = offered rate for both at low load) neither pay nor lose."""
+    plain_a, spec_a = np.asarray(plain, dtype=float), np.asarray(spec, dtype=float)
+    diff = spec_a - plain_a
+    tol = rel_tol * np.abs(plain_a)
+    worse, better = diff > tol, diff < -tol
+    if not worse.any():
+        return {"rate_rps": None, "status": f"never worse up to {rates[-1]:.3g} req/s"}
+    last_better = int(np.max(np.flatnonzero(better))) if better.any() else -1
+    later = [i for i in np.flatnonzero(worse) if i > last_better]
+    if not later:
+        return {"rate_rps": None, "status": f"never worse up to {rates[-1]:.3g} req/s"}
+    i = int(later[0])
+    if i == 0:
+        return {"rate_rps": None, "status": "worse at every simulated rate"}
     r0, r1, d0, d1 = rates[i - 1], rates[i], diff[i - 1], diff[i]
-    rate = r0 + (r1 - r0) * (-d0) / (d1 - d0) if d1 != d0 else r1
-    return {"rate_rps": float(rate), "status": "stops paying", "last_paying_rps": float(r0),
-            "first_losing_rps": float(r1)}
+    rate = r0 + (r1 - r0) * max(0.0, -d0) / (d1 - d0) if d1 != d0 else r1
+    return {"rate_rps": float(rate), "status": "stops paying", "last_not_worse_rps": float(r0),
+            "first_worse_rps": float(r1)}

@@ -115,8 +115,13 @@ def test_summary_and_crossover():
     rates = [1.0, 2.0, 3.0, 4.0]
     c = crossover(rates, plain=[10, 10, 10, 10], spec=[6, 8, 11, 12])
     assert c["rate_rps"] == pytest.approx(2 + 2 / 3)
-    assert crossover(rates, [10] * 4, [11] * 4)["status"] == "never pays"
+    assert crossover(rates, [10] * 4, [11] * 4)["status"] == "worse at every simulated rate"
     assert crossover(rates, [10] * 4, [9] * 4)["rate_rps"] is None
+    # Goodput (negated: lower is better): a tie at low load, then worse from 3 req/s on.
+    g = crossover(rates, plain=[-1, -2, -3, -3.5], spec=[-1, -2, -2.5, -2.0])
+    assert g["status"] == "stops paying" and g["rate_rps"] == pytest.approx(2.0)
+    # Better, worse, better again: it has not stopped paying for good until the last better rate.
+    assert crossover(rates, [10] * 4, [9, 11, 9, 12])["rate_rps"] == pytest.approx(3 + 1 / 3)
 
 
 def test_more_load_more_queueing_and_speculation_loses_at_full_batch():
