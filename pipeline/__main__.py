@@ -37,7 +37,7 @@ STAGES: dict[str, StageSpec] = {
                   ["import:pipeline.acceptance"], "pipeline.acceptance:run"),
         StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
                   "latency", ["import:pipeline.latency"], "pipeline.latency:run"),
-        StageSpec("marginal", ["marginal"], ["acceptance", "latency"], "marginal",
+        StageSpec("marginal", ["marginal", "serving"], ["acceptance", "latency"], "marginal",
                   ["import:pipeline.marginal"], "pipeline.marginal:run"),
         StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
                   ["import:pipeline.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.quality:run"),

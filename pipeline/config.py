@@ -134,6 +134,14 @@ class LatencyConfig(Section):
     compile_backend: Literal["auto", "inductor", "eager", "aot_eager"] = "auto"
     # Level of the bootstrap CIs (over repeats) on every latency figure.
     confidence: float = 0.95
+    # Speculation under batching (pipeline/batch_latency.py): speculative round time and ms/token
+    # at every (B, k) for these batch sizes, paired with plain decode at the same B.
+    spec_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    # Closed loop the serving simulation is checked against: waves of B requests of
+    # closed_loop_tokens new tokens each, plain and speculative, at each of these B (0 waves = off).
+    closed_loop_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    closed_loop_waves: int = 6
+    closed_loop_tokens: int = 24
 
     @field_validator("k_max")
     @classmethod
@@ -145,6 +153,40 @@ class LatencyConfig(Section):
 
 class MarginalConfig(Section):
     confidence: float = 0.95
+
+
+class ServingConfig(Section):
+    """What pays at a request rate (pipeline/serving.py, run by the marginal stage): a simulated
+    continuous-batching server fed the measured step costs, under open-loop Poisson arrivals."""
+
+    prompt_tokens: int = 128
+    output_tokens: int = 64
+    requests: int = 200  # per simulated run
+    seeds: int = 5  # runs per rate and policy (the same arrivals for every policy)
+    # Arrival rates in requests/s; empty = rate_points rates from 5% to max_load x the plain
+    # server's full-batch capacity (past saturation).
+    rates: list[float] = Field(default_factory=list)
+    rate_points: int = 10
+    max_load: float = 1.3
+    # A request meets the SLO when both hold; goodput = such requests per second.
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+    # Simulated closed-loop runs behind the validation's predicted TPOT and its interval.
+    validation_resamples: int = 100
+
+    @field_validator("prompt_tokens", "requests", "seeds", "rate_points", "validation_resamples")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("output_tokens")
+    @classmethod
+    def _two(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("must be >= 2 (TPOT is undefined for one output token)")
+        return v
 
 
 class QualityConfig(Section):
@@ -222,6 +264,7 @@ class Config(Section):
     acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
     marginal: MarginalConfig = Field(default_factory=MarginalConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)

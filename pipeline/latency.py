@@ -406,6 +406,10 @@ def run(ctx) -> None:
                 session.close()
         del model, drafts
 
+    # Speculation under batching: (B, k) cells and the closed loop (pipeline/batch_latency.py).
+    from pipeline.batch_latency import run_batched
+
+    run_batched(ctx, dirs, ks, device, confidence)
 
 def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
     """What ran, into the stage's meta.json: the plan, the compile record, the kernels. `compile`

@@ -285,22 +285,31 @@ def run(ctx) -> None:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
     confidence = ctx.config.marginal.confidence
-    recommended = {}
+    recommended, by_batch = {}, {}
     for pair, acc_path in acc_files.items():
+        from pipeline.batch_report import batching_inputs, write_batching
+
         from pipeline.stage import sha256_file
 
         item = ctx.item(f"{pair}.json", {"acceptance": sha256_file(acc_path),
                                           "latency": sha256_file(lat_files[pair]),
-                                          "confidence": confidence}, is_dir=False)
+                                          "confidence": confidence,
+                                          **batching_inputs(ctx.run_dir, pair, ctx.config)}, is_dir=False)
         if item.fresh:
             recommended[pair] = item.meta.get("recommended_k")
+            by_batch[pair] = item.meta.get("recommended_k_by_batch")
             continue
-        report = pair_report(read_json(acc_path, "acceptance artifact"),
-                             read_json(lat_files[pair], "latency artifact"), confidence)
+        acc = read_json(acc_path, "acceptance artifact")
+        report = pair_report(acc, read_json(lat_files[pair], "latency artifact"), confidence)
+        # Speculation under batching (pipeline/serving.py): k per B, the vLLM table, the simulation.
+        extra = write_batching(ctx.run_dir, ctx.out_dir, pair, report, acc, ctx.config, ctx.config.seed)
         # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
         write_plot(report, ctx.out_dir / f"{pair}.png")
-        write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png")
+        write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png", extra)
         item.write_json(report)
         recommended[pair] = report["recommended_k"]
-        progress(f"marginal: {pair}: recommended k = {report['recommended_k']}")
+        by_batch[pair] = report.get("recommended_k_by_batch")
+        progress(f"marginal: {pair}: recommended k = {report['recommended_k']}, by batch size "
+                 f"{report.get('recommended_k_by_batch')}")
     ctx.meta["recommended_k"] = recommended
+    ctx.meta["recommended_k_by_batch"] = by_batch

@@ -154,8 +154,8 @@ def _position_section(report: dict) -> list[str]:
     return out + [""]
 
 
-def write_markdown(report: dict, path: Path, png_name: str | None = None) -> None:
-    atomic_write_text(path, render_markdown(report, png_name))
+def write_markdown(report: dict, path: Path, png_name: str | None = None, extra: str = "") -> None:
+    atomic_write_text(path, render_markdown(report, png_name) + extra)
 
 
 def write_plot(report: dict, path: Path) -> None:

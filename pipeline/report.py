@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from pipeline.batch_report import batching_blocks
 from pipeline.gate import cell_text
 from pipeline.report_runtime import runtime_blocks
 from pipeline.stage import StageError, atomic_write_bytes, atomic_write_text, library_versions, read_json
@@ -419,6 +420,7 @@ def run(ctx) -> None:
         blocks.insert(3, ("img", "forest.png", "paired differences (dots) with their CIs; red tick = -margin",
                           "wide"))
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
+    blocks += batching_blocks(run_dir, figures)  # pipeline/batch_report.py
     blocks += variant_blocks(run_dir, figures)
     blocks += runtime_blocks(run_dir)
     blocks += provenance_blocks(run_dir, cfg, gate_meta)

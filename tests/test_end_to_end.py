@@ -36,6 +36,12 @@ def test_evaluate_smoke_end_to_end(embedded_model_dir, tmp_path, capsys):
         marginal = json.loads((run / "marginal" / f"bf16__{draft}.json").read_text())
         assert marginal["recommended_k"] in range(0, 4)
         assert marginal["baseline_ms_per_token"] > 0
+        # Speculation under batching: k per B, the vLLM-shaped table, the simulation and its check.
+        assert set(marginal["recommended_k_by_batch"]) == {"1", "2"}
+        rows = marginal["speculative_config_by_batch"]["rows"]
+        assert rows[0][0] == 1 and rows[-1][1] == 2 and all(r[2] in range(0, 4) for r in rows)
+        assert [(v["batch"], v["mode"]) for v in marginal["serving"]["validation"]] == [
+            (1, "plain"), (1, "speculative"), (2, "plain"), (2, "speculative")]
 
     gate = json.loads((run / "gate.json").read_text())
     assert gate["decision"] in ("go", "no-go", "inconclusive")
@@ -45,7 +51,7 @@ def test_evaluate_smoke_end_to_end(embedded_model_dir, tmp_path, capsys):
         for s in v["slices"].values():
             assert s["status"] in ("pass", "fail", "inconclusive") and len(s["ci"]) == 2
     assert (run / "report" / "index.html").stat().st_size > 10_000
-    assert (run / "report" / "report.md").is_file()
+    assert "Speculation under batching" in (run / "report" / "report.md").read_text()
 
     # Warm: nothing runs again.
     assert main(["evaluate", *argv]) == 0

@@ -100,7 +100,7 @@ def test_timer_sections_and_round_times(tiny_model, tiny_tokenizer, other_draft)
 def test_bad_arguments(tiny_model, tiny_tokenizer, other_draft):
     ids = _ids(tiny_tokenizer, PROMPTS[0])
     with pytest.raises(EngineError):
-        generate(tiny_model, ids.repeat(2, 1), 4, draft=other_draft, k=2)
+        generate(tiny_model, ids, 4, draft=other_draft, k=-1)
     with pytest.raises(EngineError):
         generate(tiny_model, ids, 0)
 

@@ -197,7 +197,9 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
         "device": "cpu", "drafts": ["layerskip:2", "ngram"],
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}, "copy": {"scheme": "none"}}},
         "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
-        "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2},
+        "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
+                    "spec_batch_sizes": [1, 2], "closed_loop_batch_sizes": [2], "closed_loop_waves": 2,
+                    "closed_loop_tokens": 3},
     })
     meta_path = run_stage(STAGES["latency"], run, cfg, {}, STAGES)
     meta = json.loads(meta_path.read_text())
@@ -218,6 +220,10 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
                 "tokens_per_s", "speedup"} <= set(pair["rows"][0])
         assert set(pair["prompts"]) == {"chat", "code", "long_context", "structured"}
         assert set(pair["by_temperature"]["0.0"]["round_ms_by_drafted"]) == {"0", "1", "2"}
+        batched = json.loads((run / "latency" / "batched" / f"bf16__{slug}.json").read_text())
+        assert [(c["batch"], c["k"]) for c in batched["cells"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+        (loop,) = batched["closed_loop"]
+        assert loop["batch"] == 2 and loop["k"] in (1, 2) and len(loop["speculative"]["waves"]) == 2
     before = (run / "latency" / "bf16.json").read_text()
     run_stage(STAGES["latency"], run, cfg, {}, STAGES)  # unchanged inputs: nothing re-measured
     assert (run / "latency" / "bf16.json").read_text() == before

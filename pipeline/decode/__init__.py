@@ -3,7 +3,8 @@
     from pipeline.decode import generate, SamplingParams, ModelDraft, NgramDraft, Timer
     res = generate(model, ids, 32, draft=NgramDraft("ngram"), k=4, sampling=SamplingParams(0.7))
 
-Modules: engine (prefill, decode_one_token, draft_k, verify, speculative_step, generate), cache
+Modules: engine (prefill, decode_one_token, draft_k, verify, speculative_step, generate), batched
+(speculative decoding at B > 1: the synchronised scheme, which generate dispatches to), cache
 (CachedModel: a model and its static KV cache), sampling (logits -> probabilities, the
 Leviathan/Chen rule), drafts (the Draft protocol, ModelDraft, NgramDraft), timing (Timer,
 synchronize), errors (EngineError). The package imports nothing from the stages: stages and

@@ -15,9 +15,8 @@ allocated once, written in place, rolled back after a rejection by moving its wr
 
 Positions: `CachedModel.length` is one number for the whole batch, because transformers'
 StaticLayer writes every row at the same offset. Plain decode runs B equal-length prompts in
-lock step; speculative decoding is B = 1. Ragged acceptance for B > 1 would need a cache layer
-that writes row b at its own offset and a per-row 4-D mask; the engine's round bookkeeping is
-per sequence already (one RoundRecord list per generate call, one position per draft).
+lock step. Speculative decoding at B > 1 goes to pipeline/decode/batched.py, whose synchronised
+scheme keeps that one offset valid (every row keeps n_min + 1 tokens a round; exact, see there).
 """
 from __future__ import annotations
 
@@ -170,7 +169,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     T + max_new_tokens + 1), so a timed cell never attends over a longer pooled cache and a
     compiled step sees one cache length for every prompt of a set. prefill_chunk: see prefill().
 
-    k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B = 1):
+    k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B > 1:
+    pipeline/decode/batched.py, whose rounds are BatchRoundRecords; it takes no cache_len):
     near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
     (the EOS is emitted; tokens after it, accepted or not, are not). Timer sections: "prefill" once,
     then "decode" per plain step, or "round" (containing "draft" and "verify") per speculative round.
@@ -182,7 +182,9 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         raise EngineError(f"draft length k must be >= 0 (got {k})")
     b, t = input_ids.shape
     if speculative and b != 1:
-        raise EngineError(f"speculative decoding runs one sequence at a time (got a batch of {b})")
+        from pipeline.decode.batched import generate_batched
+
+        return generate_batched(target, input_ids, max_new_tokens, draft, k, sampling, generator, timer, eos_token_id)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     need = t + max_new_tokens + 1
     if cache_len is not None and cache_len < need:

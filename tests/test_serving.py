@@ -1,0 +1,282 @@
+"""k per batch size (pipeline/batch_k.py), the vLLM table, and the serving simulation
+(pipeline/serving_sim.py, pipeline/serving.py) against closed forms, a queueing formula, a Monte
+Carlo reference, and, at a small size, a real closed loop of the engine on the tiny model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.batch_k import (batch_rows, expected_tokens_batched, recommended_by_batch, speculative_config,
+                              vllm_rows)
+from pipeline.config import ServingConfig
+from pipeline.serving_sim import CostModel, Request, Table2D, crossover, open_loop, simulate, summarize
+from pipeline.stats import median_ci
+
+
+def test_expected_tokens_batched_matches_monte_carlo():
+    """E_B(k) = 1 + sum_i P(A >= i)^B against 200k simulated rounds of B independent rows keeping
+    min_b min(A_b, k) + 1 tokens; Monte Carlo standard error < 0.004, tolerance 0.02."""
+    pmf = np.array([0.3, 0.2, 0.15, 0.1, 0.25])  # A = 0..4
+    prefix = 1.0 - np.cumsum(pmf)[:-1]  # P(A >= 1..4)
+    rng = np.random.default_rng(0)
+    for b in (1, 3, 8):
+        a = rng.choice(5, size=(200_000, b), p=pmf)
+        for k in (1, 2, 4):
+            mc = (np.minimum(a, k).min(1) + 1).mean()
+            assert expected_tokens_batched(prefix, k, b) == pytest.approx(mc, abs=0.02)
+    assert expected_tokens_batched(prefix, 4, 1) == pytest.approx(1 + (np.arange(5) * pmf).sum())
+
+
+def _cells(plain: dict[int, float], round_ms, ks, repeats: int = 4, noise: float = 0.0) -> list[dict]:
+    rng = np.random.default_rng(1)
+    out = []
+    for b, t in plain.items():
+        out.append({"batch": b, "k": 0, "ms_per_token": median_ci(t + rng.normal(0, noise, repeats)),
+                    "prefill_ms": median_ci([5.0 * b] * repeats)})
+        for k in ks:
+            out.append({"batch": b, "k": k, "round_ms": median_ci(round_ms(b, k) + rng.normal(0, noise, repeats)),
+                        "ms_per_token": median_ci([1.0] * repeats), "speedup": median_ci([1.0] * repeats),
+                        "prefill_ms": median_ci([6.0 * b] * repeats), "tokens_per_round": 1.0,
+                        "thrown_away_fraction": 0.0})
+    return out
+
+
+def test_k_by_batch_known_answer_and_the_vllm_table():
+    """Noise-free: a = 0.8 per position; B = 1: plain 10 ms, round 10 + 2k; B = 4: plain 12 ms,
+    round 12 + 12k (verifying 4 (k+1) tokens is dear). ms/token = round / E_B(k)."""
+    prefix = 0.8 ** np.arange(1, 5)
+    cells = _cells({1: 10.0, 4: 12.0}, lambda b, k: 10 + 2 * k if b == 1 else 12 + 12 * k, [1, 2, 3, 4])
+    rows = batch_rows(prefix, None, cells, 0.95)
+    by = {(r["batch"], r["k"]): r for r in rows}
+    for (b, k), r in by.items():
+        e = 1 + sum(0.8 ** (i * b) for i in range(1, k + 1))
+        assert r["tokens_per_round"] == pytest.approx(e)
+        assert r["speedup"] == pytest.approx(r["plain_ms_per_token"] / (r["round_ms"] / e))
+        assert r["thrown_away_share"] == pytest.approx(1 - e / (1 + sum(0.8 ** i for i in range(1, k + 1))))
+    best1 = min((k for k in range(1, 5)), key=lambda k: (10 + 2 * k) / by[(1, k)]["tokens_per_round"])
+    rec = recommended_by_batch(rows)
+    assert rec == {1: best1, 4: 0}
+    assert vllm_rows({1: 3, 4: 1, 16: 0}) == [[1, 3, 3], [4, 15, 1], [16, 16, 0]]
+    assert vllm_rows({1: 2, 4: 2, 16: 0}) == [[1, 15, 2], [16, 16, 0]]
+    cfg = speculative_config({1: 3, 4: 0})
+    assert cfg["config_key"] == "speculative_config.num_speculative_tokens_per_batch_size"
+    assert cfg["vllm_speculative_config"] == {"num_speculative_tokens": 3,
+                                              "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 4, 0]]}
+    assert speculative_config({1: 0, 4: 0})["vllm_speculative_config"] is None
+
+
+def _flat_costs(step: float = 10.0, prefill: float = 30.0, round_ms: dict | None = None, pmf=(1.0,),
+                batches=(1, 4)) -> CostModel:
+    """Costs that do not depend on batch or context (closed forms below)."""
+    g = Table2D([1], [100], np.array([[0.0]]))
+    n = len(batches)
+    return CostModel(step=g, prefill_grid=g, anchor_batches=list(batches), anchor_step_ms=[step] * n,
+                     anchor_prefill_ms=[prefill] * n, anchor_spec_prefill_ms=[prefill] * n, anchor_context=100,
+                     anchor_prompt=100, round_ms={k: [v] * n for k, v in (round_ms or {}).items()},
+                     accept_pmf=np.asarray(pmf, dtype=float))
+
+
+def test_closed_forms_one_request_and_full_accepts():
+    costs = _flat_costs(round_ms={1: 14.0, 2: 18.0, 3: 22.0}, pmf=[0, 0, 0, 1.0])
+    rng = np.random.default_rng(0)
+    (r,) = simulate(costs, lambda b: 0, [Request(5.0, 16, 9)], rng, False)
+    assert (r.ttft, r.tpot) == (30.0, 10.0)
+    # Every row accepts all k: 8 tokens after the first = 2 rounds of k = 3 (4 tokens each).
+    (r,) = simulate(costs, lambda b: 3, [Request(0.0, 16, 9)], rng, True)
+    assert r.tpot == pytest.approx(2 * 22.0 / 8)
+    # Four clients in a closed loop: waves of 4, each prefilled together, decoded in lock step.
+    reqs = [Request(0.0, 16, 9) for _ in range(12)]
+    done = simulate(costs, lambda b: 0, reqs[:4], rng, False, concurrency=4, follow_ups=reqs[4:])
+    assert len(done) == 12 and all(r.tpot == 10.0 and r.ttft == 30.0 for r in done)
+    assert max(r.finish for r in done) == pytest.approx(3 * (30 + 8 * 10))
+
+
+def test_queueing_matches_pollaczek_khinchine():
+    """One slot (max batch 1), deterministic service S = prefill + 9 steps = 120 ms, Poisson arrivals
+    at load rho = 0.6: mean wait W = rho S / (2 (1 - rho)) (M/D/1). 10 runs x 1500 requests; the
+    mean wait's standard error across runs is ~2.5% of W, tolerance 10%."""
+    costs = _flat_costs()
+    s_ms, rho = 30.0 + 9 * 10.0, 0.6
+    rate = rho / s_ms * 1e3
+    waits = []
+    for seed in range(10):
+        reqs = open_loop(rate, 1500, 16, 10, np.random.default_rng(seed))
+        done = simulate(costs, lambda b: 0, reqs, np.random.default_rng(100 + seed), False, max_batch=1)
+        waits.append(np.mean([r.ttft - 30.0 for r in done[200:]]))  # drop the empty-queue start
+    expected = rho * s_ms / (2 * (1 - rho))
+    assert np.mean(waits) == pytest.approx(expected, rel=0.10), (np.mean(waits), np.std(waits), expected)
+
+
+def test_summary_and_crossover():
+    done = [Request(0.0, 8, 5, first=10.0, finish=50.0), Request(100.0, 8, 5, first=400.0, finish=600.0)]
+    s = summarize(done, slo_ttft_ms=100.0, slo_tpot_ms=20.0)
+    assert s["ttft_p50_ms"] == pytest.approx(155.0) and s["slo_attainment"] == 0.5
+    assert s["goodput_rps"] == pytest.approx(1 / 0.6)
+    rates = [1.0, 2.0, 3.0, 4.0]
+    c = crossover(rates, plain=[10, 10, 10, 10], spec=[6, 8, 11, 12])
+    assert c["rate_rps"] == pytest.approx(2 + 2 / 3)
+    assert crossover(rates, [10] * 4, [11] * 4)["status"] == "worse at every simulated rate"
+    assert crossover(rates, [10] * 4, [9] * 4)["rate_rps"] is None
+    # Goodput (negated: lower is better): a tie at low load, then worse from 3 req/s on.
+    g = crossover(rates, plain=[-1, -2, -3, -3.5], spec=[-1, -2, -2.5, -2.0])
+    assert g["status"] == "stops paying" and g["rate_rps"] == pytest.approx(2.0)
+    # Better, worse, better again: it has not stopped paying for good until the last better rate.
+    assert crossover(rates, [10] * 4, [9, 11, 9, 12])["rate_rps"] == pytest.approx(3 + 1 / 3)
+
+
+def test_more_load_more_queueing_and_speculation_loses_at_full_batch():
+    """Costs where a speculative round is cheap at B = 1 and dear at B = 4: at low load speculation
+    wins on TPOT, at a load that fills the batch it loses; TTFT grows with load."""
+    g = Table2D([1], [100], np.array([[0.0]]))
+    costs = CostModel(step=g, prefill_grid=g, anchor_batches=[1, 4], anchor_step_ms=[10.0, 12.0],
+                      anchor_prefill_ms=[20.0, 40.0], anchor_spec_prefill_ms=[22.0, 44.0], anchor_context=100,
+                      anchor_prompt=100, round_ms={2: [13.0, 40.0]}, accept_pmf=np.array([0.2, 0.3, 0.5]))
+    out = {}
+    for rate in (2.0, 40.0):
+        for name, pol, spec in (("plain", lambda b: 0, False), ("spec", lambda b: 2, True)):
+            reqs = open_loop(rate, 300, 64, 32, np.random.default_rng(3))
+            out[(rate, name)] = summarize(simulate(costs, pol, reqs, np.random.default_rng(4), spec), 1e9, 1e9)
+    assert out[(2.0, "spec")]["tpot_p50_ms"] < out[(2.0, "plain")]["tpot_p50_ms"]
+    assert out[(40.0, "spec")]["tpot_p50_ms"] > out[(40.0, "plain")]["tpot_p50_ms"]
+    assert out[(40.0, "plain")]["ttft_p50_ms"] > out[(2.0, "plain")]["ttft_p50_ms"]
+
+
+def test_serving_config_refuses_bad_values():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        ServingConfig(output_tokens=1)
+    with pytest.raises(ValidationError):
+        ServingConfig(seeds=0)
+
+
+def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
+    """The estimator against the direct measurement, at a small size: the engine on the tiny model
+    (layerskip:2 draft) measures its step costs (plain grid at two contexts, (B, k) cells) and
+    acceptance at B = 1 on one set of prompts, and a closed loop of waves of B = 1 and B = 2
+    requests on other prompts (real rows: not independent draws), its waves spread between the
+    cells' repeats. The simulation fed only the measured costs must land inside the measured TPOT's
+    CI (over waves) or, where timing noise moves it, its prediction interval (which carries the
+    repeats' spread) must overlap that CI; no absolute duration is asserted."""
+    import torch
+
+    from draft_models.layerskip import truncate
+    from pipeline.acceptance import summarize as acceptance_summary
+    from pipeline.batch_latency import (batch_prompts, batched_cells, batched_repeat, closed_loop_summary,
+                                        closed_loop_wave)
+    from pipeline.decode import ModelDraft, generate
+    from pipeline.serving import validate
+
+    from pipeline import batch_latency
+
+    # Short prompts only (the tiny tokenizer makes the long-context ones 500-1000 tokens): seconds.
+    monkeypatch.setattr(batch_latency, "KINDS", ("chat", "code", "structured"))
+    draft = ModelDraft("layerskip:2", truncate(tiny_model, 2), tiny_model.config.vocab_size)
+    ks, sizes, new, repeats = [1, 2], [1, 2], 10, 4
+    # Acceptance at k_max = 2, B = 1, on prompts 8..13 (the closed loop uses 0..7).
+    rounds = []
+    for i in range(8, 14):
+        res = generate(tiny_model, batch_prompts(tiny_tokenizer, 1, offset=i), 24, draft=draft, k=2)
+        rounds += [r for r in res.rounds if r.k == 2]
+    acc = acceptance_summary([r.accepted for r in rounds], [r.drafted for r in rounds], [r.betas for r in rounds],
+                             2, tokens=0)
+    prefix = np.array([p["prefix"] for p in acc["per_position"]])
+    prompts = {b: batch_prompts(tiny_tokenizer, b) for b in sizes}
+    grid_raw: dict[tuple[int, int], list] = {}
+    reps, waves = [], {1: [], 2: []}
+    batched_repeat(tiny_model, draft, prompts, ks, new)  # warm-up
+    for r in range(repeats):
+        reps.append(batched_repeat(tiny_model, draft, prompts, ks, new))
+        for b in sizes:
+            for ctx in (32, 160):
+                res = generate(tiny_model, torch.randint(0, 300, (b, ctx), generator=torch.Generator().manual_seed(r)),
+                               new)
+                grid_raw.setdefault((b, ctx), []).append((res.prefill_s * 1e3, res.decode_s / (new - 1) * 1e3))
+            waves[b].append(closed_loop_wave(tiny_model, draft, tiny_tokenizer, b, 2, r, new))
+    grid = {"new_tokens": new, "grid": [{"batch": b, "context": c, "ttft_ms": median_ci([x[0] for x in v]),
+                                         "tpot_ms": median_ci([x[1] for x in v])} for (b, c), v in grid_raw.items()]}
+    batched = {"batch_sizes": sizes, "ks": ks, "new_tokens": new, "repeats": repeats,
+               "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
+               "cells": batched_cells(reps, sizes, ks, 0.95, 0),
+               "closed_loop": [closed_loop_summary(waves[b], b, 2, new, 0.95, 0) for b in sizes]}
+    rows = validate(grid, batched, prefix, resamples=40, confidence=0.95, seed=0)
+    assert [(v["batch"], v["mode"]) for v in rows] == [(1, "plain"), (1, "speculative"), (2, "plain"),
+                                                       (2, "speculative")]
+    for v in rows:
+        t = v["tpot_ms"]
+        assert t["within_measured_ci"] or t["intervals_overlap"], v
+
+
+def _summ(x) -> dict:
+    x = [float(v) for v in x]
+    return {"median": float(np.median(x)), "ci": [min(x), max(x)], "samples": x}
+
+
+def _batched_artifacts(k_max: int = 3) -> tuple[dict, dict]:
+    """A latency grid and a latency/batched JSON where speculation pays at B = 1 and not at B = 4."""
+    grid = {"variant": "bf16", "new_tokens": 16, "grid": [
+        {"batch": b, "context": c, "tpot_ms": _summ([10.0 + 2 * (b > 1) + c / 512] * 3),
+         "ttft_ms": _summ([20.0 * b + c / 8] * 3)} for b in (1, 4) for c in (128, 1024)]}
+    cells = []
+    for b in (1, 4):
+        cells.append({"batch": b, "k": 0, "ms_per_token": _summ([10.0 + 2 * (b > 1) + v for v in (0, 0.3, -0.3)]),
+                      "prefill_ms": _summ([25.0 * b] * 3)})
+        for k in range(1, k_max + 1):
+            rt = 10 + 2 * k if b == 1 else 12 + 10 * k
+            cells.append({"batch": b, "k": k, "round_ms": _summ([rt + v for v in (0, 0.2, -0.2)]),
+                          "draft_ms": _summ([2.0 * k] * 3), "verify_ms": _summ([10.0] * 3),
+                          "prefill_ms": _summ([27.0 * b] * 3), "ms_per_token": _summ([rt / 2] * 3),
+                          "speedup": _summ([1.2] * 3), "tokens_per_round": 2.0, "thrown_away_fraction": 0.1})
+    waves = [{"wave": w, "prompt_tokens": 40, "ttft_ms": 30.0, "tpot_ms": 6.0 + 0.1 * w, "output_tokens": 12}
+             for w in range(4)]
+    loop = {"batch": 1, "k": 2, "waves": 4, "new_tokens": 12, "requests": 4,
+            **{m: {"tpot_ms": _summ([w["tpot_ms"] for w in waves]), "ttft_ms": _summ([30.0] * 4),
+                   "waves": waves} for m in ("plain", "speculative")}}
+    batched = {"variant": "bf16", "draft": "layerskip:4", "batch_sizes": [1, 4], "ks": list(range(1, k_max + 1)),
+               "prompt_tokens": {"1": 40, "4": 40}, "new_tokens": 16, "repeats": 3, "cells": cells,
+               "closed_loop": [loop]}
+    return grid, batched
+
+
+def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_path):
+    import json
+
+    from pipeline.__main__ import STAGES
+    from pipeline.batch_report import batching_blocks
+    from pipeline.config import Config
+    from pipeline.stage import run_stage
+    from tests.test_marginal import _acceptance, _latency
+
+    run = tmp_path / "run"
+    for name in ("acceptance", "latency"):
+        (run / name).mkdir(parents=True)
+        (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name}))
+    (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(_acceptance(0.8, 3)))
+    (run / "latency" / "bf16__layerskip-4.json").write_text(json.dumps(_latency(3)))
+    grid, batched = _batched_artifacts()
+    (run / "latency" / "bf16.json").write_text(json.dumps(grid))
+    (run / "latency" / "batched").mkdir()
+    (run / "latency" / "batched" / "bf16__layerskip-4.json").write_text(json.dumps(batched))
+    cfg = Config.model_validate({"serving": {"requests": 40, "seeds": 2, "rate_points": 5, "output_tokens": 24,
+                                             "validation_resamples": 10}})
+    run_stage(STAGES["marginal"], run, cfg, {}, STAGES)
+    out = run / "marginal"
+    rep = json.loads((out / "bf16__layerskip-4.json").read_text())
+    rec = rep["recommended_k_by_batch"]
+    assert set(rec) == {"1", "4"} and rec["1"] >= 1 and rec["4"] == 0
+    table = rep["speculative_config_by_batch"]
+    assert table["rows"] == [[1, 3, rec["1"]], [4, 4, 0]]
+    assert table["vllm_speculative_config"]["num_speculative_tokens_per_batch_size"] == table["rows"]
+    assert json.loads((out / "meta.json").read_text())["recommended_k_by_batch"]["bf16__layerskip-4"] == rec
+    sv = rep["serving"]
+    assert len(sv["rows"]) == 5 and set(sv["policies"]) == {"plain", f"k={rep['recommended_k']}", "per-batch k"}
+    assert sv["crossover"][f"k={rep['recommended_k']}"]["tpot_p50"]["status"] in (
+        "stops paying", "never pays") or sv["crossover"][f"k={rep['recommended_k']}"]["tpot_p50"]["rate_rps"] is None
+    assert [(v["batch"], v["mode"]) for v in sv["validation"]] == [(1, "plain"), (1, "speculative")]
+    for suffix in ("batch", "serving"):
+        assert (out / f"bf16__layerskip-4.{suffix}.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "bf16__layerskip-4.md").read_text()
+    assert "## Speculation under batching" in md and "num_speculative_tokens_per_batch_size" in md
+    figures: dict = {}
+    blocks = batching_blocks(run, figures)
+    assert any(b[0] == "table" and b[1][0] == "B" for b in blocks) and len(figures) == 2
