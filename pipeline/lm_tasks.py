@@ -136,8 +136,9 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
             skipped[entry] = "not a task lm-eval knows" + (f" (nothing named so in {path})" if path else "")
         else:
             try:
-                with _quiet():
-                    tasks = _leaf_tasks(get_task_dict([name], manager))  # loads (and caches) the data
+                with _quiet():  # loads (and caches) the data
+                    tasks = list(manager.load([name])["tasks"].values()) if hasattr(manager, "load") \
+                        else _leaf_tasks(get_task_dict([name], manager))
                 named = _build(slice_name, name, (defaults, paths), tasks, qcfg, seed)
                 if isinstance(named, str):
                     skipped[entry] = named
