@@ -116,7 +116,7 @@ def _arithmetic(node):
             raise DecodeError("arithmetic on non-numbers")
         if isinstance(node.op, ast.Pow) and (abs(b) > 64 or abs(a) > 1e6):
             raise DecodeError("power too large to compute")
-        if numbers and abs(a) > 1e300 or numbers and abs(b) > 1e300:
+        if numbers and max(abs(a), abs(b)) > 1e300:
             raise DecodeError("number too large")
         try:
             return _OPS[type(node.op)](a, b)
