@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 
 class ConfigError(Exception):
@@ -127,7 +127,7 @@ class MarginalConfig(Section):
 
 class SliceSettings(Section):
     # Items of this slice: a number, or "all" (bfcl, code and lm-eval tasks); null = items_per_slice.
-    items: int | Literal["all"] | None = None
+    items: PositiveInt | Literal["all"] | None = None
     # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
     # (lm-eval tasks keep their own generation settings.)
     max_new_tokens: int | None = None

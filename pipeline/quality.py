@@ -143,7 +143,7 @@ def _quiet():
 # ------------------------------------------------------------------ evaluation
 
 
-def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], qcfg,
+def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
              seed: int) -> tuple[dict, dict]:
     """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
     the evaluator's counters: prompt tokens requested and computed, generated tokens, ...)."""
