@@ -139,15 +139,14 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
                 with _quiet():  # loads (and caches) the data
                     tasks = list(manager.load([name])["tasks"].values()) if hasattr(manager, "load") \
                         else _leaf_tasks(get_task_dict([name], manager))
+            except Exception as e:  # datasets raises many kinds when the hub is unreachable
+                skipped[entry] = f"its data is not reachable ({type(e).__name__})"
+            else:
                 named = _build(slice_name, name, (defaults, paths), tasks, qcfg, seed)
                 if isinstance(named, str):
                     skipped[entry] = named
                 else:
                     usable.append(named)
-            except StageError:
-                raise
-            except Exception as e:  # datasets raises many kinds when the hub is unreachable
-                skipped[entry] = f"its data is not reachable ({type(e).__name__})"
         if entry in skipped:
             progress(f"quality: skipping lm-eval task '{entry}': {skipped[entry]}")
     return usable, skipped
