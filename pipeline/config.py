@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 
 class ConfigError(Exception):
@@ -189,12 +189,52 @@ class ServingConfig(Section):
         return v
 
 
+class SliceSettings(Section):
+    # Items of this slice: a number, or "all" (bfcl, code and lm-eval tasks); null = items_per_slice.
+    items: PositiveInt | Literal["all"] | None = None
+    # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
+    # (lm-eval tasks keep their own generation settings.)
+    max_new_tokens: int | None = None
+
+
+# Real benchmarks need longer answers than the synthetic slices' 32 tokens. CPU-sized: 20 bfcl
+# items (4 per category); 64 tokens hold 99% of BFCL's simple_python and multiple answers
+# (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
+# embedded 135M model answers in prose to all of them, so the cap only bounds the cost. HumanEval
+# bodies take a few hundred tokens (code is not a default slice: the 135M model passed 0 of 60).
+# Merged under a config's own `per_slice` entries (a config names only what it changes).
+PER_SLICE_DEFAULTS = {"bfcl": {"items": 20, "max_new_tokens": 64},
+                      "code": {"items": 40, "max_new_tokens": 256}}
+
+
+class SandboxConfig(Section):
+    # Generated code (the code slice) runs in separate processes (evals/sandbox.py) with these
+    # limits: wall seconds per program, address space, and programs run at once (0 = CPUs).
+    seconds: float = 10.0
+    memory_mb: int = 1024
+    workers: int = 0
+
+
 class QualityConfig(Section):
     slices: list[str] = Field(
-        default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args"]
+        default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args", "bfcl"]
     )
-    # Standard lm-eval task names, run where their data is reachable, skipped with a line if not.
+    # lm-eval tasks or groups by name (or a path to a task YAML or a directory of them), run where
+    # their data is reachable (HF datasets cache, HF_DATASETS_OFFLINE, local files), skipped with
+    # one line if not. A group (mmlu) or tag (mgsm_direct) is one slice; its subtasks are groups.
     tasks: list[str] = Field(default_factory=list)
+    # Headline score per task in lm-eval's "metric,filter" notation (e.g. gsm8k:
+    # "exact_match,strict-match"); either part may be left out. Default: acc_norm where the task
+    # reports it, else its first per-item metric; the task's first filter. Every filter is scored.
+    task_primary: dict[str, str] = Field(default_factory=dict)
+    # Clusters per task: a document field whose equal values are one cluster (e.g. "premise"), or
+    # "doc_id" for groups whose subtasks are the same documents translated (mgsm_direct). Default:
+    # the first of the usual shared-passage fields (context, passage, article, ...) that repeats.
+    task_clusters: dict[str, str] = Field(default_factory=dict)
+    # Per-slice item counts and generation caps (see PER_SLICE_DEFAULTS).
+    per_slice: dict[str, SliceSettings] = Field(
+        default_factory=lambda: {k: SliceSettings(**v) for k, v in PER_SLICE_DEFAULTS.items()})
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     # CPU-sized: 5 variants x 5 slices on a 2-core laptop; the GPU config runs 1000 per slice.
     items_per_slice: int = 40
     long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
@@ -214,6 +254,27 @@ class QualityConfig(Section):
     distribution_tokens: int = 256
     # Confidence level of the per-slice and distribution CIs in quality/<variant>.json.
     confidence: float = 0.95
+
+    @field_validator("per_slice", mode="before")
+    @classmethod
+    def _merge_per_slice(cls, v):
+        if not isinstance(v, dict):
+            return v
+        merged = {k: dict(d) for k, d in PER_SLICE_DEFAULTS.items()}
+        for name, entry in v.items():
+            entry = entry.model_dump() if isinstance(entry, BaseModel) else entry
+            merged[name] = {**merged.get(name, {}), **(entry or {})} if isinstance(entry, dict) else entry
+        return merged
+
+    def items_for(self, name: str) -> int | None:
+        """Items of slice `name` (None = all it has)."""
+        entry = self.per_slice.get(name)
+        n = entry.items if entry and entry.items is not None else self.items_per_slice
+        return None if n == "all" else n
+
+    def max_new_tokens_for(self, name: str) -> int:
+        entry = self.per_slice.get(name)
+        return entry.max_new_tokens if entry and entry.max_new_tokens is not None else self.max_new_tokens
 
 
 class GateConfig(Section):

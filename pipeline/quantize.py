@@ -12,7 +12,8 @@ enough) runs before the first variant is made.
 
 meta.json per variant: scheme, bits, group_size, library, library_version, storage, bytes_on_disk
 (weight files), bytes_in_memory (after load_variant), quantize_seconds, calibration_sha256 and
-calibration_tokens (null for schemes that use no calibration), perplexity on a held-out text and
+calibration_tokens, calibration_samples and calibration_requested (what the config asked: a short
+text gives fewer windows, said in one line; all null for schemes that use no calibration), perplexity on a held-out text and
 reference_perplexity on the same tokens, release, dtype_compute, device_fallback, architecture, and
 decoder_float_fraction: the share of the decoder's weight-matrix parameters the loaded variant
 still holds in floating point (0 for a fully quantized variant; a bitsandbytes variant of a MoE
@@ -81,6 +82,11 @@ def load_calibration(ccfg, tokenizer) -> Calibration:
                          f"quantize.calibration.min_tokens = {ccfg.min_tokens}")
     size = min(ccfg.max_tokens, len(ids))
     n = max(1, min(ccfg.n_samples, len(ids) // size))
+    if n < ccfg.n_samples or size < ccfg.max_tokens:
+        # Windows do not overlap, so a short text gives fewer of them than asked; say so once
+        # rather than repeat text (meta.json records asked and used).
+        progress(f"quantize: calibration text {path.name} has {len(ids)} tokens: {n} windows of {size} "
+                 f"tokens, fewer than the {ccfg.n_samples} x {ccfg.max_tokens} asked (quantize.calibration)")
     starts = [round(i * (len(ids) - size) / max(1, n - 1)) for i in range(n)]
     return Calibration(path, sha256_file(path), [ids[s:s + size] for s in starts], len(ids))
 
@@ -218,6 +224,9 @@ def run(ctx: StageContext) -> None:
                     "calibration_sha256": calibration.sha256 if scheme.calibrated else None,
                     "calibration_tokens": calibration.tokens if scheme.calibrated else None,
                     "calibration_samples": len(calibration.windows) if scheme.calibrated else None,
+                    "calibration_requested": ({"samples": qcfg.calibration.n_samples,
+                                               "tokens": qcfg.calibration.n_samples * qcfg.calibration.max_tokens}
+                                              if scheme.calibrated else None),
                     "calibration_source": str(calibration.path) if scheme.calibrated else None,
                     "reference_input_hash": ctx.upstream["prepare"].get("input_hash"),
                 }

@@ -159,18 +159,34 @@ def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
     return {tuple(words[k : k + n]) for k in range(len(words) - n + 1)}
 
 
-def test_calibration_text_does_not_overlap_slices():
-    """Quantization must not calibrate on test items: no 8-word sequence is shared between the
-    calibration text and any shipped slice item."""
-    path = REPO / "evals" / "data" / "calibration.txt"
-    if not path.is_file():
-        pytest.skip("evals/data/calibration.txt does not exist yet (the quantize stage ships it)")
-    calib = _ngrams(path.read_text())
-    assert calib, "calibration text is empty"
+def _slice_texts():
+    """(slice, text) for every item the quality stage can score from shipped or installed data:
+    the generated slices' prompts, every BFCL item (question, function docs, system prompt,
+    answer) and every HumanEval problem (prompt, solution, tests)."""
+    from evals import bfcl, humaneval
+
     for name in gen.GENERATORS:
         for line in (gen.DATA / f"{name}.jsonl").read_text().splitlines():
-            shared = calib & _ngrams(json.loads(line)["prompt"])
-            assert not shared, f"{name}: calibration text shares {' '.join(next(iter(shared)))!r}"
+            yield name, json.loads(line)["prompt"]
+    for item in bfcl.items(None):
+        yield "bfcl", item["prompt"] + "\n" + item["target"]
+    for item in humaneval.items(None):
+        yield "code", "\n".join([item["prompt"], item["target"], item["test"]])
+
+
+def test_calibration_text_does_not_overlap_slices():
+    """Quantization must not calibrate on test items: no 8-word sequence is shared between the
+    calibration text and any item of any slice."""
+    path = REPO / "evals" / "data" / "calibration.txt"
+    assert path.is_file(), "evals/data/calibration.txt ships with the project"
+    calib = _ngrams(path.read_text())
+    assert calib, "calibration text is empty"
+    counted = {}
+    for name, text in _slice_texts():
+        shared = calib & _ngrams(text)
+        assert not shared, f"{name}: calibration text shares {' '.join(next(iter(shared)))!r}"
+        counted[name] = counted.get(name, 0) + 1
+    assert counted["bfcl"] == 1240 and counted["code"] == 164
 
 
 def test_more_items_than_distinct_questions_is_one_clear_error():

@@ -287,3 +287,15 @@ def test_editing_an_imported_module_changes_the_hash(tmp_path, monkeypatch):
     assert stage.code_hash(["import:pipeline.a"]) == before
     (pkg / "b.py").write_text("X = 2\n")
     assert stage.code_hash(["import:pipeline.a"]) != before
+
+
+def test_per_slice_settings_merge_over_the_defaults():
+    """A config names only what it changes in quality.per_slice; the rest keeps its default."""
+    from pipeline.config import PER_SLICE_DEFAULTS, QualityConfig
+
+    q = QualityConfig(items_per_slice=7, per_slice={"bfcl": {"items": "all"}, "mmlu": {"items": 50}})
+    assert q.items_for("bfcl") is None and q.max_new_tokens_for("bfcl") == PER_SLICE_DEFAULTS["bfcl"]["max_new_tokens"]
+    assert q.items_for("code") == PER_SLICE_DEFAULTS["code"]["items"] and q.items_for("mmlu") == 50
+    assert q.items_for("reasoning") == 7 and q.max_new_tokens_for("reasoning") == q.max_new_tokens
+    with pytest.raises(Exception, match="items"):
+        QualityConfig(per_slice={"bfcl": {"items": "most"}})

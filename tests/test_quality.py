@@ -163,3 +163,46 @@ def test_distribution_reference_cache_gives_the_same_figures(tiny_model, tiny_to
     for key in fresh:
         assert again[key] == pytest.approx(fresh[key], rel=1e-6, abs=1e-9) == first[key]
     assert max(fresh["kl"]) > 0
+
+
+def test_benchmarks_and_lm_eval_tasks_through_the_stage_and_gate(tmp_path, tiny_model_dir):
+    """bfcl (two items per category), code (HumanEval in the sandbox) and a local lm-eval group
+    run through the stage for both variants; the gate reads them like any slice: a bfcl row with
+    one group per category, a row for the group task with its subtasks as groups."""
+    from pipeline.__main__ import STAGES
+    from pipeline.gate import build_gate
+    from pipeline.stage import run_stage
+    from test_lm_tasks import _write_tasks
+
+    (tmp_path / "tasks").mkdir()
+    tasks = _write_tasks(tmp_path / "tasks")
+    run, _ = _make_run(tmp_path, tiny_model_dir)
+    cfg_path = tmp_path / "bench.yaml"
+    cfg_path.write_text(
+        "device: cpu\n"
+        "quantize:\n  reference: bf16\n  variants:\n"
+        "    bf16: {scheme: none, release: false}\n    noisy: {scheme: none}\n"
+        "quality:\n  slices: [bfcl, code]\n"
+        f"  tasks: [{json.dumps(str(tasks['toy_group']))}]\n"
+        "  items_per_slice: 4\n  max_new_tokens: 8\n  batch_size: 8\n"
+        "  per_slice: {bfcl: {items: 10, max_new_tokens: 8}, code: {items: 3, max_new_tokens: 8}}\n"
+        "  sandbox: {seconds: 5, workers: 2}\n  distribution_docs: 2\n  distribution_tokens: 16\n")
+    cfg = load_config(cfg_path)
+    meta = json.loads(run_stage(STAGES["quality"], run, cfg, {}, STAGES).read_text())
+    assert meta["items"] == {"bfcl": 10, "code": 3} and meta["tasks"] == ["toy_group"]
+    assert meta["sandbox"]["seconds"] == 5 and "network" in meta["sandbox"]
+    assert meta["task_details"]["toy_group"]["subtasks"]["toy_mc_a"]["primary"] == "acc_norm,none"
+    q = run / "quality"
+    bfcl_recs = [json.loads(line) for line in (q / "noisy" / "bfcl.jsonl").read_text().splitlines()]
+    assert [r["group"] for r in bfcl_recs] == ["simple_python", "multiple", "parallel", "parallel_multiple",
+                                                "irrelevance"] * 2
+    assert all(r["metric"] == "accuracy" and set(r["scores"]) == {"accuracy", "decoded"} for r in bfcl_recs)
+    code_recs = [json.loads(line) for line in (q / "bf16" / "code.jsonl").read_text().splitlines()]
+    assert len(code_recs) == 3 and all(r["metric"] == "pass@1" and r["status"] for r in code_recs)
+    summary = json.loads((q / "bf16.json").read_text())["slices"]
+    assert set(summary["bfcl"]["groups"]) == set(r["group"] for r in bfcl_recs)
+    assert set(summary["toy_group"]["groups"]) == {"toy_mc_a", "toy_mc_b"}
+    gate = build_gate(run, cfg)
+    cells = gate["variants"]["noisy"]["slices"]
+    assert {"bfcl", "code", "toy_group"} <= set(cells)
+    assert set(cells["bfcl"]["groups"]) == set(summary["bfcl"]["groups"]) and cells["bfcl"]["n"] == 10

@@ -99,6 +99,7 @@ def test_every_variant_has_meta_and_loads(quantized):
         assert generated.shape[1] == len(PROMPT[0]) + 4
     gptq = json.loads((run / "variants/gptq/meta.json").read_text())
     assert gptq["calibration_tokens"] == 6 * 64 and len(gptq["calibration_sha256"]) == 64
+    assert gptq["calibration_requested"] == {"samples": 6, "tokens": 6 * 64}
     assert gptq["group_size"] == 32 and gptq["library"] == "gptqmodel"
 
 
@@ -163,6 +164,24 @@ def test_group_size_that_does_not_divide_names_the_layer(tmp_path, tiny_model_di
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "group_size 48 does not divide layer model.layers.0." in err and "input width 64" in err
     assert not (run / "variants/g").exists() and not (run / "variants/ref").exists()
+
+
+def test_calibration_shorter_than_asked_says_so(tmp_path, tiny_tokenizer, capsys):
+    """A text with room for fewer windows than asked gives the windows it has (no repeats),
+    with one line saying asked vs used."""
+    from pipeline.config import CalibrationConfig
+    from pipeline.quantize import load_calibration
+
+    path = tmp_path / "calib.txt"
+    path.write_text((CORPUS + "\n") * 3)
+    available = len(tiny_tokenizer(path.read_text(), add_special_tokens=False)["input_ids"])
+    ccfg = CalibrationConfig(source=str(path), n_samples=128, max_tokens=64, min_tokens=64)
+    calib = load_calibration(ccfg, tiny_tokenizer)
+    assert len(calib.windows) == available // 64 < 128 and all(len(w) == 64 for w in calib.windows)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "fewer than the 128 x 64 asked" in ln]
+    assert len(lines) == 1 and f"{available} tokens: {available // 64} windows" in lines[0]
+    load_calibration(CalibrationConfig(source=str(path), n_samples=2, max_tokens=64, min_tokens=64), tiny_tokenizer)
+    assert "asked" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("problem", ["missing", "short"])
