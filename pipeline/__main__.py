@@ -33,7 +33,7 @@ STAGES: dict[str, StageSpec] = {
                   ["import:pipeline.quantize", "evals/data/calibration.txt"], "pipeline.quantize:run"),
         StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.drafts"],
                   "pipeline.drafts:run"),
-        StageSpec("acceptance", ["acceptance", "device", "seed"], ["quantize", "drafts"], "acceptance",
+        StageSpec("acceptance", ["acceptance", "latency", "device", "seed"], ["quantize", "drafts"], "acceptance",
                   ["import:pipeline.acceptance"], "pipeline.acceptance:run"),
         StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
                   "latency", ["import:pipeline.latency"], "pipeline.latency:run"),

@@ -22,6 +22,12 @@ temperature, `per_position` (position, conditional, prefix, expected_beta, n, ci
 `expected_tokens_per_round` k -> E(k) with CIs, the drafted-count distribution per k (what the
 marginal stage weights round times by), the per-prompt records, `direct_check`; and `lossless`.
 Intervals resample prompts (pipeline/acceptance_stats.py).
+
+4. At every B in latency.spec_batch_sizes (and B = 1), `expected_tokens_per_round_by_batch`
+   B -> k -> E_B(k): tokens per row per round of the engine's synchronised batched scheme, exact
+   given the texts of B distinct prompts, averaged over seeded groups of the slice's prompts, with
+   `expected_tokens_per_round_by_batch_ci` (unit: prompt) and `by_batch_design`
+   (pipeline/batch_rounds.py). B = 1 equals `expected_tokens_per_round`.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import time
 import torch
 
 from draft_models import build_draft, draft_slug
+from pipeline.batch_rounds import by_batch_blocks
 from pipeline.acceptance_stats import direct_check, prompt_record, summarize_slice
 from pipeline.decode import Draft, SamplingParams, generate
 from pipeline.device import resolve_device
@@ -74,8 +81,10 @@ def direct_runs(model, draft: Draft, prompts: dict, k: int, sampling: SamplingPa
     return out
 
 
-def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict) -> dict:
-    """The acceptance JSON for one (target, draft) pair (without the variant/draft names)."""
+def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
+                 batch_sizes: list[int] = ()) -> dict:
+    """The acceptance JSON for one (target, draft) pair (without the variant/draft names);
+    batch_sizes: B > 1 for `expected_tokens_per_round_by_batch` (pipeline/batch_rounds.py)."""
     k_max, eos = cfg.k_max, tokenizer.eos_token_id
     check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
     device = next(model.parameters()).device
@@ -84,9 +93,11 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
     for ti, t in enumerate(cfg.temperatures):
         sampling, key = sampling_of(cfg, t), temp_key(t)
         records: dict[str, dict] = {}
+        scored = {}
         for kind, rows in prompts.items():
             for pid, ids in rows:
-                text = score_text(model, draft, ids, texts[key][pid], sampling, k_max, cfg.max_new_tokens)
+                text = scored[pid] = score_text(model, draft, ids, texts[key][pid], sampling, k_max,
+                                                cfg.max_new_tokens)
                 records[pid] = prompt_record(pid, kind, text, {k: round_chain(text, k) for k in range(1, k_max + 1)})
         direct = {}
         for k in check_ks:
@@ -101,6 +112,8 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
                 continue
             recs = [records[p] for p in pids]
             summary = summarize_slice(recs, k_max, cfg.confidence, seed)
+            summary.update(by_batch_blocks([scored[p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
+                                           cfg.confidence, seed))
             summary["direct_check"] = direct_check(recs, {k: [direct[k][p] for p in pids] for k in check_ks},
                                                    sampling.greedy, cfg.confidence, seed)
             slices.setdefault(name, {})[key] = summary
@@ -126,6 +139,7 @@ def run(ctx: StageContext) -> None:
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
     targets = cfg.targets or [ctx.config.quantize.reference]
+    batch_sizes = sorted({int(b) for b in ctx.config.latency.spec_batch_sizes if int(b) > 1})
     pairs, timings = {}, {}
     for variant in targets:
         vdir = ctx.run_dir / "variants" / variant
@@ -136,7 +150,8 @@ def run(ctx: StageContext) -> None:
             dmeta = read_json(ctx.run_dir / "drafts" / slug / "meta.json", f"draft '{spec}' meta.json")
             name = f"{variant}__{slug}"
             inputs = {"variant": vmeta.get("input_hash"), "draft": dmeta.get("input_hash"),
-                      "acceptance": ctx.config.section("acceptance"), "seed": ctx.config.seed, "device": str(device)}
+                      "acceptance": ctx.config.section("acceptance"), "seed": ctx.config.seed, "device": str(device),
+                      "spec_batch_sizes": batch_sizes}
             item = ctx.item(f"{name}.json", inputs, is_dir=False)
             pairs[name] = {"variant": variant, "draft": spec, "file": f"acceptance/{name}.json"}
             if item.fresh:
@@ -152,7 +167,7 @@ def run(ctx: StageContext) -> None:
                 t0 = time.time()
             progress(f"acceptance: {name}")
             draft = build_draft(spec, model, tokenizer, ctx.run_dir, device)
-            result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts)
+            result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts, batch_sizes)
             item.write_json({"variant": variant, "draft": spec, "draft_slug": slug, **result})
             timings[name] = round(time.time() - t0, 1)
             for t, v in result["slices"]["all"].items():

@@ -36,6 +36,8 @@ def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int
         "drafted_rounds": {str(k): c.drafted_rounds.tolist() for k, c in chains.items()},
         "full_rounds": top.full_rounds, "reached": top.reached.tolist(), "accepted": top.accepted.tolist(),
         "beta_sum": top.beta_sum.tolist(), "histogram": top.histogram.tolist(),
+        # E[full rounds with j accepted] at every k: the per-round draws a simulation at k needs.
+        "histogram_by_k": {str(k): c.histogram.tolist() for k, c in chains.items()},
     }
 
 
@@ -119,6 +121,12 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         counts = np.array([r["drafted_rounds"][str(k)] for r in records], float).reshape(n_prompts, k + 1).sum(0)
         drafted[str(k)] = (counts / counts.sum()).tolist() if counts.sum() > 0 else [1.0] + [0.0] * k
     top = np.array(drafted[str(k_max)])
+    accepted_pmf = {}
+    for k in ks:  # records written before histogram_by_k (k_max only) give no per-k distribution
+        counts = sum((np.asarray(r["histogram_by_k"][str(k)], float) for r in records if "histogram_by_k" in r),
+                     np.zeros(k + 1))
+        if counts.sum() > 0:
+            accepted_pmf[str(k)] = (counts / counts.sum()).tolist()
     return {
         "per_position": per_position,
         "expected_tokens_per_round": expected,
@@ -126,6 +134,9 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         "expected_rounds": {str(k): float(rounds[:, j].sum()) for j, k in enumerate(ks)},
         "drafted_distribution": drafted,
         "histogram": hist.sum(0).tolist(),
+        # k -> P(j accepted in a full round at k), j = 0..k, from the chain at that k (not the k_max
+        # rounds clipped at k, which is the biased shortcut): what pipeline/serving_sim.py draws.
+        "accepted_distribution": accepted_pmf,
         "rounds": float(full.sum()),
         "tokens": int(tokens.sum()),
         "mean_drafted": float(top @ np.arange(k_max + 1)),

@@ -62,6 +62,7 @@ class RoundChain:
     accepted: np.ndarray  # [k]: E[full rounds whose positions 1..i were accepted]
     beta_sum: np.ndarray  # [k]: E[sum of beta_i over the rounds reaching i] (0 where nothing drafted)
     histogram: np.ndarray  # [k+1]: E[full rounds with j accepted], j = 0..k
+    starts: np.ndarray  # [n-1]: P(a round starts at s), s = 1..n-1 (sums to `rounds`)
 
 
 def round_chain(text: TextAcceptance, k: int) -> RoundChain:
@@ -106,7 +107,8 @@ def round_chain(text: TextAcceptance, k: int) -> RoundChain:
             elif i == d + 1 and m == d and s + d <= n - 1:  # the draft offered fewer than i tokens
                 reached[i - 1] += w * survive[d]
     return RoundChain(k=k, rounds=float(visit[1:n].sum()), drafted_rounds=drafted_rounds, full_rounds=full_rounds,
-                      reached=reached, accepted=accepted, beta_sum=beta_sum, histogram=histogram)
+                      reached=reached, accepted=accepted, beta_sum=beta_sum, histogram=histogram,
+                      starts=visit[1:max(n, 1)].copy())
 
 
 def model_draft_rows(per_token: np.ndarray, k_max: int) -> np.ndarray:
