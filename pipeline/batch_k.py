@@ -3,27 +3,30 @@
 Called by the marginal stage (python -m pipeline marginal --run ... --config ...) for every pair
 with a `latency/batched/<pair>.json`. Under the engine's synchronised scheme
 (pipeline/decode/batched.py) a round at batch B keeps n_min + 1 tokens in every row, n_min the
-fewest accepted in the batch. With the rows' accepted counts A_b independent and distributed as
-the acceptance stage measured them (P(A >= i) = `prefix` of position i):
-
-    P(min_b min(A_b, k) >= i) = P(A >= i)^B        for i <= k
-    E_B(k) = 1 + sum_{i=1..k} P(A >= i)^B            tokens per row per round; E_1 = E(k)
-
-and the accepted tokens thrown away against per-row offsets are a share 1 - E_B(k) / E_1(k) of
-what the rows would keep alone. At each B:
+fewest accepted in the batch. E_B(k), tokens per row per round at B, is the acceptance stage's
+`expected_tokens_per_round_by_batch` (pipeline/batch_rounds.py): exact given the texts of B
+distinct prompts (the batch is a round chain over shared starts whose acceptance is the product
+over rows), averaged over groups of the slice's prompts, with a prompt-jackknife CI; at B = 1 it
+is the acceptance stage's exact E(k). At each B:
 
     ms/token(B, k) = T_round(B, k) / E_B(k)          speedup(B, k) = T_plain(B) / ms/token(B, k)
 
 with T_round and T_plain (one plain step of B rows) timed in the same repeats on the same B
-prompts (pipeline/batch_latency.py). recommended_k_by_batch applies marginal.RULE at each B.
-The latency run's own tokens per round at B (real rows, not independent draws) is kept beside
-E_B as `measured_tokens_per_round`: where they differ, the independence assumption is off.
+prompts (pipeline/batch_latency.py). The accepted tokens thrown away against each row running
+alone are a share 1 - E_B(k) / E_1(k). recommended_k_by_batch applies marginal.RULE at each B.
+
+Beside E_B, for comparison only: `tokens_per_round_independent_rows` = 1 + sum_{i<=k} prefix_i^B,
+the formula this module used before (prefix rates from the k_max rounds and rows' accepted
+counts taken as independent draws; at B = 1 it is the biased k_max shortcut issue 14 replaced),
+and `measured_tokens_per_round`, the latency run's own n_min + 1 on its B prompts (one group,
+greedy, real rows). An acceptance JSON written before E_B existed (or a B with fewer prompts than
+B in the slice) falls back to the comparison formula, and the row says so in
+`tokens_per_round_source`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from pipeline.stats import percentile_bootstrap
 
 # vLLM's dynamic speculative decoding (DSD): speculative_config.num_speculative_tokens_per_batch_size,
 # a list of [start_bs, end_bs, K] rows, ranges inclusive; num_speculative_tokens is the startup
@@ -44,77 +47,83 @@ def prefix_rates(per_position: list[dict], k_max: int) -> np.ndarray:
 
 
 def expected_tokens_batched(prefix: np.ndarray, k: int, batch: int) -> float:
-    """E_B(k) = 1 + sum_{i<=k} P(A >= i)^B (module docstring)."""
+    """The comparison formula 1 + sum_{i<=k} P(A >= i)^B (module docstring): not E_B."""
     return 1.0 + float(np.sum(np.asarray(prefix[:k], dtype=float) ** batch))
 
 
-def _e_from_rounds(accepted: np.ndarray, k: int, batch: int, axis: int = -1) -> np.ndarray:
-    """E_B(k) from accepted counts per round (resampled along `axis`)."""
-    tail = np.stack([(accepted >= i).mean(axis=axis) for i in range(1, k + 1)], -1)
-    return 1.0 + (tail ** batch).sum(-1)
+def exact_tokens_per_round(acceptance_slice: dict, batch: int, k: int) -> tuple[float, list[float]] | None:
+    """(E_B(k), its CI) from the acceptance JSON (B = 1: expected_tokens_per_round), or None."""
+    if batch == 1:
+        e = (acceptance_slice.get("expected_tokens_per_round") or {}).get(str(k))
+        ci = (acceptance_slice.get("expected_tokens_per_round_ci") or {}).get(str(k))
+    else:
+        e = ((acceptance_slice.get("expected_tokens_per_round_by_batch") or {}).get(str(batch)) or {}).get(str(k))
+        ci = ((acceptance_slice.get("expected_tokens_per_round_by_batch_ci") or {}).get(str(batch)) or {}).get(str(k))
+    if e is None:
+        return None
+    return float(e), [float(x) for x in ci] if ci else [float(e), float(e)]
 
 
-def batch_rows(prefix: np.ndarray, histogram: list[int] | None, cells: list[dict], confidence: float,
-               seed: int = 0) -> list[dict]:
-    """One row per measured (B, k): E_B(k), ms/token, speedup with CIs, the thrown-away share.
-
-    CIs resample timing repeats (ratio plain/round per repeat: paired) and, when the acceptance
-    histogram is there, acceptance rounds, independently; the resampled E_B is shifted onto the
-    point estimate from `prefix` so the two cannot disagree by construction (as marginal does)."""
-    accepted = None
-    if histogram and sum(histogram):
-        accepted = np.repeat(np.arange(len(histogram)), np.asarray(histogram, dtype=int)).astype(float)
+def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, seed: int = 0) -> list[dict]:
+    """One row per measured (B, k): E_B(k), ms/token, speedup with CIs, the thrown-away share."""
+    k_max = max((int(c["k"]) for c in cells), default=0)
+    prefix = prefix_rates(acceptance_slice.get("per_position") or [], k_max)
     plain = {c["batch"]: c for c in cells if c["k"] == 0}
     rows = []
     for c in sorted((c for c in cells if c["k"] > 0), key=lambda c: (c["batch"], c["k"])):
         b, k = int(c["batch"]), int(c["k"])
-        if b not in plain or k > len(prefix):
+        if b not in plain:
             continue
-        e_b, e_1 = expected_tokens_batched(prefix, k, b), expected_tokens_batched(prefix, k, 1)
+        formula = expected_tokens_batched(prefix, k, b)
+        exact, alone = exact_tokens_per_round(acceptance_slice, b, k), exact_tokens_per_round(acceptance_slice, 1, k)
+        if exact is not None:
+            (e_b, e_ci), source = exact, "exact (acceptance expected_tokens_per_round_by_batch)"
+        else:
+            e_b, e_ci, source = formula, [formula, formula], "independent-rows formula (no exact E_B in the acceptance JSON)"
+        e_1 = alone[0] if alone is not None else expected_tokens_batched(prefix, k, 1)
         round_ms = np.asarray(c["round_ms"]["samples"], dtype=float)
         plain_ms = np.asarray(plain[b]["ms_per_token"]["samples"], dtype=float)
         n = min(len(round_ms), len(plain_ms))
         ratio = plain_ms[:n] / round_ms[:n]  # same repeat: paired
         t_plain, t_round = float(np.median(plain_ms)), float(np.median(round_ms))
-        ms = t_round / e_b
-        row = {"batch": b, "k": k, "tokens_per_round": e_b, "tokens_per_round_alone": e_1,
+        row = {"batch": b, "k": k, "tokens_per_round": e_b, "tokens_per_round_ci": e_ci,
+               "tokens_per_round_source": source, "tokens_per_round_alone": e_1,
                "thrown_away_share": 1.0 - e_b / e_1,
+               "tokens_per_round_independent_rows": formula,
                "measured_tokens_per_round": c.get("tokens_per_round"),
                "measured_thrown_away_fraction": c.get("thrown_away_fraction"),
                "round_ms": t_round, "round_ms_ci": c["round_ms"]["ci"],
                "plain_ms_per_token": t_plain, "plain_ms_per_token_ci": plain[b]["ms_per_token"]["ci"],
-               "ms_per_token": ms, "speedup": float(np.median(ratio)) * e_b,
+               "ms_per_token": t_round / e_b, "speedup": float(np.median(ratio)) * e_b,
                "measured_ms_per_token": c["ms_per_token"]["median"], "measured_speedup": c["speedup"]["median"],
                "measured_speedup_ci": c["speedup"]["ci"]}
-        row["ms_per_token_ci"], row["speedup_ci"], row["tokens_per_round_ci"] = _cis(
-            round_ms, ratio, accepted, prefix, k, b, confidence, seed + 31 * b + k)
+        row["ms_per_token_ci"], row["speedup_ci"] = _cis(round_ms, ratio, e_b, e_ci, k, confidence,
+                                                         seed + 31 * b + k)
         rows.append(row)
     return rows
 
 
-def _cis(round_ms, ratio, accepted, prefix, k, b, confidence, seed):
-    e_point = expected_tokens_batched(prefix, k, b)
+def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[float], k: int, confidence: float,
+         seed: int, resamples: int = 2000) -> tuple[list[float], list[float]]:
+    """CIs of ms/token and speedup from two independent sources: the timing repeats (median of a
+    bootstrap resample) and E_B (a normal draw with the SE its CI implies). Written out because
+    scipy.stats.bootstrap resamples data only, and E_B's uncertainty is given as an interval."""
+    from scipy.stats import norm
 
-    def ci(fn, data):
-        data = tuple(d if d.size > 1 else np.repeat(d, 2) for d in data)
-        if all(np.ptp(d) == 0 for d in data):
-            v = float(fn(*[d[None, :] for d in data], axis=-1)[0])
-            return [v, v]
-        return list(percentile_bootstrap(data, fn, confidence, seed))
+    rng = np.random.default_rng(seed)
+    z = float(norm.ppf((1 + confidence) / 2))
+    se = max(e_ci[1] - e_ci[0], 0.0) / (2 * z)
+    e = np.clip(e_point + se * rng.standard_normal(resamples), 1.0, k + 1.0)
+    med_round = np.median(rng.choice(round_ms, (resamples, round_ms.size)), axis=1)
+    med_ratio = np.median(rng.choice(ratio, (resamples, ratio.size)), axis=1)
+    q = [(1 - confidence) / 2, (1 + confidence) / 2]
 
-    if accepted is None:
-        e = lambda a, axis: e_point  # noqa: E731 (no rounds to resample: E_B is taken as known)
-        ms = ci(lambda r, axis: np.median(r, axis=axis) / e_point, (round_ms,))
-        sp = ci(lambda q, axis: np.median(q, axis=axis) * e_point, (ratio,))
-        return ms, sp, [e_point, e_point]
-    shift = e_point - float(_e_from_rounds(accepted, k, b))
+    def interval(samples: np.ndarray, point: float) -> list[float]:
+        lo, hi = np.quantile(samples, q)
+        return [min(float(lo), point), max(float(hi), point)]
 
-    def e(a, axis):
-        return _e_from_rounds(a, k, b, axis) + shift
-
-    ms = ci(lambda r, a, axis: np.median(r, axis=axis) / e(a, axis), (round_ms, accepted))
-    sp = ci(lambda q, a, axis: np.median(q, axis=axis) * e(a, axis), (ratio, accepted))
-    return ms, sp, ci(lambda a, axis: e(a, axis), (accepted,))
+    return (interval(med_round / e, float(np.median(round_ms)) / e_point),
+            interval(med_ratio * e, float(np.median(ratio)) * e_point))
 
 
 def recommended_by_batch(rows: list[dict]) -> dict[int, int]:
@@ -163,9 +172,7 @@ def speculative_config(by_batch: dict[int, int]) -> dict:
 
 def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, seed: int = 0) -> dict:
     """Everything the marginal JSON gets from one pair's batched latency and its primary acceptance slice."""
-    k_max = max(int(c["k"]) for c in batched["cells"])
-    prefix = prefix_rates(acceptance_slice.get("per_position") or [], k_max)
-    rows = batch_rows(prefix, acceptance_slice.get("histogram"), batched["cells"], confidence, seed)
+    rows = batch_rows(acceptance_slice, batched["cells"], confidence, seed)
     rec = recommended_by_batch(rows)
     plain = [{"batch": c["batch"], "ms_per_token": c["ms_per_token"]["median"], "ci": c["ms_per_token"]["ci"],
               "prefill_ms": c["prefill_ms"]["median"]} for c in batched["cells"] if c["k"] == 0]

@@ -191,8 +191,9 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
     sv = report["serving"]
     cfg = report["speculative_config_by_batch"]
     out = ["", "## Speculation under batching", "",
-           "Speedup over plain decoding of the same B rows (E_B(k) from acceptance, assuming independent rows, "
-           "times round time and plain step time from the same repeats); * = recommended k at that B. Every "
+           "Speedup over plain decoding of the same B rows (E_B(k), tokens per row per round, from acceptance: "
+           "exact given the texts of B distinct prompts, averaged over groups of the slice's prompts; times "
+           "round time and plain step time from the same repeats); * = recommended k at that B. Every "
            "row keeps n_min + 1 tokens a round (synchronised scheme); the last column is the share of "
            "accepted tokens that throws away against per-row offsets.", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

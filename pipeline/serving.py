@@ -16,6 +16,10 @@ JSON gets beside `recommended_k`: `recommended_k_by_batch`, `speculative_config_
   when none is recommended), and the per-batch k table.
 - `crossover`: per speculative policy, the rate above which it stops paying on TPOT p50 and on
   goodput (pipeline/serving_sim.py crossover).
+- Acceptance draws: per k, the acceptance stage's `accepted_distribution` at that k (the round
+  chain at k, so B = 1 agrees with the exact E(k)); rows are drawn independently, so at B > 1
+  the simulation's tokens per row per round is the independent-draws figure, not by_batch's
+  exact E_B (ASSUMPTIONS in pipeline/serving_sim.py).
 - `validation`: the simulation in closed-loop mode on the latency stage's closed-loop requests
   (same B, k, prompt lengths per wave, output length) against the measured TPOT and TTFT per wave:
   the predicted median (point costs, acceptance draws over serving.validation_resamples runs)
@@ -82,8 +86,9 @@ def _closed_run(costs: CostModel, loop: dict, mode: str, rng: np.random.Generato
     return float(np.median(tpot)), float(np.median(ttft))
 
 
-def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, confidence: float, seed: int) -> list[dict]:
-    point_costs = CostModel.from_artifacts(grid, batched, prefix)
+def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, confidence: float, seed: int,
+             accept_by_k: dict | None = None) -> list[dict]:
+    point_costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k)
     out = []
     for li, loop in enumerate(batched.get("closed_loop") or []):
         for mi, mode in enumerate(("plain", "speculative")):
@@ -92,7 +97,8 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
             spread = []
             for i in range(resamples):
                 rng = np.random.default_rng([seed, li, mi, i, 7])
-                spread.append(_closed_run(CostModel.from_artifacts(grid, batched, prefix, rng), loop, mode, rng))
+                spread.append(_closed_run(CostModel.from_artifacts(grid, batched, prefix, rng, accept_by_k), loop, mode,
+                                          rng))
             lo_q, hi_q = (1 - confidence) / 2 * 100, (1 + confidence) / 2 * 100
             row = {"batch": loop["batch"], "k": loop["k"] if mode == "speculative" else 0, "mode": mode,
                    "waves": loop["waves"], "requests": loop["requests"]}
@@ -122,10 +128,11 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
         fixed_k = min(b1, key=lambda r: (r["ms_per_token"], r["k"]))["k"]
         fixed_note = f"fastest k at B = {min(by_batch)} (no k is recommended there)"
     prefix = prefix_rates(acceptance_slice.get("per_position") or [], max(r["k"] for r in rows))
-    costs = CostModel.from_artifacts(grid, batched, prefix)
+    accept_by_k = acceptance_slice.get("accepted_distribution") or None
+    costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k)
     policies = _policies(fixed_k, by_batch)
     result = sweep(costs, policies, serving, seed)
-    val = validate(grid, batched, prefix, serving.validation_resamples, confidence, seed)
+    val = validate(grid, batched, prefix, serving.validation_resamples, confidence, seed, accept_by_k)
     section["serving"] = {
         **result,
         "policies": {"plain": "no speculation", f"k={fixed_k}": fixed_note,
@@ -135,7 +142,13 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
         "workload": {"prompt_tokens": serving.prompt_tokens, "output_tokens": serving.output_tokens,
                      "requests_per_run": serving.requests, "runs_per_rate": serving.seeds,
                      "max_batch": costs.max_batch},
-        "acceptance": {"accept_pmf": costs.accept_pmf.tolist()},
+        "acceptance": {"accept_pmf": costs.accept_pmf.tolist(),
+                       "accept_pmf_by_k": {str(k): list(map(float, v)) for k, v in (accept_by_k or {}).items()},
+                       "draws": ("per k: the acceptance round chain's per-round distribution at that k"
+                                 if accept_by_k else "the k_max rounds' distribution clipped at k (older acceptance "
+                                 "JSON without accepted_distribution)") +
+                                "; rows drawn independently (tokens per row per round at B > 1 is not the exact "
+                                "E_B of by_batch)"},
         "assumptions": ASSUMPTIONS,
         "validation": val,
         "validation_agrees": bool(val) and all(v["tpot_ms"]["within_measured_ci"] for v in val),

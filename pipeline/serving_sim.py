@@ -29,8 +29,11 @@ ASSUMPTIONS = [
     "verify pass's context cost is taken to be a plain step's). Costs are linear in batch between measured "
     "batch sizes and linear in context (extrapolated outside the grid).",
     "Every running row keeps n_min + 1 tokens a round (the engine's synchronised scheme), n_min the fewest "
-    "accepted in the batch; each row's accepted count is drawn independently from the acceptance stage's "
-    "per-round distribution, whatever the request. Near a request's end k shrinks so no row overshoots.",
+    "accepted in the batch; each row's accepted count at k is drawn independently, round by round, from the "
+    "acceptance stage's per-round distribution at that k (its round chain at k: at B = 1 its mean is the exact "
+    "E(k) over full-length rounds). Rows' acceptance is not i.i.d. across rounds on real text, so at B > 1 the "
+    "simulated tokens per row per round is the independent-draws figure, not the exact E_B(k) that the "
+    "by-batch table uses (both are reported there). Near a request's end k shrinks so no row overshoots.",
     "Fixed prompt and output lengths; open-loop Poisson arrivals; a round's tokens reach the client when "
     "the round ends; no preemption, no memory limit, no network.",
 ]
@@ -71,7 +74,9 @@ class CostModel:
     """Measured costs in ms. `step`, `prefill`: plain decode step and prefill by (batch, context) from
     the latency grid, anchored on the batched run's own plain figures (`anchor_*`, by batch, at
     `anchor_context`); `round_ms`: speculative round by (batch, k) from the batched run;
-    `accept_pmf`: P(A = 0..k_max) accepted tokens per round from acceptance."""
+    `accept_pmf`: P(A = 0..k_max) accepted tokens per round from acceptance, clipped at k when a
+    round runs at k < k_max, unless `accept_pmf_by_k` has that k: P(A = 0..k) per round of the
+    acceptance round chain at k itself (the acceptance JSON's `accepted_distribution`)."""
 
     step: Table2D
     prefill_grid: Table2D
@@ -83,6 +88,7 @@ class CostModel:
     anchor_prompt: float  # its prompt length
     round_ms: dict[int, list[float]]  # k -> per anchor batch
     accept_pmf: np.ndarray
+    accept_pmf_by_k: dict[int, np.ndarray] | None = None
     max_batch: int = field(init=False)
     k_max: int = field(init=False)
 
@@ -91,6 +97,22 @@ class CostModel:
         self.k_max = len(self.accept_pmf) - 1
         self._memo: dict[tuple, float] = {}  # the simulation asks the same points thousands of times
         self._usable = [max((x for x in self.round_ms if x <= k), default=0) for k in range(self.k_max + 1)]
+        # Inverse CDFs per k, applied to one shared stream of uniforms (common random numbers across
+        # policies; for the k_max pmf this is exactly what Generator.choice(p=...) does).
+        by_k = {int(k): np.asarray(v, dtype=float) for k, v in (self.accept_pmf_by_k or {}).items()}
+        self._cdf = {}
+        for k in range(1, self.k_max + 1):
+            pmf = by_k.get(k)
+            if pmf is None or pmf.sum() <= 0:
+                self._cdf[k] = (np.cumsum(self.accept_pmf) / np.sum(self.accept_pmf), True)  # clip at k
+            else:
+                self._cdf[k] = (np.cumsum(pmf) / pmf.sum(), False)
+
+    def accepted(self, u: np.ndarray, k: int) -> np.ndarray:
+        """Accepted counts (0..k) for uniforms u at draft length k."""
+        cdf, clip = self._cdf[k]
+        a = np.minimum(cdf.searchsorted(u, side="right"), len(cdf) - 1)
+        return np.minimum(a, k) if clip else a
 
     def _at(self, values: list[float], batch: float) -> float:
         return float(np.interp(batch, self.anchor_batches, values))
@@ -118,10 +140,12 @@ class CostModel:
         return self._memo[key]
 
     @classmethod
-    def from_artifacts(cls, grid: dict, batched: dict, prefix: np.ndarray, rng: np.random.Generator | None = None):
+    def from_artifacts(cls, grid: dict, batched: dict, prefix: np.ndarray, rng: np.random.Generator | None = None,
+                       accept_by_k: dict | None = None):
         """grid: latency/<variant>.json; batched: latency/batched/<pair>.json; prefix: P(A >= i),
-        i = 1..k_max. With `rng`, every measured median is replaced by the median of a bootstrap
-        resample of its repeats (for a prediction interval that carries the timing noise)."""
+        i = 1..k_max; accept_by_k: the acceptance slice's `accepted_distribution` (k -> P(A = j)),
+        used at every k it has. With `rng`, every measured median is replaced by the median of a
+        bootstrap resample of its repeats (for a prediction interval that carries the timing noise)."""
 
         def med(rec: dict) -> float:
             x = np.asarray(rec["samples"], dtype=float)
@@ -152,7 +176,8 @@ class CostModel:
                                            for b in bs],
                    anchor_context=prompt + float(batched["new_tokens"]) / 2, anchor_prompt=prompt,
                    round_ms={k: [med(spec[(b, k)]["round_ms"]) for b in bs] for k in ks},
-                   accept_pmf=pmf / pmf.sum())
+                   accept_pmf=pmf / pmf.sum(),
+                   accept_pmf_by_k={int(k): np.asarray(v, dtype=float) for k, v in (accept_by_k or {}).items()})
 
 
 # ---------------------------------------------------------------- the simulation
@@ -197,7 +222,7 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
     running: list[Request] = []
     done: list[Request] = []
     t = 0.0
-    draws, used = [], 0  # accepted counts, drawn in blocks (one rng call per block)
+    draws, used = [], 0  # uniforms for the accepted counts, drawn in blocks (one rng call per block)
     while pending or waiting or running:
         while pending and pending[0].arrival <= t:
             waiting.append(pending.popleft())
@@ -219,8 +244,8 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
             gain = 1
             if k > 0:
                 if used + b > len(draws):
-                    draws, used = rng.choice(costs.k_max + 1, size=4096, p=costs.accept_pmf).tolist(), 0
-                gain = min(min(draws[used:used + b]), k) + 1  # n_min + 1 for every row
+                    draws, used = rng.random(4096), 0
+                gain = int(costs.accepted(draws[used:used + b], k).min()) + 1  # n_min + 1 for every row
                 used += b
             for r in running:
                 r.produced += gain

@@ -41,18 +41,46 @@ def _cells(plain: dict[int, float], round_ms, ks, repeats: int = 4, noise: float
     return out
 
 
+def _slice(e_by_batch: dict[int, dict[int, float]], prefix, half: float = 0.0) -> dict:
+    """An acceptance slice carrying E_B(k) (B = 1 as expected_tokens_per_round) and prefix rates."""
+    by = {str(b): {str(k): v for k, v in e.items()} for b, e in e_by_batch.items() if b > 1}
+    return {"per_position": [{"position": i + 1, "prefix": float(p)} for i, p in enumerate(prefix)],
+            "expected_tokens_per_round": {str(k): v for k, v in e_by_batch[1].items()},
+            "expected_tokens_per_round_ci": {str(k): [v - half, v + half] for k, v in e_by_batch[1].items()},
+            "expected_tokens_per_round_by_batch": by,
+            "expected_tokens_per_round_by_batch_ci": {b: {k: [v - half, v + half] for k, v in e.items()}
+                                                      for b, e in by.items()}}
+
+
 def test_k_by_batch_known_answer_and_the_vllm_table():
-    """Noise-free: a = 0.8 per position; B = 1: plain 10 ms, round 10 + 2k; B = 4: plain 12 ms,
-    round 12 + 12k (verifying 4 (k+1) tokens is dear). ms/token = round / E_B(k)."""
-    prefix = 0.8 ** np.arange(1, 5)
+    """Noise-free: E_B(k) given (B = 1: 1 + sum 0.8^i; B = 4: 1 + sum 0.8^(4i)); B = 1: plain
+    10 ms, round 10 + 2k; B = 4: plain 12 ms, round 12 + 12k (verifying 4 (k+1) tokens is dear).
+    ms/token = round / E_B(k), E_B taken from the acceptance slice, not from the prefix rates
+    (these are set to 0.5 so the comparison formula gives other numbers)."""
+    exact = {b: {k: 1 + sum(0.8 ** (i * b) for i in range(1, k + 1)) for k in range(1, 5)} for b in (1, 4)}
     cells = _cells({1: 10.0, 4: 12.0}, lambda b, k: 10 + 2 * k if b == 1 else 12 + 12 * k, [1, 2, 3, 4])
-    rows = batch_rows(prefix, None, cells, 0.95)
+    rows = batch_rows(_slice(exact, [0.5] * 4), cells, 0.95)  # E_B known exactly (zero-width CI)
     by = {(r["batch"], r["k"]): r for r in rows}
+    # E_B's CI (here +-0.05) widens the speedup CI around the same point.
+    for r in batch_rows(_slice(exact, [0.5] * 4, half=0.05), cells, 0.95):
+        known = by[(r["batch"], r["k"])]
+        assert r["speedup"] == pytest.approx(known["speedup"])
+        assert r["speedup_ci"][0] < known["speedup_ci"][0] and r["speedup_ci"][1] > known["speedup_ci"][1]
     for (b, k), r in by.items():
-        e = 1 + sum(0.8 ** (i * b) for i in range(1, k + 1))
-        assert r["tokens_per_round"] == pytest.approx(e)
+        e = exact[b][k]
+        assert r["tokens_per_round"] == pytest.approx(e) and r["tokens_per_round_source"].startswith("exact")
+        assert r["tokens_per_round_independent_rows"] == pytest.approx(1 + sum(0.5 ** b for _ in range(k)))
         assert r["speedup"] == pytest.approx(r["plain_ms_per_token"] / (r["round_ms"] / e))
-        assert r["thrown_away_share"] == pytest.approx(1 - e / (1 + sum(0.8 ** i for i in range(1, k + 1))))
+        assert r["speedup_ci"][0] <= r["speedup"] <= r["speedup_ci"][1]
+        assert r["ms_per_token_ci"][0] <= r["ms_per_token"] <= r["ms_per_token_ci"][1]
+        assert r["thrown_away_share"] == pytest.approx(1 - e / exact[1][k])
+    # An acceptance JSON without E_B (written before it existed): the comparison formula, labelled.
+    old = _slice({1: exact[1]}, 0.8 ** np.arange(1, 5))
+    del old["expected_tokens_per_round_by_batch"]
+    fallback = {(r["batch"], r["k"]): r for r in batch_rows(old, cells, 0.95)}
+    assert fallback[(4, 2)]["tokens_per_round"] == pytest.approx(1 + 0.8 ** 4 + 0.8 ** 8)
+    assert fallback[(4, 2)]["tokens_per_round_source"].startswith("independent-rows formula")
+    assert fallback[(1, 2)]["tokens_per_round"] == pytest.approx(exact[1][2])
     best1 = min((k for k in range(1, 5)), key=lambda k: (10 + 2 * k) / by[(1, k)]["tokens_per_round"])
     rec = recommended_by_batch(rows)
     assert rec == {1: best1, 4: 0}
@@ -161,11 +189,13 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
     import torch
 
     from draft_models.layerskip import truncate
-    from pipeline.acceptance import summarize as acceptance_summary
+    from pipeline.acceptance_stats import prompt_record, summarize_slice
     from pipeline.batch_latency import (batch_prompts, batched_cells, batched_repeat, closed_loop_summary,
                                         closed_loop_wave)
-    from pipeline.decode import ModelDraft, generate
+    from pipeline.decode import ModelDraft, SamplingParams, generate
+    from pipeline.expected_rounds import round_chain
     from pipeline.serving import validate
+    from pipeline.teacher_forced import score_text
 
     from pipeline import batch_latency
 
@@ -173,13 +203,15 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
     monkeypatch.setattr(batch_latency, "KINDS", ("chat", "code", "structured"))
     draft = ModelDraft("layerskip:2", truncate(tiny_model, 2), tiny_model.config.vocab_size)
     ks, sizes, new, repeats = [1, 2], [1, 2], 10, 4
-    # Acceptance at k_max = 2, B = 1, on prompts 8..13 (the closed loop uses 0..7).
-    rounds = []
+    # Acceptance at k_max = 2 on prompts 8..13 (the closed loop uses 0..7), as the acceptance stage
+    # measures it: greedy texts, a teacher-forced pass, the round chain at every k.
+    recs = []
     for i in range(8, 14):
-        res = generate(tiny_model, batch_prompts(tiny_tokenizer, 1, offset=i), 24, draft=draft, k=2)
-        rounds += [r for r in res.rounds if r.k == 2]
-    acc = acceptance_summary([r.accepted for r in rounds], [r.drafted for r in rounds], [r.betas for r in rounds],
-                             2, tokens=0)
+        ids = batch_prompts(tiny_tokenizer, 1, offset=i)
+        text = score_text(tiny_model, draft, ids[0].tolist(), generate(tiny_model, ids, 24).tokens,
+                          SamplingParams(0.0), 2, 24)
+        recs.append(prompt_record(f"p{i}", "chat", text, {k: round_chain(text, k) for k in (1, 2)}))
+    acc = summarize_slice(recs, 2)
     prefix = np.array([p["prefix"] for p in acc["per_position"]])
     prompts = {b: batch_prompts(tiny_tokenizer, b) for b in sizes}
     grid_raw: dict[tuple[int, int], list] = {}
@@ -199,7 +231,8 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
                "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
                "cells": batched_cells(reps, sizes, ks, 0.95, 0),
                "closed_loop": [closed_loop_summary(waves[b], b, 2, new, 0.95, 0) for b in sizes]}
-    rows = validate(grid, batched, prefix, resamples=40, confidence=0.95, seed=0)
+    rows = validate(grid, batched, prefix, resamples=40, confidence=0.95, seed=0,
+                    accept_by_k=acc["accepted_distribution"])
     assert [(v["batch"], v["mode"]) for v in rows] == [(1, "plain"), (1, "speculative"), (2, "plain"),
                                                        (2, "speculative")]
     for v in rows:
