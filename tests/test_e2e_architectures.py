@@ -30,7 +30,8 @@ def smoke_config(calibration, variants: dict) -> dict:
                        "lossless_samples": 20},
         "latency": {"batch_sizes": [1], "context_lengths": [32], "new_tokens": 4, "warmup": 1, "repeats": 2},
         "quality": {"items_per_slice": 3, "long_context_lengths": [256], "max_new_tokens": 8,
-                    "distribution_docs": 2, "distribution_tokens": 32},
+                    "distribution_docs": 2, "distribution_tokens": 32,
+                    "per_slice": {"bfcl": {"items": 3, "max_new_tokens": 8}}},
     }
 
 
