@@ -46,6 +46,7 @@ import torch
 
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.drafts import ModelDraft, NgramDraft
+from pipeline.decode.engine import _cut_at_eos
 from pipeline.decode.errors import EngineError
 from pipeline.decode.sampling import SamplingParams, betas, logits_to_probs, pick
 from pipeline.decode.timing import Timer, synchronize
@@ -233,13 +234,6 @@ def verify_batch(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor, offered: tor
 
 
 # ---------------------------------------------------------------- the loop
-
-
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1], True
-    return tokens, False
 
 
 @torch.inference_mode()
