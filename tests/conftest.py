@@ -153,3 +153,17 @@ def embedded_model_dir(tmp_path_factory) -> Path:
                "--model", "smollm2-135m"])
     assert rc == 0
     return run / "model"
+
+
+def two_sample_p(a, b):
+    """Chi-square p that two samples of tokens come from one distribution (categories with fewer
+    than 10 draws in both samples together pooled into one column)."""
+    import numpy as np
+    from scipy import stats
+
+    cats = sorted(set(a) | set(b))
+    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
+    rare = table.sum(0) < 10
+    table = np.column_stack([table[:, ~rare], table[:, rare].sum(1)]) if rare.any() else table
+    table = table[:, table.sum(0) > 0]
+    return stats.chi2_contingency(table)[1]

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import two_sample_p
 from scipy import stats
 
 from pipeline.decode import EngineError, ModelDraft, NgramDraft, SamplingParams, generate
@@ -192,14 +193,6 @@ def test_sampled_batched_rounds_follow_p():
             assert stats.chisquare(obs, e * obs.sum() / e.sum()).pvalue > ALPHA
 
 
-def _two_sample_p(a, b):
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
-    rare = table.sum(0) < 10
-    table = np.column_stack([table[:, ~rare], table[:, rare].sum(1)]) if rare.any() else table
-    table = table[:, table.sum(0) > 0]
-    return stats.chi2_contingency(table)[1]
-
 
 def test_sampled_batch_matches_plain_sampling_on_tiny_model(tiny_tokenizer, other_draft):
     """The engine at B = 4 (one prompt in every row, a disagreeing draft, k = 2): tokens 2 and 3
@@ -227,7 +220,7 @@ def test_sampled_batch_matches_plain_sampling_on_tiny_model(tiny_tokenizer, othe
     spec = draws(other_draft, 2, 22)
     assert len(set(plain[0])) > 3 and spec[2] > 0
     for a, b in zip(plain[:2], spec[:2]):
-        assert _two_sample_p(a, b) > ALPHA
+        assert two_sample_p(a, b) > ALPHA
 
 
 def test_embedded_model_batch_greedy_equals_plain(embedded_model_dir):

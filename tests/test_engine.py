@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from conftest import two_sample_p
 
 from pipeline.decode import EngineError, ModelDraft, SamplingParams, Timer, generate
 from tests.conftest import make_tiny_llama
@@ -116,15 +116,6 @@ def _token_counts(model, ids, draft, k, seed, n_runs):
     return pos2, pos3
 
 
-def _two_sample_p(a, b):
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
-    # Pool categories rarer than 5 expected counts into one column.
-    rare = table.sum(0) < 10
-    table = np.column_stack([table[:, ~rare], table[:, rare].sum(1)]) if rare.any() else table
-    table = table[:, table.sum(0) > 0]
-    return stats.chi2_contingency(table)[1]
-
 
 def test_sampled_speculative_matches_plain_on_tiny_model(tiny_tokenizer, other_draft):
     """Positions 2 and 3 come from the verify rule (position 1 from prefill in both modes);
@@ -138,7 +129,7 @@ def test_sampled_speculative_matches_plain_on_tiny_model(tiny_tokenizer, other_d
     spec = _token_counts(model, ids, other_draft, 2, seed=12, n_runs=200)
     assert len(set(plain[0])) > 3  # the test has something to compare
     for a, b in zip(plain, spec):
-        assert _two_sample_p(a, b) > 1e-3
+        assert two_sample_p(a, b) > 1e-3
 
 
 def test_embedded_model_greedy_speculative_equals_plain_and_transformers(embedded_model_dir):
