@@ -181,6 +181,7 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
 def run_batched(ctx, dirs: dict, ks: list[int], device, confidence: float) -> None:
     """The latency stage's batched part: one latency/batched/<pair>.json per (target, draft)."""
     from draft_models import build_draft, draft_slug
+    from pipeline.latency import draft_input_hash
     from pipeline.models import load_variant
     from pipeline.stage import read_json
 
@@ -193,9 +194,7 @@ def run_batched(ctx, dirs: dict, ks: list[int], device, confidence: float) -> No
         pending = {}
         for spec in cfg.drafts:
             slug = draft_slug(spec)
-            draft_meta = ctx.run_dir / "drafts" / slug / "meta.json"
-            inputs = {**common, "target": target_hash, "draft": spec,
-                      "draft_meta": read_json(draft_meta).get("input_hash") if draft_meta.is_file() else None}
+            inputs = {**common, "target": target_hash, "draft": spec, "draft_meta": draft_input_hash(ctx.run_dir, slug)}
             item = ctx.item(f"batched/{target}__{slug}.json", inputs, is_dir=False)
             if not item.fresh:
                 pending[spec] = item

@@ -298,6 +298,12 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
 # ---------------------------------------------------------------- the stage
 
 
+def draft_input_hash(run_dir: Path, slug: str) -> str | None:
+    """The drafts stage's input hash for one draft (None before it ran): a pair's items key on it."""
+    meta = run_dir / "drafts" / slug / "meta.json"
+    return read_json(meta).get("input_hash") if meta.is_file() else None
+
+
 def _resolve_dir(ctx, name: str, d: str | None) -> Path:
     for cand in ([ctx.run_dir / d, Path(d)] if d else []) + [ctx.run_dir / "variants" / name]:
         if (cand / "meta.json").is_file():
@@ -375,9 +381,8 @@ def run(ctx) -> None:
         pending = {}
         for spec in cfg.drafts:
             slug = draft_slug(spec)
-            draft_meta = ctx.run_dir / "drafts" / slug / "meta.json"
             inputs = {**common, "target": target_hash, "draft": spec, "ks": ks, "acceptance": acc_inputs,
-                      "draft_meta": read_json(draft_meta).get("input_hash") if draft_meta.is_file() else None}
+                      "draft_meta": draft_input_hash(ctx.run_dir, slug)}
             item = ctx.item(f"{target}__{slug}.json", inputs, is_dir=False)
             if not item.fresh:
                 pending[spec] = item
