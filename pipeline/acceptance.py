@@ -23,11 +23,12 @@ temperature, `per_position` (position, conditional, prefix, expected_beta, n, ci
 marginal stage weights round times by), the per-prompt records, `direct_check`; and `lossless`.
 Intervals resample prompts (pipeline/acceptance_stats.py).
 
-4. At every B in latency.spec_batch_sizes (and B = 1), `expected_tokens_per_round_by_batch`
+4. At every B from 1 to the largest of latency.spec_batch_sizes, `expected_tokens_per_round_by_batch`
    B -> k -> E_B(k): tokens per row per round of the engine's synchronised batched scheme, exact
    given the texts of B distinct prompts, averaged over seeded groups of the slice's prompts, with
    `expected_tokens_per_round_by_batch_ci` (unit: prompt) and `by_batch_design`
-   (pipeline/batch_rounds.py). B = 1 equals `expected_tokens_per_round`.
+   (pipeline/batch_rounds.py), and `accepted_distribution_by_batch` B -> k -> P(n_min = j) per
+   round. B = 1 equals `expected_tokens_per_round`.
 """
 from __future__ import annotations
 
@@ -139,7 +140,9 @@ def run(ctx: StageContext) -> None:
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
     targets = cfg.targets or [ctx.config.quantize.reference]
-    batch_sizes = sorted({int(b) for b in ctx.config.latency.spec_batch_sizes if int(b) > 1})
+    # Every B from 2 to the largest speculative batch size: the serving simulation's running batch
+    # takes every size in between, and draws its rounds' n_min from the chain at that B.
+    batch_sizes = list(range(2, max([1, *map(int, ctx.config.latency.spec_batch_sizes)]) + 1))
     pairs, timings = {}, {}
     for variant in targets:
         vdir = ctx.run_dir / "variants" / variant

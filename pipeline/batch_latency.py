@@ -18,7 +18,8 @@ pair files `latency/*__*.json` sees it):
   requests run to completion one after another (a closed loop at concurrency B with equal output
   lengths, where static and continuous batching coincide), plain and speculative in turn in each
   wave, the waves spread between the cells' repeats so both see the same machine load. Per wave:
-  prompt length, TTFT (the batched prefill and first token) and TPOT. The speculative k is the
+  prompt length, TTFT (the batched prefill and first token) and TPOT; speculative waves also keep
+  their rounds (tokens kept per row, k) for the simulation's replay, and their mean round time. The speculative k is the
   fastest at that B (the nearest measured B) in the warm-up repeat, or the first repeat.
 
 Every figure is a median over `latency.repeats` repeats (cells) or over waves (closed loop) with a
@@ -123,7 +124,16 @@ def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new
         out[mode] = {"wave": wave, "prompt_tokens": int(ids.shape[1]), "ttft_ms": res.prefill_s * 1e3,
                      "tpot_ms": res.decode_s / (n - 1) * 1e3, "output_tokens": n}
         if mode == "speculative":
-            out[mode]["tokens_per_round"] = float(np.mean([round_tokens(r)[0] for r in res.rounds]))
+            drafted = [r for r in res.rounds if r.k > 0]
+            full = [r for r in res.rounds if r.k == k]
+            out[mode].update(
+                tokens_per_round=float(np.mean([round_tokens(r)[0] for r in res.rounds])),
+                # The rounds as they ran, for the simulation's replay (pipeline/serving.py validate):
+                # tokens kept per row in every round that drafted, in order, and the round time
+                # at the full k (beside the cells' round_ms).
+                kept_per_round=[int(round_tokens(r)[0]) for r in drafted],
+                k_per_round=[int(r.k) for r in drafted],
+                round_ms=float(np.mean([r.round_s for r in full]) * 1e3) if full else None)
     return out
 
 

@@ -30,6 +30,11 @@ that is not exact: when a row's EOS is accepted as a draft and the round drafted
 engine also tests the drafts after the EOS, which no text determines; the chain takes them as
 rejected, which can only shorten n_min in that round. Rows that run to N are always exact.
 
+Per round: the chain's histogram of n_min over full-length rounds (k not shortened near N), summed
+over groups and normalised, is `accepted_distribution_by_batch` B -> k -> P(n_min = j): what the
+serving simulation (pipeline/serving_sim.py) draws a round of B rows' kept tokens from. At B = 1
+it is the acceptance stage's `accepted_distribution`.
+
 Per slice: groups of B distinct prompts from PARTITIONS seeded random partitions of the slice's
 prompts (a permutation cut into floor(P / B) groups; the P mod B left over sit that partition
 out). E_B(k) = sum over groups of tokens / sum over groups of E[row-rounds], a ratio of sums like
@@ -57,6 +62,7 @@ class BatchChain:
     rounds: float  # E[rounds of the batch | texts]
     row_rounds: float  # E[sum over rounds of the rows active in it | texts]
     tokens: int  # tokens emitted by rounds, all rows
+    histogram: np.ndarray | None = None  # [k+1]: E[full-length rounds with n_min = j | texts]
 
 
 def batch_text(texts: list[TextAcceptance]) -> tuple[TextAcceptance, np.ndarray]:
@@ -88,10 +94,10 @@ def batch_chain(texts: list[TextAcceptance], k: int) -> BatchChain:
     combined, active = batch_text(texts)
     tokens = sum(max(int(t.tokens) - 1, 0) for t in texts)
     if combined.tokens < 2:
-        return BatchChain(k, 0.0, 0.0, tokens)
+        return BatchChain(k, 0.0, 0.0, tokens, np.zeros(k + 1))
     chain = round_chain(combined, k)
     # Summed the way round_chain sums `rounds`, so B = 1 gives the same float to the last bit.
-    return BatchChain(k, chain.rounds, float(np.sum(chain.starts * active)), tokens)
+    return BatchChain(k, chain.rounds, float(np.sum(chain.starts * active)), tokens, chain.histogram)
 
 
 def partition_groups(n_prompts: int, batch: int, seed: int, partitions: int = PARTITIONS) -> list[tuple[int, ...]]:
@@ -122,18 +128,21 @@ def batch_block(texts: list[TextAcceptance], batch: int, k_max: int, confidence:
     design = {"batch": batch, "prompts": n_prompts, "partitions": 1 if batch == 1 else PARTITIONS,
               "ci_unit": "prompt (delete-one-prompt jackknife over groups of B distinct prompts, normal)"}
     if n_prompts < batch or n_prompts == 0:
-        return {**design, "groups": 0, "expected_tokens_per_round": None, "ci": None,
+        return {**design, "groups": 0, "expected_tokens_per_round": None, "ci": None, "accepted_distribution": None,
                 "note": f"fewer prompts ({n_prompts}) than the batch size: no group of {batch} distinct prompts"}
     groups = partition_groups(n_prompts, batch, seed)
     member = np.zeros((len(groups), n_prompts), dtype=bool)
     for g, idx in enumerate(groups):
         member[g, list(idx)] = True
     tokens = np.array([sum(max(int(texts[i].tokens) - 1, 0) for i in idx) for idx in groups], float)
-    expected, ci, se_by_k, rounds_by_k = {}, {}, {}, {}
+    expected, ci, se_by_k, rounds_by_k, pmf = {}, {}, {}, {}, {}
     for k in range(1, k_max + 1):
         chains = [batch_chain([texts[i] for i in idx], k) for idx in groups]
         row_rounds = np.array([c.row_rounds for c in chains])
         rounds_by_k[str(k)] = float(sum(c.rounds for c in chains))
+        hist = np.sum([c.histogram for c in chains], axis=0)
+        if hist.sum() > 0:
+            pmf[str(k)] = (hist / hist.sum()).tolist()
         point = float(tokens.sum() / row_rounds.sum()) if row_rounds.sum() > 0 else 1.0
         expected[str(k)] = point
         if n_prompts < 2 or batch == n_prompts:  # dropping any prompt leaves no group
@@ -145,7 +154,7 @@ def batch_block(texts: list[TextAcceptance], batch: int, k_max: int, confidence:
             jack.append(tokens[keep].sum() / row_rounds[keep].sum() if row_rounds[keep].sum() > 0 else 1.0)
         ci[str(k)], se_by_k[str(k)] = _interval(point, np.asarray(jack), confidence, k)
     return {**design, "groups": len(groups), "expected_tokens_per_round": expected, "ci": ci, "se": se_by_k,
-            "expected_batch_rounds": rounds_by_k}
+            "expected_batch_rounds": rounds_by_k, "accepted_distribution": pmf}
 
 
 def by_batch_blocks(texts: list[TextAcceptance], batch_sizes: list[int], k_max: int, confidence: float,
@@ -155,6 +164,8 @@ def by_batch_blocks(texts: list[TextAcceptance], batch_sizes: list[int], k_max: 
     return {
         "expected_tokens_per_round_by_batch": {str(b): v["expected_tokens_per_round"] for b, v in blocks.items()},
         "expected_tokens_per_round_by_batch_ci": {str(b): v["ci"] for b, v in blocks.items()},
-        "by_batch_design": {str(b): {x: y for x, y in v.items() if x not in ("expected_tokens_per_round", "ci")}
+        "accepted_distribution_by_batch": {str(b): v["accepted_distribution"] for b, v in blocks.items()},
+        "by_batch_design": {str(b): {x: y for x, y in v.items()
+                                     if x not in ("expected_tokens_per_round", "ci", "accepted_distribution")}
                             for b, v in blocks.items()},
     }

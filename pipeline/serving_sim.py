@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from scipy.interpolate import RegularGridInterpolator
@@ -29,11 +29,14 @@ ASSUMPTIONS = [
     "verify pass's context cost is taken to be a plain step's). Costs are linear in batch between measured "
     "batch sizes and linear in context (extrapolated outside the grid).",
     "Every running row keeps n_min + 1 tokens a round (the engine's synchronised scheme), n_min the fewest "
-    "accepted in the batch; each row's accepted count at k is drawn independently, round by round, from the "
-    "acceptance stage's per-round distribution at that k (its round chain at k: at B = 1 its mean is the exact "
-    "E(k) over full-length rounds). Rows' acceptance is not i.i.d. across rounds on real text, so at B > 1 the "
-    "simulated tokens per row per round is the independent-draws figure, not the exact E_B(k) that the "
-    "by-batch table uses (both are reported there). Near a request's end k shrinks so no row overshoots.",
+    "accepted in the batch. A round of b rows at k draws n_min from the acceptance stage's exact batch round "
+    "chain at (b, k): the per-round distribution of n_min over groups of b distinct prompts run together "
+    "(at b = 1 the round chain at k, whose mean is the exact E(k) over full-length rounds). Rounds are drawn "
+    "independently of each other, so the mean tokens per round is right while its spread across requests "
+    "(real text runs in easy and hard stretches) is too small: TPOT p99 is optimistic. Rows that join the "
+    "batch mid-way are taken to accept like rows that started together. Where the acceptance JSON has no "
+    "chain at b, each row's count is drawn independently from the B = 1 distribution (stated in "
+    "serving.acceptance). Near a request's end k shrinks so no row overshoots.",
     "Fixed prompt and output lengths; open-loop Poisson arrivals; a round's tokens reach the client when "
     "the round ends; no preemption, no memory limit, no network.",
 ]
@@ -89,6 +92,8 @@ class CostModel:
     round_ms: dict[int, list[float]]  # k -> per anchor batch
     accept_pmf: np.ndarray
     accept_pmf_by_k: dict[int, np.ndarray] | None = None
+    # b -> k -> P(n_min = j) for a round of b rows (the acceptance JSON's accepted_distribution_by_batch)
+    accept_pmf_by_batch: dict[int, dict[int, np.ndarray]] | None = None
     max_batch: int = field(init=False)
     k_max: int = field(init=False)
 
@@ -107,6 +112,20 @@ class CostModel:
                 self._cdf[k] = (np.cumsum(self.accept_pmf) / np.sum(self.accept_pmf), True)  # clip at k
             else:
                 self._cdf[k] = (np.cumsum(pmf) / pmf.sum(), False)
+        self._cdf_b = {(int(b), int(k)): np.cumsum(np.asarray(v, float)) / np.sum(v)
+                       for b, by_k in (self.accept_pmf_by_batch or {}).items() if int(b) > 1
+                       for k, v in (by_k or {}).items() if v is not None and np.sum(v) > 0}
+
+    def has_batch_chain(self, b: int, k: int) -> bool:
+        return (b, k) in self._cdf_b
+
+    def kept_per_row(self, u: np.ndarray, k: int, b: int) -> int:
+        """n_min + 1 for a round of b rows at k: one uniform from the exact batch chain at (b, k)
+        where the acceptance JSON has it, else b independent B = 1 draws (u holds b uniforms)."""
+        cdf = self._cdf_b.get((b, k))
+        if cdf is not None:
+            return int(min(cdf.searchsorted(u[0], side="right"), len(cdf) - 1)) + 1
+        return int(self.accepted(u, k).min()) + 1
 
     def accepted(self, u: np.ndarray, k: int) -> np.ndarray:
         """Accepted counts (0..k) for uniforms u at draft length k."""
@@ -141,10 +160,11 @@ class CostModel:
 
     @classmethod
     def from_artifacts(cls, grid: dict, batched: dict, prefix: np.ndarray, rng: np.random.Generator | None = None,
-                       accept_by_k: dict | None = None):
+                       accept_by_k: dict | None = None, accept_by_batch: dict | None = None):
         """grid: latency/<variant>.json; batched: latency/batched/<pair>.json; prefix: P(A >= i),
         i = 1..k_max; accept_by_k: the acceptance slice's `accepted_distribution` (k -> P(A = j)),
-        used at every k it has. With `rng`, every measured median is replaced by the median of a
+        used at every k it has; accept_by_batch: its `accepted_distribution_by_batch` (B -> k ->
+        P(n_min = j)), used for rounds of B > 1 rows. With `rng`, every measured median is replaced by the median of a
         bootstrap resample of its repeats (for a prediction interval that carries the timing noise)."""
 
         def med(rec: dict) -> float:
@@ -177,7 +197,9 @@ class CostModel:
                    anchor_context=prompt + float(batched["new_tokens"]) / 2, anchor_prompt=prompt,
                    round_ms={k: [med(spec[(b, k)]["round_ms"]) for b in bs] for k in ks},
                    accept_pmf=pmf / pmf.sum(),
-                   accept_pmf_by_k={int(k): np.asarray(v, dtype=float) for k, v in (accept_by_k or {}).items()})
+                   accept_pmf_by_k={int(k): np.asarray(v, dtype=float) for k, v in (accept_by_k or {}).items()},
+                   accept_pmf_by_batch={int(b): {int(k): v for k, v in (by_k or {}).items()}
+                                        for b, by_k in (accept_by_batch or {}).items()})
 
 
 # ---------------------------------------------------------------- the simulation
@@ -209,12 +231,14 @@ def open_loop(rate_per_s: float, n: int, prompt: int, output: int, rng: np.rando
 
 def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Request], rng: np.random.Generator,
              speculative: bool, concurrency: int | None = None, follow_ups: list[Request] | None = None,
-             max_batch: int | None = None) -> list[Request]:
+             max_batch: int | None = None, gains: Iterator[int] | None = None) -> list[Request]:
     """Run the server until every request is done; returns the finished requests (times filled in).
 
     policy(b) -> k for a round of b running rows (0 = a plain step). Open loop: `requests` carry
     their arrival times. Closed loop: pass `concurrency` clients; `requests` are the first ones,
-    `follow_ups` are sent one by one as earlier requests finish (arrival = that finish time)."""
+    `follow_ups` are sent one by one as earlier requests finish (arrival = that finish time).
+    gains: replay instead of drawing: every speculative round takes the next value as its tokens
+    kept per row (n_min + 1, capped at k + 1), e.g. the rounds a measured run actually had."""
     cap = max_batch or costs.max_batch
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     queue_next = deque(follow_ups or [])
@@ -242,10 +266,12 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
             k = costs.usable_k(min(policy(b), min(r.output - r.produced for r in running) - 1, costs.k_max))
             t += costs.round(b, k, context)
             gain = 1
-            if k > 0:
+            if k > 0 and gains is not None:
+                gain = min(next(gains), k + 1)  # a replayed round: its measured n_min + 1
+            elif k > 0:
                 if used + b > len(draws):
                     draws, used = rng.random(4096), 0
-                gain = int(costs.accepted(draws[used:used + b], k).min()) + 1  # n_min + 1 for every row
+                gain = costs.kept_per_row(draws[used:used + b], k, b)  # n_min + 1 for every row
                 used += b
             for r in running:
                 r.produced += gain
