@@ -340,6 +340,13 @@ def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_
     assert sv["crossover"][f"k={rep['recommended_k']}"]["tpot_p50"]["status"] in (
         "stops paying", "never pays") or sv["crossover"][f"k={rep['recommended_k']}"]["tpot_p50"]["rate_rps"] is None
     assert [(v["batch"], v["mode"]) for v in sv["validation"]] == [(1, "plain"), (1, "speculative")]
+    for v in sv["validation"]:
+        t = v["tpot_ms"]
+        assert t["relative_error_ci"][0] <= t["relative_error"] <= t["relative_error_ci"][1]
+        assert t["agrees"] == (t["relative_error_ci"][0] <= 0 <= t["relative_error_ci"][1])
+    # These waves carry no rounds (an older latency JSON): the speculative wave draws them instead.
+    assert sv["validation"][1]["rounds"] == "drawn from the acceptance model" and "unconditional" in sv["validation"][1]
+    assert sv["validation_agrees"] == all(v["tpot_ms"]["agrees"] for v in sv["validation"])
     for suffix in ("batch", "serving"):
         assert (out / f"bf16__layerskip-4.{suffix}.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "bf16__layerskip-4.md").read_text()
