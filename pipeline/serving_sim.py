@@ -238,7 +238,8 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
     their arrival times. Closed loop: pass `concurrency` clients; `requests` are the first ones,
     `follow_ups` are sent one by one as earlier requests finish (arrival = that finish time).
     gains: replay instead of drawing: every speculative round takes the next value as its tokens
-    kept per row (n_min + 1, capped at k + 1), e.g. the rounds a measured run actually had."""
+    kept per row (n_min + 1, capped at k + 1), e.g. the rounds a measured run actually had; a
+    round past the end of the sequence draws."""
     cap = max_batch or costs.max_batch
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     queue_next = deque(follow_ups or [])
@@ -266,9 +267,10 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
             k = costs.usable_k(min(policy(b), min(r.output - r.produced for r in running) - 1, costs.k_max))
             t += costs.round(b, k, context)
             gain = 1
-            if k > 0 and gains is not None:
-                gain = min(next(gains), k + 1)  # a replayed round: its measured n_min + 1
-            elif k > 0:
+            replayed = next(gains, None) if k > 0 and gains is not None else None
+            if replayed is not None:
+                gain = min(int(replayed), k + 1)  # a replayed round: its measured n_min + 1
+            elif k > 0:  # drawn (also past the end of a replayed sequence)
                 if used + b > len(draws):
                     draws, used = rng.random(4096), 0
                 gain = costs.kept_per_row(draws[used:used + b], k, b)  # n_min + 1 for every row

@@ -129,6 +129,9 @@ def test_replayed_rounds_and_batch_chain_draws():
     # last token is a plain step (nothing left to draft).
     (r,) = simulate(costs, lambda b: 3, [Request(0.0, 16, 9)], np.random.default_rng(0), True, gains=iter([1, 4, 2]))
     assert r.tpot == pytest.approx((22 + 22 + 18 + 10) / 8)
+    # A sequence that runs out draws the rest (here every draft is accepted): 1, then 4, then 3.
+    (r,) = simulate(costs, lambda b: 3, [Request(0.0, 16, 9)], np.random.default_rng(0), True, gains=iter([1]))
+    assert r.tpot == pytest.approx((22 + 22 + 18) / 8)
     u = (np.arange(2000) + 0.5) / 2000
     base = _flat_costs(round_ms={1: 14.0}, pmf=[0, 1.0])
     chain = CostModel(step=base.step, prefill_grid=base.prefill_grid, anchor_batches=base.anchor_batches,
