@@ -39,6 +39,7 @@ import numpy as np
 from pipeline.batch_k import by_batch_section, prefix_rates
 from pipeline.serving_sim import (ASSUMPTIONS, CostModel, Request, crossover, open_loop, plain_capacity_rps,
                                   simulate, summarize, table_policy)
+from pipeline.stats import percentile_bootstrap
 
 
 def _policies(fixed_k: int, by_batch: dict[int, int]) -> dict[str, tuple]:
@@ -96,6 +97,11 @@ def _rel_median(pred: np.ndarray, meas: np.ndarray) -> float:
     return float(np.median(pred) / np.median(meas) - 1.0)
 
 
+def _percentiles(x: np.ndarray, confidence: float) -> list[float]:
+    """The central `confidence` interval of resampled statistics (a percentile-bootstrap CI)."""
+    return [float(np.percentile(x, (1 - confidence) / 2 * 100)), float(np.percentile(x, (1 + confidence) / 2 * 100))]
+
+
 def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, confidence: float, seed: int,
              accept_by_k: dict | None = None, accept_by_batch: dict | None = None) -> list[dict]:
     """The simulation against the latency stage's closed loop, wave by wave (module docstring).
@@ -108,19 +114,19 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
     speculative rows the simulated waves replay the rounds each measured wave had (tokens kept
     per row), so the check is on the cost model and the scheduler; the acceptance model is checked
     in `acceptance_check` (the simulation's own draws against the waves' tokens per round) and
-    in `unconditional` (TPOT with drawn rounds), both reported, not gated."""
+    in `unconditional` (TPOT with the rounds drawn, in the same resamples), both reported, not gated."""
     point_costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k,
                                            accept_by_batch=accept_by_batch)
-    lo_q, hi_q = (1 - confidence) / 2 * 100, (1 + confidence) / 2 * 100
     out = []
     for li, loop in enumerate(batched.get("closed_loop") or []):
         for mi, mode in enumerate(("plain", "speculative")):
+            spec = mode == "speculative"
             waves = sorted(loop[mode]["waves"], key=lambda w: w["wave"])
-            replay = mode == "speculative" and all(w.get("kept_per_round") is not None for w in waves)
+            replay = spec and all(w.get("kept_per_round") is not None for w in waves)
             meas = np.array([[w["tpot_ms"], w["ttft_ms"]] for w in waves])
             pred = np.array([_wave(point_costs, loop, mode, w, np.random.default_rng([seed, li, mi, j]), replay)
                              for j, w in enumerate(waves)])
-            boot, spread = [], []
+            boot, spread, drawn_boot = [], [], []
             for i in range(resamples):
                 rng = np.random.default_rng([seed, li, mi, i, 7])
                 costs = CostModel.from_artifacts(grid, batched, prefix, rng, accept_by_k, accept_by_batch)
@@ -128,26 +134,34 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
                 spread.append(np.median(sim, axis=0))
                 idx = rng.integers(0, len(waves), len(waves))
                 boot.append([_rel_median(sim[idx, j], meas[idx, j]) for j in range(2)])
+                if spec:  # the same resample with the rounds drawn (already so when nothing is replayed)
+                    drawn = np.array([_wave(costs, loop, mode, w, rng, False)[0] for w in waves]) if replay else sim[:, 0]
+                    drawn_boot.append(_rel_median(drawn[idx], meas[idx, 0]))
             boot, spread = np.array(boot), np.array(spread)
-            row = {"batch": loop["batch"], "k": loop["k"] if mode == "speculative" else 0, "mode": mode,
+            row = {"batch": loop["batch"], "k": loop["k"] if spec else 0, "mode": mode,
                    "waves": loop["waves"], "requests": loop["requests"],
                    "rounds": "replayed from each measured wave" if replay else (
-                       "drawn from the acceptance model" if mode == "speculative" else "plain steps")}
+                       "drawn from the acceptance model" if spec else "plain steps")}
             for j, metric in enumerate(("tpot_ms", "ttft_ms")):
                 m = loop[mode][metric]
                 p = float(np.median(pred[:, j]))
-                rel_ci = [float(np.percentile(boot[:, j], lo_q)), float(np.percentile(boot[:, j], hi_q))]
-                interval = [float(np.percentile(spread[:, j], lo_q)), float(np.percentile(spread[:, j], hi_q))]
+                rel_ci = _percentiles(boot[:, j], confidence)
+                interval = _percentiles(spread[:, j], confidence)
                 row[metric] = {"predicted": p, "prediction_interval": interval, "measured": m["median"],
                                "measured_ci": m["ci"], "relative_error": p / m["median"] - 1.0,
                                "relative_error_ci": rel_ci, "agrees": rel_ci[0] <= 0.0 <= rel_ci[1],
                                "within_measured_ci": m["ci"][0] <= p <= m["ci"][1],
                                "intervals_overlap": interval[0] <= m["ci"][1] and m["ci"][0] <= interval[1],
                                "per_wave": {"predicted": pred[:, j].tolist(), "measured": meas[:, j].tolist()}}
-            if mode == "speculative":
-                row["unconditional"] = _unconditional(point_costs, grid, batched, prefix, loop, waves, meas[:, 0],
-                                                      resamples, confidence, [seed, li, mi], accept_by_k,
-                                                      accept_by_batch)
+            if spec:
+                # Point prediction with drawn rounds: point costs, the median over up to 20 draws.
+                drawn_point = np.array([[_wave(point_costs, loop, mode, w, np.random.default_rng([seed, li, mi, j, r]),
+                                               False)[0] for j, w in enumerate(waves)]
+                                        for r in range(max(1, min(resamples, 20)))])
+                p = float(np.median(np.median(drawn_point, axis=1)))
+                ci = _percentiles(np.asarray(drawn_boot), confidence)
+                row["unconditional"] = {"tpot_predicted": p, "relative_error": p / float(np.median(meas[:, 0])) - 1.0,
+                                        "relative_error_ci": ci, "agrees": ci[0] <= 0.0 <= ci[1]}
                 row["acceptance_check"] = _acceptance_check(point_costs, loop, waves, confidence, seed)
                 cell = next((c for c in batched["cells"] if c["batch"] == loop["batch"] and c["k"] == loop["k"]), None)
                 loop_rounds = [w["round_ms"] for w in waves if w.get("round_ms") is not None]
@@ -157,50 +171,30 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
     return out
 
 
-def _unconditional(point_costs: CostModel, grid, batched, prefix, loop, waves, meas_tpot, resamples, confidence,
-                   seed, accept_by_k, accept_by_batch) -> dict:
-    """TPOT with every round drawn from the acceptance model (what the sweep does): the predicted
-    median over waves and the relative error's CI (waves and costs resampled, rounds re-drawn)."""
-    lo_q, hi_q = (1 - confidence) / 2 * 100, (1 + confidence) / 2 * 100
-    pred = np.array([[_wave(point_costs, loop, "speculative", w, np.random.default_rng([*seed, j, r]), False)[0]
-                      for j, w in enumerate(waves)] for r in range(max(1, min(resamples, 20)))])
-    boot = []
-    for i in range(resamples):
-        rng = np.random.default_rng([*seed, i, 11])
-        costs = CostModel.from_artifacts(grid, batched, prefix, rng, accept_by_k, accept_by_batch)
-        sim = np.array([_wave(costs, loop, "speculative", w, rng, False)[0] for w in waves])
-        idx = rng.integers(0, len(waves), len(waves))
-        boot.append(_rel_median(sim[idx], meas_tpot[idx]))
-    p = float(np.median(np.median(pred, axis=1)))
-    ci = [float(np.percentile(boot, lo_q)), float(np.percentile(boot, hi_q))]
-    return {"tpot_predicted": p, "relative_error": p / float(np.median(meas_tpot)) - 1.0, "relative_error_ci": ci,
-            "agrees": ci[0] <= 0.0 <= ci[1]}
-
-
 def _acceptance_check(costs: CostModel, loop: dict, waves: list[dict], confidence: float, seed: int) -> dict:
-    """Tokens kept per row per full-k round: the measured waves' mean (CI over waves) against the
-    acceptance model's mean at (B, k) (the exact batch chain where the acceptance JSON has it)."""
+    """Tokens kept per row per full-k round: the measured waves' mean (percentile-bootstrap CI over
+    waves) against the acceptance model's mean at (B, k) (the exact batch chain where the
+    acceptance JSON has it)."""
     b, k = loop["batch"], loop["k"]
     per_wave = []
     for w in waves:
         kept = [g for g, kk in zip(w.get("kept_per_round") or [], w.get("k_per_round") or []) if kk == k]
         if kept:
             per_wave.append(float(np.mean(kept)))
-    u = (np.arange(4000) + 0.5) / 4000  # quadrature over the inverse CDF
     if b > 1 and costs.has_batch_chain(b, k):
-        model, source = float(np.mean([costs.kept_per_row(np.array([x]), k, b) for x in u])), "exact batch chain"
+        source = "exact batch chain"
     else:
-        rng = np.random.default_rng([seed, b, k])
-        model = float(np.mean([costs.kept_per_row(rng.random(b), k, b) for _ in range(4000)]))
         source = "B = 1 round chain" if b == 1 else "independent B = 1 draws per row"
-    out = {"model_tokens_per_round": model, "model_source": source, "measured_tokens_per_round": None,
-           "measured_ci": None, "note": "the closed loop's prompts are not the acceptance stage's: a check of "
-                                        "how far acceptance moves between prompt sets, not of the chain"}
+    out = {"model_tokens_per_round": costs.mean_kept_per_row(k, b), "model_source": source,
+           "measured_tokens_per_round": None, "measured_ci": None,
+           "note": "the closed loop's prompts are not the acceptance stage's: a check of how far acceptance moves "
+                   "between prompt sets, not of the chain"}
     if per_wave:
         x = np.asarray(per_wave)
-        boot = np.random.default_rng([seed, b, k, 3]).choice(x, (2000, x.size)).mean(axis=1)
-        out.update(measured_tokens_per_round=float(x.mean()), measured_ci=[
-            float(np.percentile(boot, (1 - confidence) / 2 * 100)), float(np.percentile(boot, (1 + confidence) / 2 * 100))])
+        mean = float(x.mean())
+        ci = (percentile_bootstrap((x,), np.mean, confidence, seed) if x.size > 1 and np.ptp(x) > 0
+              else (mean, mean))
+        out.update(measured_tokens_per_round=mean, measured_ci=[float(ci[0]), float(ci[1])])
     return out
 
 

@@ -127,6 +127,16 @@ class CostModel:
             return int(min(cdf.searchsorted(u[0], side="right"), len(cdf) - 1)) + 1
         return int(self.accepted(u, k).min()) + 1
 
+    def mean_kept_per_row(self, k: int, b: int) -> float:
+        """E[n_min + 1] of what kept_per_row draws at (b, k), exactly: 1 + sum_j P(n_min >= j), with
+        P(n_min >= j) = P(A >= j)^b for b independent rows."""
+        cdf = self._cdf_b.get((b, k))
+        if cdf is not None:
+            return 1.0 + float(np.sum(1.0 - cdf[:-1]))
+        cdf, clip = self._cdf[k]
+        survival = np.clip(1.0 - cdf[:-1], 0.0, 1.0)  # P(A >= j), j = 1..
+        return 1.0 + float(np.sum((survival[:k] if clip else survival) ** b))
+
     def accepted(self, u: np.ndarray, k: int) -> np.ndarray:
         """Accepted counts (0..k) for uniforms u at draft length k."""
         cdf, clip = self._cdf[k]

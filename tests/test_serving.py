@@ -141,6 +141,13 @@ def test_replayed_rounds_and_batch_chain_draws():
     assert chain.has_batch_chain(4, 1) and not chain.has_batch_chain(2, 1)
     assert np.mean([chain.kept_per_row(np.array([x] * 4), 1, 4) for x in u]) == pytest.approx(1.5)
     assert np.mean([chain.kept_per_row(np.array([x] * 2), 1, 2) for x in u]) == 2.0  # B = 1 rows always accept
+    assert chain.mean_kept_per_row(1, 4) == pytest.approx(1.5) and chain.mean_kept_per_row(1, 2) == pytest.approx(2.0)
+    # Independent rows: E[min + 1] = 1 + sum_j P(A >= j)^b, against the draws themselves.
+    rows = _flat_costs(round_ms={1: 14.0, 2: 18.0, 3: 22.0}, pmf=[0.3, 0.2, 0.1, 0.4])
+    rng = np.random.default_rng(2)
+    for k, b in ((3, 1), (2, 3), (3, 4)):
+        drawn = np.mean([rows.kept_per_row(rng.random(b), k, b) for _ in range(40000)])
+        assert rows.mean_kept_per_row(k, b) == pytest.approx(drawn, abs=0.02)
     # In the simulation: four rows at k = 1 keep 1.5 tokens a round on average.
     done = simulate(chain, lambda b: 1, [Request(0.0, 16, 401) for _ in range(4)], np.random.default_rng(1), True)
     rounds = (done[0].finish - done[0].first) / 14.0
