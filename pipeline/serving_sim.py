@@ -1,7 +1,7 @@
 """What pays at a request rate: a discrete-event simulation of a continuous-batching server driven
 only by measured step costs.
 
-    from pipeline.serving_sim import CostModel, simulate, open_loop, closed_loop_requests
+    from pipeline.serving_sim import CostModel, simulate, open_loop
     costs = CostModel.from_artifacts(grid_json, batched_json, prefix)   # latency + acceptance
     done = simulate(costs, policy=lambda b: 2, requests=open_loop(rate, 200, 128, 64, rng), ...)
 
@@ -240,19 +240,16 @@ def open_loop(rate_per_s: float, n: int, prompt: int, output: int, rng: np.rando
 
 
 def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Request], rng: np.random.Generator,
-             speculative: bool, concurrency: int | None = None, follow_ups: list[Request] | None = None,
-             max_batch: int | None = None, gains: Iterator[int] | None = None) -> list[Request]:
+             speculative: bool, max_batch: int | None = None, gains: Iterator[int] | None = None) -> list[Request]:
     """Run the server until every request is done; returns the finished requests (times filled in).
 
-    policy(b) -> k for a round of b running rows (0 = a plain step). Open loop: `requests` carry
-    their arrival times. Closed loop: pass `concurrency` clients; `requests` are the first ones,
-    `follow_ups` are sent one by one as earlier requests finish (arrival = that finish time).
+    policy(b) -> k for a round of b running rows (0 = a plain step); `requests` carry their
+    arrival times; at most max_batch (default: the largest measured batch) run at once.
     gains: replay instead of drawing: every speculative round takes the next value as its tokens
     kept per row (n_min + 1, capped at k + 1), e.g. the rounds a measured run actually had; a
     round past the end of the sequence draws."""
     cap = max_batch or costs.max_batch
     pending = deque(sorted(requests, key=lambda r: r.arrival))
-    queue_next = deque(follow_ups or [])
     waiting: deque[Request] = deque()
     running: list[Request] = []
     done: list[Request] = []
@@ -292,10 +289,6 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
         for r in finished:
             r.finish = t
             done.append(r)
-            if concurrency is not None and queue_next:
-                nxt = queue_next.popleft()
-                nxt.arrival = t  # t only grows, so pending stays sorted
-                pending.append(nxt)
     return done
 
 

@@ -112,11 +112,10 @@ def test_closed_forms_one_request_and_full_accepts():
     # Every row accepts all k: 8 tokens after the first = 2 rounds of k = 3 (4 tokens each).
     (r,) = simulate(costs, lambda b: 3, [Request(0.0, 16, 9)], rng, True)
     assert r.tpot == pytest.approx(2 * 22.0 / 8)
-    # Four clients in a closed loop: waves of 4, each prefilled together, decoded in lock step.
-    reqs = [Request(0.0, 16, 9) for _ in range(12)]
-    done = simulate(costs, lambda b: 0, reqs[:4], rng, False, concurrency=4, follow_ups=reqs[4:])
-    assert len(done) == 12 and all(r.tpot == 10.0 and r.ttft == 30.0 for r in done)
-    assert max(r.finish for r in done) == pytest.approx(3 * (30 + 8 * 10))
+    # Four requests arriving together (a closed-loop wave of 4): prefilled together, decoded in lock step.
+    done = simulate(costs, lambda b: 0, [Request(0.0, 16, 9) for _ in range(4)], rng, False)
+    assert len(done) == 4 and all(r.tpot == 10.0 and r.ttft == 30.0 for r in done)
+    assert max(r.finish for r in done) == pytest.approx(30 + 8 * 10)
 
 
 def test_replayed_rounds_and_batch_chain_draws():
