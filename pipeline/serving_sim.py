@@ -174,8 +174,9 @@ class CostModel:
         """grid: latency/<variant>.json; batched: latency/batched/<pair>.json; prefix: P(A >= i),
         i = 1..k_max; accept_by_k: the acceptance slice's `accepted_distribution` (k -> P(A = j)),
         used at every k it has; accept_by_batch: its `accepted_distribution_by_batch` (B -> k ->
-        P(n_min = j)), used for rounds of B > 1 rows. With `rng`, every measured median is replaced by the median of a
-        bootstrap resample of its repeats (for a prediction interval that carries the timing noise)."""
+        P(n_min = j)), used for rounds of B > 1 rows. With `rng`, every measured median is replaced
+        by the median of a bootstrap resample of its repeats (for a prediction interval that carries
+        the timing noise)."""
 
         def med(rec: dict) -> float:
             x = np.asarray(rec["samples"], dtype=float)
