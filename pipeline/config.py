@@ -123,9 +123,10 @@ class LatencyConfig(Section):
     k_max: int | None = None
     # Speculative round times are timed on the acceptance prompts (the first this many of each
     # kind; null = acceptance.prompts_per_kind) at the acceptance temperatures. Round time depends
-    # on the content through the drafted count, which the acceptance stage weights it by, so a
-    # GPU run with many prompts can time a few.
-    speculative_prompts_per_kind: int | None = None
+    # on the content through the drafted count, which the acceptance stage weights it by, so a few
+    # prompts suffice: one of each kind by default (on a 2-core CPU, two per kind took 22 minutes
+    # per pair, most of it the long prompts' prefills).
+    speculative_prompts_per_kind: int | None = 1
     # GPU fast path: the decode / verify / draft steps compiled on the static cache (torch.compile,
     # CUDA graphs; pipeline/decode/compiled.py). The latency meta says what really ran, per shape.
     compile: bool = False
