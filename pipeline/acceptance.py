@@ -27,8 +27,10 @@ Intervals resample prompts (pipeline/acceptance_stats.py).
    B -> k -> E_B(k): tokens per row per round of the engine's synchronised batched scheme, exact
    given the texts of B distinct prompts, averaged over seeded groups of the slice's prompts, with
    `expected_tokens_per_round_by_batch_ci` (unit: prompt) and `by_batch_design`
-   (pipeline/batch_rounds.py), and `accepted_distribution_by_batch` B -> k -> P(n_min = j) per
-   round. B = 1 equals `expected_tokens_per_round`.
+   (pipeline/batch_rounds.py), `accepted_distribution_by_batch` B -> k -> P(n_min = j) per
+   round, `width_distribution_by_batch` B -> k -> share of rounds by verify width (what the batched
+   round time is weighted by) and `by_batch_jackknife` (the delete-one-prompt replicates of both).
+   B = 1 equals `expected_tokens_per_round`.
 """
 from __future__ import annotations
 

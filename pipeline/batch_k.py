@@ -11,9 +11,20 @@ is the acceptance stage's exact E(k). At each B:
 
     ms/token(B, k) = T_round(B, k) / E_B(k)          speedup(B, k) = T_plain(B) / ms/token(B, k)
 
-with T_round and T_plain (one plain step of B rows) timed in the same repeats on the same B
-prompts (pipeline/batch_latency.py). The accepted tokens thrown away against each row running
-alone are a share 1 - E_B(k) / E_1(k). recommended_k_by_batch applies marginal.RULE at each B.
+T_round(B, k) = sum_w share_B(w | k) T(B, w): the latency stage's round time by verify width w at
+B (`round_ms_by_width`, pooled over k; missing widths read off a line through the measured ones,
+marginal.by_drafted_matrix), weighted by the share of rounds of width w in the acceptance
+stage's batch chain at (B, k) (`width_distribution_by_batch`). So round time and E_B come from
+the same texts: the latency run's own B prompts can offer a prompt-lookup draft far less than
+the acceptance prompts (a round that verifies nothing costs a plain step), and their round time
+alone, joined to E_B from other prompts, overstated n-gram's speedup (1.40 modelled against 0.94
+measured at B = 1, k = 6, on the default config). T_plain (one plain step of B rows) and
+T(B, w) are timed in the same repeats. The CI resamples the repeats and, independently, the
+acceptance prompts (the delete-one-prompt jackknife of the whole acceptance factor
+sum_w share_w T_w / E_B, `by_batch_jackknife`). A latency or acceptance JSON without the width
+keys falls back to the cells' own round time at k (`round_ms_source` says which). The accepted
+tokens thrown away against each row running alone are a share 1 - E_B(k) / E_1(k).
+recommended_k_by_batch applies marginal.RULE at each B.
 
 Beside E_B, for comparison only: `tokens_per_round_independent_rows` = 1 + sum_{i<=k} prefix_i^B,
 the formula this module used before (prefix rates from the k_max rounds and rows' accepted
@@ -64,8 +75,25 @@ def exact_tokens_per_round(acceptance_slice: dict, batch: int, k: int) -> tuple[
     return float(e), [float(x) for x in ci] if ci else [float(e), float(e)]
 
 
-def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, seed: int = 0) -> list[dict]:
-    """One row per measured (B, k): E_B(k), ms/token, speedup with CIs, the thrown-away share."""
+def _width_block(acceptance_slice: dict, batched: dict, b: int, k: int):
+    """(share over widths 0..k at (B, k), the width-time matrix [repeats, widths] at B, its jackknife
+    replicates) or None when either JSON lacks the width keys."""
+    from pipeline.marginal import by_drafted_matrix
+
+    share = ((acceptance_slice.get("width_distribution_by_batch") or {}).get(str(b)) or {}).get(str(k))
+    block = (batched.get("round_ms_by_width") or {}).get(str(b))
+    if share is None or not block:
+        return None
+    top = max(len(share) - 1, max(int(w) for w in block))
+    m, filled = by_drafted_matrix(block, top)  # [R, top + 1] ms
+    jack = ((acceptance_slice.get("by_batch_jackknife") or {}).get(str(b)) or {}).get(str(k))
+    return np.asarray(share, float), m[:, : len(share)], jack, [w for w in filled if w < len(share)]
+
+
+def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, seed: int = 0,
+               batched: dict | None = None) -> list[dict]:
+    """One row per measured (B, k): E_B(k), ms/token, speedup with CIs, the thrown-away share.
+    `batched` (the latency JSON) supplies round_ms_by_width; without it the cells' round time."""
     k_max = max((int(c["k"]) for c in cells), default=0)
     prefix = prefix_rates(acceptance_slice.get("per_position") or [], k_max)
     plain = {c["batch"]: c for c in cells if c["k"] == 0}
@@ -81,8 +109,20 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
         else:
             e_b, e_ci, source = formula, [formula, formula], "independent-rows formula (no exact E_B in the acceptance JSON)"
         e_1 = alone[0] if alone is not None else expected_tokens_batched(prefix, k, 1)
-        round_ms = np.asarray(c["round_ms"]["samples"], dtype=float)
         plain_ms = np.asarray(plain[b]["ms_per_token"]["samples"], dtype=float)
+        cell_round = np.asarray(c["round_ms"]["samples"], dtype=float)
+        width = _width_block(acceptance_slice, batched or {}, b, k) if exact is not None else None
+        jack_factor = None
+        if width is not None:
+            share, t_w, jack, filled = width
+            round_ms = t_w @ share  # per repeat: sum_w share_w T(B, w)
+            t_point = np.median(t_w, axis=0)
+            if jack and jack.get("width_share") and all(x is not None for x in jack["width_share"]):
+                jack_factor = (np.asarray(jack["width_share"], float) @ t_point) / np.asarray(jack["tokens_per_round"], float)
+            round_source = "by verify width, weighted by the acceptance chain's width shares at (B, k)"
+        else:
+            round_ms, share, filled = cell_round, None, []
+            round_source = "the cells' own round time at k (no width keys in the latency or acceptance JSON)"
         n = min(len(round_ms), len(plain_ms))
         ratio = plain_ms[:n] / round_ms[:n]  # same repeat: paired
         t_plain, t_round = float(np.median(plain_ms)), float(np.median(round_ms))
@@ -92,38 +132,64 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
                "tokens_per_round_independent_rows": formula,
                "measured_tokens_per_round": c.get("tokens_per_round"),
                "measured_thrown_away_fraction": c.get("thrown_away_fraction"),
-               "round_ms": t_round, "round_ms_ci": c["round_ms"]["ci"],
+               "round_ms": t_round, "round_ms_source": round_source,
+               "round_ms_ci": _percentile_ci(round_ms, t_round, confidence, seed + 7 * b + k),
+               "cell_round_ms": c["round_ms"]["median"], "cell_round_ms_ci": c["round_ms"]["ci"],
+               "mean_width": float(share @ np.arange(share.size)) if share is not None else None,
+               "cell_mean_width": c.get("mean_width"), "round_ms_interpolated_widths": filled,
                "plain_ms_per_token": t_plain, "plain_ms_per_token_ci": plain[b]["ms_per_token"]["ci"],
                "ms_per_token": t_round / e_b, "speedup": float(np.median(ratio)) * e_b,
                "measured_ms_per_token": c["ms_per_token"]["median"], "measured_speedup": c["speedup"]["median"],
                "measured_speedup_ci": c["speedup"]["ci"]}
-        row["ms_per_token_ci"], row["speedup_ci"] = _cis(round_ms, ratio, e_b, e_ci, k, confidence,
-                                                         seed + 31 * b + k)
+        row["ms_per_token_ci"], row["speedup_ci"], row["ci_unit"] = _cis(
+            round_ms, ratio, e_b, e_ci, k, confidence, seed + 31 * b + k, jack_factor)
         rows.append(row)
     return rows
 
 
+def _percentile_ci(samples: np.ndarray, point: float, confidence: float, seed: int, resamples: int = 2000) -> list[float]:
+    """Percentile-bootstrap CI of the median over repeats (the unit of resampling), holding the point."""
+    rng = np.random.default_rng(seed)
+    med = np.median(rng.choice(samples, (resamples, samples.size)), axis=1)
+    lo, hi = np.quantile(med, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return [min(float(lo), point), max(float(hi), point)]
+
+
 def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[float], k: int, confidence: float,
-         seed: int, resamples: int = 2000) -> tuple[list[float], list[float]]:
+         seed: int, jack_factor: np.ndarray | None = None, resamples: int = 2000) -> tuple[list[float], list[float], str]:
     """CIs of ms/token and speedup from two independent sources: the timing repeats (median of a
-    bootstrap resample) and E_B (a normal draw with the SE its CI implies). Written out because
-    scipy.stats.bootstrap resamples data only, and E_B's uncertainty is given as an interval."""
+    bootstrap resample) and acceptance. With `jack_factor` (the delete-one-prompt replicates of
+    sum_w share_w T_w / E_B) acceptance moves the whole factor: a normal draw with its jackknife
+    relative SE; without it only E_B moves (a normal draw with the SE its CI implies). Written out
+    because scipy.stats.bootstrap resamples data only, and acceptance's uncertainty is given as a
+    jackknife."""
     from scipy.stats import norm
 
     rng = np.random.default_rng(seed)
     z = float(norm.ppf((1 + confidence) / 2))
-    se = max(e_ci[1] - e_ci[0], 0.0) / (2 * z)
-    e = np.clip(e_point + se * rng.standard_normal(resamples), 1.0, k + 1.0)
     med_round = np.median(rng.choice(round_ms, (resamples, round_ms.size)), axis=1)
     med_ratio = np.median(rng.choice(ratio, (resamples, ratio.size)), axis=1)
+    noise = rng.standard_normal(resamples)
+    if jack_factor is not None and jack_factor.size >= 2 and np.all(np.isfinite(jack_factor)):
+        m = jack_factor.size
+        rel_se = float(np.sqrt((m - 1) / m * np.sum((jack_factor - jack_factor.mean()) ** 2)) / jack_factor.mean())
+        scale = np.clip(1.0 + rel_se * noise, 0.05, None)  # multiplies ms/token, divides speedup
+        ms_draws, sp_draws = med_round / e_point * scale, med_ratio * e_point / scale
+        unit = ("timing repeats (bootstrap) and acceptance prompts (delete-one-prompt jackknife of "
+                "sum_w share_w T_w / E_B), independent")
+    else:
+        se = max(e_ci[1] - e_ci[0], 0.0) / (2 * z)
+        e = np.clip(e_point + se * noise, 1.0, k + 1.0)
+        ms_draws, sp_draws = med_round / e, med_ratio * e
+        unit = "timing repeats (bootstrap) and E_B's prompt interval (normal), independent"
     q = [(1 - confidence) / 2, (1 + confidence) / 2]
 
     def interval(samples: np.ndarray, point: float) -> list[float]:
         lo, hi = np.quantile(samples, q)
         return [min(float(lo), point), max(float(hi), point)]
 
-    return (interval(med_round / e, float(np.median(round_ms)) / e_point),
-            interval(med_ratio * e, float(np.median(ratio)) * e_point))
+    return (interval(ms_draws, float(np.median(round_ms)) / e_point),
+            interval(sp_draws, float(np.median(ratio)) * e_point), unit)
 
 
 def recommended_by_batch(rows: list[dict]) -> dict[int, int]:
@@ -172,7 +238,7 @@ def speculative_config(by_batch: dict[int, int]) -> dict:
 
 def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, seed: int = 0) -> dict:
     """Everything the marginal JSON gets from one pair's batched latency and its primary acceptance slice."""
-    rows = batch_rows(acceptance_slice, batched["cells"], confidence, seed)
+    rows = batch_rows(acceptance_slice, batched["cells"], confidence, seed, batched)
     rec = recommended_by_batch(rows)
     plain = [{"batch": c["batch"], "ms_per_token": c["ms_per_token"]["median"], "ci": c["ms_per_token"]["ci"],
               "prefill_ms": c["prefill_ms"]["median"]} for c in batched["cells"] if c["k"] == 0]

@@ -11,7 +11,13 @@ pair files `latency/*__*.json` sees it):
   ms/token per row (decode time / (new_tokens - 1), the TPOT every row sees), the speedup over
   plain decoding of the same B prompts timed in the same repeat (paired), prefill time, tokens
   kept per row per round under the synchronised scheme and what per-row offsets would have kept
-  (`ragged_tokens_per_round`), and the thrown-away share. k = 0 rows are plain decode at that B.
+  (`ragged_tokens_per_round`), the thrown-away share and the mean verify width (the most any row's
+  draft offered, which is what the round's forward pass costs). k = 0 rows are plain decode at that B.
+- `round_ms_by_width`: B -> verify width w -> per repeat the mean time of the rounds of width w
+  at that B, any k (a round of width w does the same work whichever k was asked; for a model draft
+  the width is k), and the round count. The marginal stage weights it by the acceptance stage's
+  width distribution at (B, k) (pipeline/batch_k.py): these B prompts are not the acceptance
+  prompts, and a prompt-lookup draft offers far less on some prompts than on others.
   B rows are B distinct acceptance prompts (pipeline/prompts.py, kinds taken in turn), cut from
   the left to the shortest one's length (the engine runs equal-length prompts).
 - `closed_loop`: at each B in latency.closed_loop_batch_sizes, `closed_loop_waves` waves of B
@@ -19,7 +25,8 @@ pair files `latency/*__*.json` sees it):
   lengths, where static and continuous batching coincide), plain and speculative in turn in each
   wave, the waves spread between the cells' repeats so both see the same machine load. Per wave:
   prompt length, TTFT (the batched prefill and first token) and TPOT; speculative waves also keep
-  their rounds (tokens kept per row, k) for the simulation's replay, and their mean round time. The speculative k is the
+  their rounds (tokens kept per row, k, verify width) for the simulation's replay, and their mean
+  round time. The speculative k is the
   fastest at that B (the nearest measured B) in the warm-up repeat, or the first repeat.
 
 Every figure is a median over `latency.repeats` repeats (cells) or over waves (closed loop) with a
@@ -47,6 +54,13 @@ def batch_prompts(tokenizer, batch: int, offset: int = 0) -> torch.Tensor:
     return torch.tensor([r[len(r) - length:] for r in rows], dtype=torch.long)
 
 
+def round_width(r) -> int:
+    """The verify width of one round record of either kind: the most any row's draft offered
+    (0: nothing offered, the round was a plain step)."""
+    drafted = r.drafted
+    return int(max(drafted, default=0)) if isinstance(drafted, (list, tuple)) else int(drafted)
+
+
 def round_tokens(r) -> tuple[float, float, int]:
     """(tokens kept per active row, tokens per-row offsets would keep per active row, accepted
     tokens thrown away) for one round record of either kind (B = 1 RoundRecord: nothing lost)."""
@@ -58,7 +72,8 @@ def round_tokens(r) -> tuple[float, float, int]:
 
 def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int], new_tokens: int) -> dict:
     """One repeat: at every B, plain decode then speculative decode at every k on the same B
-    prompts. Returns B -> k -> figures (k = 0 is plain)."""
+    prompts. Returns B -> k -> figures (k = 0 is plain); a speculative k's figures carry
+    `by_width`, width -> the times (ms) of its rounds of that verify width."""
     from pipeline.decode import generate
 
     out: dict[int, dict[int, dict]] = {}
@@ -79,7 +94,11 @@ def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int]
                            verify_ms=float(np.mean([r.verify_s for r in full])) * 1e3,
                            tokens_per_round=float(toks[:, 0].mean()),
                            ragged_tokens_per_round=float(toks[:, 1].mean()),
-                           thrown_away_per_round=float(toks[:, 2].mean()), rounds=len(full))
+                           thrown_away_per_round=float(toks[:, 2].mean()), rounds=len(full),
+                           mean_width=float(np.mean([round_width(r) for r in res.rounds])) if res.rounds else 0.0,
+                           by_width={})
+                for r in res.rounds:
+                    fig["by_width"].setdefault(round_width(r), []).append(r.round_s * 1e3)
             out[b][k] = fig
     return out
 
@@ -91,7 +110,7 @@ def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confi
         cells.append({"batch": b, "k": 0, "ms_per_token": median_ci(plain, confidence, seed),
                       "prefill_ms": median_ci([rep[b][0]["prefill_ms"] for rep in reps], confidence, seed)})
         for k in ks:
-            col = {key: [rep[b][k][key] for rep in reps] for key in reps[0][b][k]}
+            col = {key: [rep[b][k][key] for rep in reps] for key in reps[0][b][k] if key != "by_width"}
             kept, ragged = float(np.mean(col["tokens_per_round"])), float(np.mean(col["ragged_tokens_per_round"]))
             ms = median_ci(col["ms_per_token"], confidence, seed)
             cells.append({
@@ -107,8 +126,28 @@ def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confi
                 "thrown_away_per_round": float(np.mean(col["thrown_away_per_round"])),  # whole batch
                 "thrown_away_fraction": 1.0 - kept / ragged if ragged else 0.0,
                 "rounds": int(sum(col["rounds"])),
+                "mean_width": float(np.mean(col["mean_width"])),  # these B prompts' verify width
             })
     return cells
+
+
+def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
+    """B -> width -> {"samples": per repeat the mean round time (ms) over every k's rounds of that
+    width (None where a repeat had none), "rounds": the count}: the shape of latency_spec's
+    round_ms_by_drafted, which pipeline.marginal.by_drafted_matrix reads."""
+    out = {}
+    for b in batch_sizes:
+        widths = sorted({w for rep in reps for k in ks for w in rep[b][k].get("by_width", {})})
+        per_b = {}
+        for w in widths:
+            samples, count = [], 0
+            for rep in reps:
+                times = [t for k in ks for t in rep[b][k].get("by_width", {}).get(w, [])]
+                samples.append(float(np.mean(times)) if times else None)
+                count += len(times)
+            per_b[str(w)] = {"samples": samples, "rounds": count}
+        out[str(b)] = per_b
+    return out
 
 
 def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int) -> dict:
@@ -133,6 +172,7 @@ def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new
                 # at the full k (beside the cells' round_ms).
                 kept_per_round=[int(round_tokens(r)[0]) for r in drafted],
                 k_per_round=[int(r.k) for r in drafted],
+                width_per_round=[round_width(r) for r in drafted],
                 round_ms=float(np.mean([r.round_s for r in full]) * 1e3) if full else None)
     return out
 
@@ -185,7 +225,7 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
             "batch_sizes": batch_sizes, "ks": ks,
             "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
-            "cells": cells, "closed_loop": loops}
+            "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops}
 
 
 def run_batched(ctx, dirs: dict, ks: list[int], device, confidence: float) -> None:

@@ -35,6 +35,14 @@ over groups and normalised, is `accepted_distribution_by_batch` B -> k -> P(n_mi
 serving simulation (pipeline/serving_sim.py) draws a round of B rows' kept tokens from. At B = 1
 it is the acceptance stage's `accepted_distribution`.
 
+What a round costs. The engine verifies min(k_s, the most any active row offers) draft tokens in
+every row (`width`; rows offering fewer are padded), so a round's time depends on the content
+through that width: always k_s for a model draft, anything from 0 (nothing offered: a plain step)
+to k_s for prompt lookup. The chain's visits by width, over all rounds, summed over groups and
+normalised, are `width_distribution_by_batch` B -> k -> share of rounds of width w = 0..k (at
+B = 1 the acceptance stage's drafted-count shares). pipeline/batch_k.py weights the latency
+stage's round time by width with it, so the round time and E_B come from the same texts.
+
 Per slice: groups of B distinct prompts from PARTITIONS seeded random partitions of the slice's
 prompts (a permutation cut into floor(P / B) groups; the P mod B left over sit that partition
 out). E_B(k) = sum over groups of tokens / sum over groups of E[row-rounds], a ratio of sums like
@@ -63,11 +71,12 @@ class BatchChain:
     row_rounds: float  # E[sum over rounds of the rows active in it | texts]
     tokens: int  # tokens emitted by rounds, all rows
     histogram: np.ndarray | None = None  # [k+1]: E[full-length rounds with n_min = j | texts]
+    widths: np.ndarray | None = None  # [k+1]: E[rounds whose verify width is w | texts] (all rounds)
 
 
-def batch_text(texts: list[TextAcceptance]) -> tuple[TextAcceptance, np.ndarray]:
-    """B rows' texts -> the batch's TextAcceptance over shared starts and the number of active
-    rows at each start s = 1..n-1 (n = the longest text)."""
+def batch_text(texts: list[TextAcceptance]) -> tuple[TextAcceptance, np.ndarray, np.ndarray]:
+    """B rows' texts -> the batch's TextAcceptance over shared starts, the number of active rows
+    and the most any active row offers at each start s = 1..n-1 (n = the longest text)."""
     big_ns = {int(t.max_new_tokens) for t in texts}
     if len(big_ns) != 1:
         raise ValueError(f"rows of one batch share max_new_tokens (got {sorted(big_ns)})")
@@ -76,6 +85,7 @@ def batch_text(texts: list[TextAcceptance]) -> tuple[TextAcceptance, np.ndarray]
     accept = np.ones((max(n - 1, 0), k_max))
     available = np.full(max(n - 1, 0), k_max, dtype=int)
     active = np.zeros(max(n - 1, 0), dtype=int)
+    widest = np.zeros(max(n - 1, 0), dtype=int)
     for t in texts:
         rows = int(t.tokens) - 1  # starts s = 1..n_b - 1: the row has not ended
         if rows <= 0:
@@ -83,21 +93,31 @@ def batch_text(texts: list[TextAcceptance]) -> tuple[TextAcceptance, np.ndarray]
         accept[:rows, : t.accept.shape[1]] *= t.accept[:rows]
         accept[:rows, t.accept.shape[1]:] = 0.0
         available[:rows] = np.minimum(available[:rows], t.available[:rows])
+        widest[:rows] = np.maximum(widest[:rows], t.available[:rows])
         active[:rows] += 1
     combined = TextAcceptance(accept=accept, beta=np.zeros_like(accept), available=available, tokens=n,
                               max_new_tokens=big_ns.pop())
-    return combined, active
+    return combined, active, widest
+
+
+def verify_widths(widest: np.ndarray, k: int, max_new_tokens: int) -> np.ndarray:
+    """The engine's verify width at each start s = 1..n-1: min(k_s, what the widest active row
+    offers), k_s = min(k, N - s - 1) (0: a plain step)."""
+    s = np.arange(1, widest.size + 1)
+    return np.clip(np.minimum(np.minimum(k, max_new_tokens - s - 1), widest), 0, None).astype(int)
 
 
 def batch_chain(texts: list[TextAcceptance], k: int) -> BatchChain:
     """E[rounds] and E[row-rounds] of the synchronised scheme at draft length k, given the rows' texts."""
-    combined, active = batch_text(texts)
+    combined, active, widest = batch_text(texts)
     tokens = sum(max(int(t.tokens) - 1, 0) for t in texts)
     if combined.tokens < 2:
-        return BatchChain(k, 0.0, 0.0, tokens, np.zeros(k + 1))
+        return BatchChain(k, 0.0, 0.0, tokens, np.zeros(k + 1), np.zeros(k + 1))
     chain = round_chain(combined, k)
+    widths = np.bincount(verify_widths(widest, k, int(combined.max_new_tokens)), weights=chain.starts,
+                         minlength=k + 1)[: k + 1]
     # Summed the way round_chain sums `rounds`, so B = 1 gives the same float to the last bit.
-    return BatchChain(k, chain.rounds, float(np.sum(chain.starts * active)), tokens, chain.histogram)
+    return BatchChain(k, chain.rounds, float(np.sum(chain.starts * active)), tokens, chain.histogram, widths)
 
 
 def partition_groups(n_prompts: int, batch: int, seed: int, partitions: int = PARTITIONS) -> list[tuple[int, ...]]:
@@ -135,26 +155,35 @@ def batch_block(texts: list[TextAcceptance], batch: int, k_max: int, confidence:
     for g, idx in enumerate(groups):
         member[g, list(idx)] = True
     tokens = np.array([sum(max(int(texts[i].tokens) - 1, 0) for i in idx) for idx in groups], float)
-    expected, ci, se_by_k, rounds_by_k, pmf = {}, {}, {}, {}, {}
+    expected, ci, se_by_k, rounds_by_k, pmf, width_share, jackknife = {}, {}, {}, {}, {}, {}, {}
     for k in range(1, k_max + 1):
         chains = [batch_chain([texts[i] for i in idx], k) for idx in groups]
         row_rounds = np.array([c.row_rounds for c in chains])
+        widths = np.array([c.widths for c in chains])  # [groups, k+1]
         rounds_by_k[str(k)] = float(sum(c.rounds for c in chains))
         hist = np.sum([c.histogram for c in chains], axis=0)
         if hist.sum() > 0:
             pmf[str(k)] = (hist / hist.sum()).tolist()
+        if widths.sum() > 0:
+            width_share[str(k)] = (widths.sum(0) / widths.sum()).tolist()
         point = float(tokens.sum() / row_rounds.sum()) if row_rounds.sum() > 0 else 1.0
         expected[str(k)] = point
         if n_prompts < 2 or batch == n_prompts:  # dropping any prompt leaves no group
             ci[str(k)], se_by_k[str(k)] = [1.0, k + 1.0], None
             continue
-        jack = []
+        jack, jack_share = [], []
         for p in range(n_prompts):
             keep = ~member[:, p]
             jack.append(tokens[keep].sum() / row_rounds[keep].sum() if row_rounds[keep].sum() > 0 else 1.0)
+            w = widths[keep].sum(0)
+            jack_share.append((w / w.sum()).tolist() if w.sum() > 0 else width_share.get(str(k)))
         ci[str(k)], se_by_k[str(k)] = _interval(point, np.asarray(jack), confidence, k)
+        # The delete-one-prompt replicates of E_B and of the width shares, for a jackknife of any
+        # smooth function of both (pipeline/batch_k.py: ms/token = sum_w share_w T_w / E_B).
+        jackknife[str(k)] = {"tokens_per_round": jack, "width_share": jack_share}
     return {**design, "groups": len(groups), "expected_tokens_per_round": expected, "ci": ci, "se": se_by_k,
-            "expected_batch_rounds": rounds_by_k, "accepted_distribution": pmf}
+            "expected_batch_rounds": rounds_by_k, "accepted_distribution": pmf, "width_distribution": width_share,
+            "jackknife": jackknife}
 
 
 def by_batch_blocks(texts: list[TextAcceptance], batch_sizes: list[int], k_max: int, confidence: float,
@@ -165,7 +194,10 @@ def by_batch_blocks(texts: list[TextAcceptance], batch_sizes: list[int], k_max: 
         "expected_tokens_per_round_by_batch": {str(b): v["expected_tokens_per_round"] for b, v in blocks.items()},
         "expected_tokens_per_round_by_batch_ci": {str(b): v["ci"] for b, v in blocks.items()},
         "accepted_distribution_by_batch": {str(b): v["accepted_distribution"] for b, v in blocks.items()},
+        "width_distribution_by_batch": {str(b): v.get("width_distribution") for b, v in blocks.items()},
+        "by_batch_jackknife": {str(b): v.get("jackknife") for b, v in blocks.items()},
         "by_batch_design": {str(b): {x: y for x, y in v.items()
-                                     if x not in ("expected_tokens_per_round", "ci", "accepted_distribution")}
+                                     if x not in ("expected_tokens_per_round", "ci", "accepted_distribution",
+                                                  "width_distribution", "jackknife")}
                             for b, v in blocks.items()},
     }

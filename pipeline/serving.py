@@ -23,8 +23,9 @@ JSON gets beside `recommended_k`: `recommended_k_by_batch`, `speculative_config_
   pipeline/serving_sim.py).
 - `validation`: the simulation on the latency stage's closed-loop waves (same B, k, prompt length
   per wave, output length), wave by wave, against the measured TPOT and TTFT. The speculative
-  waves replay the rounds each measured wave had (tokens kept per row), so what is checked is
-  the cost model (step and round costs by batch, k and context) and the scheduler. Per (B, mode):
+  waves replay the rounds each measured wave had (tokens kept per row, each round costed at its
+  verify width), so what is checked is the cost model (step and round costs by batch, k or
+  width, and context) and the scheduler. Per (B, mode):
   the predicted median over waves, predicted / measured - 1 with a percentile-bootstrap CI
   (unit: the wave, with the timing repeats behind every cost re-drawn in each resample), and
   `agrees` when that CI contains 0; `validation_agrees` requires it of every TPOT row. Reported
@@ -88,7 +89,10 @@ def _wave(costs: CostModel, loop: dict, mode: str, wave: dict, rng: np.random.Ge
     b, k = loop["batch"], loop["k"]
     spec = mode == "speculative"
     reqs = [Request(0.0, wave["prompt_tokens"], loop["new_tokens"]) for _ in range(b)]
-    gains = iter(wave["kept_per_round"]) if spec and replay and wave.get("kept_per_round") is not None else None
+    gains = None
+    if spec and replay and wave.get("kept_per_round") is not None:
+        widths = wave.get("width_per_round")
+        gains = iter(zip(wave["kept_per_round"], widths) if widths is not None else wave["kept_per_round"])
     done = simulate(costs, (lambda n: k) if spec else (lambda n: 0), reqs, rng, spec, max_batch=b, gains=gains)
     return float(np.median([r.tpot for r in done])), float(np.median([r.ttft for r in done]))
 
@@ -103,7 +107,8 @@ def _percentiles(x: np.ndarray, confidence: float) -> list[float]:
 
 
 def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, confidence: float, seed: int,
-             accept_by_k: dict | None = None, accept_by_batch: dict | None = None) -> list[dict]:
+             accept_by_k: dict | None = None, accept_by_batch: dict | None = None,
+             width_by_batch: dict | None = None) -> list[dict]:
     """The simulation against the latency stage's closed loop, wave by wave (module docstring).
 
     Per (B, mode) and metric (TPOT, TTFT): `predicted` is the median over waves of the simulated
@@ -111,12 +116,12 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
     its percentile-bootstrap CI whose resampling unit is the wave (waves drawn with replacement,
     predicted and measured of the same waves) together with the timing repeats behind every cost
     (each resample re-draws the costs from their repeats). `agrees`: that CI contains 0. For the
-    speculative rows the simulated waves replay the rounds each measured wave had (tokens kept
-    per row), so the check is on the cost model and the scheduler; the acceptance model is checked
+    speculative rows the simulated waves replay the rounds each measured wave had (verify width and
+    tokens kept per row), so the check is on the cost model and the scheduler; the acceptance model is checked
     in `acceptance_check` (the simulation's own draws against the waves' tokens per round) and
     in `unconditional` (TPOT with the rounds drawn, in the same resamples), both reported, not gated."""
     point_costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k,
-                                           accept_by_batch=accept_by_batch)
+                                           accept_by_batch=accept_by_batch, width_by_batch=width_by_batch)
     out = []
     for li, loop in enumerate(batched.get("closed_loop") or []):
         for mi, mode in enumerate(("plain", "speculative")):
@@ -129,7 +134,8 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
             boot, spread, drawn_boot = [], [], []
             for i in range(resamples):
                 rng = np.random.default_rng([seed, li, mi, i, 7])
-                costs = CostModel.from_artifacts(grid, batched, prefix, rng, accept_by_k, accept_by_batch)
+                costs = CostModel.from_artifacts(grid, batched, prefix, rng, accept_by_k, accept_by_batch,
+                                                 width_by_batch)
                 sim = np.array([_wave(costs, loop, mode, w, rng, replay) for w in waves])
                 spread.append(np.median(sim, axis=0))
                 idx = rng.integers(0, len(waves), len(waves))
@@ -166,6 +172,8 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
                 cell = next((c for c in batched["cells"] if c["batch"] == loop["batch"] and c["k"] == loop["k"]), None)
                 loop_rounds = [w["round_ms"] for w in waves if w.get("round_ms") is not None]
                 row["round_ms"] = {"cells": cell["round_ms"]["median"] if cell else None,
+                                   "model": float(point_costs._at(point_costs.round_ms[loop["k"]], loop["batch"]))
+                                   if loop["k"] in point_costs.round_ms else None,
                                    "closed_loop": float(np.median(loop_rounds)) if loop_rounds else None}
             out.append(row)
     return out
@@ -213,10 +221,13 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
     prefix = prefix_rates(acceptance_slice.get("per_position") or [], max(r["k"] for r in rows))
     accept_by_k = acceptance_slice.get("accepted_distribution") or None
     accept_by_batch = acceptance_slice.get("accepted_distribution_by_batch") or None
-    costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k, accept_by_batch=accept_by_batch)
+    width_by_batch = acceptance_slice.get("width_distribution_by_batch") or None
+    costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k, accept_by_batch=accept_by_batch,
+                                     width_by_batch=width_by_batch)
     policies = _policies(fixed_k, by_batch)
     result = sweep(costs, policies, serving, seed)
-    val = validate(grid, batched, prefix, serving.validation_resamples, confidence, seed, accept_by_k, accept_by_batch)
+    val = validate(grid, batched, prefix, serving.validation_resamples, confidence, seed, accept_by_k, accept_by_batch,
+                   width_by_batch)
     section["serving"] = {
         **result,
         "policies": {"plain": "no speculation", f"k={fixed_k}": fixed_note,

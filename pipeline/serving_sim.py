@@ -25,7 +25,8 @@ ASSUMPTIONS = [
     "at that many prompts, plus the draft's prefill when speculating), which stalls the running rows, as a "
     "scheduler without chunked prefill does. Prefill emits each request's first token.",
     "A plain step of b rows costs the measured plain step at b; a speculative round the measured round time "
-    "at (b, k). Both move with context as the plain-decode grid does between its context lengths (the "
+    "at b by verify width, weighted by the acceptance chain's share of rounds of each width at (b, k) (a "
+    "prompt-lookup round that verifies nothing costs a plain step; a replayed round costs its own width). Both move with context as the plain-decode grid does between its context lengths (the "
     "verify pass's context cost is taken to be a plain step's). Costs are linear in batch between measured "
     "batch sizes and linear in context (extrapolated outside the grid).",
     "Every running row keeps n_min + 1 tokens a round (the engine's synchronised scheme), n_min the fewest "
@@ -76,7 +77,9 @@ class Table2D:
 class CostModel:
     """Measured costs in ms. `step`, `prefill`: plain decode step and prefill by (batch, context) from
     the latency grid, anchored on the batched run's own plain figures (`anchor_*`, by batch, at
-    `anchor_context`); `round_ms`: speculative round by (batch, k) from the batched run;
+    `anchor_context`); `round_ms`: speculative round by (batch, k) from the batched run (weighted by
+    verify width where both JSONs have the width keys); `width_ms`: per anchor batch, round time
+    by verify width w = 0..(for a replayed round of known width);
     `accept_pmf`: P(A = 0..k_max) accepted tokens per round from acceptance, clipped at k when a
     round runs at k < k_max, unless `accept_pmf_by_k` has that k: P(A = 0..k) per round of the
     acceptance round chain at k itself (the acceptance JSON's `accepted_distribution`)."""
@@ -91,6 +94,7 @@ class CostModel:
     anchor_prompt: float  # its prompt length
     round_ms: dict[int, list[float]]  # k -> per anchor batch
     accept_pmf: np.ndarray
+    width_ms: list[np.ndarray] | None = None  # per anchor batch: round ms by verify width
     accept_pmf_by_k: dict[int, np.ndarray] | None = None
     # b -> k -> P(n_min = j) for a round of b rows (the acceptance JSON's accepted_distribution_by_batch)
     accept_pmf_by_batch: dict[int, dict[int, np.ndarray]] | None = None
@@ -153,11 +157,17 @@ class CostModel:
     def plain_step(self, batch: int, context: float) -> float:
         return self.round(batch, 0, context)
 
-    def round(self, batch: int, k: int, context: float) -> float:
-        """A speculative round at a measured k, or a plain step for k = 0 (ms)."""
-        key = ("round", batch, k, round(context, 1))
+    def round(self, batch: int, k: int, context: float, width: int | None = None) -> float:
+        """A speculative round at a measured k, or a plain step for k = 0 (ms); with `width` (a
+        replayed round) the measured round time at that verify width instead of the k average."""
+        if width is not None and (not k or self.width_ms is None):
+            width = None
+        key = ("round", batch, k, round(context, 1), width)
         if key not in self._memo:
-            base = self._at(self.round_ms[k] if k else self.anchor_step_ms, batch)
+            if width is not None:
+                base = self._at([float(t[min(int(width), t.size - 1)]) for t in self.width_ms], batch)
+            else:
+                base = self._at(self.round_ms[k] if k else self.anchor_step_ms, batch)
             self._memo[key] = base + self.step(batch, context) - self.step(batch, self.anchor_context)
         return self._memo[key]
 
@@ -170,13 +180,16 @@ class CostModel:
 
     @classmethod
     def from_artifacts(cls, grid: dict, batched: dict, prefix: np.ndarray, rng: np.random.Generator | None = None,
-                       accept_by_k: dict | None = None, accept_by_batch: dict | None = None):
+                       accept_by_k: dict | None = None, accept_by_batch: dict | None = None,
+                       width_by_batch: dict | None = None):
         """grid: latency/<variant>.json; batched: latency/batched/<pair>.json; prefix: P(A >= i),
         i = 1..k_max; accept_by_k: the acceptance slice's `accepted_distribution` (k -> P(A = j)),
         used at every k it has; accept_by_batch: its `accepted_distribution_by_batch` (B -> k ->
-        P(n_min = j)), used for rounds of B > 1 rows. With `rng`, every measured median is replaced
-        by the median of a bootstrap resample of its repeats (for a prediction interval that carries
-        the timing noise)."""
+        P(n_min = j)), used for rounds of B > 1 rows; width_by_batch: its `width_distribution_by_batch`
+        (B -> k -> share of rounds by verify width), which with the batched JSON's `round_ms_by_width`
+        makes a round's cost the width-weighted one (pipeline/batch_k.py), else the cells' round time
+        at k. With `rng`, every measured median is replaced by the median of a bootstrap resample of
+        its repeats (for a prediction interval that carries the timing noise)."""
 
         def med(rec: dict) -> float:
             x = np.asarray(rec["samples"], dtype=float)
@@ -198,6 +211,22 @@ class CostModel:
         spec = {(c["batch"], c["k"]): c for c in batched["cells"]}
         ks = sorted({c["k"] for c in batched["cells"] if c["k"] > 0})
         prompt = float(np.mean([batched["prompt_tokens"][str(b)] for b in bs]))
+        round_ms = {k: [med(spec[(b, k)]["round_ms"]) for b in bs] for k in ks}
+        width_ms = None
+        by_width = batched.get("round_ms_by_width") or {}
+        if all(by_width.get(str(b)) for b in bs):
+            from pipeline.marginal import by_drafted_matrix
+
+            width_ms = []
+            for b in bs:
+                m, _ = by_drafted_matrix(by_width[str(b)], max(max(ks), max(int(w) for w in by_width[str(b)])))
+                m = m[rng.integers(0, m.shape[0], m.shape[0])] if rng is not None else m  # resample repeats
+                width_ms.append(np.median(m, axis=0))
+            for k in ks:  # the width-weighted round where acceptance has the shares at (b, k)
+                for i, b in enumerate(bs):
+                    share = ((width_by_batch or {}).get(str(b)) or {}).get(str(k))
+                    if share is not None:
+                        round_ms[k][i] = float(np.asarray(share, float) @ width_ms[i][: len(share)])
         tail = np.concatenate([[1.0], np.asarray(prefix[:max(ks)], dtype=float), [0.0]])
         pmf = np.clip(tail[:-1] - tail[1:], 0.0, None)
         return cls(step=step, prefill_grid=pre, anchor_batches=bs,
@@ -206,7 +235,7 @@ class CostModel:
                    anchor_spec_prefill_ms=[float(np.median([med(spec[(b, k)]["prefill_ms"]) for k in ks]))
                                            for b in bs],
                    anchor_context=prompt + float(batched["new_tokens"]) / 2, anchor_prompt=prompt,
-                   round_ms={k: [med(spec[(b, k)]["round_ms"]) for b in bs] for k in ks},
+                   round_ms=round_ms, width_ms=width_ms,
                    accept_pmf=pmf / pmf.sum(),
                    accept_pmf_by_k={int(k): np.asarray(v, dtype=float) for k, v in (accept_by_k or {}).items()},
                    accept_pmf_by_batch={int(b): {int(k): v for k, v in (by_k or {}).items()}
@@ -248,7 +277,8 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
     arrival times; at most max_batch (default: the largest measured batch) run at once.
     gains: replay instead of drawing: every speculative round takes the next value as its tokens
     kept per row (n_min + 1, capped at k + 1), e.g. the rounds a measured run actually had; a
-    round past the end of the sequence draws."""
+    value (kept, width) also costs the round at that verify width; a round past the end of the
+    sequence draws."""
     cap = max_batch or costs.max_batch
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[Request] = deque()
@@ -273,9 +303,11 @@ def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Requ
             b = len(running)
             context = sum(r.prompt + r.produced for r in running) / b
             k = costs.usable_k(min(policy(b), min(r.output - r.produced for r in running) - 1, costs.k_max))
-            t += costs.round(b, k, context)
-            gain = 1
+            gain, width = 1, None
             replayed = next(gains, None) if k > 0 and gains is not None else None
+            if isinstance(replayed, tuple):
+                replayed, width = replayed
+            t += costs.round(b, k, context, width)
             if replayed is not None:
                 gain = min(int(replayed), k + 1)  # a replayed round: its measured n_min + 1
             elif k > 0:  # drawn (also past the end of a replayed sequence)

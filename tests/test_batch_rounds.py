@@ -12,7 +12,8 @@ target and draft, direct runs through the engine's own batched verify rule
 errors of the difference. (3) The real engine, greedy fp32: batched `generate` at B = 2 on the
 tiny model with an ngram and a layerskip draft must take exactly the derived number of rounds
 (greedy is deterministic given the texts; no EOS is set, so every row runs to max_new_tokens,
-the case the chain is exact in without condition). Seeds are fixed: the outcomes are deterministic.
+the case the chain is exact in without condition), and every round's verify width must be the
+derived one. Seeds are fixed: the outcomes are deterministic.
 """
 from __future__ import annotations
 
@@ -47,12 +48,25 @@ def _lookup_text(seed, k_max, big_n, eos_at=None) -> TextAcceptance:
     return TextAcceptance(accept=acc, beta=acc, available=avail, tokens=n, max_new_tokens=big_n)
 
 
+def _noisy_lookup_text(seed, k_max, big_n, eos_at=None) -> TextAcceptance:
+    """A prompt-lookup row whose accepts are random draws (0.35-0.9 per offered position), so the
+    path over starts, and with it the widths met, is random."""
+    t = _lookup_text(seed, k_max, big_n, eos_at)
+    rng = np.random.default_rng(seed + 1000)
+    acc = np.where(t.accept > 0, rng.uniform(0.35, 0.9, t.accept.shape), 0.0)
+    return TextAcceptance(accept=acc, beta=acc, available=t.available, tokens=t.tokens, max_new_tokens=big_n)
+
+
 def _simulate_batch(texts: list[TextAcceptance], k: int, runs: int, seed: int,
-                    hist: np.ndarray | None = None) -> tuple[float, float]:
+                    hist: np.ndarray | None = None, widths: np.ndarray | None = None,
+                    cost: np.ndarray | None = None) -> tuple[float, float]:
     """The synchronised scheme run directly (vectorised over runs): every row draws its own
     accepts along its matrix; the round keeps n_min + 1 over the rows still generating.
     -> (tokens per row-round, its Monte-Carlo SE by the delta method). hist ([k+1]), when given,
-    counts n_min over the full-length rounds (k not shortened)."""
+    counts n_min over the full-length rounds (k not shortened); widths ([k+1]) counts every round
+    by its verify width (the engine's: the most any active row offers, at most k_s); cost ([k+1],
+    ms by width) makes it return (ms per row-token, its SE) instead: the batch's total round time
+    over the tokens each row emitted."""
     rng = np.random.default_rng(seed)
     big_n = texts[0].max_new_tokens
     ends = np.array([t.tokens for t in texts])
@@ -62,13 +76,20 @@ def _simulate_batch(texts: list[TextAcceptance], k: int, runs: int, seed: int,
     avails = [np.concatenate([t.available, np.zeros(n_max + k + 2 - t.available.shape[0], dtype=int)])
               for t in texts]
     s = np.ones(runs, dtype=int)
-    row_rounds = np.zeros(runs)
+    row_rounds, spent = np.zeros(runs), np.zeros(runs)
     while (going := s < n_max).any():
         active = s[:, None] < ends[None, :]  # [runs, B]
         k_s = np.minimum(k, big_n - s - 1)
         d = k_s.copy()
+        widest = np.zeros(runs, dtype=int)
         for b in range(len(texts)):
             d = np.where(active[:, b], np.minimum(d, avails[b][s - 1]), d)
+            widest = np.where(active[:, b], np.maximum(widest, np.minimum(k_s, avails[b][s - 1])), widest)
+        width = np.clip(widest, 0, None)
+        if widths is not None:
+            np.add.at(widths, width[going], 1)
+        if cost is not None:
+            spent += going * cost[width]
         n_min = d.copy()
         for b in range(len(texts)):
             ok = rng.random((runs, k)) < pads[b][s - 1, :k]
@@ -79,6 +100,9 @@ def _simulate_batch(texts: list[TextAcceptance], k: int, runs: int, seed: int,
             np.add.at(hist, n_min[going & (k_s == k)], 1)
         s = np.where(going, s + n_min + 1, s)
     tokens = float((ends - 1).sum())
+    if cost is not None:  # every row runs to the end here: tokens per row = tokens / B
+        per_row = tokens / len(texts)
+        return spent.mean() / per_row, spent.std(ddof=1) / np.sqrt(runs) / per_row
     mean, se = row_rounds.mean(), row_rounds.std(ddof=1) / np.sqrt(runs)
     return tokens / mean, tokens / mean**2 * se
 
@@ -96,6 +120,12 @@ CASES = {
     "four mixed, two end early": lambda km, n: [_text(BLOCKS, km, n), _text(PERIODIC, km, n, eos_at=70),
                                                 _lookup_text(3, km, n), _lookup_text(4, km, n, eos_at=41)],
     "four lookup": lambda km, n: [_lookup_text(s, km, n) for s in (5, 6, 7, 8)],
+}
+WIDTH_CASES = {
+    **CASES,
+    "two noisy lookup, one ends early": lambda km, n: [_noisy_lookup_text(9, km, n),
+                                                      _noisy_lookup_text(10, km, n, eos_at=52)],
+    "three noisy lookup": lambda km, n: [_noisy_lookup_text(s, km, n) for s in (11, 12, 13)],
 }
 
 
@@ -135,6 +165,46 @@ def test_batch_chain_n_min_distribution_matches_the_scheme_run_directly(name):
         assert tv < 0.02, (k, tv)
 
 
+@pytest.mark.parametrize("name", ["four mixed, two end early", "two noisy lookup, one ends early", "three noisy lookup"])
+def test_batch_chain_width_distribution_matches_the_scheme_run_directly(name):
+    """width_distribution_by_batch (what the batched round time is weighted by) against the verify
+    widths of direct runs, every round: total variation < 0.02 (MC noise ~0.005), on lookup rows
+    whose offers vary by start, and rows that end early."""
+    k_max, big_n = 4, 97
+    texts = WIDTH_CASES[name](k_max, big_n)
+    for k in (1, 2, 4):
+        chain = batch_chain(texts, k)
+        counts = np.zeros(k + 1)
+        _simulate_batch(texts, k, runs=8000, seed=500 + k, widths=counts)
+        share, direct = chain.widths / chain.widths.sum(), counts / counts.sum()
+        tv = 0.5 * np.abs(share - direct).sum()
+        print(f"{name} k={k}: chain widths {np.round(share, 3)}, direct {np.round(direct, 3)}, TV {tv:.4f}")
+        assert tv < 0.02, (k, tv)
+        assert abs(chain.widths.sum() - chain.rounds) < 1e-9  # every round has one width
+
+
+@pytest.mark.parametrize("name", ["three noisy lookup", "four lookup", "blocks+periodic"])
+def test_width_weighted_round_cost_matches_the_time_of_direct_runs(name):
+    """ms per row-token = sum_w share_w T(w) / E_B (pipeline/batch_k.py) against the total round
+    time of direct runs over the tokens each row emitted, with a round costing T(w) = 40 + 9 w ms
+    by its verify width (rows run to max_new_tokens: the case where the two are the same
+    quantity): within 1% and 4 MC standard errors. The time of rounds that verify nothing (what a
+    latency run on prompts a lookup draft finds nothing in times) is far off: the bias this fixes."""
+    k_max, big_n = 5, 97
+    texts = WIDTH_CASES[name](k_max, big_n)
+    t_w = 40.0 + 9.0 * np.arange(k_max + 1)
+    for k in (1, 3, 5):
+        chain = batch_chain(texts, k)
+        e_b = chain.tokens / chain.row_rounds
+        model = float(chain.widths / chain.widths.sum() @ t_w[: k + 1]) / e_b
+        direct, se = _simulate_batch(texts, k, runs=8000, seed=700 + k, cost=t_w[: k + 1])
+        empty = t_w[0] / e_b
+        print(f"{name} k={k}: model {model:.3f} ms/token, direct {direct:.3f} (MC se {se:.3f}), "
+              f"rounds that verify nothing {empty:.3f}")
+        assert abs(model - direct) < max(0.01 * direct, 4 * se), (k, model, direct, se)
+        assert empty < 0.9 * direct
+
+
 def test_batch_one_is_the_acceptance_stages_expected_tokens_exactly():
     from pipeline.acceptance_stats import prompt_record, summarize_slice
 
@@ -147,8 +217,15 @@ def test_batch_one_is_the_acceptance_stages_expected_tokens_exactly():
     blocks = by_batch_blocks(texts, [2, 4], k_max, 0.95, 0)
     assert blocks["expected_tokens_per_round_by_batch"]["1"] == summary["expected_tokens_per_round"]  # bit for bit
     one = blocks["accepted_distribution_by_batch"]["1"]
+    drafted = sum(np.asarray(r["drafted_rounds"][str(k)]) for r in recs for k in [k_max])
+    assert np.allclose(blocks["width_distribution_by_batch"]["1"][str(k_max)], drafted / drafted.sum(), atol=1e-12)
     for k in range(1, k_max + 1):
         assert np.allclose(one[str(k)], summary["accepted_distribution"][str(k)], atol=1e-12)
+        # At B = 1 the verify width is the drafted count: the shares the marginal stage weights by.
+        drafted = sum(np.asarray(r["drafted_rounds"][str(k)], float) for r in recs)
+        assert np.allclose(blocks["width_distribution_by_batch"]["1"][str(k)], drafted / drafted.sum(), atol=1e-12)
+        jack = blocks["by_batch_jackknife"]["2"][str(k)]
+        assert len(jack["tokens_per_round"]) == len(texts) == len(jack["width_share"])
         for b in ("2", "4"):  # a pmf over n_min = 0..k
             pmf = np.asarray(blocks["accepted_distribution_by_batch"][b][str(k)])
             assert pmf.shape == (k + 1,) and abs(pmf.sum() - 1) < 1e-12 and (pmf >= 0).all()
@@ -215,14 +292,14 @@ def test_estimator_on_sampled_texts_matches_runs_through_the_batched_verify_rule
 @pytest.mark.parametrize("draft_kind", ["ngram", "layerskip:2"])
 def test_real_engine_greedy_batch_of_two_takes_exactly_the_derived_rounds(tiny_model, tiny_tokenizer, draft_kind):
     from draft_models.layerskip import truncate
-    from pipeline.batch_latency import batch_prompts
+    from pipeline.batch_latency import batch_prompts, round_width
     from pipeline.decode import ModelDraft, NgramDraft, generate
     from pipeline.teacher_forced import score_text
 
     draft = (NgramDraft("ngram") if draft_kind == "ngram" else
              ModelDraft(draft_kind, truncate(tiny_model, 2), tiny_model.config.vocab_size))
     big_n, k_max, greedy = 24, 4, SamplingParams(0.0)
-    checked = 0
+    checked, widths_seen = 0, set()
     for offset in (0, 2):
         ids = batch_prompts(tiny_tokenizer, 2, offset=offset)
         plain = [generate(tiny_model, ids[b:b + 1], big_n).tokens for b in range(2)]
@@ -235,8 +312,14 @@ def test_real_engine_greedy_batch_of_two_takes_exactly_the_derived_rounds(tiny_m
                   f"engine {len(res.rounds)}; tokens/row-round {chain.tokens / chain.row_rounds:.4f}")
             assert chain.rounds == len(res.rounds)
             assert chain.row_rounds == sum(sum(r.active) for r in res.rounds)
+            # The verify width of every round (what its forward pass costs), as the engine ran it.
+            engine_widths = np.bincount([round_width(r) for r in res.rounds], minlength=k + 1)
+            assert np.array_equal(chain.widths, engine_widths), (chain.widths, engine_widths)
+            widths_seen.update(round_width(r) for r in res.rounds)
             checked += any(r.kept > 0 for r in res.rounds)
     assert checked > 0  # some round kept a draft: the check is not on plain steps only
+    if draft_kind == "ngram":  # rounds where lookup offered nothing and rounds where it offered some
+        assert 0 in widths_seen and max(widths_seen) >= 1, widths_seen
 
 
 def test_prompt_jackknife_interval_covers_on_clustered_prompts():

@@ -224,6 +224,18 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
         assert [(c["batch"], c["k"]) for c in batched["cells"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
         (loop,) = batched["closed_loop"]
         assert loop["batch"] == 2 and loop["k"] in (1, 2) and len(loop["speculative"]["waves"]) == 2
+        # Round time by verify width at each B, pooled over k: a model draft verifies k (or fewer
+        # near the end), prompt lookup anything from 0.
+        by_width = batched["round_ms_by_width"]
+        assert set(by_width) == {"1", "2"}
+        for b, block in by_width.items():
+            assert set(block) <= {"0", "1", "2"} and all(len(v["samples"]) == 2 for v in block.values())
+            assert sum(v["rounds"] for v in block.values()) > 0
+            if slug == "layerskip-2":  # 3 new tokens: one round, k shortened to 1 (the last token is a step)
+                assert "1" in block
+        for wave in loop["speculative"]["waves"]:
+            assert len(wave["width_per_round"]) == len(wave["kept_per_round"])
+            assert all(0 <= w <= kk for w, kk in zip(wave["width_per_round"], wave["k_per_round"]))
     before = (run / "latency" / "bf16.json").read_text()
     run_stage(STAGES["latency"], run, cfg, {}, STAGES)  # unchanged inputs: nothing re-measured
     assert (run / "latency" / "bf16.json").read_text() == before

@@ -93,6 +93,60 @@ def test_k_by_batch_known_answer_and_the_vllm_table():
     assert speculative_config({1: 0, 4: 0})["vllm_speculative_config"] is None
 
 
+def test_round_time_is_weighted_by_the_acceptance_chains_verify_widths():
+    """The latency run's own B prompts offered a lookup draft nothing (its cells' round time is a
+    plain step's) while the acceptance prompts' chain verifies mostly k: ms/token must use the
+    round time by verify width, T(B, w) = 10 + 3w (B = 1) and 12 + 9w (B = 4), weighted by the
+    acceptance shares, so the speedup is plain / (sum_w share_w T_w / E_B) exactly (noise-free
+    repeats), a width no round had is read off the line through the others, and the prompt
+    jackknife of the whole factor widens the CI. Without the width keys: the cells' round time."""
+    ks = [1, 2, 3]
+    exact = {b: {k: 1 + 0.5 * k for k in ks} for b in (1, 4)}
+    cells = _cells({1: 10.0, 4: 12.0}, lambda b, k: 10.0 if b == 1 else 12.0, ks)
+    t_w = {1: lambda w: 10.0 + 3 * w, 4: lambda w: 12.0 + 9 * w}
+    by_width = {str(b): {str(w): {"samples": [t_w[b](w)] * 4, "rounds": 5} for w in range(4) if (b, w) != (4, 2)}
+                for b in (1, 4)}
+    shares = {k: [0.1] + [0.0] * (k - 1) + [0.9] for k in ks}
+    acc = _slice(exact, [0.5] * 3)
+    acc["width_distribution_by_batch"] = {str(b): {str(k): v for k, v in shares.items()} for b in (1, 4)}
+    rows = {(r["batch"], r["k"]): r for r in batch_rows(acc, cells, 0.95, 0, {"round_ms_by_width": by_width})}
+    plain = {1: 10.0, 4: 12.0}
+    for (b, k), r in rows.items():
+        want = sum(sh * t_w[b](w) for w, sh in enumerate(shares[k]))
+        assert r["round_ms"] == pytest.approx(want) and r["round_ms_source"].startswith("by verify width")
+        assert r["speedup"] == pytest.approx(plain[b] * exact[b][k] / want)
+        assert r["mean_width"] == pytest.approx(0.9 * k)
+        assert r["cell_round_ms"] == pytest.approx(plain[b])  # what the old join used
+        assert r["round_ms_interpolated_widths"] == ([2] if (b, k) in ((4, 2), (4, 3)) else [])
+    old = {(r["batch"], r["k"]): r for r in batch_rows(acc, cells, 0.95)}  # no width keys
+    assert old[(1, 3)]["round_ms"] == pytest.approx(10.0) and old[(1, 3)]["speedup"] > rows[(1, 3)]["speedup"] * 1.5
+    assert old[(1, 3)]["round_ms_source"].startswith("the cells' own")
+    # The acceptance prompts' jackknife replicates of E_B and the shares move the whole factor.
+    acc["by_batch_jackknife"] = {str(b): {str(k): {"tokens_per_round": [exact[b][k] * f for f in (0.9, 1.0, 1.1, 1.0)],
+                                                  "width_share": [shares[k]] * 4} for k in ks} for b in (1, 4)}
+    wide = {(r["batch"], r["k"]): r for r in batch_rows(acc, cells, 0.95, 0, {"round_ms_by_width": by_width})}
+    for key, r in wide.items():
+        assert r["speedup"] == pytest.approx(rows[key]["speedup"])
+        assert r["speedup_ci"][0] < rows[key]["speedup_ci"][0] - 0.01 and r["speedup_ci"][1] > rows[key]["speedup_ci"][1]
+        assert "jackknife" in r["ci_unit"]
+    # The simulation's round costs: the same weighting; a replayed round costs its own width.
+    grid, batched = _batched_artifacts(k_max=3)
+    batched["round_ms_by_width"] = by_width
+    costs = CostModel.from_artifacts(grid, batched, np.array([0.5] * 3), width_by_batch=acc["width_distribution_by_batch"])
+    for i, b in enumerate((1, 4)):
+        for k in ks:
+            assert costs.round_ms[k][i] == pytest.approx(rows[(b, k)]["round_ms"])
+        ctx = costs.anchor_context
+        assert costs.round(b, 3, ctx, width=0) == pytest.approx(t_w[b](0))
+        assert costs.round(b, 3, ctx, width=1) == pytest.approx(t_w[b](1))
+    flat = _flat_costs(round_ms={1: 14.0, 2: 18.0, 3: 22.0}, pmf=[0, 0, 0, 1.0])
+    flat.width_ms = [np.array([10.0, 13.0, 16.0, 19.0])] * 2
+    # 9 tokens: replayed rounds of (kept, width) (1, 0), (4, 3), (2, 2), then a plain step.
+    (r,) = simulate(flat, lambda b: 3, [Request(0.0, 16, 9)], np.random.default_rng(0), True,
+                    gains=iter([(1, 0), (4, 3), (2, 2)]))
+    assert r.tpot == pytest.approx((10 + 19 + 16 + 10) / 8)
+
+
 def _flat_costs(step: float = 10.0, prefill: float = 30.0, round_ms: dict | None = None, pmf=(1.0,),
                 batches=(1, 4)) -> CostModel:
     """Costs that do not depend on batch or context (closed forms below)."""
@@ -225,7 +279,7 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
 
     from draft_models.layerskip import truncate
     from pipeline.acceptance_stats import prompt_record, summarize_slice
-    from pipeline.batch_latency import (batch_prompts, batched_cells, batched_repeat, closed_loop_summary,
+    from pipeline.batch_latency import (batch_prompts, batched_cells, batched_repeat, by_width, closed_loop_summary,
                                         closed_loop_wave)
     from pipeline.decode import ModelDraft, SamplingParams, generate
     from pipeline.expected_rounds import round_chain
@@ -264,7 +318,7 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
                                          "tpot_ms": median_ci([x[1] for x in v])} for (b, c), v in grid_raw.items()]}
     batched = {"batch_sizes": sizes, "ks": ks, "new_tokens": new, "repeats": repeats,
                "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
-               "cells": batched_cells(reps, sizes, ks, 0.95, 0),
+               "cells": batched_cells(reps, sizes, ks, 0.95, 0), "round_ms_by_width": by_width(reps, sizes, ks),
                "closed_loop": [closed_loop_summary(waves[b], b, 2, new, 0.95, 0) for b in sizes]}
     rows = validate(grid, batched, prefix, resamples=40, confidence=0.95, seed=0,
                     accept_by_k=acc["accepted_distribution"])
@@ -282,8 +336,10 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
         if v["mode"] == "speculative":
             assert v["rounds"] == "replayed from each measured wave"
             # the replay keeps exactly the tokens each wave kept: every simulated wave ends on time
-            assert all(sum(w["kept_per_round"]) <= new for w in next(
-                loop for loop in batched["closed_loop"] if loop["batch"] == v["batch"])["speculative"]["waves"])
+            loop_waves = next(loop for loop in batched["closed_loop"] if loop["batch"] == v["batch"])["speculative"]["waves"]
+            assert all(sum(w["kept_per_round"]) <= new for w in loop_waves)
+            # a model draft verifies the k it was asked (fewer only near the end)
+            assert all(w["width_per_round"] == w["k_per_round"] for w in loop_waves)
 
 
 def _summ(x) -> dict:
