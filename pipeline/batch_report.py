@@ -159,6 +159,28 @@ def speedup_matrix(report: dict) -> tuple[list[str], list[list[str]]]:
             f"accepted tokens thrown away at k={ks[-1]}: model / measured"], out
 
 
+ROUND_HEADER = ["B", "k", "round ms used (by verify width) [CI]", "mean verify width: acceptance prompts",
+                "round ms on the latency run's own prompts", "mean verify width there", "modelled / measured speedup"]
+
+ROUND_NOTE = ("A round costs what its verify width costs (the most any row's draft offered). The round time "
+              "used is the latency run's time by width, weighted by how often the acceptance prompts' batch "
+              "chain verifies each width at (B, k), so it and E_B come from the same texts; the latency run's "
+              "own prompts can offer a prompt-lookup draft far less (a round verifying nothing costs a plain "
+              "step), which is why its measured speedup can differ from the model's.")
+
+
+def round_rows(report: dict) -> list[list[str]]:
+    """Per (B, k): the width-weighted round time against the latency run's own, with mean widths."""
+    out = []
+    for r in report["by_batch"]["rows"]:
+        weighted = r.get("mean_width") is not None
+        out.append([str(r["batch"]), str(r["k"]),
+                    f"{_f(r['round_ms'])} {_ci(r.get('round_ms_ci'))}" + ("" if weighted else " (cells' own)"),
+                    _f(r.get("mean_width")), _f(r.get("cell_round_ms", r["round_ms"])), _f(r.get("cell_mean_width")),
+                    f"{_f(r['speedup'])} / {_f(r.get('measured_speedup'))}"])
+    return out
+
+
 def crossover_lines(report: dict) -> list[str]:
     sv = report["serving"]
     out = []
@@ -196,7 +218,8 @@ VALIDATION_HEADER = ["B", "mode", "k", "metric", "measured ms (median over waves
                      "simulated ms (rounds replayed)", "error [CI: waves and cost repeats]", "agrees (CI holds 0)",
                      "error with drawn rounds [CI]", "tokens/round: loop [CI] / model"]
 
-VALIDATION_NOTE = ("The simulated speculative waves replay the rounds each measured wave had (tokens kept per row), "
+VALIDATION_NOTE = ("The simulated speculative waves replay the rounds each measured wave had (tokens kept per row, "
+                   "each round costed at its verify width), "
                    "so the gated check (`agrees`) is on the cost model and the scheduler. 'Error with drawn rounds' "
                    "draws the rounds from the acceptance model as the sweep does; 'tokens/round' sets the closed "
                    "loop's own prompts against the acceptance model (a different prompt set). Neither is gated.")
@@ -209,11 +232,14 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
     out = ["", "## Speculation under batching", "",
            "Speedup over plain decoding of the same B rows (E_B(k), tokens per row per round, from acceptance: "
            "exact given the texts of B distinct prompts, averaged over groups of the slice's prompts; times "
-           "round time and plain step time from the same repeats); * = recommended k at that B. Every "
+           "plain step time over round time, the round time by verify width weighted by the same texts' "
+           "widths, both from the same repeats); * = recommended k at that B. Every "
            "row keeps n_min + 1 tokens a round (synchronised scheme); the last column is the share of "
            "accepted tokens that throws away against per-row offsets.", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
+    out += ["", ROUND_NOTE, "", "| " + " | ".join(ROUND_HEADER) + " |", "|" + "---|" * len(ROUND_HEADER)]
+    out += ["| " + " | ".join(r) + " |" for r in round_rows(report)]
     out += ["", f"vLLM dynamic speculation (`{cfg['config_key']}`): {cfg['note']}", "", "```json",
             json.dumps(cfg["vllm_speculative_config"]), "```", "",
             f"![speedup vs batch size]({batch_png})", "", "## What pays at a request rate (simulated)", ""]
@@ -245,6 +271,7 @@ def batching_blocks(run_dir: Path, figures: dict[str, bytes]) -> list[tuple]:
                       "* = recommended k. Rows keep n_min + 1 tokens a round; the last column is the share of "
                       "accepted tokens thrown away against per-row offsets."),
                 ("table", head, rows, None),
+                ("p", ROUND_NOTE), ("table", ROUND_HEADER, round_rows(m), None),
                 ("p", f"vLLM: {cfg['config_key']}. {cfg['note']} Sources: {', '.join(cfg['sources'])}"),
                 ("pre", json.dumps(cfg["vllm_speculative_config"]))]
         for suffix, caption in (("batch", "speedup vs batch size, one line per k"),

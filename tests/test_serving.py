@@ -419,6 +419,7 @@ def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_
         assert (out / f"bf16__layerskip-4.{suffix}.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "bf16__layerskip-4.md").read_text()
     assert "## Speculation under batching" in md and "num_speculative_tokens_per_batch_size" in md
+    assert "mean verify width" in md and "(cells' own)" in md  # no width keys here: the cells' round time, said
     figures: dict = {}
     blocks = batching_blocks(run, figures)
     assert any(b[0] == "table" and b[1][0] == "B" for b in blocks) and len(figures) == 2
