@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.stats import median_ci
+
 
 # vLLM's dynamic speculative decoding (DSD): speculative_config.num_speculative_tokens_per_batch_size,
 # a list of [start_bs, end_bs, K] rows, ranges inclusive; num_speculative_tokens is the startup
@@ -133,7 +135,7 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
                "measured_tokens_per_round": c.get("tokens_per_round"),
                "measured_thrown_away_fraction": c.get("thrown_away_fraction"),
                "round_ms": t_round, "round_ms_source": round_source,
-               "round_ms_ci": _percentile_ci(round_ms, t_round, confidence, seed + 7 * b + k),
+               "round_ms_ci": median_ci(round_ms, confidence, seed + 7 * b + k)["ci"],
                "cell_round_ms": c["round_ms"]["median"], "cell_round_ms_ci": c["round_ms"]["ci"],
                "mean_width": float(share @ np.arange(share.size)) if share is not None else None,
                "cell_mean_width": c.get("mean_width"), "round_ms_interpolated_widths": filled,
@@ -145,14 +147,6 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
             round_ms, ratio, e_b, e_ci, k, confidence, seed + 31 * b + k, jack_factor)
         rows.append(row)
     return rows
-
-
-def _percentile_ci(samples: np.ndarray, point: float, confidence: float, seed: int, resamples: int = 2000) -> list[float]:
-    """Percentile-bootstrap CI of the median over repeats (the unit of resampling), holding the point."""
-    rng = np.random.default_rng(seed)
-    med = np.median(rng.choice(samples, (resamples, samples.size)), axis=1)
-    lo, hi = np.quantile(med, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return [min(float(lo), point), max(float(hi), point)]
 
 
 def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[float], k: int, confidence: float,
