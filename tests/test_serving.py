@@ -267,14 +267,22 @@ def test_serving_config_refuses_bad_values():
 
 
 def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
-    """The estimator against the direct measurement, at a small size: the engine on the tiny model
-    (layerskip:2 draft) measures its step costs (plain grid at two contexts, (B, k) cells) and
-    acceptance at B = 1 on one set of prompts, and a closed loop of waves of B = 1 and B = 2
-    requests on other prompts (real rows: not independent draws), its waves spread between the
-    cells' repeats. The simulation fed only the measured costs (the speculative waves replaying
-    the rounds each measured wave had) must agree with the measured TPOT: the CI of predicted /
-    measured - 1, resampling waves and the cost repeats, contains 0. No absolute duration is
-    asserted."""
+    """The estimator against the direct measurement, at a small size, on a clock that cannot be
+    noisy: the engine on the tiny model (layerskip:2 draft) measures its step costs (plain grid at
+    two contexts, (B, k) cells) and acceptance at B = 1 on one set of prompts, and a closed loop of
+    waves of B = 1 and B = 2 requests on other prompts (real rows: not independent draws). Time is
+    a deterministic cost clock: every forward of a cached model (target or draft, prefill, decode,
+    draft or verify step) advances it by a fixed cost in its layers, batch, tokens and context, and
+    nothing else does. So the "measured" TPOT is exactly what the engine's own control flow (ragged
+    ends, synchronised cuts, draft steps, context growth) makes of those costs, and the simulation
+    fed only the measured costs (speculative waves replaying each wave's rounds) must reproduce it
+    within 3%: what remains is the model's own approximation (cells timed at their prompt length,
+    the plain grid read between two contexts). Under real time this check flaked on a loaded CI
+    machine (ms-scale steps, B = 2 plain -12% [-15%, -6%]); real-time agreement is checked on the
+    real model by the default run's validation rows and for calibration by
+    tests/sim_validation_coverage.py."""
+    import time
+
     import torch
 
     from draft_models.layerskip import truncate
@@ -290,6 +298,20 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
 
     # Short prompts only (the tiny tokenizer makes the long-context ones 500-1000 tokens): seconds.
     monkeypatch.setattr(batch_latency, "KINDS", ("chat", "code", "structured"))
+    from pipeline.decode.cache import CachedModel
+
+    now = [0.0]
+    forward = CachedModel.forward
+
+    def costed(self, tokens, all_logits, prefill=False):
+        b, t = tokens.shape
+        layers = self.model.config.num_hidden_layers
+        # ms: a launch overhead, then per layer a fixed part, a part per token and one per attended position
+        now[0] += 1e-3 * (0.4 + layers * (0.05 + 0.01 * b * t + 0.0008 * b * (self.length + t)))
+        return forward(self, tokens, all_logits, prefill)
+
+    monkeypatch.setattr(CachedModel, "forward", costed)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     draft = ModelDraft("layerskip:2", truncate(tiny_model, 2), tiny_model.config.vocab_size)
     ks, sizes, new, repeats = [1, 2], [1, 2], 10, 4
     # Acceptance at k_max = 2 on prompts 8..13 (the closed loop uses 0..7), as the acceptance stage
@@ -328,10 +350,8 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
         t = v["tpot_ms"]
         print(v["batch"], v["mode"], f"pred {t['predicted']:.3f} meas {t['measured']:.3f} rel {t['relative_error']:+.3f} "
               f"CI [{t['relative_error_ci'][0]:+.3f}, {t['relative_error_ci'][1]:+.3f}]", v.get("round_ms"))
-        # The ms-scale tiny model is at the mercy of machine load (one run under load missed, CI
-        # [+1.3%, +21%]): the gated rule is checked for calibration by tests/sim_validation_coverage.py
-        # and on the real model by the default run; here the check landed main already had.
-        assert t["within_measured_ci"] or t["intervals_overlap"], v
+        # plain: the grid's line in context is exact for a cost linear in context
+        assert abs(t["relative_error"]) <= (0.005 if v["mode"] == "plain" else 0.03), v
         assert t["relative_error_ci"][0] <= t["relative_error"] <= t["relative_error_ci"][1]
         if v["mode"] == "speculative":
             assert v["rounds"] == "replayed from each measured wave"
