@@ -432,9 +432,16 @@ def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_
         t = v["tpot_ms"]
         assert t["relative_error_ci"][0] <= t["relative_error"] <= t["relative_error_ci"][1]
         assert t["agrees"] == (t["relative_error_ci"][0] <= 0 <= t["relative_error_ci"][1])
+        # family-wise over the 2 rows: the CI at 97.5% holds the one at 95%
+        fw = t["relative_error_ci_familywise"]
+        assert t["familywise_confidence"] == pytest.approx(0.975)
+        assert fw[0] <= t["relative_error_ci"][0] and t["relative_error_ci"][1] <= fw[1]
+        assert t["agrees_familywise"] == (fw[0] <= 0 <= fw[1])
     # These waves carry no rounds (an older latency JSON): the speculative wave draws them instead.
     assert sv["validation"][1]["rounds"] == "drawn from the acceptance model" and "unconditional" in sv["validation"][1]
-    assert sv["validation_agrees"] == all(v["tpot_ms"]["agrees"] for v in sv["validation"])
+    assert sv["validation_agrees"] == all(v["tpot_ms"]["agrees_familywise"] for v in sv["validation"])
+    assert sv["validation_agrees_each_row"] == all(v["tpot_ms"]["agrees"] for v in sv["validation"])
+    assert "m = 2 rows" in sv["validation_rule"]
     for suffix in ("batch", "serving"):
         assert (out / f"bf16__layerskip-4.{suffix}.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "bf16__layerskip-4.md").read_text()
