@@ -231,8 +231,8 @@ VALIDATION_HEADER = ["B", "mode", "k", "metric", "measured ms (median over waves
 VALIDATION_NOTE = ("The simulated speculative waves replay the rounds each measured wave had (tokens kept per row, "
                    "each round costed at its verify width), "
                    "so the check is on the cost model and the scheduler. The gated verdict is family-wise "
-                   "over the pair's m TPOT rows (Bonferroni: each row's CI at 1 - alpha/m), so a right model "
-                   "passes with probability at least 1 - alpha; the per-row 'agrees' at 1 - alpha would miss "
+                   "over the pair's m TPOT rows (Bonferroni: each row's CI at 1 - alpha/m), aiming at a right "
+                   "model passing with probability 1 - alpha; the per-row 'agrees' at 1 - alpha would miss "
                    "somewhere in about 1 - (1 - alpha)^m of runs (19% for four rows at 95%) by chance alone. 'Error with drawn rounds' "
                    "draws the rounds from the acceptance model as the sweep does; 'tokens/round' sets the closed "
                    "loop's own prompts against the acceptance model (a different prompt set). Neither is gated.")
