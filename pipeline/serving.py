@@ -127,8 +127,15 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
     in `unconditional` (TPOT with the rounds drawn, in the same resamples), both reported, not gated."""
     point_costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k,
                                            accept_by_batch=accept_by_batch, width_by_batch=width_by_batch)
-    out, boots = [], []
-    for li, loop in enumerate(batched.get("closed_loop") or []):
+    loops = batched.get("closed_loop") or []
+    # Family-wise: every TPOT row's CI at 1 - alpha / m (Bonferroni over the m rows, plain and
+    # speculative per loop), so that when the model is right all m agree together with probability
+    # >= `confidence` if each row's interval is exact (m rows at `confidence` each would all agree
+    # only about confidence^m of the time: 0.81 for four). Percentile tails from few resamples make
+    # it a little less (module doc).
+    family_level = 1.0 - (1.0 - confidence) / max(1, 2 * len(loops))
+    out = []
+    for li, loop in enumerate(loops):
         for mi, mode in enumerate(("plain", "speculative")):
             spec = mode == "speculative"
             waves = sorted(loop[mode]["waves"], key=lambda w: w["wave"])
@@ -149,7 +156,6 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
                     drawn = np.array([_wave(costs, loop, mode, w, rng, False)[0] for w in waves]) if replay else sim[:, 0]
                     drawn_boot.append(_rel_median(drawn[idx], meas[idx, 0]))
             boot, spread = np.array(boot), np.array(spread)
-            boots.append(boot[:, 0])
             row = {"batch": loop["batch"], "k": loop["k"] if spec else 0, "mode": mode,
                    "waves": loop["waves"], "requests": loop["requests"],
                    "rounds": "replayed from each measured wave" if replay else (
@@ -165,6 +171,9 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
                                "within_measured_ci": m["ci"][0] <= p <= m["ci"][1],
                                "intervals_overlap": interval[0] <= m["ci"][1] and m["ci"][0] <= interval[1],
                                "per_wave": {"predicted": pred[:, j].tolist(), "measured": meas[:, j].tolist()}}
+            family_ci = _percentiles(boot[:, 0], family_level)
+            row["tpot_ms"].update({"relative_error_ci_familywise": family_ci, "familywise_confidence": family_level,
+                                   "agrees_familywise": family_ci[0] <= 0.0 <= family_ci[1]})
             if spec:
                 # Point prediction with drawn rounds: point costs, the median over up to 20 draws.
                 drawn_point = np.array([[_wave(point_costs, loop, mode, w, np.random.default_rng([seed, li, mi, j, r]),
@@ -182,15 +191,6 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
                                    if loop["k"] in point_costs.round_ms else None,
                                    "closed_loop": float(np.median(loop_rounds)) if loop_rounds else None}
             out.append(row)
-    # Family-wise: every TPOT row's CI at 1 - alpha / m (Bonferroni over the m rows), so that when
-    # the model is right all m agree together with probability >= `confidence` if each row's
-    # interval is exact (m rows at `confidence` each would all agree only about confidence^m of the
-    # time: 0.81 for four). Percentile tails from few resamples make it a little less (module doc).
-    level = 1.0 - (1.0 - confidence) / max(1, len(out))
-    for row, boot in zip(out, boots):
-        ci = _percentiles(boot, level)
-        row["tpot_ms"].update({"relative_error_ci_familywise": ci, "familywise_confidence": level,
-                               "agrees_familywise": ci[0] <= 0.0 <= ci[1]})
     return out
 
 
