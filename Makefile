@@ -89,7 +89,7 @@ evaluate: $(RUN)/report/meta.json
 
 # Not a test: engine vs transformers, plain and speculative, on the embedded model.
 bench: $(RUN)/model/meta.json
-	$(PY) -m pipeline.bench $(ARGS)
+	$(PY) -m pipeline.tools.bench $(ARGS)
 
 # On a GPU box, with the machine's own python (no .venv, no network): copy bandwidth, plain decode
 # and its roofline, speculative rounds k = 1..6, compile on vs off, on a random 8B-shaped model;
@@ -98,7 +98,7 @@ GPU_PY         ?= python3
 OUT            ?= runs/gpu-check
 GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pipeline.gpu_check '$(OUT)' $(GPU_CHECK_ARGS)
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pipeline.tools.gpu_check '$(OUT)' $(GPU_CHECK_ARGS)
 
 test: $(STAMP)
 	GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pytest -q

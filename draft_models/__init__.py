@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from pipeline.models import compare_tokenizers
-from pipeline.stage import StageError
+from pipeline.models.loading import compare_tokenizers
+from pipeline.core.stage import StageError
 
 
 

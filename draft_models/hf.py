@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.architecture import check_engine_cache
+from pipeline.models.architecture import check_engine_cache
 from pipeline.decode import ModelDraft, hf_model
-from pipeline.models import check_weight_files
-from pipeline.stage import StageError
+from pipeline.models.loading import check_weight_files
+from pipeline.core.stage import StageError
 
 
 def build(spec, target, tokenizer, run_dir, device):

@@ -11,9 +11,9 @@ import copy
 
 import torch
 
-from pipeline.architecture import decoder_layers
+from pipeline.models.architecture import decoder_layers
 from pipeline.decode import ModelDraft, hf_model
-from pipeline.stage import StageError
+from pipeline.core.stage import StageError
 
 
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:
@@ -25,7 +25,7 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
 
 def truncate(model: torch.nn.Module, n: int) -> torch.nn.Module:
     model = hf_model(model)
-    dotted, layers = decoder_layers(model)  # found from the model (pipeline.architecture), not by name
+    dotted, layers = decoder_layers(model)  # found from the model (pipeline.models.architecture), not by name
     path = tuple(dotted.split("."))
     total = len(layers)
     if not 1 <= n < total:

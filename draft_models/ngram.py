@@ -6,7 +6,7 @@ fallback when nothing matches); this module only turns the spec string into one.
 from __future__ import annotations
 
 from pipeline.decode.drafts import NgramDraft
-from pipeline.stage import StageError
+from pipeline.core.stage import StageError
 
 
 def build(spec, target, tokenizer, run_dir, device):

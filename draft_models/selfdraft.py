@@ -1,12 +1,12 @@
 """`self:<variant>`: a variant of the target (e.g. `self:w4a16-gptq`) drafting for it.
 
-Loads runs/<run>/variants/<variant> through pipeline.models.load_variant (its meta.json says the
+Loads runs/<run>/variants/<variant> through pipeline.models.loading.load_variant (its meta.json says the
 scheme), on the target's device, and drafts with its own static cache.
 """
 from __future__ import annotations
 
 from pipeline.decode import ModelDraft, hf_model
-from pipeline.stage import StageError
+from pipeline.core.stage import StageError
 
 
 def variant_dir(spec, run_dir):
@@ -26,7 +26,7 @@ def variant_dir(spec, run_dir):
 
 def build(spec, target, tokenizer, run_dir, device):
     from draft_models import check_tokenizers
-    from pipeline.models import load_variant
+    from pipeline.models.loading import load_variant
 
     model, tok = load_variant(variant_dir(spec, run_dir), device=device)
     if tokenizer is not None:

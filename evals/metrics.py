@@ -1,4 +1,4 @@
-"""Item scores for the built-in slices (calibration summaries, ECE and Brier: pipeline/scoring_rules.py).
+"""Item scores for the built-in slices (calibration summaries, ECE and Brier: pipeline/stats/scoring_rules.py).
 
 Every score is a float in [0, 1], higher is better. Answers are extracted from the first non-empty
 line of the prediction: an instruct model often restates the question ("2 + 3 = 5"), so a number

@@ -7,7 +7,7 @@
 
 Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
 the input is bad (a config, stage or decode-engine error); gate-check exits 1 on no-go and 3 on
-inconclusive (pipeline/gate_table.py).
+inconclusive (pipeline/gate/table.py).
 """
 from __future__ import annotations
 
@@ -17,34 +17,34 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, load_config
+from pipeline.core.config import ConfigError, load_config
 from pipeline.decode import EngineError
-from pipeline.stage import StageError, StageSpec, run_stage
+from pipeline.core.stage import StageError, StageSpec, run_stage
 
 # name: config sections read, upstream stages, output dir, code, entry point. The order is the
 # order `evaluate` runs them in. Code: "import:<module>" = the stage's module and every project
-# module it imports (pipeline.stage.import_closure), plus the data files it reads.
+# module it imports (pipeline.core.stage.import_closure), plus the data files it reads.
 STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
-        StageSpec("prepare", ["prepare"], [], "model", ["import:pipeline.prepare"], "pipeline.prepare:run",
-                  precheck="pipeline.prepare:check_model"),
+        StageSpec("prepare", ["prepare"], [], "model", ["import:pipeline.stages.prepare"], "pipeline.stages.prepare:run",
+                  precheck="pipeline.stages.prepare:check_model"),
         StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
-                  ["import:pipeline.quantize", "evals/data/calibration.txt"], "pipeline.quantize:run"),
-        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.drafts"],
-                  "pipeline.drafts:run"),
+                  ["import:pipeline.stages.quantize", "evals/data/calibration.txt"], "pipeline.stages.quantize:run"),
+        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.stages.drafts"],
+                  "pipeline.stages.drafts:run"),
         StageSpec("acceptance", ["acceptance", "latency", "device", "seed"], ["quantize", "drafts"], "acceptance",
-                  ["import:pipeline.acceptance"], "pipeline.acceptance:run"),
+                  ["import:pipeline.stages.acceptance"], "pipeline.stages.acceptance:run"),
         StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
-                  "latency", ["import:pipeline.latency"], "pipeline.latency:run"),
+                  "latency", ["import:pipeline.stages.latency"], "pipeline.stages.latency:run"),
         StageSpec("marginal", ["marginal", "serving"], ["acceptance", "latency"], "marginal",
-                  ["import:pipeline.marginal"], "pipeline.marginal:run"),
+                  ["import:pipeline.stages.marginal"], "pipeline.stages.marginal:run"),
         StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
-                  ["import:pipeline.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.quality:run"),
+                  ["import:pipeline.stages.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.stages.quality:run"),
         StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
-                  ["import:pipeline.gate"], "pipeline.gate:run"),
+                  ["import:pipeline.stages.gate"], "pipeline.stages.gate:run"),
         StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],
-                  "report", ["import:pipeline.report"], "pipeline.report:run"),
+                  "report", ["import:pipeline.stages.report"], "pipeline.stages.report:run"),
     ]
 }
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run_dir = Path(args.run or f"runs/{slug(args.model)}")
         if args.command == "gate-check":
-            from pipeline.gate import gate_check
+            from pipeline.stages.gate import gate_check
 
             rc = gate_check(run_dir)
             return 0 if args.no_exit_code else rc

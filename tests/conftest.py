@@ -116,7 +116,7 @@ def make_tiny_model(arch: str, tokenizer, layers: int = 4, hidden: int = 64, see
 
 def save_as_prepared(model, tokenizer, path: Path) -> Path:
     """Save like the prepare stage does: HF dir + meta.json with scheme 'reference'."""
-    from pipeline.models import model_facts
+    from pipeline.models.loading import model_facts
 
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

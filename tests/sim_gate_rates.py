@@ -41,7 +41,7 @@ class Side:
     """The two trees' gate through one interface."""
 
     def __init__(self):
-        from pipeline import stats as S
+        from pipeline.stats import paired as S
 
         self.S = S
         self.new = hasattr(S, "PairedBinary")
@@ -187,7 +187,7 @@ def f4_paired_ci(side: Side, rng) -> dict:
             sims = 3000 if not side.new else 20000
             counts = rng.multinomial(n, [better, worse, 1 - better - worse], size=sims)
             if side.new:
-                from pipeline import tango
+                from pipeline.stats import tango
 
                 hits = tango.p_value(counts[:, 0], counts[:, 1], n, -MARGIN) < ALPHA
             else:
@@ -218,7 +218,7 @@ def f4_paired_ci(side: Side, rng) -> dict:
 
 def f6_descriptive(side: Side, rng) -> dict:
     """Per-slice and per-group CIs in quality/<variant>.json: share outside [0, 1]."""
-    from pipeline import quality
+    from pipeline.stages import quality
 
     out = {}
     cases = {"30 clusters x 4, p=0.92": (30, 4, 0.92), "20 haystacks x 3, p=0.9": (20, 3, 0.9),

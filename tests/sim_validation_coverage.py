@@ -1,4 +1,4 @@
-"""Coverage of the serving validation's interval (pipeline/serving.py validate), by simulation.
+"""Coverage of the serving validation's interval (pipeline/serving/batching.py validate), by simulation.
 Not a test (pytest collects test_*.py only); run it for a closing note:
 
     .venv/bin/python tests/sim_validation_coverage.py [--sims 200] [--waves 6] [--repeats 5]
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.serving import validate  # noqa: E402
+from pipeline.serving.batching import validate  # noqa: E402
 
 STEP, ROUND, PREFILL, NEW = 90.0, {1: 120.0, 2: 150.0}, 400.0, 24
 KEPT_PMF = np.array([0.45, 0.25, 0.30])  # n_min = 0, 1, 2 at k = 2

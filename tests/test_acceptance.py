@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.acceptance import temp_key
-from pipeline.acceptance_stats import direct_check, prompt_record, summarize_slice
-from pipeline.expected_rounds import TextAcceptance, model_draft_rows, round_chain
-from pipeline.lossless import two_sample_chi2
+from pipeline.stages.acceptance import temp_key
+from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
+from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
+from pipeline.speculation.lossless import two_sample_chi2
 from tests.conftest import save_as_prepared
 
 
@@ -85,10 +85,10 @@ def test_derived_matches_direct_runs_on_the_embedded_model(embedded_model_dir):
     real engine runs at k = 1, 2. Greedy: equal (same text). T = 0.7: the 95% prompt-bootstrap CI
     of direct - derived contains 0. Fixed seeds: deterministic."""
     from draft_models import build_draft
-    from pipeline.acceptance import generate_texts, measure_pair
-    from pipeline.config import Config
-    from pipeline.models import load_variant
-    from pipeline.prompts import acceptance_prompts
+    from pipeline.stages.acceptance import generate_texts, measure_pair
+    from pipeline.core.config import Config
+    from pipeline.models.loading import load_variant
+    from pipeline.speculation.prompts import acceptance_prompts
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype="float32")
     cfg = Config.model_validate({"acceptance": {"k_max": 3, "max_new_tokens": 24, "prompts_per_kind": 1,
@@ -120,8 +120,8 @@ def tiny_run(tmp_path, tiny_model, tiny_tokenizer):
 
 def test_acceptance_stage_end_to_end(tiny_run):
     from pipeline.__main__ import STAGES
-    from pipeline.config import load_config
-    from pipeline.stage import run_stage
+    from pipeline.core.config import load_config
+    from pipeline.core.stage import run_stage
 
     cfg = load_config("configs/smoke.yaml", {"drafts": ["ngram", "layerskip:2", "self:bf16"], "device": "cpu"})
     cfg.acceptance.lossless_samples = 40

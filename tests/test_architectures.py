@@ -1,4 +1,4 @@
-"""Architecture-neutral module handling (pipeline/architecture.py) on tiny random Llama, Qwen2,
+"""Architecture-neutral module handling (pipeline/models/architecture.py) on tiny random Llama, Qwen2,
 GPT-2 (Conv1D layers under transformer.h), Qwen2-MoE (fused expert tensors) and Gemma 2
 (sliding-window cache), each built inside the test.
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import ARCHITECTURES, make_tiny_model
-from pipeline.architecture import check_engine_cache, decoder_layers, float_matrix_fraction, weight_matrices
-from pipeline.stage import StageError
+from pipeline.models.architecture import check_engine_cache, decoder_layers, float_matrix_fraction, weight_matrices
+from pipeline.core.stage import StageError
 
 # Where each family keeps its decoder blocks, written out here as the independent reference.
 LAYER_PATH = {"llama": "model.layers", "qwen2": "model.layers", "gpt2": "transformer.h",
@@ -66,7 +66,7 @@ def _old_llama_noise(model, relative_std: float, seed: int) -> int:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_weight_noise_reaches_every_decoder_matrix(models, arch):
-    from pipeline.quantize_schemes import add_weight_noise
+    from pipeline.variants.schemes import add_weight_noise
 
     model = copy.deepcopy(models[arch])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -153,7 +153,7 @@ def test_roofline_kv_bytes_match_the_allocated_cache(models, tiny_tokenizer, arc
     transformers' StaticCache actually allocates per position."""
     from transformers import StaticCache
 
-    from pipeline.roofline import model_bytes
+    from pipeline.latency.roofline import model_bytes
 
     model = models[arch]
     cache = StaticCache(config=model.config, max_cache_len=32)

@@ -44,8 +44,8 @@ def _one_line(capsys) -> str:
 def _slice_with_constant_acceptance(a: float, n_tokens: int, k_max: int, prompts: int = 1) -> dict:
     """The acceptance stage's slice summary for texts whose every draft token is accepted with
     probability a (1.0: all accepted, 0.0: none) -- the 0/n and n/n cases."""
-    from pipeline.acceptance_stats import prompt_record, summarize_slice
-    from pipeline.expected_rounds import TextAcceptance, model_draft_rows, round_chain
+    from pipeline.speculation.acceptance_stats import prompt_record, summarize_slice
+    from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
 
     recs = []
     for i in range(prompts):
@@ -73,8 +73,8 @@ def test_wilson_bounds_hold_the_point_at_0_of_n_and_n_of_n():
 
 
 def test_marginal_plot_draws_all_and_none_accepted(tmp_path):
-    from pipeline.marginal import pair_report
-    from pipeline.marginal_report import write_plot
+    from pipeline.stages.marginal import pair_report
+    from pipeline.report.marginal import write_plot
     from tests.test_marginal import _latency
 
     all_in = _slice_with_constant_acceptance(1.0, 80, 3, prompts=2)
@@ -97,7 +97,7 @@ def test_marginal_plot_draws_all_and_none_accepted(tmp_path):
 
 
 def test_latency_k_max_zero_fails_validation(tmp_path, capsys):
-    from pipeline.config import ConfigError, load_config
+    from pipeline.core.config import ConfigError, load_config
 
     for bad in (0, -2):
         cfg = tmp_path / "cfg.yaml"

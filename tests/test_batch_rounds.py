@@ -1,4 +1,4 @@
-"""E_B(k) from the batched round chain (pipeline/batch_rounds.py) against the synchronised scheme run
+"""E_B(k) from the batched round chain (pipeline/speculation/batch_rounds.py) against the synchronised scheme run
 directly, on acceptance that is not i.i.d.
 
 Three layers. (1) Fixed per-row acceptance patterns (easy/hard blocks, a period, a prompt-lookup
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.batch_rounds import batch_block, batch_chain, by_batch_blocks
+from pipeline.speculation.batch_rounds import batch_block, batch_chain, by_batch_blocks
 from pipeline.decode.batched import verify_batch
 from pipeline.decode.sampling import SamplingParams
-from pipeline.expected_rounds import TextAcceptance, model_draft_rows, round_chain
+from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
 
 BLOCKS = np.tile(np.r_[np.full(12, 0.95), np.full(12, 0.15)], 10)
 PERIODIC = np.tile(np.r_[0.95, 0.95, 0.95, 0.05], 60)
@@ -108,7 +108,7 @@ def _simulate_batch(texts: list[TextAcceptance], k: int, runs: int, seed: int,
 
 
 def _old_formula(texts, k, batch, k_max):
-    """pipeline/batch_k.py before: 1 + sum_{i<=k} prefix_i^B with prefix from the k_max chain."""
+    """pipeline/serving/batch_k.py before: 1 + sum_{i<=k} prefix_i^B with prefix from the k_max chain."""
     chains = [round_chain(t, k_max) for t in texts]
     prefix = sum(c.accepted for c in chains) / sum(c.full_rounds for c in chains)
     return 1.0 + float(np.sum(prefix[:k] ** batch))
@@ -185,7 +185,7 @@ def test_batch_chain_width_distribution_matches_the_scheme_run_directly(name):
 
 @pytest.mark.parametrize("name", ["three noisy lookup", "four lookup", "blocks+periodic"])
 def test_width_weighted_round_cost_matches_the_time_of_direct_runs(name):
-    """ms per row-token = sum_w share_w T(w) / E_B (pipeline/batch_k.py) against the total round
+    """ms per row-token = sum_w share_w T(w) / E_B (pipeline/serving/batch_k.py) against the total round
     time of direct runs over the tokens each row emitted, with a round costing T(w) = 40 + 9 w ms
     by its verify width (rows run to max_new_tokens: the case where the two are the same
     quantity): within 1% and 4 MC standard errors. The time of rounds that verify nothing (what a
@@ -206,7 +206,7 @@ def test_width_weighted_round_cost_matches_the_time_of_direct_runs(name):
 
 
 def test_batch_one_is_the_acceptance_stages_expected_tokens_exactly():
-    from pipeline.acceptance_stats import prompt_record, summarize_slice
+    from pipeline.speculation.acceptance_stats import prompt_record, summarize_slice
 
     k_max, big_n = 4, 60
     texts = [_text(BLOCKS, k_max, big_n), _text(PERIODIC, k_max, big_n, eos_at=33), _lookup_text(1, k_max, big_n),
@@ -292,9 +292,9 @@ def test_estimator_on_sampled_texts_matches_runs_through_the_batched_verify_rule
 @pytest.mark.parametrize("draft_kind", ["ngram", "layerskip:2"])
 def test_real_engine_greedy_batch_of_two_takes_exactly_the_derived_rounds(tiny_model, tiny_tokenizer, draft_kind):
     from draft_models.layerskip import truncate
-    from pipeline.batch_latency import batch_prompts, round_width
+    from pipeline.latency.batched import batch_prompts, round_width
     from pipeline.decode import ModelDraft, NgramDraft, generate
-    from pipeline.teacher_forced import score_text
+    from pipeline.speculation.teacher_forced import score_text
 
     draft = (NgramDraft("ngram") if draft_kind == "ngram" else
              ModelDraft(draft_kind, truncate(tiny_model, 2), tiny_model.config.vocab_size))

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from draft_models.layerskip import truncate
 from pipeline.decode import ModelDraft, generate
 from pipeline.decode.compiled import CompileSession, step_shapes
-from pipeline.memory_plan import cache_len
+from pipeline.latency.memory import cache_len
 from tests.conftest import make_tiny_llama
 
 NEW = 10

@@ -9,7 +9,7 @@ import torch
 
 from draft_models import build_draft, check_tokenizers, draft_slug
 from pipeline.decode import NgramDraft, SamplingParams, generate
-from pipeline.stage import StageError
+from pipeline.core.stage import StageError
 from tests.conftest import make_tiny_tokenizer, save_as_prepared
 
 
@@ -122,8 +122,8 @@ def test_check_tokenizers_names_a_remapped_id(tiny_tokenizer):
 
 def test_drafts_stage_writes_one_meta_per_draft(tmp_path, tiny_model, tiny_tokenizer):
     from pipeline.__main__ import STAGES
-    from pipeline.config import load_config
-    from pipeline.stage import run_stage
+    from pipeline.core.config import load_config
+    from pipeline.core.stage import run_stage
 
     run = tmp_path / "run"
     save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")

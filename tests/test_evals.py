@@ -39,7 +39,7 @@ def test_no_two_items_share_a_prompt_at_gpu_size(name):
     counted twice. Measured before the fix at 1000 items: 145 distinct tool_args prompts, 265
     calibration, 738 reasoning; now 1000 of 1000 everywhere. Clusters: each item its own, except
     a long_context haystack's items."""
-    from pipeline.config import Config
+    from pipeline.core.config import Config
 
     cfg = Config.model_validate(__import__("yaml").safe_load((REPO / "configs/gpu.yaml").read_text()))
     n = cfg.quality.items_per_slice
@@ -94,7 +94,7 @@ def test_task_yamls_are_lm_eval_tasks():
     """Each YAML builds an lm-eval task over its shipped JSONL (local `datasets` json loader)."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from pipeline.quality import builtin_task_config
+    from pipeline.stages.quality import builtin_task_config
 
     for name in gen.GENERATORS:
         cfg = builtin_task_config(name, gen.DATA / f"{name}.jsonl", max_new_tokens=16)
@@ -143,7 +143,7 @@ def test_tool_call_scores_are_separate():
 
 
 def test_calibration_summaries_on_known_values():
-    from pipeline.scoring_rules import calibration_summary
+    from pipeline.stats.scoring_rules import calibration_summary
 
     # Two items, both predicted with confidence 0.8, one right: ECE = |0.5 - 0.8| = 0.3.
     # Brier: (0.2^2 + 0.2^2) + (0.8^2 + 0.8^2) over 2 items = (0.08 + 1.28) / 2.
@@ -192,8 +192,8 @@ def test_calibration_text_does_not_overlap_slices():
 def test_more_items_than_distinct_questions_is_one_clear_error():
     """A slice's templates hold a finite number of distinct questions (language about 1260):
     asking for more is bad input, not a repeated prompt."""
-    from pipeline.quality import slice_items
-    from pipeline.stage import StageError
+    from pipeline.stages.quality import slice_items
+    from pipeline.core.stage import StageError
 
     with pytest.raises(StageError, match="items_per_slice 2000: language: .* ask for fewer items"):
         slice_items("language", 2000, [])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipeline.decode.sampling import SamplingParams, verify_draft
-from pipeline.expected_rounds import TextAcceptance, model_draft_rows, round_chain
+from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
 
 
 def _text(per_token: np.ndarray, k_max: int, max_new_tokens: int, available=None, eos_at=None) -> TextAcceptance:

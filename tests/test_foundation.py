@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from pipeline.__main__ import STAGES, main, slug
-from pipeline.config import Config, ConfigError, load_config
-from pipeline.stage import StageError, StageSpec, atomic_dir, run_stage
+from pipeline.core.config import Config, ConfigError, load_config
+from pipeline.core.stage import StageError, StageSpec, atomic_dir, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 CALLS: list[str] = []
@@ -192,7 +192,7 @@ def test_prepare_local_dir_then_noop_then_dtype_change(tmp_path, tiny_model_dir,
     assert meta["source"]["kind"] == "local" and meta["dtype"] == "float32"
     assert meta["layers"] == 4 and meta["kv_heads"] == 2 and meta["parameters"] > 0
     assert len(next(iter(meta["weights_sha256"].values()))) == 64
-    from pipeline.models import load_variant
+    from pipeline.models.loading import load_variant
 
     model, tok = load_variant(run / "model", device="cpu")
     assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size
@@ -246,26 +246,26 @@ def test_prepare_embedded_model(embedded_model_dir):
 
 
 def test_stage_code_hash_follows_imports_not_the_whole_tree():
-    from pipeline.stage import REPO as ROOT, import_closure
+    from pipeline.core.stage import REPO as ROOT, import_closure
 
     def rel(mod):
         return {str(p.relative_to(ROOT)) for p in import_closure([mod])}
 
-    acceptance, quality, gate = rel("pipeline.acceptance"), rel("pipeline.quality"), rel("pipeline.gate")
+    acceptance, quality, gate = rel("pipeline.stages.acceptance"), rel("pipeline.stages.quality"), rel("pipeline.stages.gate")
     # Direct, indirect (quantize_schemes through models) and package imports are followed...
     assert {"pipeline/decode/engine.py", "pipeline/decode/sampling.py", "pipeline/decode/drafts.py",
-            "pipeline/decode/__init__.py", "pipeline/quantize_schemes.py", "draft_models/__init__.py",
+            "pipeline/decode/__init__.py", "pipeline/variants/schemes.py", "draft_models/__init__.py",
             "draft_models/ngram.py", "pipeline/__init__.py"} <= acceptance
-    assert {"pipeline/distribution.py", "pipeline/stats.py", "evals/generate.py"} <= quality
+    assert {"pipeline/quality/distribution.py", "pipeline/stats/paired.py", "evals/generate.py"} <= quality
     # ...and a module a stage never imports does not re-run it.
-    assert "pipeline/gate.py" not in acceptance | quality and "pipeline/quality.py" not in gate
+    assert "pipeline/stages/gate.py" not in acceptance | quality and "pipeline/stages/quality.py" not in gate
     assert rel("numpy") == set() and rel("pipeline.nonexistent") == set()
 
 
 def test_decode_package_imports_nothing_from_the_stages():
     """pipeline.decode is the core other code builds on: it may import only itself (and the
     package __init__, which sets logging), never a stage, StageError or draft_models."""
-    from pipeline.stage import REPO as ROOT, import_closure
+    from pipeline.core.stage import REPO as ROOT, import_closure
 
     files = {str(p.relative_to(ROOT)) for p in import_closure(["pipeline.decode"])}
     assert "pipeline/decode/engine.py" in files and "pipeline/decode/drafts.py" in files
@@ -273,7 +273,7 @@ def test_decode_package_imports_nothing_from_the_stages():
 
 
 def test_editing_an_imported_module_changes_the_hash(tmp_path, monkeypatch):
-    import pipeline.stage as stage
+    import pipeline.core.stage as stage
 
     pkg = tmp_path / "pipeline"
     pkg.mkdir()
@@ -291,7 +291,7 @@ def test_editing_an_imported_module_changes_the_hash(tmp_path, monkeypatch):
 
 def test_per_slice_settings_merge_over_the_defaults():
     """A config names only what it changes in quality.per_slice; the rest keeps its default."""
-    from pipeline.config import PER_SLICE_DEFAULTS, QualityConfig
+    from pipeline.core.config import PER_SLICE_DEFAULTS, QualityConfig
 
     q = QualityConfig(items_per_slice=7, per_slice={"bfcl": {"items": "all"}, "mmlu": {"items": 50}})
     assert q.items_for("bfcl") is None and q.max_new_tokens_for("bfcl") == PER_SLICE_DEFAULTS["bfcl"]["max_new_tokens"]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from pipeline import scoring_rules as R
-from pipeline import stats as S
-from pipeline import tango
-from pipeline.config import GateConfig, QualityConfig
+from pipeline.stats import scoring_rules as R
+from pipeline.stats import paired as S
+from pipeline.stats import tango
+from pipeline.core.config import GateConfig, QualityConfig
 
 MARGIN = GateConfig().margin
 ALPHA = (1 - GateConfig().confidence) / 2

@@ -99,7 +99,7 @@ def test_markdown_table(gpu_check):
 
 def test_budget_guard_skips_parts_with_a_note(tmp_path):
     """No time left: every part is skipped with its reason, and the files still say so."""
-    from pipeline.gpu_check import main
+    from pipeline.tools.gpu_check import main
 
     assert main([str(tmp_path), "--shape", "tiny", "--budget-s", "0", "--compile", "off"]) == 0
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -113,7 +113,7 @@ def test_budget_guard_skips_parts_with_a_note(tmp_path):
 
 
 def test_a_failing_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
-    from pipeline import gpu_check
+    from pipeline.tools import gpu_check
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
@@ -131,7 +131,7 @@ def test_logit_gap_at_a_divergence():
     """compare_greedy: where two outputs first differ, the target's logit gap between the token
     of the reference and the other one, from an uncached forward (checked by hand here)."""
     from pipeline.decode import generate
-    from pipeline.gpu_check_parts import build_model, compare_greedy, prompt
+    from pipeline.tools.gpu_check_parts import build_model, compare_greedy, prompt
 
     model = build_model("tiny", torch.device("cpu"), torch.float32, seed=1)
     ids = prompt(model.config.vocab_size, 1, 10, seed=2)

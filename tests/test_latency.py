@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import Config
-from pipeline.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
+from pipeline.core.config import Config
+from pipeline.latency.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
 from pipeline.decode.timing import Timer, wall_clock
 
 CPU = torch.device("cpu")
@@ -74,7 +74,7 @@ def _lat(**kw):
 
 
 def test_plain_grid_figures_on_the_tiny_model(tiny_model):
-    from pipeline.latency import plain_grid
+    from pipeline.stages.latency import plain_grid
 
     bw = {"gbps": 10.0}
     out = plain_grid("tiny", tiny_model, _lat(), CPU, bw, seed=0, confidence=0.95)
@@ -110,7 +110,7 @@ def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokeniz
     tokens (the first from prefill, then 6 from rounds) k = 1 emits 2 per round and k = 2 emits
     3; the round time by drafted count has a sample per repeat where rounds drafted that many."""
     from pipeline.decode import ModelDraft
-    from pipeline.latency_spec import speculative_pair
+    from pipeline.latency.speculative import speculative_pair
 
     acc = Config.model_validate({"acceptance": {"temperatures": [0.0, 0.7]}}).acceptance
     prompts = {"chat": [("chat-0", tiny_tokenizer.encode("the cat"))],
@@ -141,7 +141,7 @@ def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokeniz
 
 
 def test_percentiles_and_ratio_intervals():
-    from pipeline.latency import percentiles_ci, ratio_of_medians
+    from pipeline.stages.latency import percentiles_ci, ratio_of_medians
 
     steps = [[1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 50.0], [1.5, 2.5, 3.5, 4.5]]
     p = percentiles_ci(steps, 0.95, 0)
@@ -159,7 +159,7 @@ def test_peak_memory_tracks_an_allocation(monkeypatch):
     # The process's real RSS need not grow for a new tensor (the allocator may reuse resident
     # memory freed by earlier tests), so the sampler is fed a known RSS: it must catch the
     # transient peak and keep it after the level falls back.
-    from pipeline.latency import PeakMemory
+    from pipeline.stages.latency import PeakMemory
 
     level = {"rss": 1000}
     monkeypatch.setattr(PeakMemory, "_rss", staticmethod(lambda: level["rss"]))
@@ -185,7 +185,7 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
 
     from conftest import save_as_prepared
     from pipeline.__main__ import STAGES
-    from pipeline.stage import run_stage
+    from pipeline.core.stage import run_stage
 
     run = tmp_path / "run"
     save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")

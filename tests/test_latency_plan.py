@@ -1,4 +1,4 @@
-"""The latency stage runs its memory plan and records what ran (pipeline/latency_plan.py).
+"""The latency stage runs its memory plan and records what ran (pipeline/latency/plan.py).
 
 A budget is chosen (with the planner's own arithmetic) so that, on the tiny model, one cell must
 prefill in chunks and one cannot fit at all; the stage must drop that one with the plan's reason,
@@ -15,9 +15,9 @@ import json
 import torch
 from torch._dynamo.utils import counters
 
-from pipeline.config import Config
-from pipeline.memory_plan import ModelShape, plan_grid
-from pipeline.roofline import model_bytes
+from pipeline.core.config import Config
+from pipeline.latency.memory import ModelShape, plan_grid
+from pipeline.latency.roofline import model_bytes
 
 CPU = torch.device("cpu")
 
@@ -41,7 +41,8 @@ def _budget_that_chunks_one_and_drops_one(model, lat) -> int:
 
 
 def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
-    from pipeline import latency, latency_plan
+    from pipeline.stages import latency
+    from pipeline.latency import plan as latency_plan
     from pipeline.decode import CachedModel
 
     lat = _lat()
@@ -81,7 +82,7 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
     timed runs, the record says so per shape, and its graph count is dynamo's own."""
     from conftest import save_as_prepared
     from pipeline.__main__ import STAGES
-    from pipeline.stage import run_stage
+    from pipeline.core.stage import run_stage
 
     run = tmp_path / "run"
     save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
@@ -117,7 +118,7 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
 
 
 def test_compile_requested_on_cpu_without_a_backend_says_eager():
-    from pipeline.latency_plan import compile_session
+    from pipeline.latency.plan import compile_session
 
     session, record = compile_session(_lat(compile=True), CPU)  # compile_backend: auto
     assert session is None and record["ran"] == "eager" and record["requested"]

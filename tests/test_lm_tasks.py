@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from pipeline import lm_tasks
-from pipeline.config import QualityConfig
+from pipeline.quality import lm_tasks
+from pipeline.core.config import QualityConfig
 
 N_DOCS = 12
 
@@ -87,7 +87,7 @@ def test_structures_are_resolved_from_local_yamls(task_files, capsys, monkeypatc
 
 
 def test_bad_primary_lists_what_exists(task_files):
-    from pipeline.stage import StageError
+    from pipeline.core.stage import StageError
 
     with pytest.raises(StageError, match=r"no filter 'loose' \(it has: strict, flexible\)"):
         lm_tasks.resolve([str(task_files["toy_filters"])], _qcfg(task_primary={"toy_filters": ",loose"}))
@@ -122,7 +122,7 @@ def test_several_filters_give_one_record_per_document():
 def test_tasks_run_through_the_quality_evaluator(task_files, tiny_model, tiny_tokenizer, monkeypatch):
     """The tiny model answers the group and the two-filter task in one lm-eval call (as the
     built-in slices are); each comes back as one slice with the structure above."""
-    from pipeline.quality import evaluate, summarize_slice
+    from pipeline.stages.quality import evaluate, summarize_slice
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     qcfg = _qcfg()

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.marginal import by_drafted_matrix, marginal_table, pair_report, recommend_k
-from pipeline.stats import median_ci
+from pipeline.stages.marginal import by_drafted_matrix, marginal_table, pair_report, recommend_k
+from pipeline.stats.paired import median_ci
 
 TOL = 1e-9
 
@@ -205,8 +205,8 @@ def _fake_stage(run, name):
 
 def test_stage_writes_json_md_png_and_refuses_corrupt_input(tmp_path):
     from pipeline.__main__ import STAGES
-    from pipeline.config import Config
-    from pipeline.stage import StageError, run_stage
+    from pipeline.core.config import Config
+    from pipeline.core.stage import StageError, run_stage
 
     run = tmp_path / "run"
     for name in ("acceptance", "latency"):
@@ -229,10 +229,10 @@ def test_stage_writes_json_md_png_and_refuses_corrupt_input(tmp_path):
 
 
 def test_reads_what_the_acceptance_stage_writes():
-    """The acceptance stage's own summary (pipeline.acceptance_stats.summarize_slice) joins
+    """The acceptance stage's own summary (pipeline.speculation.acceptance_stats.summarize_slice) joins
     without glue, and the marginal E(k) is the acceptance E(k) with a CI around it."""
-    from pipeline.acceptance_stats import prompt_record, summarize_slice
-    from pipeline.expected_rounds import TextAcceptance, model_draft_rows, round_chain
+    from pipeline.speculation.acceptance_stats import prompt_record, summarize_slice
+    from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
 
     rng = np.random.default_rng(1)
     recs = []

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import load_config
-from pipeline.memory_plan import ModelShape, cache_len, meta_weight_bytes, plan_grid
+from pipeline.core.config import load_config
+from pipeline.latency.memory import ModelShape, cache_len, meta_weight_bytes, plan_grid
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,7 @@ def test_gpu_yaml_whole_latency_stage_planned_for_8b_on_80gb(shape_8b):
     """The whole latency stage as it would run configs/gpu.yaml on an 8B model and an 80 GB card,
     from estimated weights (nothing allocated): every variant's plain grid, the reference's
     speculative cell with every draft's weights beside it, and the graphs a compiled run makes."""
-    from pipeline.latency_plan import estimated_weight_bytes, linear_parameters, plan_latency_stage
+    from pipeline.latency.plan import estimated_weight_bytes, linear_parameters, plan_latency_stage
 
     cfg = load_config(REPO / "configs/gpu.yaml")
     variants = cfg.quantize.variants
@@ -135,7 +135,7 @@ def test_gpu_yaml_whole_latency_stage_planned_for_8b_on_80gb(shape_8b):
 
 
 def test_gpu_yaml_on_a_40gb_card_drops_and_says_which(shape_8b):
-    from pipeline.latency_plan import plan_latency_stage
+    from pipeline.latency.plan import plan_latency_stage
 
     plan = plan_latency_stage(load_config(REPO / "configs/gpu.yaml"), shape_8b, card_bytes=40e9, spec_context=64)
     dropped = {(d["batch"], d["context"]) for d in plan["variants"]["bf16"]["plan"].dropped}

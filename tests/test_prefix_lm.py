@@ -8,7 +8,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from pipeline.prefix_lm import PrefixCachedLM, PrefixWalk, common_prefix, forward_kwargs, plan_batches
+from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, common_prefix, forward_kwargs, plan_batches
 
 SHARED = "the quick brown fox jumps over the lazy dog. a cat sat on the mat"
 CONTEXTS = [SHARED + " and looked at", SHARED + " and", "Le chat est sur la table.",

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from pipeline import distribution
-from pipeline.config import load_config
-from pipeline.stage import StageError
+from pipeline.quality import distribution
+from pipeline.core.config import load_config
+from pipeline.core.stage import StageError
 
 SLICES = ["reasoning", "calibration"]  # one generation slice, one log-likelihood slice
 
@@ -50,7 +50,7 @@ def _make_run(tmp_path, tiny_model_dir, noise: float = 0.5):
 
 def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     from pipeline.__main__ import STAGES
-    from pipeline.stage import run_stage
+    from pipeline.core.stage import run_stage
 
     run, cfg = _make_run(tmp_path, tiny_model_dir)
     meta_path = run_stage(STAGES["quality"], run, cfg, {}, STAGES)
@@ -98,7 +98,7 @@ def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
 
 def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
     """Offline (no hub), gsm8k's data cannot load: it is skipped, one line says why."""
-    from pipeline.quality import resolve_named_tasks
+    from pipeline.stages.quality import resolve_named_tasks
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -112,7 +112,7 @@ def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
 
 
 def test_mismatched_item_ids_are_refused(tmp_path):
-    from pipeline.quality import _check_same_ids
+    from pipeline.stages.quality import _check_same_ids
 
     for name, ids in (("ref", ["a", "b"]), ("var", ["a", "c"])):
         (tmp_path / name).mkdir()
@@ -122,7 +122,7 @@ def test_mismatched_item_ids_are_refused(tmp_path):
 
 
 def test_slice_summary_groups_and_clustered_ci():
-    from pipeline.quality import summarize_slice
+    from pipeline.stages.quality import summarize_slice
 
     recs = [{"id": str(i), "cluster": f"c{i % 4}", "group": "en" if i % 2 else "fr",
              "metric": "exact_match", "score": float(i % 3 == 0), "scores": {"exact_match": 0.0}}
@@ -170,8 +170,8 @@ def test_benchmarks_and_lm_eval_tasks_through_the_stage_and_gate(tmp_path, tiny_
     run through the stage for both variants; the gate reads them like any slice: a bfcl row with
     one group per category, a row for the group task with its subtasks as groups."""
     from pipeline.__main__ import STAGES
-    from pipeline.gate import build_gate
-    from pipeline.stage import run_stage
+    from pipeline.stages.gate import build_gate
+    from pipeline.core.stage import run_stage
     from test_lm_tasks import _write_tasks
 
     (tmp_path / "tasks").mkdir()

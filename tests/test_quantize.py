@@ -17,7 +17,7 @@ import yaml
 
 from conftest import CORPUS
 from pipeline.__main__ import main
-from pipeline.models import load_variant
+from pipeline.models.loading import load_variant
 
 META_KEYS = {"scheme", "bits", "group_size", "library", "library_version", "bytes_on_disk", "bytes_in_memory",
              "quantize_seconds", "calibration_sha256", "calibration_tokens", "perplexity",
@@ -104,9 +104,9 @@ def test_every_variant_has_meta_and_loads(quantized):
 
 
 def test_kernel_actually_used_is_recorded_per_variant(quantized):
-    """pipeline.kernels reads the kernel off each loaded variant: GPTQModel's QuantLinear class,
+    """pipeline.models.kernels reads the kernel off each loaded variant: GPTQModel's QuantLinear class,
     bitsandbytes' layer class with its compute dtype, torchao's weight tensor subclass."""
-    from pipeline.kernels import device_name, quantized_kernels
+    from pipeline.models.kernels import device_name, quantized_kernels
 
     _, run = quantized
     decoder_linears = 4 * 7  # the tiny Llama: q, k, v, o, gate, up, down per layer
@@ -169,8 +169,8 @@ def test_group_size_that_does_not_divide_names_the_layer(tmp_path, tiny_model_di
 def test_calibration_shorter_than_asked_says_so(tmp_path, tiny_tokenizer, capsys):
     """A text with room for fewer windows than asked gives the windows it has (no repeats),
     with one line saying asked vs used."""
-    from pipeline.config import CalibrationConfig
-    from pipeline.quantize import load_calibration
+    from pipeline.core.config import CalibrationConfig
+    from pipeline.stages.quantize import load_calibration
 
     path = tmp_path / "calib.txt"
     path.write_text((CORPUS + "\n") * 3)
@@ -199,7 +199,7 @@ def test_calibration_problems_are_one_line(tmp_path, tiny_model_dir, capsys, pro
 
 
 def test_unsupported_scheme_on_device_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    from pipeline import quantize_schemes
+    from pipeline.variants import schemes as quantize_schemes
 
     cuda_only = dataclasses.replace(quantize_schemes.SCHEMES["bnb-int8"], devices=("cuda",))
     monkeypatch.setitem(quantize_schemes.SCHEMES, "bnb-int8", cuda_only)
@@ -211,7 +211,7 @@ def test_unsupported_scheme_on_device_is_one_line(tmp_path, tiny_model_dir, caps
 
 
 def test_crash_mid_quantization_leaves_no_variant_dir(tmp_path, tiny_model_dir, monkeypatch):
-    from pipeline import quantize_schemes
+    from pipeline.variants import schemes as quantize_schemes
 
     def half_written(src, out, spec, job):
         (out / "model.safetensors").write_bytes(b"partial")
@@ -229,7 +229,7 @@ def test_crash_mid_quantization_leaves_no_variant_dir(tmp_path, tiny_model_dir, 
 
 
 def test_bytes_in_memory_counts_tied_weights_once(tiny_model):
-    from pipeline.quantize_schemes import bytes_in_memory
+    from pipeline.variants.schemes import bytes_in_memory
 
     tensors = [*tiny_model.parameters(), *tiny_model.buffers()]  # buffers: rotary inv_freq
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
@@ -240,7 +240,7 @@ def test_bytes_in_memory_counts_tied_weights_once(tiny_model):
 def test_perplexity_matches_transformers_loss(tiny_model):
     import math
 
-    from pipeline.quantize import perplexity
+    from pipeline.stages.quantize import perplexity
 
     ids = list(range(3, 60))
     with torch.no_grad():

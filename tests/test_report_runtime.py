@@ -1,11 +1,11 @@
-"""The report's runtime section (pipeline/report_runtime.py) from latency JSON shaped like the
+"""The report's runtime section (pipeline/report/runtime.py) from latency JSON shaped like the
 stage's: kernel per variant, compiled or not (with the fallback reasons), the memory plan."""
 from __future__ import annotations
 
 import json
 
-from pipeline.report import to_markdown
-from pipeline.report_runtime import runtime_blocks
+from pipeline.stages.report import to_markdown
+from pipeline.report.runtime import runtime_blocks
 
 PLAN = {"budget_bytes": 60e9, "steps": [
     {"action": "run", "batch": 1, "context": 128, "cache_len": 193, "prefill_chunk": None},

@@ -1,16 +1,16 @@
-"""k per batch size (pipeline/batch_k.py), the vLLM table, and the serving simulation
-(pipeline/serving_sim.py, pipeline/serving.py) against closed forms, a queueing formula, a Monte
+"""k per batch size (pipeline/serving/batch_k.py), the vLLM table, and the serving simulation
+(pipeline/serving/simulation.py, pipeline/serving/batching.py) against closed forms, a queueing formula, a Monte
 Carlo reference, and, at a small size, a real closed loop of the engine on the tiny model."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.batch_k import (batch_rows, expected_tokens_batched, recommended_by_batch, speculative_config,
+from pipeline.serving.batch_k import (batch_rows, expected_tokens_batched, recommended_by_batch, speculative_config,
                               vllm_rows)
-from pipeline.config import ServingConfig
-from pipeline.serving_sim import CostModel, Request, Table2D, crossover, open_loop, simulate, summarize
-from pipeline.stats import median_ci
+from pipeline.core.config import ServingConfig
+from pipeline.serving.simulation import CostModel, Request, Table2D, crossover, open_loop, simulate, summarize
+from pipeline.stats.paired import median_ci
 
 
 def test_expected_tokens_batched_matches_monte_carlo():
@@ -286,15 +286,15 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
     import torch
 
     from draft_models.layerskip import truncate
-    from pipeline.acceptance_stats import prompt_record, summarize_slice
-    from pipeline.batch_latency import (batch_prompts, batched_cells, batched_repeat, by_width, closed_loop_summary,
+    from pipeline.speculation.acceptance_stats import prompt_record, summarize_slice
+    from pipeline.latency.batched import (batch_prompts, batched_cells, batched_repeat, by_width, closed_loop_summary,
                                         closed_loop_wave)
     from pipeline.decode import ModelDraft, SamplingParams, generate
-    from pipeline.expected_rounds import round_chain
-    from pipeline.serving import validate
-    from pipeline.teacher_forced import score_text
+    from pipeline.speculation.expected_rounds import round_chain
+    from pipeline.serving.batching import validate
+    from pipeline.speculation.teacher_forced import score_text
 
-    from pipeline import batch_latency
+    from pipeline.latency import batched as batch_latency
 
     # Short prompts only (the tiny tokenizer makes the long-context ones 500-1000 tokens): seconds.
     monkeypatch.setattr(batch_latency, "KINDS", ("chat", "code", "structured"))
@@ -397,9 +397,9 @@ def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_
     import json
 
     from pipeline.__main__ import STAGES
-    from pipeline.batch_report import batching_blocks
-    from pipeline.config import Config
-    from pipeline.stage import run_stage
+    from pipeline.report.batching import batching_blocks
+    from pipeline.core.config import Config
+    from pipeline.core.stage import run_stage
     from tests.test_marginal import _acceptance, _latency
 
     run = tmp_path / "run"

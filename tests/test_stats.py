@@ -11,10 +11,10 @@ import pytest
 from scipy import optimize
 from scipy import stats as sps
 
-from pipeline import scoring_rules as R
-from pipeline import stats as S
-from pipeline import tango
-from pipeline.config import GateConfig
+from pipeline.stats import scoring_rules as R
+from pipeline.stats import paired as S
+from pipeline.stats import tango
+from pipeline.core.config import GateConfig
 
 MARGIN = GateConfig().margin
 ALPHA = (1 - GateConfig().confidence) / 2  # one-sided, 0.025 for a 95% CI

@@ -15,7 +15,7 @@ position_ids and the causal mask (query at position t sees key slots 0..t) exclu
 
 What attention reads: a StaticLayer hands the attention its whole [B, H, max_len, D] tensors and
 `get_mask_sizes` says kv_length = max_len, so every step's attention reads (and masks) all
-max_len slots, not just the filled ones. The roofline (pipeline/roofline.py) counts those bytes,
+max_len slots, not just the filled ones. The roofline (pipeline/latency/roofline.py) counts those bytes,
 and a timed cell asks for a cache of exactly its own length (`exact=True`), never a longer pooled one.
 
 Prefill vs steps: the first forward on a new cache (the prefill, in one piece or in chunks) always

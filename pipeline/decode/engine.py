@@ -5,8 +5,8 @@
     res = generate(model, input_ids, 32, draft=d, k=4, sampling=SamplingParams(0.7))
     res.tokens, res.rounds, res.prefill_s, res.decode_s
 
-One set of small functions serves both modes, so acceptance (pipeline/acceptance.py) and latency
-(pipeline/latency.py) describe the same computation: `prefill`, `decode_one_token`, `draft_k`,
+One set of small functions serves both modes, so acceptance (pipeline/stages/acceptance.py) and latency
+(pipeline/stages/latency.py) describe the same computation: `prefill`, `decode_one_token`, `draft_k`,
 `verify`, `speculative_step`.
 
 The KV cache is a transformers StaticCache inside `CachedModel` (pipeline/decode/cache.py):

@@ -1,0 +1,1 @@
+"""The stage runner (hashing, meta.json, atomic writes), the config schema, device and dtype."""

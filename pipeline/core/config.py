@@ -1,0 +1,372 @@
+"""The one config schema: every default lives here, unknown keys are errors.
+
+    python -m pipeline config --config configs/default.yaml   # print the resolved config
+
+A YAML file only overrides what it names; the resolved config (defaults filled in) is what every
+stage hashes and writes into its meta.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message is one line meant for the user."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrepareConfig(Section):
+    # Weights are stored in this dtype in runs/<run>/model/.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class VariantConfig(Section):
+    # none: the unquantized reference (or an identical copy of it); gptq: GPTQModel W4A16;
+    # bnb-int8: bitsandbytes LLM.int8; bnb-nf4: bitsandbytes NF4; torchao-int8wo: torchao int8
+    # weight-only; checkpoint: any Hugging Face directory given as `path` whose tokenizer is the
+    # reference's (a plain fine-tune, or quantized elsewhere: GPTQ, AWQ, FP8, ...; pipeline/variants/checkpoint.py).
+    scheme: Literal["none", "gptq", "bnb-int8", "bnb-nf4", "torchao-int8wo", "checkpoint"]
+    bits: int | None = None
+    group_size: int | None = None
+    path: str | None = None
+    # Compute dtype when the variant is loaded: "auto" = float32 on CPU (no fast bf16 matmul
+    # there), bfloat16 on CUDA.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Whether the release decision waits on this variant being `go`.
+    release: bool = True
+    # Deliberate damage for testing the gate: Gaussian noise of this std, relative to each
+    # weight matrix's own std, added to every linear layer before saving.
+    weight_noise: float = 0.0
+
+
+class CalibrationConfig(Section):
+    # "builtin" = the text that ships in evals/data/calibration.txt; anything else is a path.
+    source: str = "builtin"
+    n_samples: int = 16  # x max_tokens tokens; the GPU config uses 128
+    max_tokens: int = 256
+    min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
+    # Calibration windows per forward pass while quantizing (GPTQ); 4 is ~4x faster on CPU than 1.
+    batch_size: int = 4
+
+
+class QuantizeConfig(Section):
+    reference: str = "bf16"
+    variants: dict[str, VariantConfig] = Field(
+        default_factory=lambda: {
+            "bf16": VariantConfig(scheme="none", release=False),
+            "w4a16-gptq": VariantConfig(scheme="gptq", bits=4, group_size=64),
+            "int8": VariantConfig(scheme="bnb-int8", bits=8),
+            "w8a16": VariantConfig(scheme="torchao-int8wo", bits=8),
+            "nf4": VariantConfig(scheme="bnb-nf4", bits=4),
+        }
+    )
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    # Tokens of held-out text for the sanity perplexity written into each variant's meta.json.
+    sanity_tokens: int = 512
+
+    @field_validator("variants")
+    @classmethod
+    def _names(cls, v: dict) -> dict:
+        for name in v:
+            if not name or "__" in name or "/" in name:
+                raise ValueError(f"variant name {name!r} must be non-empty without '__' or '/'")
+        return v
+
+
+class SamplingConfig(Section):
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+
+class AcceptanceConfig(Section):
+    # Target variants to pair with every draft; empty = the reference only.
+    targets: list[str] = Field(default_factory=list)
+    k_max: int = 6
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_new_tokens: int = 48
+    # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/speculation/prompts.py), all of them on GPU.
+    prompts_per_kind: int = 2
+    # Lossless check (issue 4): samples per mode of the first verify-emitted token (speculative vs
+    # plain), compared by a two-sample chi-square at lossless_alpha, at lossless_temperature.
+    lossless_samples: int = 120
+    lossless_alpha: float = 0.001
+    lossless_temperature: float = 1.0
+    # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
+    direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
+    # Level of the prompt-bootstrap CIs in the acceptance JSON.
+    confidence: float = 0.95
+
+    @field_validator("k_max")
+    @classmethod
+    def _k(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("k_max must be >= 1")
+        return v
+
+
+class LatencyConfig(Section):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
+    new_tokens: int = 16
+    warmup: int = 1
+    repeats: int = 5
+    # Speculative timings use k = 1..k_list_max (default: acceptance.k_max).
+    k_max: int | None = None
+    # Speculative round times are timed on the acceptance prompts (the first this many of each
+    # kind; null = acceptance.prompts_per_kind) at the acceptance temperatures. Round time depends
+    # on the content through the drafted count, which the acceptance stage weights it by, so a few
+    # prompts suffice: one of each kind by default (on a 2-core CPU, two per kind took 22 minutes
+    # per pair, most of it the long prompts' prefills).
+    speculative_prompts_per_kind: int | None = 1
+    # GPU fast path: the decode / verify / draft steps compiled on the static cache (torch.compile,
+    # CUDA graphs; pipeline/decode/compiled.py). The latency meta says what really ran, per shape.
+    compile: bool = False
+    # auto: inductor + CUDA graphs on CUDA, not run on CPU. eager / aot_eager run the same
+    # compiled path on any device (a check of the machinery, no speed-up expected).
+    compile_backend: Literal["auto", "inductor", "eager", "aot_eager"] = "auto"
+    # Level of the bootstrap CIs (over repeats) on every latency figure.
+    confidence: float = 0.95
+    # Speculation under batching (pipeline/latency/batched.py): speculative round time and ms/token
+    # at every (B, k) for these batch sizes, paired with plain decode at the same B.
+    spec_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    # Closed loop the serving simulation is checked against: waves of B requests of
+    # closed_loop_tokens new tokens each, plain and speculative, at each of these B (0 waves = off).
+    closed_loop_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    closed_loop_waves: int = 6
+    closed_loop_tokens: int = 24
+
+    @field_validator("k_max")
+    @classmethod
+    def _k(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("k_max must be >= 1 (or null: acceptance.k_max)")
+        return v
+
+
+class MarginalConfig(Section):
+    confidence: float = 0.95
+
+
+class ServingConfig(Section):
+    """What pays at a request rate (pipeline/serving/batching.py, run by the marginal stage): a simulated
+    continuous-batching server fed the measured step costs, under open-loop Poisson arrivals."""
+
+    prompt_tokens: int = 128
+    output_tokens: int = 64
+    requests: int = 200  # per simulated run
+    seeds: int = 5  # runs per rate and policy (the same arrivals for every policy)
+    # Arrival rates in requests/s; empty = rate_points rates from 5% to max_load x the plain
+    # server's full-batch capacity (past saturation).
+    rates: list[float] = Field(default_factory=list)
+    rate_points: int = 10
+    max_load: float = 1.3
+    # A request meets the SLO when both hold; goodput = such requests per second.
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+    # Simulated closed-loop runs behind the validation's predicted TPOT and its interval.
+    validation_resamples: int = 100
+
+    @field_validator("prompt_tokens", "requests", "seeds", "rate_points", "validation_resamples")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("output_tokens")
+    @classmethod
+    def _two(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("must be >= 2 (TPOT is undefined for one output token)")
+        return v
+
+
+class SliceSettings(Section):
+    # Items of this slice: a number, or "all" (bfcl, code and lm-eval tasks); null = items_per_slice.
+    items: PositiveInt | Literal["all"] | None = None
+    # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
+    # (lm-eval tasks keep their own generation settings.)
+    max_new_tokens: int | None = None
+
+
+# Real benchmarks need longer answers than the synthetic slices' 32 tokens. CPU-sized: 20 bfcl
+# items (4 per category); 64 tokens hold 99% of BFCL's simple_python and multiple answers
+# (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
+# embedded 135M model answers in prose to all of them, so the cap only bounds the cost. HumanEval
+# bodies take a few hundred tokens (code is not a default slice: the 135M model passed 0 of 60).
+# Merged under a config's own `per_slice` entries (a config names only what it changes).
+PER_SLICE_DEFAULTS = {"bfcl": {"items": 20, "max_new_tokens": 64},
+                      "code": {"items": 40, "max_new_tokens": 256}}
+
+
+class SandboxConfig(Section):
+    # Generated code (the code slice) runs in separate processes (evals/sandbox.py) with these
+    # limits: wall seconds per program, address space, and programs run at once (0 = CPUs).
+    seconds: float = 10.0
+    memory_mb: int = 1024
+    workers: int = 0
+
+
+class QualityConfig(Section):
+    slices: list[str] = Field(
+        default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args", "bfcl"]
+    )
+    # lm-eval tasks or groups by name (or a path to a task YAML or a directory of them), run where
+    # their data is reachable (HF datasets cache, HF_DATASETS_OFFLINE, local files), skipped with
+    # one line if not. A group (mmlu) or tag (mgsm_direct) is one slice; its subtasks are groups.
+    tasks: list[str] = Field(default_factory=list)
+    # Headline score per task in lm-eval's "metric,filter" notation (e.g. gsm8k:
+    # "exact_match,strict-match"); either part may be left out. Default: acc_norm where the task
+    # reports it, else its first per-item metric; the task's first filter. Every filter is scored.
+    task_primary: dict[str, str] = Field(default_factory=dict)
+    # Clusters per task: a document field whose equal values are one cluster (e.g. "premise"), or
+    # "doc_id" for groups whose subtasks are the same documents translated (mgsm_direct). Default:
+    # the first of the usual shared-passage fields (context, passage, article, ...) that repeats.
+    task_clusters: dict[str, str] = Field(default_factory=dict)
+    # Per-slice item counts and generation caps (see PER_SLICE_DEFAULTS).
+    per_slice: dict[str, SliceSettings] = Field(
+        default_factory=lambda: {k: SliceSettings(**v) for k, v in PER_SLICE_DEFAULTS.items()})
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    # CPU-sized: 5 variants x 5 slices on a 2-core laptop; the GPU config runs 1000 per slice.
+    items_per_slice: int = 40
+    long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
+    max_new_tokens: int = 32
+    # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in
+    # the chat template cut reference scores to 0-17% (12 items per slice), plain was 25-62%.
+    chat_template: bool = False
+    # lm-eval model: "prefix" computes each shared prompt prefix once and decodes greedy
+    # generations batch_size at a time (pipeline/quality/prefix_lm.py); "hflm" is lm-eval's HFLM.
+    evaluator: Literal["prefix", "hflm"] = "prefix"
+    # Rows per forward pass (prefill and decode). On CPU a pass costs ~110 ms for the weights plus
+    # ~2.3 ms per row-token, so big batches pay: 40 rows decoded tool_args in 31 steps (13 s),
+    # 8 rows in 155 steps (35 s). The prefix evaluator caps a decode batch at 16k cached positions.
+    batch_size: int = 40
+    # Distribution metrics (KL, top-1 agreement, perplexity ratio) on held-out documents.
+    distribution_docs: int = 16
+    distribution_tokens: int = 256
+    # Confidence level of the per-slice and distribution CIs in quality/<variant>.json.
+    confidence: float = 0.95
+
+    @field_validator("per_slice", mode="before")
+    @classmethod
+    def _merge_per_slice(cls, v):
+        if not isinstance(v, dict):
+            return v
+        merged = {k: dict(d) for k, d in PER_SLICE_DEFAULTS.items()}
+        for name, entry in v.items():
+            entry = entry.model_dump() if isinstance(entry, BaseModel) else entry
+            merged[name] = {**merged.get(name, {}), **(entry or {})} if isinstance(entry, dict) else entry
+        return merged
+
+    def items_for(self, name: str) -> int | None:
+        """Items of slice `name` (None = all it has)."""
+        entry = self.per_slice.get(name)
+        n = entry.items if entry and entry.items is not None else self.items_per_slice
+        return None if n == "all" else n
+
+    def max_new_tokens_for(self, name: str) -> int:
+        entry = self.per_slice.get(name)
+        return entry.max_new_tokens if entry and entry.max_new_tokens is not None else self.max_new_tokens
+
+
+class GateConfig(Section):
+    confidence: float = 0.95
+    # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
+    margin: float = 0.05
+    # Per-row margins: "<slice>", "<slice>/<group>" or "<slice>:brier" (a metric row never takes
+    # its slice's margin: other units).
+    margins: dict[str, float] = Field(default_factory=dict)
+    # Margin of every "<slice>:brier" row (multi-class Brier, 0..2, lower is better). At a typical
+    # top-option confidence of 0.6, an item turning wrong adds ~0.9, so 0.05 is about a 5-point
+    # accuracy loss.
+    brier_margin: float = 0.05
+    multiplicity: Literal["holm", "bonferroni", "none"] = "holm"
+    # A variant is go only if all its cells pass (intersection-union), so the pass side is not
+    # adjusted within a variant. Set true when the release picks whichever release variant passes:
+    # the pass side is then adjusted across the release variants (never the release: false ones).
+    select_among_variants: bool = False
+    # Optional thresholds on distribution metrics; null = reported, not gated.
+    max_kl: float | None = None
+    min_top1_agreement: float | None = None
+    power: float = 0.8
+    # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
+    # true they are also gated and join their variant's fail family (few items each: low power).
+    gate_groups: bool = False
+    # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
+    # report ECE (debiased; not gated).
+    calibration_metrics: bool = True
+    # No longer used, kept so configs that set them still load: clusters are always honoured
+    # (issue 13; template "strata" are no longer labelled as clusters), and ECE is reported, not
+    # bootstrapped.
+    min_clusters: int = 10
+    bootstrap_resamples: int = 2000
+
+
+class ReportConfig(Section):
+    title: str = "specq report"
+    # Dots per inch of the embedded figures (HTML and report/*.png).
+    dpi: int = 110
+
+
+class Config(Section):
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
+    acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
+    latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    marginal: MarginalConfig = Field(default_factory=MarginalConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    def section(self, name: str) -> dict:
+        """The JSON-able view of one section (or a top-level scalar), as stages hash it."""
+        return json.loads(self.model_dump_json(include={name}))[name]
+
+
+def _one_line(err: ValidationError, path: Path) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<top>"
+    if first["type"] == "extra_forbidden":
+        return f"{path}: unknown config key '{where}'"
+    return f"{path}: bad value for '{where}': {first['msg']}"
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> Config:
+    """Read a YAML config, merge `overrides` (top-level keys), validate. Raises ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys to values")
+    data.update(overrides or {})
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, path)) from None
+    if cfg.quantize.reference not in cfg.quantize.variants:
+        raise ConfigError(
+            f"{path}: quantize.reference '{cfg.quantize.reference}' is not one of the variants "
+            f"({', '.join(cfg.quantize.variants)})"
+        )
+    return cfg

@@ -1,0 +1,370 @@
+"""Stage plumbing: atomic writes, meta.json, and input hashing.
+
+A stage is a function `run(ctx)` that reads files and writes files under `ctx.out_dir`. The runner
+hashes what the stage reads (its config sections, the input hashes of the stages upstream of it,
+its own source files, and any extra arguments such as MODEL). When the hash equals the one in the
+stage's `meta.json` the stage is a no-op; otherwise `meta.json` is removed first (so an interrupted
+re-run never looks finished), the stage runs, and `meta.json` is written last.
+
+Stages that make several independent things (one directory per variant, one JSON per pair) write
+each as an *item*: `ctx.item(name, inputs)` is fresh (reused as it is) when its own input hash
+matches, and is otherwise written into `name.tmp` and renamed into place, so a crash mid-stage
+leaves only finished items, and the re-run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+REPO = Path(__file__).resolve().parent.parent
+LIBRARIES = (
+    "torch", "transformers", "accelerate", "gptqmodel", "bitsandbytes", "torchao", "lm_eval",
+    "datasets", "gguf", "scipy", "numpy", "statsmodels",
+)
+
+
+class StageError(Exception):
+    """A failure the user can act on; the message is one line."""
+
+
+# ---------------------------------------------------------------- atomic writes and hashing
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):  # numpy scalars and arrays
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield `path.tmp`; on success replace `path` by it, on error remove it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def read_json(path: str | Path, what: str = "artifact") -> Any:
+    """Read a JSON artifact; a missing or corrupt one is a StageError naming the file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StageError(f"missing {what}: {path} (run the stage that makes it first)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise StageError(f"corrupt {what}: {path} is not valid JSON (delete it and re-run)") from None
+
+
+def read_jsonl(path: str | Path, what: str = "artifact",
+               validate: Callable[[Any], Any] | None = None) -> list:
+    """Read a JSON-lines artifact (blank lines skipped); a missing or corrupt one is a StageError
+    naming the file (and the line). `validate(row)` returns the row to keep, or raises ValueError
+    whose message says what the line is not; that too is reported with file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise StageError(f"missing {what}: {path} (run the stage that makes it first)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise StageError(f"cannot read {what}: {path}: {getattr(e, 'strerror', None) or e}") from None
+    rows = []
+    for no, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise StageError(f"corrupt {what}: {path}:{no} is not valid JSON (delete it and re-run)") from None
+            if validate is not None:
+                try:
+                    row = validate(row)
+                except ValueError as e:
+                    raise StageError(f"corrupt {what}: {path}:{no} {e} (delete it and re-run)") from None
+            rows.append(row)
+    return rows
+
+
+def hash_obj(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, default=_json_default).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# Top-level packages of this repository: imports of these are followed when hashing a stage's code.
+PROJECT_PACKAGES = ("pipeline", "evals", "draft_models")
+
+
+def _module_file(dotted: str) -> Path | None:
+    """pipeline.decode.engine -> pipeline/decode/engine.py; a package -> its __init__.py; None if not ours."""
+    if dotted.split(".")[0] not in PROJECT_PACKAGES:
+        return None
+    base = REPO.joinpath(*dotted.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def import_closure(entry_modules: list[str]) -> list[Path]:
+    """The project's source files that `entry_modules` import, directly or not, including imports
+    inside functions (read from the source with ast, nothing is executed). A stage's code hash
+    is taken over this set: editing a module it never imports does not re-run it, and editing
+    one it does (however indirectly) does."""
+    import ast
+
+    seen: dict[Path, None] = {}
+    todo = [m for m in entry_modules]
+    while todo:
+        path = _module_file(todo.pop())
+        if path is None or path in seen:
+            continue
+        seen[path] = None
+        # The package this file belongs to (for pipeline/__init__.py, pipeline itself); its
+        # __init__ runs on import too.
+        pkg_parts = list(path.relative_to(REPO).with_suffix("").parts)[:-1]
+        for i in range(1, len(pkg_parts) + 1):
+            todo.append(".".join(pkg_parts[:i]))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                todo.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = pkg_parts[: len(pkg_parts) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                todo.append(mod)
+                todo.extend(f"{mod}.{a.name}" for a in node.names)  # `from pkg import module`
+    return sorted(seen)
+
+
+def code_hash(modules: list[str]) -> str:
+    """Hash of the source files a stage runs. Entries are globs relative to the repository root
+    (data files, task YAMLs) or `import:<dotted module>`, which adds the module and every project
+    module it imports (import_closure)."""
+    files: set[Path] = set()
+    for rel in modules:
+        if rel.startswith("import:"):
+            files.update(import_closure([rel.removeprefix("import:")]))
+        else:
+            files.update(p for p in REPO.glob(rel) if p.is_file())
+    h = hashlib.sha256()
+    for p in sorted(files):
+        h.update(str(p.relative_to(REPO)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def library_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        dist = {"lm_eval": "lm-eval"}.get(name, name)
+        try:
+            out[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def dir_bytes(path: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def progress(msg: str) -> None:
+    """One progress line on stderr, flushed (Make and CI show it as it happens)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- stage context
+
+
+@dataclass
+class Item:
+    """One independently finished piece of a stage's output: a directory with its own meta.json,
+    or a JSON file carrying its own `input_hash` key."""
+
+    path: Path
+    input_hash: str
+    is_dir: bool
+    fresh: bool = False
+    meta: dict = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Path]:
+        """Directory items: yield a temporary directory that replaces `path` if the block succeeds;
+        `self.meta` (plus the input hash) becomes its meta.json."""
+        assert self.is_dir
+        with atomic_dir(self.path) as tmp:
+            yield tmp
+            atomic_write_json(tmp / "meta.json", {**self.meta, "input_hash": self.input_hash})
+
+    def write_json(self, obj: dict) -> None:
+        """JSON-file items: write `obj` (with the input hash) atomically."""
+        assert not self.is_dir
+        atomic_write_json(self.path, {**obj, "input_hash": self.input_hash})
+
+
+@dataclass
+class StageContext:
+    name: str
+    run_dir: Path
+    out_dir: Path
+    config: Any  # pipeline.core.config.Config
+    args: dict
+    input_hash: str
+    upstream: dict[str, dict]  # stage name -> its meta.json
+    code: str = ""  # hash of the stage's source files
+    meta: dict = field(default_factory=dict)  # extra keys the stage adds to its meta.json
+
+    def item(self, name: str, inputs: Any, is_dir: bool = True) -> Item:
+        """An item at out_dir/name, fresh when `inputs` (and the stage's code) are unchanged."""
+        path = self.out_dir / name
+        h = hash_obj({"inputs": inputs, "code": self.code})
+        item = Item(path=path, input_hash=h, is_dir=is_dir)
+        meta_path = path / "meta.json" if is_dir else path
+        if meta_path.is_file():
+            try:
+                old = json.loads(meta_path.read_text())
+            except (json.JSONDecodeError, OSError):
+                old = {}
+            if isinstance(old, dict) and old.get("input_hash") == h:
+                item.fresh, item.meta = True, old
+        return item
+
+
+@dataclass
+class StageSpec:
+    name: str
+    sections: list[str]  # config sections (or top-level keys) the stage reads
+    upstream: list[str]  # stages whose outputs it reads
+    out: str  # output directory, relative to the run dir
+    code: list[str]  # source globs, relative to the repo root
+    entry: str  # "module:function"
+    # Optional "module:function(config, args)" that validates input cheaply before anything is
+    # printed or created, so bad input costs one line and leaves nothing behind.
+    precheck: str | None = None
+
+
+def stage_meta_path(run_dir: Path, spec: StageSpec) -> Path:
+    return run_dir / spec.out / "meta.json"
+
+
+def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: dict[str, StageSpec],
+              force: bool = False) -> Path:
+    """Run one stage if its inputs changed. Returns the stage's meta.json path."""
+    import importlib
+
+    upstream = {}
+    for up in spec.upstream:
+        meta_path = stage_meta_path(run_dir, specs[up])
+        if not meta_path.exists():
+            raise StageError(f"{spec.name}: stage '{up}' has not run for {run_dir} (make {up} first)")
+        upstream[up] = read_json(meta_path, f"{up} meta.json")
+    code = code_hash(spec.code + ["pipeline/core/stage.py", "pipeline/core/config.py"])
+    inputs = {
+        "stage": spec.name,
+        "config": {s: config.section(s) for s in spec.sections},
+        "upstream": {k: v.get("input_hash") for k, v in upstream.items()},
+        "args": args,
+        "code": code,
+    }
+    input_hash = hash_obj(inputs)
+    out_dir = run_dir / spec.out
+    meta_path = out_dir / "meta.json"
+    if not force and meta_path.exists():
+        try:
+            old = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, OSError):
+            old = {}
+        if old.get("input_hash") == input_hash:
+            os.utime(meta_path)  # Make compares mtimes; the artifact is current
+            print(f"{spec.name}: up to date ({out_dir})", file=sys.stderr)
+            return meta_path
+
+    if spec.precheck:
+        mod, fn_name = spec.precheck.split(":")
+        getattr(importlib.import_module(mod), fn_name)(config, args)
+    created_run = not run_dir.exists()
+    created_out = not out_dir.exists()
+    meta_path.unlink(missing_ok=True)
+    ctx = StageContext(name=spec.name, run_dir=run_dir, out_dir=out_dir, config=config, args=args,
+                       input_hash=input_hash, upstream=upstream, code=code)
+    module_name, fn_name = spec.entry.split(":")
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    progress(f"{spec.name}: running -> {out_dir}")
+    start = time.time()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fn(ctx)
+    except BaseException:
+        # Leave nothing that looks like output: an empty directory we made goes again.
+        for d, made in ((out_dir, created_out), (run_dir, created_run)):
+            if made and d.exists() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+    meta = {
+        "stage": spec.name,
+        "input_hash": input_hash,
+        "inputs": {k: v for k, v in inputs.items() if k != "config"},
+        "config": config.model_dump(mode="json"),
+        "libraries": library_versions(),
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start)),
+        "wall_s": round(time.time() - start, 3),
+        **ctx.meta,
+    }
+    atomic_write_json(meta_path, meta)
+    progress(f"{spec.name}: done in {meta['wall_s']:.1f} s")
+    return meta_path

@@ -1,0 +1,224 @@
+"""The memory plan of a latency grid: which (batch, context) cells fit, in which order they run, how
+the prompt is prefilled, and when each KV cache is freed. Arithmetic only: nothing is allocated.
+
+    from pipeline.latency.memory import ModelShape, plan_grid
+    shape = ModelShape.from_config(config, torch.bfloat16)        # an 8B shape, on no device
+    plan = plan_grid(shape, batches=[1, 8, 32], contexts=[128, 2048, 8192], new_tokens=64,
+                     budget_bytes=80e9 - shape.weight_bytes, device_type="cuda")
+    plan.steps     # ("run", cell) / ("free", cache) in execution order
+    plan.dropped   # cells that cannot fit, each with the bytes it needs
+
+Why a plan: on a GPU a cell that does not fit fails mid-run with an out-of-memory error after the
+earlier cells' caches have fragmented the allocator, and the grid comes out "skipped". By
+arithmetic, Llama-3.1-8B in bf16 keeps 128 KiB of K and V per token (2 * 32 layers * 8 kv heads *
+128 dims * 2 bytes), so a B = 32 x 8257-position cache is 34.6 GB next to 16 GB of weights, and a
+one-shot prefill of its 262k prompt tokens needs another ~27 GB of MLP activations. The plan
+prefills such a cell in chunks of the prompt (each chunk a forward at its own positions; the cache
+and the first token are the same as one forward's) and drops only what cannot fit even then.
+
+Order: batch sizes ascending, and within a batch size contexts ascending, each cell on a cache of
+exactly its own length, and the previous cache freed before the next is allocated. So no cell is
+timed on a cache longer than it needs (attention over a static cache reads its whole allocated
+length), and at most one grid cache is alive at a time.
+
+Estimates per forward of B rows x T new tokens attending over S cached positions, with e bytes per
+activation element (the compute dtype):
+    residual stream   2 * B * T * hidden * e            (hidden states + the normed copy)
+    attention         B * T * (2 * hidden + 2 * kv_heads * head_dim) * e   (q, k, v, output)
+                      + scores B * heads * T * S * 4 where the kernel materialises them (CPU)
+    MLP               3 * B * T * intermediate * e       (gate, up, their product)
+    logits            B * T_logits * vocab * (e + 4)     (the model's output and its float32 copy)
+The larger of attention and MLP counts (they are not alive together), times `slack` for allocator
+rounding and temporaries the sum leaves out.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    weight_bytes: int  # every parameter and buffer held in memory
+    element_bytes: int  # activation / KV element size (the compute dtype's)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one position of one sequence, over every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.element_bytes
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype, weight_bytes: int | None = None) -> "ModelShape":
+        """From a transformers config. Without `weight_bytes` the model is built on the meta device
+        (shapes only, no memory) and its parameters counted in `dtype`."""
+        text = getattr(config, "get_text_config", lambda: config)()
+        heads = text.num_attention_heads
+        if weight_bytes is None:
+            weight_bytes = meta_weight_bytes(config, dtype)
+        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) \
+            or 4 * text.hidden_size
+        return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=int(intermediate),
+                   heads=heads, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                   vocab=text.vocab_size, weight_bytes=int(weight_bytes),
+                   element_bytes=torch.empty((), dtype=dtype).element_size())
+
+    @classmethod
+    def from_model(cls, model, weight_bytes: int) -> "ModelShape":
+        dtype = getattr(model, "dtype", torch.float32)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            dtype = torch.float32
+        return cls.from_config(model.config, dtype, weight_bytes=weight_bytes)
+
+
+def meta_weight_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters and buffers in `dtype`, from a meta-device build (tied
+    weights counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def cache_len(context: int, new_tokens: int, extra: int = 1) -> int:
+    """Positions the engine's static cache holds for a cell: the prompt, the new tokens and one
+    spare (the engine's own rule; it never allocates fewer than 64)."""
+    return max(context + new_tokens + extra, 64)
+
+
+def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, logits_rows: int,
+                  materialised_scores: bool) -> int:
+    """Peak activation bytes of one forward (see the module docstring for the terms)."""
+    e = shape.element_bytes
+    bt = batch * tokens
+    residual = 2 * bt * shape.hidden * e
+    attention = bt * (2 * shape.hidden + 2 * shape.kv_heads * shape.head_dim) * e
+    if materialised_scores:
+        attention += batch * shape.heads * tokens * attended * 4
+    mlp = 3 * bt * shape.intermediate * e
+    logits = batch * logits_rows * shape.vocab * (e + 4)
+    return residual + max(attention, mlp) + logits
+
+
+@dataclass
+class CellPlan:
+    batch: int
+    context: int
+    cache_len: int
+    cache_bytes: int
+    prefill_chunk: int | None  # None = the whole prompt in one forward
+    activation_bytes: int  # the larger of the prefill (chunk) and a decode / verify step
+    peak_bytes: int  # cache + activations (weights are outside the budget)
+
+
+@dataclass
+class MemoryPlan:
+    budget_bytes: int
+    steps: list[dict] = field(default_factory=list)  # {"action": "run" | "free", ...} in order
+    dropped: list[dict] = field(default_factory=list)
+
+    @property
+    def cells(self) -> list[CellPlan]:
+        names = CellPlan.__dataclass_fields__  # a step may carry notes of its own (a draft's cache)
+        return [CellPlan(**{k: v for k, v in s.items() if k in names}) for s in self.steps if s["action"] == "run"]
+
+    def to_json(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "steps": self.steps, "dropped": self.dropped,
+                "order": "batch ascending, then context ascending; one cache alive at a time, "
+                         "each of exactly its cell's length, freed before the next is allocated"}
+
+
+def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_tokens: int,
+              budget_bytes: float, device_type: str, verify_width: int = 1, slack: float = 1.2,
+              min_chunk: int = 128) -> MemoryPlan:
+    """Plan every (batch, context) cell against `budget_bytes`: the memory left for caches and
+    activations once the weights are loaded (the caller subtracts weights and a reserve).
+
+    verify_width: the widest forward a decode step makes (1 plain, k + 1 when speculative rounds
+    run on the same cache). Prefill is chunked (halving from the whole prompt down to min_chunk)
+    only when the one-shot prefill does not fit.
+    """
+    scores = device_type != "cuda"  # CPU SDPA with a mask materialises B x heads x T x S scores
+    plan = MemoryPlan(budget_bytes=int(budget_bytes))
+    live: tuple[int, int] | None = None  # (batch, cache_len) of the one cache alive
+    for batch in sorted(set(batches)):
+        for context in sorted(set(contexts)):
+            length = cache_len(context, new_tokens)
+            cache = batch * length * shape.kv_bytes_per_token
+            step = forward_bytes(shape, batch, verify_width, length, verify_width, scores)
+            chunk, prefill = None, forward_bytes(shape, batch, context, length, 1, scores)
+            while cache + slack * max(prefill, step) > budget_bytes and (chunk or context) > min_chunk:
+                chunk = max(min_chunk, (chunk or context) // 2)
+                prefill = forward_bytes(shape, batch, chunk, length, 1, scores)
+            activation = int(slack * max(prefill, step))
+            need = cache + activation
+            if need > budget_bytes:
+                plan.dropped.append({"batch": batch, "context": context, "cache_len": length,
+                                     "needs_bytes": int(need), "budget_bytes": int(budget_bytes),
+                                     "reason": f"needs {_size(need)} (cache {_size(cache)} + activations "
+                                               f"{_size(activation)}) of {_size(budget_bytes)}"})
+                continue
+            if live is not None:
+                plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
+            plan.steps.append({"action": "run", **asdict(CellPlan(
+                batch=batch, context=context, cache_len=length, cache_bytes=int(cache),
+                prefill_chunk=chunk, activation_bytes=activation, peak_bytes=int(need)))})
+            live = (batch, length)
+    if live is not None:
+        plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
+    return plan
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
+                  reserve_fraction: float = 0.05, reserve_min: int = 1 << 30) -> dict:
+    """Memory the plan may use for caches and activations, measured now: CUDA's free memory
+    (torch.cuda.mem_get_info) or the host's available memory (psutil), less a reserve for the
+    allocator, the CUDA context and library workspaces; less the weights if not loaded yet."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        source = "torch.cuda.mem_get_info"
+    else:
+        free, total, source = _host_memory()
+    reserve = max(reserve_min, int(reserve_fraction * total))
+    budget = free - reserve - (0 if weights_loaded else weight_bytes)
+    return {"budget_bytes": int(max(budget, 0)), "free_bytes": int(free), "total_bytes": int(total),
+            "reserve_bytes": reserve, "weights_counted": not weights_loaded, "source": source}
+
+
+def _host_memory() -> tuple[int, int, str]:
+    """(available, total, source) of the host's memory: psutil where installed, else the kernel's
+    own MemAvailable (a bare image's python may lack psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024  # kB
+        return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total), "psutil.virtual_memory().available"

@@ -1,0 +1,101 @@
+"""What a loaded variant really computes with: the quantized linear kernels and the device.
+
+    from pipeline.models.kernels import device_name, quantized_kernels
+    quantized_kernels(model)   # {"library": "gptqmodel", "kernels": {"TorchFusedLinear": 210}, ...}
+    device_name(device)        # "NVIDIA H200" or the CPU model from /proc/cpuinfo
+
+Read off the modules and weight tensors of the model as loaded, never from the config or a file
+name: GPTQModel picks its kernel (Marlin, ExLlamaV2, Triton, torch; QUANT_TYPE says which, e.g.
+"torch_fused" for TorchFusedLinear on CPU) at load time from the device and the checkpoint, bitsandbytes layers carry their compute dtype, and torchao swaps the
+weight for a tensor subclass. Nothing here imports those libraries: classes are recognised by the
+module they come from, so the check also runs where the libraries are absent.
+"""
+from __future__ import annotations
+
+import platform
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+_QUANT_LIBRARIES = ("gptqmodel", "auto_gptq", "bitsandbytes", "torchao")
+
+
+def _library(obj) -> str | None:
+    mod = type(obj).__module__ or ""
+    return next((lib for lib in _QUANT_LIBRARIES if mod == lib or mod.startswith(lib + ".")), None)
+
+
+def _dtype_name(x) -> str | None:
+    return str(x).removeprefix("torch.") if x is not None else None
+
+
+def quantized_kernels(model) -> dict:
+    """Count the model's linear layers by the class that runs them (module class for GPTQModel and
+    bitsandbytes, weight tensor subclass for torchao) with what each kernel is configured with."""
+    kernels: Counter = Counter()
+    details: dict[str, dict] = {}
+    libraries: set[str] = set()
+    plain = 0
+    for _, module in model.named_modules():
+        lib = _library(module)
+        weight = getattr(module, "weight", None)
+        if lib in ("gptqmodel", "auto_gptq"):
+            name = type(module).__name__
+            kernels[name] += 1
+            libraries.add(lib)
+            info = details.setdefault(name, {"library": lib, "module": type(module).__module__})
+            for attr in ("bits", "group_size", "backend", "QUANT_TYPE"):
+                value = getattr(module, attr, None)
+                if value is not None and not callable(value):
+                    info.setdefault(attr, str(getattr(value, "value", value)))
+        elif lib == "bitsandbytes":
+            name = type(module).__name__  # Linear8bitLt, Linear4bit (LinearNF4 / LinearFP4)
+            kernels[name] += 1
+            libraries.add(lib)
+            info = details.setdefault(name, {"library": lib, "module": type(module).__module__})
+            compute = getattr(module, "compute_dtype", None)
+            state = getattr(weight, "quant_state", None)
+            quant_type = getattr(state, "quant_type", None) or getattr(weight, "quant_type", None)
+            info.setdefault("compute_dtype", _dtype_name(compute) if compute is not None else "input dtype")
+            if quant_type:
+                info.setdefault("quant_type", str(quant_type))
+            if name == "Linear8bitLt":
+                threshold = getattr(getattr(module, "state", None), "threshold", None)
+                info.setdefault("outlier_threshold", threshold)
+        elif isinstance(module, torch.nn.Linear) and weight is not None:
+            wlib = _library(weight)
+            if wlib is None and type(weight) in (torch.Tensor, torch.nn.Parameter):
+                plain += 1
+                continue
+            name = type(weight).__name__  # e.g. AffineQuantizedTensor, Int8Tensor
+            kernels[name] += 1
+            libraries.add(wlib or type(weight).__module__)
+            info = details.setdefault(name, {"library": wlib or type(weight).__module__,
+                                             "module": type(weight).__module__})
+            for attr in ("_layout", "layout", "block_size", "act_quant_kwargs"):
+                value = getattr(weight, attr, None)
+                if value is not None:
+                    info.setdefault(attr.lstrip("_"), repr(value)[:200])
+            inner = getattr(weight, "tensor_impl", None)
+            if inner is not None:
+                info.setdefault("tensor_impl", type(inner).__name__)
+            dtype = getattr(weight, "dtype", None)
+            info.setdefault("dtype", _dtype_name(dtype))
+    return {"library": ", ".join(sorted(libraries)) or "none (unquantized)", "kernels": dict(kernels),
+            "details": details, "unquantized_linear_layers": plain,
+            "compute_dtype": _dtype_name(getattr(model, "dtype", None))}
+
+
+def device_name(device: torch.device | str) -> str:
+    """The accelerator's name, or the CPU model (from /proc/cpuinfo where there is one)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"

@@ -1,0 +1,278 @@
+"""Standard lm-eval tasks as quality slices (`quality.tasks`), the way their users read them.
+
+Used by the quality stage (pipeline/stages/quality.py); no command of its own.
+
+* An entry is a task, group or tag that lm-eval knows by name, or a path to a task YAML (or a
+  directory of them), indexed with lm-eval's include_path. Its data comes from wherever lm-eval
+  finds it (the HF datasets cache, HF_DATASETS_OFFLINE, a local `dataset_path`); a task that is
+  unknown or whose data cannot be loaded is skipped with one line.
+* A group (mmlu) or tag (mgsm_direct) is one slice; each of its subtasks is a `group` of that
+  slice (with its own CI in the summary). Items are spread evenly over the subtasks, each
+  subtask's documents in a seeded order, so any n is a fixed random subset.
+* lm-eval logs one sample per document and filter. Every filter is scored (the record's
+  `scores` has "metric,filter" keys when a task has several); one is primary: named in
+  `quality.task_primary`, else the task's first filter.
+* The headline metric is the task's own: `quality.task_primary`, else acc_norm where the task
+  reports it (hellaswag, arc: what their users quote), else its first per-item metric that is
+  higher-is-better.
+* Clusters come from the documents: `quality.task_clusters` names a field whose equal values are
+  one cluster, or "doc_id" for subtasks that are the same documents in other languages; by
+  default the first shared-passage field (context, passage, ...) whose values repeat; else
+  every document is its own cluster.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.core.stage import StageError, progress
+
+# Fields that hold a passage several documents are asked about (race: article, squad: context,
+# xnli/anli: premise, boolq/multirc: passage, ...).
+PASSAGE_FIELDS = ("context", "passage", "article", "paragraph", "story", "document", "premise", "ctx")
+
+
+@dataclass
+class Leaf:
+    """One lm-eval task inside a slice."""
+    name: str
+    size: int
+    metric: str           # primary metric
+    filter: str           # primary filter
+    filters: list[str]
+    doc_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class NamedSlice:
+    name: str             # the slice name (what quality/<variant>/<name>.jsonl is called)
+    request: str          # what simple_evaluate is asked for
+    leaves: list[Leaf]
+    cluster_by: str | None
+    # The task index it was found in: (lm-eval's own tasks too, local YAML directories).
+    index: tuple[bool, tuple[str, ...]] = (True, ())
+
+    def info(self) -> dict:
+        return {"request": self.request, "include_paths": list(self.index[1]), "cluster_by": self.cluster_by,
+                "items": sum(len(leaf.doc_ids) for leaf in self.leaves),
+                "subtasks": {leaf.name: {"items": len(leaf.doc_ids), "of": leaf.size,
+                                         "primary": f"{leaf.metric},{leaf.filter}", "filters": leaf.filters}
+                             for leaf in self.leaves}}
+
+
+# ------------------------------------------------------------------ resolving names
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(with_defaults: bool, include_paths: tuple[str, ...] = ()):
+    """lm-eval's task index, built once per process: indexing lm-eval's own ~27k task YAMLs took
+    about 12 s, and simple_evaluate builds a fresh index on every call unless given one."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=with_defaults, include_path=list(include_paths) or None)
+
+
+def _yaml_name(path: Path) -> str | None:
+    """The task or group a YAML file defines (its `!function` tags are not resolved here)."""
+    import yaml
+
+    class Loose(yaml.SafeLoader):
+        pass
+
+    Loose.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        cfg = yaml.load(path.read_text(), Loader=Loose) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    name = cfg.get("group") or cfg.get("task")
+    return name if isinstance(name, str) else None
+
+
+def split_entries(entries: list[str]) -> list[tuple[str, str, str | None]]:
+    """(slice name, lm-eval name, include path) per entry: a path to a YAML names its task."""
+    out = []
+    for entry in entries:
+        path = Path(entry).expanduser()
+        if entry.endswith((".yaml", ".yml")) or path.is_file():
+            name = _yaml_name(path) if path.is_file() else None
+            out.append((name or entry, name or entry, str(path.resolve().parent)))
+        else:
+            out.append((entry, entry, None))
+    return out
+
+
+def _leaf_tasks(task_dict: dict) -> list:
+    """The Task objects under a task dict, groups expanded depth-first in lm-eval's order."""
+    out = []
+    for value in task_dict.values():
+        out += _leaf_tasks(value) if isinstance(value, dict) else [value]
+    return out
+
+
+def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSlice], dict[str, str]]:
+    """The listed tasks that can run here, and {entry: why not} for the others (one line each)."""
+    if not entries:
+        return [], {}
+    from lm_eval.tasks import get_task_dict
+
+    from pipeline.stages.quality import _quiet
+
+    if qcfg is None:
+        from pipeline.core.config import QualityConfig
+
+        qcfg = QualityConfig()
+    parsed = split_entries(entries)
+    paths = tuple(sorted({p for _, _, p in parsed if p}))
+    # lm-eval's own index (slow to build) only when a name is not among the local YAMLs.
+    defaults = not paths or any(name not in task_manager(False, paths).all_tasks for _, name, _ in parsed)
+    manager = task_manager(defaults, paths)
+    usable, skipped = [], {}
+    for entry, (slice_name, name, path) in zip(entries, parsed):
+        if name not in manager.all_tasks:
+            skipped[entry] = "not a task lm-eval knows" + (f" (nothing named so in {path})" if path else "")
+        else:
+            try:
+                with _quiet():  # loads (and caches) the data
+                    tasks = list(manager.load([name])["tasks"].values()) if hasattr(manager, "load") \
+                        else _leaf_tasks(get_task_dict([name], manager))
+            except Exception as e:  # datasets raises many kinds when the hub is unreachable
+                skipped[entry] = f"its data is not reachable ({type(e).__name__})"
+            else:
+                named = _build(slice_name, name, (defaults, paths), tasks, qcfg, seed)
+                if isinstance(named, str):
+                    skipped[entry] = named
+                else:
+                    usable.append(named)
+        if entry in skipped:
+            progress(f"quality: skipping lm-eval task '{entry}': {skipped[entry]}")
+    return usable, skipped
+
+
+def _build(slice_name: str, name: str, index: tuple[bool, tuple[str, ...]], tasks: list, qcfg, seed: int):
+    """The slice, or a one-line reason it cannot be gated."""
+    leaves = []
+    primary = qcfg.task_primary.get(slice_name, "")
+    for task in tasks:
+        higher = task.higher_is_better()
+        filters = [f.name for f in task._filters]
+        want_metric, _, want_filter = (qcfg.task_primary.get(task.config.task, primary) + ",").partition(",")
+        want_filter = want_filter.rstrip(",")
+        if want_metric:
+            if want_metric not in higher:
+                raise StageError(f"quality.task_primary: '{task.config.task}' has no metric '{want_metric}' "
+                                 f"(it reports: {', '.join(higher)})")
+            if not higher[want_metric]:
+                raise StageError(f"quality.task_primary: '{want_metric}' of '{task.config.task}' is "
+                                 f"lower-is-better; the gate needs a higher-is-better score")
+            metric = want_metric
+        elif "acc_norm" in higher:
+            metric = "acc_norm"
+        else:
+            metric = next((m for m, up in higher.items() if up), None)
+            if metric is None:
+                return f"'{task.config.task}' reports no higher-is-better metric ({', '.join(higher)})"
+        if want_filter and want_filter not in filters:
+            raise StageError(f"quality.task_primary: '{task.config.task}' has no filter '{want_filter}' "
+                             f"(it has: {', '.join(filters)})")
+        leaves.append(Leaf(task.config.task, len(task.eval_docs), metric, want_filter or filters[0], filters))
+    _choose_docs(leaves, qcfg.items_for(slice_name), seed)
+    cluster_by = qcfg.task_clusters.get(slice_name) or _passage_field(tasks)
+    if cluster_by and cluster_by != "doc_id":
+        missing = [t.config.task for t in tasks if cluster_by not in (t.eval_docs[0] if len(t.eval_docs) else {})]
+        if missing:
+            raise StageError(f"quality.task_clusters: documents of {', '.join(missing)} have no field '{cluster_by}'")
+    return NamedSlice(slice_name, name, leaves, cluster_by, index)
+
+
+def _choose_docs(leaves: list[Leaf], n: int | None, seed: int) -> None:
+    """n items spread over the subtasks as evenly as their sizes allow; within a subtask the
+    first of its documents in a seeded order (sorted back, so lm-eval runs them in file order)."""
+    want = {leaf.name: 0 for leaf in leaves}
+    left = sum(leaf.size for leaf in leaves) if n is None else n
+    while left > 0:
+        open_ = [leaf for leaf in leaves if want[leaf.name] < leaf.size]
+        if not open_:
+            break
+        for leaf in open_:
+            if left == 0:
+                break
+            want[leaf.name] += 1
+            left -= 1
+    for leaf in leaves:
+        order = list(range(leaf.size))
+        random.Random(f"{leaf.name}:{seed}").shuffle(order)
+        leaf.doc_ids = sorted(order[:want[leaf.name]])
+
+
+def _passage_field(tasks: list) -> str | None:
+    for name in PASSAGE_FIELDS:
+        for task in tasks:
+            docs = task.eval_docs
+            if len(docs) and name in docs[0]:
+                values = [json.dumps(d[name], sort_keys=True, default=str) for d in docs]
+                if len(set(values)) < len(values):
+                    return name
+    return None
+
+
+# ------------------------------------------------------------------ records
+
+
+def samples_request(named: list[NamedSlice]) -> dict[str, list[int]]:
+    """simple_evaluate's `samples`: the documents to run, per subtask."""
+    return {leaf.name: leaf.doc_ids for s in named for leaf in s.leaves}
+
+
+def _key(metric: str, filt: str, leaf: Leaf) -> str:
+    return metric if len(leaf.filters) == 1 else f"{metric},{filt}"
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float, bool)) and not isinstance(x, complex)
+
+
+def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:
+    """One record per document (not per filter), or a one-line reason the slice cannot be gated
+    (its headline metric is not a per-item number, e.g. a corpus-level BLEU)."""
+    out = []
+    for leaf in s.leaves:
+        by_doc: dict[int, dict[str, dict]] = {}
+        for sample in samples.get(leaf.name, []):
+            by_doc.setdefault(int(sample["doc_id"]), {})[sample.get("filter", "none")] = sample
+        for doc_id in sorted(by_doc):
+            per_filter = by_doc[doc_id]
+            primary = per_filter.get(leaf.filter)
+            if primary is None or not _number(primary.get(leaf.metric)):
+                return f"'{leaf.name}': '{leaf.metric}' is not a per-item number"
+            scores = {_key(m, f, leaf): float(smp[m]) for f, smp in per_filter.items()
+                      for m in smp.get("metrics", []) if _number(smp.get(m))}
+            resp = primary.get("filtered_resps")
+            pred = resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
+            rid = f"{leaf.name}-{doc_id:05d}"
+            rec = {"id": rid, "cluster": _cluster(s, leaf, doc_id, primary.get("doc")) or rid, "slice": s.name,
+                   "group": leaf.name if len(s.leaves) > 1 else None, "prompt_hash": primary.get("prompt_hash"),
+                   "metric": _key(leaf.metric, leaf.filter, leaf),
+                   "score": float(primary[leaf.metric]), "scores": scores, "prediction": pred,
+                   "target": str(primary.get("target"))}
+            if len(per_filter) > 1:
+                rec["predictions"] = {f: (smp["filtered_resps"][0] if isinstance(smp.get("filtered_resps"), list)
+                                          and smp["filtered_resps"] and isinstance(smp["filtered_resps"][0], str)
+                                          else None) for f, smp in per_filter.items()}
+            out.append(rec)
+    shared = set.intersection(*(set(r["scores"]) for r in out)) if out else set()
+    for r in out:  # one set of score names per slice (subtasks of a group may report more)
+        r["scores"] = {k: v for k, v in r["scores"].items() if k in shared}
+    return out
+
+
+def _cluster(s: NamedSlice, leaf: Leaf, doc_id: int, doc) -> str | None:
+    if s.cluster_by == "doc_id":
+        return f"{s.name}:doc-{doc_id}"
+    if s.cluster_by and isinstance(doc, dict) and s.cluster_by in doc:
+        value = json.dumps(doc[s.cluster_by], sort_keys=True, default=str)
+        return f"{leaf.name}:{s.cluster_by}-{hashlib.sha1(value.encode()).hexdigest()[:12]}"
+    return None

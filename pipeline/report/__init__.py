@@ -1,0 +1,1 @@
+"""Renderers: Markdown, HTML and figures of every stage's results, one number-formatting module."""

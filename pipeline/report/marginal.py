@@ -1,0 +1,212 @@
+"""The marginal-cost report for people: a Markdown page that reads without the JSON, and a plot
+(ms/token vs k with CI bands, the plain-decode line and the Leviathan prediction; acceptance per
+position). Called by pipeline.stages.marginal's stage; `report` is what `marginal.pair_report` returns.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.core.stage import atomic_write_bytes, atomic_write_text
+
+
+def _f(x, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _ci(ci, digits: int = 2) -> str:
+    return f"[{_f(ci[0], digits)}, {_f(ci[1], digits)}]"
+
+
+def _temp_label(t: str) -> str:
+    return f"{t} (greedy)" if float(t) == 0.0 else t
+
+
+def render_markdown(report: dict, png_name: str | None = None) -> str:
+    v, d = report["variant"], report["draft"]
+    conf = int(round(report["confidence"] * 100))
+    base, base_ci = report["baseline_ms_per_token"], report["baseline_ci"]
+    rows = report["rows"]
+    by_k = {r["k"]: r for r in rows}
+    rec = report["recommended_k"]
+    p = report["primary"]
+    out = [f"# Draft length k for `{v}` drafted by `{d}`", ""]
+    out.append(f"Device: {report.get('device') or 'unknown'}. Acceptance: slice `{p['slice']}`, "
+               f"temperature {_temp_label(p['temperature'])}. All intervals are {conf}% bootstrap CIs "
+               f"({report.get('ci_unit', 'timing repeats')}).")
+    out.append("")
+    out.append(f"Plain decoding of `{v}`: **{_f(base)} ms/token** {_ci(base_ci)}.")
+    if rec:
+        r = by_k[rec]
+        out.append(f"**Recommended k = {rec}**: {_f(r['ms_per_token'])} ms/token "
+                   f"{_ci(r['ms_per_token_ci'])}, speedup **{_f(r['speedup'])}x** {_ci(r['speedup_ci'])}.")
+    else:
+        best = min(rows, key=lambda r: r["ms_per_token"])
+        out.append(f"**Recommended k = 0: do not speculate.** No k was measurably faster than plain "
+                   f"decoding (best: k = {best['k']}, speedup {_f(best['speedup'])}x "
+                   f"{_ci(best['speedup_ci'])}).")
+    out += ["", "| k | E[tokens/round] | mean drafted | round ms | ms/token | speedup | marginal ms/token (k-1 to k) "
+            "| Leviathan ms/token |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["marginal_ms_per_token"]
+        marginal = "n/a (no extra tokens)" if m is None else \
+            f"{_f(m)} {'pays' if r['marginal_pays'] else 'does not pay'}"
+        mark = " **<-**" if r["k"] == rec else ""
+        out.append(
+            f"| {r['k']}{mark} | {_f(r['tokens_per_round'])} {_ci(r['tokens_per_round_ci'])} "
+            f"| {_f(r.get('mean_drafted'))} | {_f(r['round_ms'])} {_ci(r.get('round_ms_ci') or [None, None])} | {_f(r['ms_per_token'])} {_ci(r['ms_per_token_ci'])} "
+            f"| {_f(r['speedup'])}x {_ci(r['speedup_ci'])} | {marginal} "
+            f"| {_f(r.get('predicted_ms_per_token'))} |")
+    c = report.get("cost_ratio_c")
+    out += ["", "How to read it: E[tokens/round] comes from the acceptance stage (emitted tokens / "
+            "expected rounds at that k, from one teacher-forced pass over the target's own text, "
+            "checked against direct runs below); the round time (draft up to k tokens + verify them "
+            "in one target pass + bookkeeping) is the latency stage's time per drafted count, on the "
+            "same prompts and temperature, weighted by this slice's share of rounds drafting each "
+            "count at k (mean drafted below); ms/token = round ms / E[tokens/round]. The marginal column is the extra "
+            "round time per extra expected token when k grows by one (from plain decoding for k = 1); "
+            "a step *pays* when that is below the ms/token at k-1 (the average falls); SEEDS' "
+            f"looser test, below the plain {_f(base)} ms/token, only says the extra tokens come "
+            "cheaper than plain decoding would make them.",
+            "",
+            f"The Leviathan column predicts ms/token = plain x (1 + k c) / E[tokens/round] with the "
+            f"measured per-position acceptance and the measured draft cost ratio c = {_f(c, 3)} "
+            "(one draft step / one plain target step). It assumes verifying k+1 tokens costs one "
+            "plain step and that rounds have no other overhead."]
+    gaps = [r for r in rows if r.get("predicted_ms_per_token")
+            and abs(r["ms_per_token"] / r["predicted_ms_per_token"] - 1) > 0.10]
+    if gaps:
+        ks = ", ".join(f"k={r['k']} ({_f(r['ms_per_token'] / r['predicted_ms_per_token'])}x)" for r in gaps)
+        slower = sum(r["ms_per_token"] > r["predicted_ms_per_token"] for r in gaps)
+        why = ("rounds cost more than 1 + k c plain steps: verifying k+1 tokens costs more than one "
+               "plain step, or per-round overhead adds up") if slower >= len(gaps) / 2 else \
+            ("rounds cost less than the model says: the verify pass of k+1 tokens is nearly as "
+             "cheap as one plain step and the draft is cheaper in the loop than alone")
+        out.append(f"Measured / predicted ms/token differ by more than 10% at {ks}: {why}.")
+    out += ["", "## Rule for the recommended k", "", report["rule"], ""]
+    out += _direct_section(report)
+    out += _slice_section(report)
+    out += _position_section(report)
+    measured = [r for r in rows if "measured_tokens_per_round" in r]
+    if measured:
+        out += ["## Tokens per round in the latency run itself", "",
+                f"The latency stage's timed runs ({report.get('latency_new_tokens')} new tokens per prompt, "
+                "so more of their rounds are shortened near the end than the acceptance runs') gave, per k: " +
+                ", ".join(f"k={r['k']}: {_f(r['measured_tokens_per_round'])} tokens/round, "
+                          f"{_f(r.get('measured_ms_per_token'))} ms/token" for r in measured) + ".", ""]
+    if png_name:
+        out += [f"![ms/token vs k and acceptance per position]({png_name})", ""]
+    return "\n".join(out)
+
+
+def _direct_section(report: dict) -> list[str]:
+    checks = report.get("direct_check") or {}
+    if not checks:
+        return []
+    out = ["## E[tokens/round] derived vs direct runs", "",
+           "Derived: from the teacher-forced pass; direct: real engine runs at that k on the same prompts. "
+           "Greedy, they must be equal (the same text); sampled, the prompt-bootstrap CI of the "
+           "difference must contain 0.", "",
+           "| k | derived [CI] | direct | direct - derived [CI] | agree |", "|---:|---:|---:|---:|---|"]
+    for k, c in sorted(checks.items(), key=lambda kv: int(kv[0])):
+        out.append(f"| {k} | {_f(c['derived'], 3)} {_ci(c['ci'], 3)} | {_f(c['direct'], 3)} "
+                   f"| {_f(c['direct'] - c['derived'], 3)} {_ci(c['difference_ci'], 3)} | "
+                   f"{'yes' if c['agree'] else '**no**'} |")
+    return out + [""]
+
+
+def _slice_section(report: dict) -> list[str]:
+    slices = report.get("slices") or {}
+    if not slices:
+        return []
+    out = ["## Per slice and temperature", "",
+           "Same round times, each slice's own acceptance: k can differ between, say, code and chat.",
+           "", "| slice | temperature | recommended k | E[tokens/round] at k=1..k_max | best ms/token (k) "
+           "| speedup at recommended k |", "|---|---|---:|---|---:|---:|"]
+    for s in sorted(slices, key=lambda s: (s != "all", s)):
+        for t in sorted(slices[s], key=float):
+            tab = slices[s][t]
+            rows = tab["rows"]
+            rec = tab["recommended_k"]
+            best = min(rows, key=lambda r: r["ms_per_token"])
+            e = ", ".join(_f(r["tokens_per_round"]) for r in rows)
+            sp = "-" if not rec else next(f"{_f(r['speedup'])}x {_ci(r['speedup_ci'])}"
+                                          for r in rows if r["k"] == rec)
+            out.append(f"| {s} | {_temp_label(t)} | {rec} | {e} | {_f(best['ms_per_token'])} "
+                       f"({best['k']}) | {sp} |")
+    return out + [""]
+
+
+def _position_section(report: dict) -> list[str]:
+    pos = report.get("acceptance_per_position") or []
+    if not pos:
+        return []
+    out = ["## Acceptance per position", "",
+           "Rounds at k = k_max (not shortened near the end), in expectation over the accept/reject "
+           "outcomes given the texts: conditional = P(position i accepted | 1..i-1 accepted); prefix = "
+           "P(1..i all accepted); beta = mean of 1 - TV(p, q) at that position; the CI resamples prompts "
+           "and is never narrower than the Wilson interval on the expected round counts.", "",
+           "| position | conditional | prefix | mean beta | rounds reaching it (expected) | CI (conditional) |",
+           "|---:|---:|---:|---:|---:|---:|"]
+    for p in pos:
+        ci = p.get("ci") or [None, None]
+        out.append(f"| {p['position']} | {_f(p.get('conditional'), 3)} | {_f(p.get('prefix'), 3)} "
+                   f"| {_f(p.get('expected_beta'), 3)} | {_f(p.get('n'), 1)} | {_ci(ci, 3)} |")
+    return out + [""]
+
+
+def write_markdown(report: dict, path: Path, png_name: str | None = None, extra: str = "") -> None:
+    atomic_write_text(path, render_markdown(report, png_name) + extra)
+
+
+def write_plot(report: dict, path: Path) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    ks = [r["k"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ms = [r["ms_per_token"] for r in rows]
+    lo = [r["ms_per_token_ci"][0] for r in rows]
+    hi = [r["ms_per_token_ci"][1] for r in rows]
+    ax.plot(ks, ms, "o-", color="C0", label="speculative, measured")
+    ax.fill_between(ks, lo, hi, color="C0", alpha=0.25, label=f"{int(report['confidence'] * 100)}% CI")
+    pred = [(r["k"], r["predicted_ms_per_token"]) for r in rows if r.get("predicted_ms_per_token")]
+    if pred:
+        ax.plot(*zip(*pred), "s--", color="C2", label="Leviathan prediction")
+    base, (blo, bhi) = report["baseline_ms_per_token"], report["baseline_ci"]
+    ax.axhline(base, color="C3", label="plain decoding")
+    ax.axhspan(blo, bhi, color="C3", alpha=0.15)
+    if report["recommended_k"]:
+        ax.axvline(report["recommended_k"], color="k", ls=":", label=f"recommended k={report['recommended_k']}")
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("ms per token")
+    ax.set_title(f"{report['variant']} / {report['draft']}")
+    ax.set_xticks(ks)
+    ax.legend(fontsize=8)
+    pos = report.get("acceptance_per_position") or []
+    if pos:
+        x = [p["position"] for p in pos]
+        cond = [p.get("conditional") if p.get("conditional") is not None else float("nan") for p in pos]
+        # Bars are clipped at 0: a bound a rounding error past its point (a Wilson bound at n/n
+        # made before the acceptance stage clipped them) must not make matplotlib refuse the plot.
+        err = [[max(0.0, c - (p.get("ci") or [c, c])[0]) for c, p in zip(cond, pos)],
+               [max(0.0, (p.get("ci") or [c, c])[1] - c) for c, p in zip(cond, pos)]]
+        ax2.errorbar(x, cond, yerr=err, fmt="o-", capsize=3, label="conditional")
+        ax2.plot(x, [p.get("prefix") for p in pos], "s--", label="prefix (all up to i)")
+        if any(p.get("expected_beta") is not None for p in pos):
+            ax2.plot(x, [p.get("expected_beta") for p in pos], "^:", label="mean beta = 1 - TV")
+        ax2.set_ylim(-0.02, 1.02)
+        ax2.set_xticks(x)
+        ax2.legend(fontsize=8)
+    ax2.set_xlabel("draft position i")
+    ax2.set_ylabel("acceptance")
+    ax2.set_title(f"acceptance per position ({report['primary']['slice']}, T={report['primary']['temperature']})")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

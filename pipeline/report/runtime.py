@@ -1,0 +1,89 @@
+"""The report's account of how latency was measured: device, the kernel each variant really ran,
+whether the steps were compiled (and which shapes fell back), and the memory plan.
+
+    from pipeline.report.runtime import runtime_blocks
+    blocks += runtime_blocks(run_dir)     # report blocks (see pipeline/stages/report.py)
+
+Read from latency/<variant>.json and latency/<variant>__<draft>.json, which the latency stage
+writes (pipeline/stages/latency.py); older files without these keys give a line saying so.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.core.stage import StageError, read_json
+
+
+def _gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def kernel_text(kernels: dict | None) -> str:
+    if not kernels:
+        return "not recorded"
+    if not kernels.get("kernels"):
+        return f"unquantized ({kernels.get('compute_dtype') or '-'})"
+    parts = []
+    for name, count in kernels["kernels"].items():
+        info = kernels.get("details", {}).get(name, {})
+        extra = ", ".join(f"{k} {info[k]}" for k in ("backend", "QUANT_TYPE", "compute_dtype", "quant_type", "tensor_impl")
+                          if info.get(k))
+        parts.append(f"{name} x{count}" + (f" ({extra})" if extra else ""))
+    return f"{kernels.get('library')}: " + "; ".join(parts)
+
+
+def compile_text(rec: dict | None) -> str:
+    if not rec:
+        return "not recorded"
+    if not rec.get("requested"):
+        return "off"
+    if not rec.get("shapes"):
+        return f"{rec.get('ran')}: {rec.get('reason', '')}".rstrip(": ")
+    eager = [s for s in rec["shapes"] if s["ran"] == "eager"]
+    why = sorted({s["reason"] for s in eager})
+    return (f"{rec['ran']} ({rec.get('backend')}): {rec['graphs_compiled']} of {rec['planned_graphs']} planned "
+            f"graphs, {rec['recompiles']} recompiles"
+            + (f", CUDA graphs skipped on {rec['cudagraph_skipped_shapes']} shapes"
+               if rec.get("cudagraph_skipped_shapes") and rec.get("mode") else "")
+            + (f"; eager: {'; '.join(why)}" if why else ""))
+
+
+def _files(folder: Path) -> dict[str, dict]:
+    out = {}
+    for path in sorted(folder.glob("*.json")):
+        if path.name == "meta.json":
+            continue
+        doc = read_json(path, "latency result")
+        if not isinstance(doc, dict):
+            raise StageError(f"corrupt latency result: {path} is not a JSON object")
+        out[path.stem] = doc
+    return out
+
+
+def runtime_blocks(run_dir: Path) -> list[tuple]:
+    docs = _files(run_dir / "latency")
+    if not docs:
+        return []
+    rows, plan_rows = [], []
+    for name, doc in docs.items():
+        rows.append([name, str(doc.get("device_name") or doc.get("device") or "-"), kernel_text(doc.get("kernels")),
+                     compile_text(doc.get("compile"))])
+        plan = doc.get("memory_plan")
+        if plan:
+            cells = [s for s in plan.get("steps", []) if s["action"] == "run"]
+            order = ", ".join(f"B={c['batch']}x{c['context']}" + (f" (chunks of {c['prefill_chunk']})"
+                                                                   if c.get("prefill_chunk") else "") for c in cells)
+            dropped = "; ".join(f"B={d['batch']}x{d['context']}: {d['reason']}" for d in plan.get("dropped", []))
+            plan_rows.append([name, _gb(plan.get("budget_bytes")), order or "-", dropped or "none"])
+    out: list[tuple] = [("h3", "How latency was measured: device, kernels, compilation"),
+                        ("p", "The kernel each variant ran is read off the loaded modules (GPTQModel's QuantLinear "
+                              "class, bitsandbytes' layer class, torchao's weight subclass). Compilation is what "
+                              "ran, per step shape, not what was asked for."),
+                        ("table", ["result", "device", "quantized kernel", "compiled steps"], rows, None)]
+    if plan_rows:
+        out += [("h3", "Memory plan"),
+                ("p", "Planned before any cell ran, against the memory free once the weights were loaded: cells in "
+                      "the order they ran (each on a cache of its own length, freed before the next), chunked "
+                      "prefill where a one-shot prefill would not fit, and the cells dropped with the reason."),
+                ("table", ["result", "budget", "cells, in order", "dropped"], plan_rows, None)]
+    return out

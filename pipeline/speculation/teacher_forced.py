@@ -1,0 +1,72 @@
+"""One teacher-forced pass of target and draft over a generated text -> its TextAcceptance.
+
+    from pipeline.speculation.teacher_forced import score_text
+    text = score_text(model, draft, prompt_ids, tokens, sampling, k_max, max_new_tokens)
+
+`tokens` is the engine's output for `prompt_ids` (x_0 from the prefill, then x_1..x_{n-1}). One
+target forward over prompt + x_0..x_{n-2} gives p_t for every t = 1..n-1 at once (the same
+temperature / top-k / top-p as the engine applies); then, per draft kind:
+
+- ModelDraft: one forward of the draft model over the same tokens gives q_t, and
+  a_t = min(1, q_t(x_t) / p_t(x_t)), beta_t = sum_x min(p_t, q_t) (greedy: q_t and p_t are one-hot,
+  so a_t = 1 exactly when the draft's argmax is x_t).
+- NgramDraft: q is one-hot on the proposal made at the round's start s, so acceptance depends on
+  (start, offset): a[s, i] = 1 if proposal_s[i] == x_{s+i} (the engine accepts d with probability
+  p(d) and then emits d, and a rejection never emits d), beta[s, i] = p_{s+i}(proposal_s[i]).
+
+pipeline/speculation/expected_rounds.py explains why these, given the text, make E[rounds] exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.decode import ModelDraft, NgramDraft, SamplingParams, hf_model
+from pipeline.decode.sampling import logits_to_probs
+from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows
+from pipeline.core.stage import StageError
+
+
+def _logits(model, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """ids: [1, L] -> float32 logits [rows, V] of the last `rows` positions (no KV cache)."""
+    out = hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=rows)
+    return out.logits[0, -rows:].float()
+
+
+@torch.inference_mode()
+def score_text(model, draft, prompt_ids: list[int], tokens: list[int], sampling: SamplingParams, k_max: int,
+               max_new_tokens: int) -> TextAcceptance:
+    n = len(tokens)
+    empty = np.zeros((0, k_max))
+    if n < 2:  # no round ran: the prefill's token was the whole output (EOS first, or N = 1)
+        return TextAcceptance(empty, empty, np.zeros(0, dtype=int), n, max_new_tokens)
+    device = next(hf_model(model).parameters()).device
+    seq = torch.tensor([list(prompt_ids) + list(tokens[:-1])], device=device)  # [1, T + n - 1]
+    x = torch.tensor(tokens[1:], device=device)  # [n-1]: the tokens rounds emitted
+    p = logits_to_probs(_logits(model, seq, n - 1), sampling)  # [n-1, V]: row t-1 predicts x_t
+    rows = torch.arange(n - 1, device=device)
+    px = p[rows, x]
+    if isinstance(draft, ModelDraft):
+        q = draft.probs(_logits(draft.model, seq, n - 1), sampling)  # [n-1, V]
+        qx = q[rows, x]
+        # p_t(x_t) > 0 for an emitted token in exact arithmetic; the clamp only guards rounding.
+        a = torch.clamp(qx / px.clamp_min(1e-30), max=1.0)
+        beta = torch.minimum(p, q).sum(-1)
+        a, beta = a.double().cpu().numpy(), beta.double().cpu().numpy()
+        return TextAcceptance(model_draft_rows(a, k_max), model_draft_rows(beta, k_max),
+                              np.full(n - 1, k_max), n, max_new_tokens)
+    if isinstance(draft, NgramDraft):
+        full = np.asarray(list(prompt_ids) + list(tokens), dtype=np.int64)
+        start0 = len(prompt_ids)  # a round at start s sees prompt + x_0..x_{s-1}
+        p_host = p.cpu()
+        accept, beta = np.zeros((n - 1, k_max)), np.zeros((n - 1, k_max))
+        available = np.zeros(n - 1, dtype=int)
+        for s in range(1, n):
+            proposal = draft.lookup(full[: start0 + s], k_max)
+            available[s - 1] = proposal.size
+            for i, d in enumerate(proposal[: n - s]):  # offsets inside the text
+                accept[s - 1, i] = float(d == tokens[s + i])
+                beta[s - 1, i] = float(p_host[s + i - 1, int(d)])
+        return TextAcceptance(accept, beta, available, n, max_new_tokens)
+    raise StageError(f"acceptance: no teacher-forced scoring for a {type(draft).__name__} draft "
+                     "(known: ModelDraft, NgramDraft)")

@@ -1,0 +1,1 @@
+"""Thin stage modules (read inputs, call the libraries, write artifacts) and the STAGES table."""

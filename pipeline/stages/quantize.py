@@ -1,0 +1,266 @@
+"""quantize: turn runs/<run>/model/ into the variants named in `quantize.variants`.
+
+    python -m pipeline quantize --run runs/smollm2-135m --config configs/default.yaml
+    make quantize MODEL=smollm2-135m
+
+Each variant is one resumable item, `variants/<name>/` (an HF-style directory plus meta.json),
+written into `<name>.tmp/` and renamed when finished, so a crash mid-quantization leaves no variant
+directory. Every check that can fail fast (pipeline.variants.checks: scheme on this device, GPTQ
+support for the architecture, group size against every layer, a scheme that finds layers it
+quantizes, a `checkpoint` directory's tokenizer and files; calibration text present and long
+enough) runs before the first variant is made.
+
+meta.json per variant: scheme, bits, group_size, library, library_version, storage, bytes_on_disk
+(weight files), bytes_in_memory (after load_variant), quantize_seconds, calibration_sha256 and
+calibration_tokens, calibration_samples and calibration_requested (what the config asked: a short
+text gives fewer windows, said in one line; all null for schemes that use no calibration), perplexity on a held-out text and
+reference_perplexity on the same tokens, release, dtype_compute, device_fallback, architecture, and
+decoder_float_fraction: the share of the decoder's weight-matrix parameters the loaded variant
+still holds in floating point (0 for a fully quantized variant; a bitsandbytes variant of a MoE
+whose experts are fused tensors keeps them float). `checkpoint` variants add `checkpoint`: what
+pipeline/variants/checkpoint.py found in the directory.
+
+The held-out text is the docstrings of a fixed list of Python standard-library modules: present on
+every machine, plain English prose, and unrelated to both the calibration text and the eval slices.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.core.device import DTYPES, resolve_device, resolve_dtype
+from pipeline.models.loading import load_tokenizer, load_variant
+from pipeline.models.architecture import architecture, float_matrix_fraction
+from pipeline.variants.checks import check_variant, reference_matrices
+from pipeline.variants.schemes import SCHEMES, Job, bytes_in_memory, library_version, weight_bytes
+from pipeline.core.stage import REPO, StageContext, StageError, atomic_write_json, progress, read_json, sha256_file
+
+BUILTIN_CALIBRATION = REPO / "evals" / "data" / "calibration.txt"
+SANITY_MODULES = ("argparse", "textwrap", "difflib", "heapq", "bisect", "functools", "contextlib",
+                  "statistics", "fractions", "shutil", "tempfile", "zipfile", "csv", "string", "pathlib")
+
+
+# ---------------------------------------------------------------- calibration and held-out text
+
+
+@dataclass
+class Calibration:
+    path: Path
+    sha256: str
+    windows: list[list[int]]  # token ids, one list per calibration sample
+    tokens_available: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+
+def calibration_path(source: str) -> Path:
+    return BUILTIN_CALIBRATION if source == "builtin" else Path(source).expanduser()
+
+
+def load_calibration(ccfg, tokenizer) -> Calibration:
+    """n_samples windows of max_tokens tokens, evenly spread over the calibration text (so every
+    language and the code in it are represented); refuse a text shorter than min_tokens."""
+    path = calibration_path(ccfg.source)
+    if not path.is_file():
+        raise StageError(f"calibration text missing: {path} (quantize.calibration.source is '{ccfg.source}')")
+    text = path.read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < ccfg.min_tokens:
+        raise StageError(f"calibration text {path} is too short: {len(ids)} tokens, fewer than "
+                         f"quantize.calibration.min_tokens = {ccfg.min_tokens}")
+    size = min(ccfg.max_tokens, len(ids))
+    n = max(1, min(ccfg.n_samples, len(ids) // size))
+    if n < ccfg.n_samples or size < ccfg.max_tokens:
+        # Windows do not overlap, so a short text gives fewer of them than asked; say so once
+        # rather than repeat text (meta.json records asked and used).
+        progress(f"quantize: calibration text {path.name} has {len(ids)} tokens: {n} windows of {size} "
+                 f"tokens, fewer than the {ccfg.n_samples} x {ccfg.max_tokens} asked (quantize.calibration)")
+    starts = [round(i * (len(ids) - size) / max(1, n - 1)) for i in range(n)]
+    return Calibration(path, sha256_file(path), [ids[s:s + size] for s in starts], len(ids))
+
+
+def sanity_text() -> str:
+    """Module and public-function docstrings of SANITY_MODULES, in a fixed order."""
+    parts = []
+    for name in SANITY_MODULES:
+        mod = importlib.import_module(name)
+        parts.append(inspect.getdoc(mod) or "")
+        for attr in sorted(getattr(mod, "__all__", [])):
+            doc = inspect.getdoc(getattr(mod, attr, None))
+            if doc and getattr(getattr(mod, attr), "__module__", None) == name:
+                parts.append(doc)
+    return "\n\n".join(p for p in parts if p)
+
+
+def sanity_ids(tokenizer, n_tokens: int) -> list[int]:
+    ids = tokenizer(sanity_text(), add_special_tokens=False)["input_ids"]
+    return ids[:n_tokens]
+
+
+@torch.no_grad()
+def perplexity(model, ids: list[int], window: int = 512) -> float:
+    """exp(mean next-token NLL) over `ids`, in independent windows of `window` tokens."""
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    for s in range(0, len(ids) - 1, window):
+        chunk = torch.tensor([ids[s:s + window + 1]], device=device)  # [1, <=window+1]
+        if chunk.shape[1] < 2:
+            break
+        logits = model(chunk[:, :-1]).logits.float()  # [1, T, V]
+        loss = torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum")
+        nll, count = nll + loss.item(), count + chunk.shape[1] - 1
+    return math.exp(nll / max(count, 1))
+
+
+def _sample_text(model, tokenizer, prompt: str = "The capital of France is", n: int = 12) -> str:
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def _remove_stale(out_dir: Path, keep: set[str]) -> None:
+    """Variant directories no longer in the config go, with unfinished `.tmp`/`.old` leftovers."""
+    if not out_dir.is_dir():
+        return
+    for p in sorted(out_dir.iterdir()):
+        if not p.is_dir():
+            continue
+        if p.name.endswith((".tmp", ".old")) or p.name not in keep:
+            progress(f"quantize: removing {p} (not a variant in the config)")
+            shutil.rmtree(p)
+
+
+def _checkpoint_fingerprint(path: str | None) -> list | None:
+    if not path or not Path(path).expanduser().is_dir():
+        return None
+    root = Path(path).expanduser()
+    return sorted((str(p.relative_to(root)), p.stat().st_size, int(p.stat().st_mtime))
+                  for p in root.rglob("*") if p.is_file())
+
+
+def run(ctx: StageContext) -> None:
+    qcfg = ctx.config.quantize
+    device = resolve_device(ctx.config.device)
+    src = ctx.run_dir / "model"
+    src_meta = read_json(src / "meta.json", "prepared model meta.json")
+    storage_dtype = DTYPES.get(src_meta.get("dtype", "bfloat16"), torch.bfloat16)
+
+    # Everything that can fail fast fails before the first (possibly long) quantization.
+    tokenizer = load_tokenizer(src)
+    for name, spec in qcfg.variants.items():
+        check_variant(name, spec, src, tokenizer, device)
+    _remove_stale(ctx.out_dir, set(qcfg.variants))
+    reference_matrix_params = sum(w.param.numel() for w in reference_matrices(src))
+    calibration = None
+    if any(SCHEMES[v.scheme].calibrated for v in qcfg.variants.values()):
+        calibration = load_calibration(qcfg.calibration, tokenizer)
+        progress(f"quantize: calibration {calibration.path.name}: {len(calibration.windows)} windows, "
+                 f"{calibration.tokens} of {calibration.tokens_available} tokens, sha256 {calibration.sha256[:12]}")
+    ids = sanity_ids(tokenizer, qcfg.sanity_tokens)
+    sanity_sha = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    reference_ppl: dict[str, float] = {}  # dtype name -> reference perplexity
+
+    def ref_perplexity(dtype: torch.dtype) -> float:
+        key = str(dtype)
+        if key not in reference_ppl:
+            model, _ = load_variant(src, device, str(dtype).removeprefix("torch."))
+            reference_ppl[key] = perplexity(model, ids)
+            del model
+        return reference_ppl[key]
+
+    order = sorted(qcfg.variants, key=lambda n: n != qcfg.reference)  # the reference first
+    summary = {}
+    for name in order:
+        spec = qcfg.variants[name]
+        scheme = SCHEMES[spec.scheme]
+        compute_dtype = resolve_dtype(spec.dtype, device)
+        inputs = {
+            "name": name, "variant": spec.model_dump(mode="json"), "model": ctx.upstream["prepare"].get("input_hash"),
+            "device": device.type, "seed": ctx.config.seed, "sanity": sanity_sha,
+            "calibration": ({**qcfg.calibration.model_dump(mode="json"), "sha256": calibration.sha256}
+                            if scheme.calibrated else None),
+            "checkpoint": _checkpoint_fingerprint(spec.path) if spec.scheme == "checkpoint" else None,
+            "libraries": {scheme.library: library_version(scheme.library)},
+        }
+        item = ctx.item(name, inputs)
+        if item.fresh:
+            progress(f"quantize {name}: up to date")
+        else:
+            progress(f"quantize {name}: scheme {spec.scheme} -> {item.path}")
+            job = Job(name=name, device=device, storage_dtype=storage_dtype, compute_dtype=compute_dtype,
+                      seed=ctx.config.seed, log_dir=ctx.run_dir / "logs",
+                      calibration=(lambda: calibration.windows) if calibration else None,
+                      calibration_batch=qcfg.calibration.batch_size)
+            with item.writing() as tmp:
+                start = time.perf_counter()
+                extra = scheme.quantize(src, tmp, spec, job)
+                seconds = time.perf_counter() - start
+                tokenizer.save_pretrained(tmp)  # the reference's tokenizer, byte for byte the same
+                meta = {
+                    "variant": name, "scheme": spec.scheme, "bits": spec.bits, "group_size": spec.group_size,
+                    **extra,
+                    "dtype_compute": str(compute_dtype).removeprefix("torch."),
+                    "dtype_storage": src_meta.get("dtype"),
+                    "device": device.type, "device_fallback": extra.get("device_fallback"),
+                    "release": spec.release, "weight_noise": spec.weight_noise,
+                    "quantize_seconds": round(seconds, 3),
+                    "calibration_sha256": calibration.sha256 if scheme.calibrated else None,
+                    "calibration_tokens": calibration.tokens if scheme.calibrated else None,
+                    "calibration_samples": len(calibration.windows) if scheme.calibrated else None,
+                    "calibration_requested": ({"samples": qcfg.calibration.n_samples,
+                                               "tokens": qcfg.calibration.n_samples * qcfg.calibration.max_tokens}
+                                              if scheme.calibrated else None),
+                    "calibration_source": str(calibration.path) if scheme.calibrated else None,
+                    "reference_input_hash": ctx.upstream["prepare"].get("input_hash"),
+                }
+                atomic_write_json(tmp / "meta.json", meta)  # load_variant reads the scheme from it
+                model, tok = load_variant(tmp, device)
+                meta["architecture"] = architecture(model)
+                # What the library actually did to the decoder's weight matrices (1.0 = nothing).
+                meta["decoder_float_fraction"] = round(float_matrix_fraction(model, reference_matrix_params), 4)
+                if scheme.quantizes and meta["decoder_float_fraction"] >= 1.0:
+                    raise StageError(f"variant '{name}': scheme {spec.scheme} left every decoder weight matrix of "
+                                     f"{meta['architecture']} unquantized")
+                meta["bytes_in_memory"] = bytes_in_memory(model)
+                meta["bytes_on_disk"] = weight_bytes(tmp)
+                meta["perplexity"] = round(perplexity(model, ids), 4)
+                meta["sample"] = _sample_text(model, tok)
+                del model
+                if spec.scheme == "none" and spec.weight_noise == 0:  # the same weights: no second pass
+                    reference_ppl.setdefault(str(compute_dtype), meta["perplexity"])
+                meta["reference_perplexity"] = round(ref_perplexity(compute_dtype), 4)
+                meta["reference_bytes_on_disk"] = weight_bytes(src)
+                meta["sanity"] = {"source": f"docstrings of Python {'.'.join(map(str, sys.version_info[:3]))} "
+                                            f"modules {', '.join(SANITY_MODULES)}",
+                                  "tokens": len(ids), "ids_sha256": sanity_sha}
+                item.meta = meta
+            progress(f"quantize {name}: {meta['quantize_seconds']:.1f} s, {meta['bytes_on_disk'] / 2**20:.1f} MiB on disk, "
+                     f"{meta['bytes_in_memory'] / 2**20:.1f} MiB in memory, perplexity {meta['perplexity']:.2f} "
+                     f"(reference {meta['reference_perplexity']:.2f}); sample: {meta['sample']!r}")
+            if scheme.quantizes and meta["decoder_float_fraction"] > 0:
+                progress(f"quantize {name}: {meta['decoder_float_fraction']:.0%} of the decoder weight parameters "
+                         f"were left in floating point by {scheme.library} (layers it does not quantize)")
+        m = item.meta
+        summary[name] = {"scheme": spec.scheme, "dir": f"{ctx.out_dir.name}/{name}", "release": spec.release,
+                         "bytes_on_disk": m.get("bytes_on_disk"), "bytes_in_memory": m.get("bytes_in_memory"),
+                         "quantize_seconds": m.get("quantize_seconds"), "perplexity": m.get("perplexity"),
+                         "reference_perplexity": m.get("reference_perplexity")}
+    ctx.meta["reference"] = qcfg.reference
+    ctx.meta["variants"] = summary

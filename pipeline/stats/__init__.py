@@ -1,0 +1,1 @@
+"""Statistics: paired differences, clusters, intervals, bootstrap, Tango's bound, scoring rules."""

@@ -1,0 +1,427 @@
+"""The statistics behind the gate and the quality summaries: clusters, paired differences and
+their confidence bounds, non-inferiority status, the items needed to settle a test, multiplicity,
+and the descriptive CIs of quality/<variant>.json.
+
+Conventions (every function here):
+- `diff` is oriented so that NEGATIVE MEANS THE VARIANT IS WORSE: variant - reference for a metric
+  where higher is better, reference - variant where lower is better (Brier). The margin is then
+  always a non-negative number and the test is H0: diff <= -margin vs H1: diff > -margin.
+- A cell's CI is two one-sided bounds: its lower bound at alpha_lower above -margin is "pass"
+  (non-inferior), its upper bound at alpha_upper below -margin is "fail" (inferior); the interval
+  covers with probability >= 1 - alpha_lower - alpha_upper. 95% means one-sided 0.025 each.
+- The unit of resampling is the cluster: items that share a prompt, a haystack or a source
+  document (pipeline.stages.gate merges the `cluster` labels with prompt hashes). An item without one is
+  its own cluster, which reduces every formula to the textbook one.
+
+Two kinds of estimate:
+- PairedBinary (both models' scores 0/1): Tango's score interval for paired proportions, its
+  variance scaled by the largest design effect the cluster sizes allow (pipeline/stats/tango.py).
+- PairedMean (anything else, e.g. per-item Brier): mean difference, CR1 cluster-robust standard
+  error, t with G - 1 df; when every cluster has the same difference, the exact binomial bound
+  on the share of clusters that could differ (statsmodels' Clopper-Pearson).
+
+The array functions run over a trailing item axis, so tests/test_stats.py simulates thousands of
+gates per call through the same code the gate runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from scipy import stats as sps
+
+from pipeline.stats import tango
+
+# ---------------------------------------------------------------- clusters
+
+
+def cluster_codes(clusters: Sequence | None, n: int) -> np.ndarray:
+    """Integer codes 0..G-1 for cluster labels; None (or a None label) = the item is its own."""
+    if clusters is None:
+        return np.arange(n)
+    if isinstance(clusters, np.ndarray) and clusters.dtype.kind in "iu":
+        labels = clusters.astype(str).tolist()
+    else:
+        labels = [f"\0item{i}" if c is None else str(c) for i, c in enumerate(clusters)]
+    if len(labels) != n:
+        raise ValueError(f"{len(labels)} cluster labels for {n} items")
+    _, codes = np.unique(np.array(labels, dtype=object).astype(str), return_inverse=True)
+    return codes.astype(np.int64)
+
+
+def merge_clusters(n: int, *keys: Sequence | None) -> np.ndarray:
+    """Cluster codes where two items share a cluster if they share ANY key (a `cluster` label, a
+    prompt hash, ...), transitively; None = no key of that kind. Union-find over the items."""
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for key_list in keys:
+        if key_list is None:
+            continue
+        if len(key_list) != n:
+            raise ValueError(f"{len(key_list)} cluster keys for {n} items")
+        first: dict = {}
+        for i, k in enumerate(key_list):
+            if k is None:
+                continue
+            j = first.setdefault(k, i)
+            parent[root(i)] = root(j)
+    return cluster_codes([root(i) for i in range(n)], n)
+
+
+def design_effect_bound(codes: np.ndarray) -> float:
+    """sum_g n_g^2 / n: the factor by which clustering multiplies the variance of a sum of n item
+    scores when each cluster's items always agree (the most it can), 1 with no clusters."""
+    sizes = np.bincount(np.asarray(codes))
+    return float((sizes.astype(float) ** 2).sum() / sizes.sum())
+
+
+# ---------------------------------------------------------------- mean and standard error
+
+
+def mean_se(d: np.ndarray, codes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Mean and CR1 cluster-robust standard error of d[..., n] (per-item values), clustered by
+    `codes`; returns (mean, se, degrees of freedom = G - 1).
+
+    Var(mean) = G/(G-1) * sum_g (S_g - n_g*mean)^2 / n^2, S_g the sum over cluster g: what
+    statsmodels' OLS(cov_type="cluster") gives for an intercept (tests compare the two); with one
+    item per cluster it is s^2/n. Hand-written because it runs over a leading batch axis (the
+    simulations), which statsmodels' one-dataset-per-fit OLS does not."""
+    d = np.asarray(d, dtype=float)
+    n = d.shape[-1]
+    mean = d.mean(axis=-1)
+    if codes is None or int(np.max(codes)) + 1 == n:
+        if n < 2:
+            raise ValueError("need at least two items for a standard error")
+        return mean, np.sqrt(d.var(axis=-1, ddof=1) / n), n - 1
+    g = int(np.max(codes)) + 1
+    if g < 2:
+        raise ValueError("need at least two clusters for a standard error")
+    onehot = np.zeros((n, g))
+    onehot[np.arange(n), codes] = 1.0
+    sums = (d - mean[..., None]) @ onehot  # [..., G] cluster sums of residuals
+    return mean, np.sqrt(g / (g - 1) * (sums**2).sum(axis=-1) / n**2), g - 1
+
+
+def t_bound(diff, se, df, alpha, side: int):
+    """diff + side * t_{df}(1 - alpha) * se: the one-sided t bound (side -1 lower, +1 upper)."""
+    return np.asarray(diff) + side * sps.t.isf(alpha, df) * np.asarray(se)
+
+
+# ---------------------------------------------------------------- estimates
+
+
+@dataclass
+class Estimate:
+    """One gated comparison. Subclasses say how its one-sided bounds and p-values are found."""
+
+    metric: str
+    reference: float  # the metric's value for the reference (in its own orientation)
+    variant: float
+    diff: float  # oriented: negative = variant worse
+    se: float  # standard error of diff (clustered), for the table
+    n: int  # items
+    n_clusters: int
+    method: str
+    higher_is_better: bool = True
+    # Variance inflation from clustering: PairedBinary uses the largest the cluster sizes allow;
+    # PairedMean reports the observed one (its CR1 SE already includes it).
+    design_effect: float = 1.0
+
+    def ci(self, alpha_lower: float, alpha_upper: float | None = None) -> tuple[float, float]:
+        """(lower bound at alpha_lower, upper bound at alpha_upper), each one-sided."""
+        return self.lower(alpha_lower), self.upper(alpha_lower if alpha_upper is None else alpha_upper)
+
+    def lower(self, alpha: float) -> float:
+        raise NotImplementedError
+
+    def upper(self, alpha: float) -> float:
+        raise NotImplementedError
+
+    def p_pass(self, margin: float) -> float:
+        """One-sided p of H0: diff <= -margin; < alpha exactly when lower(alpha) > -margin."""
+        raise NotImplementedError
+
+    def p_fail(self, margin: float) -> float:
+        """One-sided p of H0: diff >= -margin; < alpha exactly when upper(alpha) < -margin."""
+        raise NotImplementedError
+
+    def items_needed(self, margin: float, alpha: float, power: float) -> int | None:
+        """Items that would settle the test (pass if diff > -margin, else fail) with probability
+        `power`, if the true difference and spread are the observed ones; None when the
+        observed difference sits on -margin (no n settles it)."""
+        raise NotImplementedError
+
+
+@dataclass
+class PairedBinary(Estimate):
+    """0/1 scores: Tango's score bounds (pipeline/stats/tango.py) on the counts of items the variant
+    gets right and the reference wrong (`better`) and the other way round (`worse`)."""
+
+    better: int = 0
+    worse: int = 0
+
+    def _args(self):
+        return self.better, self.worse, self.n
+
+    def lower(self, alpha: float) -> float:
+        return float(tango.bound(*self._args(), alpha, self.design_effect, "lower"))
+
+    def upper(self, alpha: float) -> float:
+        return float(tango.bound(*self._args(), alpha, self.design_effect, "upper"))
+
+    def p_pass(self, margin: float) -> float:
+        return float(tango.p_value(*self._args(), -margin, self.design_effect, "above"))
+
+    def p_fail(self, margin: float) -> float:
+        return float(tango.p_value(*self._args(), -margin, self.design_effect, "below"))
+
+    def items_needed(self, margin: float, alpha: float, power: float) -> int | None:
+        return tango.items_needed(*self._args(), -margin, alpha, power, self.design_effect)
+
+
+@dataclass
+class PairedMean(Estimate):
+    """Any other score: t bounds from the CR1 standard error with G - 1 df, clipped to the range
+    a difference can take. With no spread between clusters (se == 0: every cluster has the same
+    mean difference, e.g. an identical copy) the data only bound the share of clusters that could
+    differ: below u = Clopper-Pearson's upper bound for 0 of G (statsmodels, method "beta"), and
+    such clusters move the mean at most u times the distance to the end of the range."""
+
+    df: int = 1
+    diff_range: tuple[float, float] | None = None
+
+    def _exceptions(self, alpha: float) -> float:
+        from statsmodels.stats.proportion import proportion_confint
+
+        return float(proportion_confint(0, self.n_clusters, alpha=2 * alpha, method="beta")[1])
+
+    def _bound(self, alpha: float, side: int) -> float:
+        if self.se == 0.0:
+            if self.diff_range is None:
+                return self.diff
+            end = self.diff_range[0] if side < 0 else self.diff_range[1]
+            value = self.diff + self._exceptions(alpha) * (end - self.diff)
+        else:
+            value = float(t_bound(self.diff, self.se, self.df, alpha, side))
+        if self.diff_range is not None:
+            value = min(max(value, self.diff_range[0]), self.diff_range[1])
+        return float(value)
+
+    def lower(self, alpha: float) -> float:
+        return self._bound(alpha, -1)
+
+    def upper(self, alpha: float) -> float:
+        return self._bound(alpha, +1)
+
+    def _no_spread_p(self, threshold: float, end: float) -> float:
+        """The alpha at which the no-spread bound reaches `threshold`: u(alpha) = 1 - alpha^(1/G)
+        equals the share r of the way from diff to the range's end, so alpha = (1 - r)^G."""
+        if self.diff_range is None or end == self.diff:
+            return 0.0
+        r = min(max((self.diff - threshold) / (self.diff - end), 0.0), 1.0)
+        return float((1.0 - r) ** self.n_clusters)
+
+    def p_pass(self, margin: float) -> float:
+        if self.se == 0.0:
+            if self.diff <= -margin:
+                return 1.0
+            return self._no_spread_p(-margin, self.diff_range[0]) if self.diff_range else 0.0
+        return float(sps.t.sf((self.diff + margin) / self.se, self.df))
+
+    def p_fail(self, margin: float) -> float:
+        if self.se == 0.0:
+            if self.diff >= -margin:
+                return 1.0
+            return self._no_spread_p(-margin, self.diff_range[1]) if self.diff_range else 0.0
+        return float(sps.t.cdf((self.diff + margin) / self.se, self.df))
+
+    def items_needed(self, margin: float, alpha: float, power: float) -> int | None:
+        gap = abs(self.diff + margin)
+        if self.se == 0.0:
+            # If the clusters keep agreeing: the G at which the no-spread bound clears -margin
+            # (alpha = (1 - r)^G), scaled from clusters to items.
+            if self.diff_range is None or gap == 0.0:
+                return self.n
+            end = self.diff_range[0] if self.diff > -margin else self.diff_range[1]
+            r = min(gap / abs(self.diff - end), 1.0) if self.diff != end else 1.0
+            if r >= 1.0:
+                return self.n
+            g = math.floor(math.log(alpha) / math.log(1.0 - r)) + 1
+            return int(math.ceil(g * self.n / max(self.n_clusters, 1)))
+        if gap == 0.0:
+            return None
+        from statsmodels.stats.power import TTestPower
+
+        sd = self.se * math.sqrt(self.n)  # per item, including the design effect
+        n = TTestPower().solve_power(effect_size=gap / sd, alpha=alpha, power=power,
+                                     alternative="larger")
+        return int(math.ceil(float(np.squeeze(n))))
+
+
+def diff_range_of(score_range: tuple[float, float] | None, *scores: np.ndarray) -> tuple[float, float] | None:
+    """The range of a per-item difference: +-(hi - lo) for scores known to lie in [lo, hi]; when
+    no range is given, (-1, 1) if every score lies in [0, 1] (accuracies, exact match), else None."""
+    if score_range is None:
+        if all(np.all((s >= 0.0) & (s <= 1.0)) for s in scores):
+            score_range = (0.0, 1.0)
+        else:
+            return None
+    width = float(score_range[1] - score_range[0])
+    return (-width, width)
+
+
+def paired_difference(reference: Sequence[float], variant: Sequence[float], clusters=None,
+                      metric: str = "score", higher_is_better: bool = True,
+                      score_range: tuple[float, float] | None = None) -> Estimate:
+    """Paired difference of per-item scores (same items, same order). `clusters`: labels (None =
+    own cluster) or integer codes, e.g. from merge_clusters. 0/1 scores give a PairedBinary,
+    anything else a PairedMean."""
+    ref = np.asarray(reference, dtype=float)
+    var = np.asarray(variant, dtype=float)
+    if ref.shape != var.shape or ref.ndim != 1:
+        raise ValueError(f"paired scores must be 1-D and equal length, got {ref.shape} vs {var.shape}")
+    n = ref.size
+    codes = cluster_codes(clusters, n)
+    g = int(codes.max()) + 1
+    sign = 1.0 if higher_is_better else -1.0
+    d = sign * (var - ref)
+    common = dict(metric=metric, reference=float(ref.mean()), variant=float(var.mean()),
+                  diff=float(d.mean()) + 0.0, n=int(n), n_clusters=g, higher_is_better=higher_is_better)
+    binary = all(np.all((s == 0.0) | (s == 1.0)) for s in (ref, var)) and score_range in (None, (0.0, 1.0))
+    if binary:
+        deff = design_effect_bound(codes)
+        better, worse = int((d > 0).sum()), int((d < 0).sum())
+        se = math.sqrt(deff * max((better + worse) / n - common["diff"] ** 2, 0.0) / n)
+        method = "tango score" if g == n else f"tango score, {g} clusters (design effect {deff:.2f})"
+        return PairedBinary(**common, se=se, method=method, design_effect=deff, better=better, worse=worse)
+    if n < 2 or g < 2:
+        raise ValueError("need at least two items (clusters) for a standard error")
+    _, se, df = mean_se(d, None if g == n else codes)
+    deff = float(se**2 / (d.var(ddof=1) / n)) if se > 0 and d.var() > 0 else 1.0
+    return PairedMean(**common, se=float(se), method="paired-t" if g == n else "cluster-t",
+                      design_effect=deff, df=df, diff_range=diff_range_of(score_range, ref, var))
+
+
+# ---------------------------------------------------------------- decisions
+
+
+def noninferiority_status(lo: float, hi: float, margin: float) -> str:
+    """pass: the whole CI lies above -margin; fail: the whole CI lies below; else inconclusive."""
+    if lo > -margin:
+        return "pass"
+    if hi < -margin:
+        return "fail"
+    return "inconclusive"
+
+
+def step_levels(p_values: Sequence[float], passes_at: Callable[[int, float], bool], alpha: float,
+                method: str) -> list[float]:
+    """The one-sided alpha at which each test's bound is drawn under a multiplicity method.
+
+    - "none": alpha for every test. "bonferroni": alpha / m for every test.
+    - "holm": tests in order of increasing p; the r-th (from 0) is drawn at alpha / (m - r). Holm
+      stops at the first test that is not rejected at its level: that test and every later one are
+      drawn at the stopping level, so no later test is rejected (Holm's step-down rule) and a
+      printed bound always agrees with its printed status. `passes_at(i, level)` says whether
+      test i rejects at that level.
+    """
+    m = len(p_values)
+    if method == "none" or m == 0:
+        return [alpha] * m
+    if method == "bonferroni":
+        return [alpha / m] * m
+    if method != "holm":
+        raise ValueError(f"unknown multiplicity method {method!r} (holm, bonferroni, none)")
+    levels = [alpha] * m
+    stopped_at: float | None = None
+    for rank, i in enumerate(np.argsort(p_values, kind="stable")):
+        level = stopped_at if stopped_at is not None else alpha / (m - rank)
+        levels[i] = level
+        if stopped_at is None and not passes_at(int(i), level):
+            stopped_at = level
+    return levels
+
+
+def adjusted_p_values(p_values: Sequence[float], alpha: float, method: str) -> tuple[list[bool], list[float]]:
+    """(reject, adjusted p) from statsmodels' multipletests; step_levels agrees with its rejections
+    (tests/test_stats.py), and gate.json reports the adjusted p beside each CI."""
+    if method == "none" or not p_values:
+        return [p < alpha for p in p_values], [float(p) for p in p_values]
+    from statsmodels.stats.multitest import multipletests
+
+    reject, adjusted, _, _ = multipletests(list(p_values), alpha=alpha, method=method)
+    return [bool(r) for r in reject], [float(p) for p in adjusted]
+
+
+# ---------------------------------------------------------------- descriptive CIs (quality summaries)
+
+
+def mean_ci(scores: Sequence[float], codes: np.ndarray | None, confidence: float) -> tuple[float, list, str]:
+    """Mean of one model's scores with a CI that says its unit (clusters) and stays in the
+    scores' range. Scores in [0, 1]: Wilson's interval (statsmodels) at the effective sample
+    size p(1-p)/se^2 of the clustered mean (Korn & Graubard 1998), so clustering widens it as
+    it widens the SE; when every score is equal (se 0) the effective size is n / the largest
+    design effect the clusters allow. Other scores: the CR1 t interval. Returns (mean, [lo, hi],
+    a one-line method)."""
+    y = np.asarray(scores, dtype=float)
+    n = y.size
+    mean = float(y.mean()) if n else math.nan
+    if n < 2:
+        return mean, [None, None], "fewer than 2 items"
+    codes = np.arange(n) if codes is None else np.asarray(codes)
+    g = int(codes.max()) + 1
+    unit = "items" if g == n else f"{g} clusters"
+    se = float(mean_se(y, codes)[1]) if g >= 2 else math.inf
+    if np.all((y >= 0.0) & (y <= 1.0)):
+        from statsmodels.stats.proportion import proportion_confint
+
+        spread = mean * (1.0 - mean)
+        usable = 0.0 < se < math.inf and spread > 0.0
+        n_eff = spread / se**2 if usable else n / design_effect_bound(codes)
+        lo, hi = proportion_confint(mean * n_eff, n_eff, alpha=1.0 - confidence, method="wilson")
+        # min/max: float rounding can put Wilson's end a hair inside a mean of exactly 0 or 1.
+        return mean, [min(float(lo), mean), max(float(hi), mean)], f"Wilson at effective n {n_eff:.1f} ({unit})"
+    if g < 2:
+        return mean, [None, None], "one cluster"
+    q = sps.t.isf((1.0 - confidence) / 2.0, g - 1)
+    return mean, [mean - q * se, mean + q * se], f"t, CR1 ({unit})"
+
+
+# ---------------------------------------------------------------- medians over timing repeats
+# (latency and marginal; kept in its own section at the end so it merges apart from the gate's)
+
+
+def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0.95, seed: int = 0,
+                         paired: bool = False, n_resamples: int = 2000) -> tuple[float, float]:
+    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised), through scipy.stats.
+    Each sample is resampled on its own unless `paired`."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # degenerate resamples of tiny samples are expected
+        res = sps.bootstrap(data, statistic, paired=paired, vectorized=True, n_resamples=n_resamples,
+                            confidence_level=confidence, method="percentile",
+                            random_state=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
+    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median; the unit of
+    resampling is one sample (a timing repeat)."""
+    x = np.asarray([float(s) for s in samples], dtype=float)
+    if x.size == 0:
+        raise ValueError("median_ci needs at least one sample")
+    med = float(np.median(x))
+    if x.size < 2 or np.ptp(x) == 0:
+        lo = hi = med
+    else:
+        lo, hi = percentile_bootstrap((x,), lambda a, axis: np.median(a, axis=axis), confidence, seed)
+    return {"median": med, "ci": [min(lo, med), max(hi, med)], "samples": x.tolist()}

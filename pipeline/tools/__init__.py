@@ -1,0 +1,1 @@
+"""Commands beside the pipeline: the benchmark and the GPU check."""

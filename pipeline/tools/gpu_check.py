@@ -1,0 +1,232 @@
+"""One prepared check of the GPU path, for a machine with one GPU, no network and a few minutes.
+
+    make gpu-check OUT=runs/gpu-check                  # PYTHONPATH=. python3 -m pipeline.tools.gpu_check OUT
+    PYTHONPATH=. python3 -m pipeline.tools.gpu_check OUTDIR [--shape 8b|tiny] [--budget-s 420] [--ks 1,2,3,4,5,6]
+
+On a random-weight model of Llama-3-8B's shape built on the device (decode latency does not depend
+on weight values), it measures, in this order:
+  1. copy bandwidth (pipeline.latency.roofline.measure_bandwidth);
+  2. plain decode at B = 1 and 8: TTFT, TPOT, and the share of the bandwidth roofline reached;
+  3. speculative rounds for k = 1..6 with a layer-skip draft (the target's first layers), and
+     whether greedy speculative output equals plain greedy output (in bf16 a difference is only
+     acceptable at a near-tie: the logit gap at the first divergence is recorded);
+  4. the same cells with the steps compiled (pipeline/decode/compiled.py: inductor + CUDA graphs),
+     with the compile record (what compiled, what fell back and why);
+  5. the greedy check again in float32, where equality must be exact.
+Each part is skipped with a note when the time budget (--budget-s, default 7 minutes) would not
+cover it. OUTDIR/gpu_check.json and OUTDIR/gpu_check.md are rewritten after every part, so a run
+cut short keeps what it measured. Progress lines go to stderr.
+
+It imports only torch, transformers and the repository's decode core (no GPTQModel, bitsandbytes,
+torchao, scipy or pydantic), so it runs on a bare image's python with the repository on PYTHONPATH.
+`--shape tiny` runs the same parts on a small model on CPU in seconds (tests/test_gpu_check.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from pipeline.tools.gpu_check_parts import (SHAPES, build_model, compile_part, fp32_part, make_draft, plain_part,
+                                      render_markdown, speculative_part)
+from pipeline.models.kernels import device_name
+from pipeline.latency.memory import ModelShape, device_budget, plan_grid
+from pipeline.latency.roofline import measure_bandwidth, model_bytes
+
+
+class Check:
+    """The document being built, the clock, and the rule that skips a part rather than overrun."""
+
+    def __init__(self, out_dir: Path, budget_s: float, argv: list[str]):
+        self.out_dir = out_dir
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.slowest_step_s = 0.0  # for estimating what the next part costs
+        self.doc: dict = {"argv": argv, "budget_s": budget_s, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                          "parts": {}, "skipped": [], "notes": [], "errors": []}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def fits(self, part: str, estimate_s: float) -> bool:
+        left = self.budget_s - self.elapsed()
+        if estimate_s <= left:
+            return True
+        self.skip(part, f"needs about {estimate_s:.0f} s, {max(left, 0):.0f} s of the budget left")
+        return False
+
+    def skip(self, part: str, why: str) -> None:
+        self.doc["skipped"].append({"part": part, "why": why})
+        progress(f"gpu-check: skipped {part}: {why}")
+        self.save()
+
+    @contextlib.contextmanager
+    def guard(self, part: str):
+        """A part that fails is recorded (error and the last traceback lines) and the next part
+        runs: one run on a borrowed machine should bring back everything that worked."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - recorded, reported, and the exit status says so
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            self.doc["errors"].append({"part": part, "error": f"{type(e).__name__}: {str(e)[:500]}",
+                                       "traceback": traceback.format_exc().splitlines()[-12:]})
+            progress(f"gpu-check: {part} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            self.save()
+
+    def progress(self, text: str) -> None:
+        progress(f"gpu-check: {text}")
+
+    def note(self, text: str) -> None:
+        self.doc["notes"].append(text)
+
+    def save(self) -> None:
+        self.doc["elapsed_s"] = round(self.elapsed(), 1)
+        _atomic(self.out_dir / "gpu_check.json", json.dumps(self.doc, indent=1, default=str) + "\n")
+        _atomic(self.out_dir / "gpu_check.md", render_markdown(self.doc))
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pipeline.tools.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip parts rather than run past this")
+    p.add_argument("--batches", type=_ints, default=None, help="plain decode batch sizes (8b: 1,8)")
+    p.add_argument("--context", type=int, default=None, help="prompt tokens (8b: 512)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per generation (8b: 64)")
+    p.add_argument("--ks", type=_ints, default=None, help="draft lengths timed eagerly (8b: 1..6)")
+    p.add_argument("--compile-ks", type=_ints, default=None, help="draft lengths timed compiled (8b: 4,1)")
+    p.add_argument("--draft-layers", type=int, default=None, help="layers of the layer-skip draft (8b: 8)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (8b: 3)")
+    p.add_argument("--compile", choices=["on", "off"], default="on")
+    p.add_argument("--backend", choices=["auto", "inductor", "eager", "aot_eager"], default="auto",
+                   help="auto: inductor + CUDA graphs on CUDA, eager on CPU (a check of the machinery)")
+    p.add_argument("--fullgraph", choices=["on", "off"], default="on",
+                   help="off: let dynamo split a step at graph breaks (each piece still counted and recorded)")
+    p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size (default 1024 CUDA, 256 CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    defaults = SHAPES[args.shape]["run"]
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    layers = SHAPES[args.shape]["config"]["num_hidden_layers"]
+    if args.repeats < 1 or args.new_tokens < 2 or args.context < 1:
+        p.error("--repeats must be >= 1, --new-tokens >= 2 and --context >= 1")
+    if not 1 <= args.draft_layers < layers:
+        p.error(f"--draft-layers must be between 1 and {layers - 1} for the {args.shape} shape")
+    if min(args.ks + args.compile_ks, default=1) < 1 or not args.ks or not args.batches:
+        p.error("--ks and --batches must be non-empty, every k >= 1")
+    return args
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": str(device), "device_name": device_name(device), "cpus": os.cpu_count(),
+           "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
+                   memory_bytes=int(props.total_memory))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    check = Check(args.out_dir, args.budget_s, argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    check.doc["environment"] = environment(device)
+    check.doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    check.doc["settings"]["dtype"] = str(dtype).removeprefix("torch.")
+    progress(f"gpu-check: {args.shape} shape on {check.doc['environment']['device_name']} ({dtype}), "
+             f"budget {args.budget_s:.0f} s, writing {args.out_dir}")
+
+    t = time.perf_counter()
+    model = build_model(args.shape, device, dtype, args.seed)
+    mb = model_bytes(model)
+    check.doc["model"] = {"shape": args.shape, "config": SHAPES[args.shape]["config"],
+                          "build_s": time.perf_counter() - t,
+                          "parameters": sum(p.numel() for p in model.parameters()), **mb}
+    progress(f"gpu-check: model built in {check.doc['model']['build_s']:.1f} s "
+             f"({mb['all_weight_bytes'] / 1e9:.2f} GB of weights)")
+    check.save()
+
+    if check.fits("bandwidth", 15):
+        with check.guard("bandwidth"):
+            size = (args.bandwidth_mib << 20) if args.bandwidth_mib else None
+            check.doc["parts"]["bandwidth"] = measure_bandwidth(device, size_bytes=size)
+            progress(f"gpu-check: copy bandwidth {check.doc['parts']['bandwidth']['gbps']:.1f} GB/s")
+            check.save()
+    gbps = (check.doc["parts"].get("bandwidth") or {}).get("gbps")
+
+    # Memory plan of the check's own cells, before any runs (pipeline.latency.memory).
+    shape = ModelShape.from_model(model, mb["all_weight_bytes"])
+    budget = device_budget(device, weights_loaded=True, weight_bytes=mb["all_weight_bytes"])
+    plan = plan_grid(shape, args.batches, [args.context], args.new_tokens, budget["budget_bytes"], device.type,
+                     verify_width=max(args.ks + args.compile_ks) + 1)
+    check.doc["memory_plan"] = {**plan.to_json(), "budget": budget}
+    for dropped in plan.dropped:
+        check.note(f"B={dropped['batch']} dropped by the memory plan: {dropped['reason']}")
+    cells = plan.cells
+
+    draft = make_draft(model, args.draft_layers)
+    with check.guard("plain"):
+        plain_part(check, model, cells, args, gbps)
+    # Plain greedy output of the B = 1 cell: what every speculative run must reproduce.
+    reference = next((c["tokens"] for c in check.doc["parts"].get("plain", {}).get("cells", [])
+                      if c["batch"] == 1), None)
+    with check.guard("speculative"):
+        speculative_part(check, model, draft, args, reference, args.ks)
+    if args.compile == "on":
+        with check.guard("compiled"):
+            compile_part(check, model, draft, cells, args, gbps, reference)
+    else:
+        check.skip("compiled", "--compile off")
+    if dtype != torch.float32:
+        with check.guard("greedy float32"):
+            fp32_part(check, model, draft, args)
+    else:
+        check.note("the run is float32 already: its greedy checks are the exact ones")
+    check.doc["finished"] = True
+    check.save()
+    times = [c.get("tpot_ms", {}).get("median") for c in check.doc["parts"].get("plain", {}).get("cells", [])]
+    progress(f"gpu-check: done in {check.elapsed():.0f} s; plain TPOT ms {[round(x, 2) for x in times if x]}; "
+             f"{args.out_dir / 'gpu_check.md'}" + (f"; {len(check.doc['errors'])} parts FAILED" if check.doc["errors"]
+                                                      else ""))
+    return 1 if check.doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

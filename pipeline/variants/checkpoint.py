@@ -1,0 +1,210 @@
+"""`scheme: checkpoint`: a Hugging Face model directory made elsewhere, gated like any variant.
+
+    quantize:
+      variants:
+        finetune: {scheme: checkpoint, path: /data/models/my-llama-finetune}   # plain bf16 / fp32
+        awq:      {scheme: checkpoint, path: /data/models/my-llama-awq}        # pre-quantized
+
+The directory may hold a plain (unquantized) fine-tune or merge, or a checkpoint quantized with
+any method transformers can load on this machine (its config.json `quantization_config`:
+AWQ, FP8, compressed-tensors, bitsandbytes, torchao, ...). GPTQ and auto-gptq checkpoints load
+through GPTQModel, as the `gptq` scheme's variants do; everything else through transformers'
+own `from_pretrained`.
+
+Every check runs in quantize's fail-fast pass, before the first variant is built
+(`check_checkpoint`): the path is a directory with a config.json of a causal LM transformers
+knows; it has a tokenizer, and that tokenizer is the reference's (same vocabulary, same ids for a
+probe text, same EOS/BOS); its weight files are present and readable (safetensors headers); the
+quantization method is one transformers knows and its environment check passes here (the
+method's library installed, the device it needs); `bits` / `group_size`, where the variant's
+config names them, match the checkpoint's.
+
+The variant directory hard-links the checkpoint's weight files and copies the rest, and its
+meta.json records what was found under `checkpoint`: architecture, model_type, dtype,
+quant_method (null for a plain checkpoint), the quantization config, and every file with its
+size in bytes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.core.stage import StageError
+
+_SPECQ_FILES = {"meta.json", "model_info.json"}
+
+
+def _read_json(path: Path, label: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise StageError(f"{label}: {path} is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise StageError(f"{label}: {path} is not a JSON object")
+    return data
+
+
+def quant_config(path: Path, config: dict | None = None) -> dict:
+    """The checkpoint's quantization settings: config.json's quantization_config, else the
+    auto-gptq layout's quantize_config.json / quant_config.json; {} for a plain checkpoint."""
+    cfg = dict((config if config is not None else _read_json(path / "config.json", "checkpoint"))
+               .get("quantization_config") or {})
+    if not cfg:
+        for name in ("quantize_config.json", "quant_config.json"):
+            if (path / name).is_file():
+                cfg = _read_json(path / name, "checkpoint")
+                cfg.setdefault("quant_method", "gptq")  # the auto-gptq layout names no method
+                break
+    return cfg
+
+
+def quant_method(qcfg: dict) -> str | None:
+    if not qcfg:
+        return None
+    method = str(qcfg.get("quant_method") or qcfg.get("method") or "").lower()
+    if not method and (qcfg.get("load_in_4bit") or qcfg.get("load_in_8bit")):
+        method = "bitsandbytes"
+    return method or "gptq"  # an auto-gptq quantize_config.json with neither key
+
+
+def inspect_checkpoint(path: Path) -> dict:
+    """What a checkpoint directory holds, as recorded in the variant's meta.json."""
+    from pipeline.models.loading import weight_files
+
+    config = _read_json(path / "config.json", "checkpoint")
+    qcfg = quant_config(path, config)
+    files = [{"name": str(p.relative_to(path)), "bytes": p.stat().st_size}
+             for p in sorted(path.rglob("*")) if p.is_file() and p.name not in _SPECQ_FILES]
+    text = config.get("text_config") or {}
+    return {
+        "path": str(path.resolve()),
+        "architecture": (config.get("architectures") or [None])[0],
+        "model_type": config.get("model_type"),
+        "dtype": config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
+        "quant_method": quant_method(qcfg),
+        "quantization_config": qcfg or None,
+        "vocab_size": config.get("vocab_size") or text.get("vocab_size"),
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files),
+        "weight_bytes": sum(p.stat().st_size for p in weight_files(path)),
+    }
+
+
+def _check_loadable(label: str, path: Path, info: dict, device: torch.device) -> None:
+    """transformers knows the architecture as a causal LM, and (for a non-GPTQ quantized
+    checkpoint) knows the method and finds its environment usable: the same checks
+    from_pretrained makes before reading weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise StageError(f"{label}: transformers cannot read {path / 'config.json'} "
+                         f"({str(e).splitlines()[0][:160]})") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise StageError(f"{label}: {path} holds a {info['architecture'] or config.model_type}, which transformers "
+                         "cannot load as a causal LM (AutoModelForCausalLM)")
+    method = info["quant_method"]
+    if method in (None, "gptq"):
+        return
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AutoHfQuantizer
+
+    qcfg = dict(info["quantization_config"])
+    qcfg.setdefault("quant_method", method)
+    # transformers files bitsandbytes under two keys, one per bit width.
+    key = f"{method}_{'8bit' if qcfg.get('load_in_8bit') else '4bit'}" if method == "bitsandbytes" else method
+    if key not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        raise StageError(f"{label}: {path} is quantized with '{method}', which transformers "
+                         f"{_version('transformers')} does not know")
+    try:
+        quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=True)
+        quantizer.validate_environment(device_map={"": str(device)}, weights_only=True, dtype=None)
+    except (ImportError, ValueError, RuntimeError, TypeError) as e:
+        raise StageError(f"{label}: transformers cannot load the '{method}' checkpoint {path} here "
+                         f"({str(e).splitlines()[0][:160]})") from None
+
+
+def _version(dist: str) -> str:
+    from pipeline.variants.schemes import library_version
+
+    return library_version(dist) or "(not installed)"
+
+
+def check_checkpoint(variant: str, spec, reference_tokenizer, device: torch.device) -> dict:
+    """Every check on a `checkpoint` variant that needs no weights loaded; returns what
+    inspect_checkpoint found."""
+    from transformers import AutoTokenizer
+
+    from pipeline.models.loading import check_weight_files, compare_tokenizers
+
+    label = f"variant '{variant}'"
+    if not spec.path:
+        raise StageError(f"{label}: scheme checkpoint needs `path` (a Hugging Face model directory)")
+    path = Path(spec.path).expanduser()
+    if not path.is_dir():
+        raise StageError(f"{label}: checkpoint path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise StageError(f"{label}: checkpoint path {path} is not a model directory (no config.json)")
+    info = inspect_checkpoint(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise StageError(f"{label}: checkpoint {path} has no usable tokenizer ({str(e).splitlines()[0][:120]}); "
+                         "copy the reference's tokenizer files into it if it uses the same one") from None
+    compare_tokenizers(f"{label}: checkpoint {path}", reference_tokenizer, tokenizer, "checkpoint", "reference")
+    vocab = info["vocab_size"]
+    if vocab is not None and vocab < len(reference_tokenizer):
+        raise StageError(f"{label}: checkpoint {path} has {vocab} embedding rows, fewer than the "
+                         f"{len(reference_tokenizer)} tokens of the reference's tokenizer")
+    check_weight_files(path, label)
+    qcfg = info["quantization_config"] or {}
+    for key, want in (("bits", spec.bits), ("group_size", spec.group_size)):
+        if want is not None and qcfg.get(key) != want:
+            raise StageError(f"{label}: config says {key} {want}, checkpoint {path} has {qcfg.get(key)} "
+                             f"(quantization: {info['quant_method'] or 'none'})")
+    if info["quant_method"] == "gptq":
+        from pipeline.variants.schemes import library_version
+
+        if library_version("gptqmodel") is None:
+            raise StageError(f"{label}: checkpoint {path} is GPTQ, which needs the Python package gptqmodel "
+                             "(pip install gptqmodel)")
+    _check_loadable(label, path, info, device)
+    return info
+
+
+def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
+    """Link the checkpoint into the variant directory (check_checkpoint has passed)."""
+    from pipeline.variants.schemes import library_version, link_or_copy_tree
+
+    path = Path(spec.path).expanduser()
+    info = inspect_checkpoint(path)
+    link_or_copy_tree(path, out, skip=_SPECQ_FILES)
+    qcfg = info["quantization_config"] or {}
+    method = info["quant_method"]
+    library = "gptqmodel" if method == "gptq" else "transformers"
+    return {"storage": f"hard links to the checkpoint {info['path']}", "library": library,
+            "library_version": library_version(library), "checkpoint_path": info["path"],
+            "checkpoint": info, "quant_method": method,
+            "bits": qcfg.get("bits") or qcfg.get("w_bit"), "group_size": qcfg.get("group_size") or qcfg.get("q_group_size"),
+            "desc_act": qcfg.get("desc_act"), "sym": qcfg.get("sym")}
+
+
+def load_checkpoint(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
+    """GPTQ through GPTQModel; bitsandbytes and torchao through the loaders of the schemes that
+    make them; anything else (plain, AWQ, FP8, compressed-tensors, ...) through transformers."""
+    from pipeline.variants import schemes as qs
+
+    info = meta.get("checkpoint")
+    # Variant directories made before `checkpoint` took any directory were all GPTQ.
+    method = info.get("quant_method") if isinstance(info, dict) else "gptq"
+    if method == "gptq":
+        return qs.load_gptq(path, meta, device, dtype)
+    if method == "bitsandbytes":
+        return qs.load_bnb(path, meta, device, dtype)
+    if method == "torchao":
+        return qs.load_torchao(path, meta, device, dtype)
+    if method is None:
+        return qs._load_hf(path, meta, device, dtype)
+    return qs._hf_from_pretrained(path, dtype, device)

@@ -1,0 +1,123 @@
+"""The quantize stage's fail-fast checks: everything that can refuse a variant before the first
+(possibly long) quantization starts.
+
+    from pipeline.variants.checks import check_variant
+    facts = check_variant("w4a16-gptq", spec, src, reference_tokenizer, device)   # or StageError
+
+Per variant: the scheme runs on this device and its library is installed; GPTQ has a GPTQModel
+definition for the architecture and its group size divides every decoder weight matrix's input
+width; a quantizing scheme finds decoder weights of a kind it quantizes (torchao's nn.Linear
+filter finds none in GPT-2, whose layers are Conv1D); a `checkpoint` directory passes
+pipeline.variants.checkpoint.check_checkpoint. Layers are found by pipeline.models.architecture, never by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.models.architecture import WeightMatrix, architecture, meta_model, weight_matrices
+from pipeline.variants.checkpoint import check_checkpoint
+from pipeline.variants.schemes import SCHEMES, library_version
+from pipeline.core.stage import StageError
+
+
+def reference_matrices(src: Path) -> list[WeightMatrix]:
+    """The decoder weight matrices of the model in `src` (what GPTQ quantizes; the LM head and
+    embeddings stay unquantized), on the meta device: no weights are read."""
+    cfg = Path(src) / "config.json"
+    return _matrices(str(Path(src).resolve()), cfg.stat().st_mtime_ns, cfg.stat().st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _matrices(src: str, mtime_ns: int, size: int) -> list[WeightMatrix]:
+    from transformers import AutoConfig
+
+    return weight_matrices(meta_model(AutoConfig.from_pretrained(src)))
+
+
+def linear_input_widths(src: Path) -> dict[str, int]:
+    """name -> input width of every decoder weight matrix (nn.Linear in_features, Conv1D's first
+    dimension, a fused expert tensor's input dimension)."""
+    return {w.name.removesuffix(".weight"): w.input_width for w in reference_matrices(src)}
+
+
+def architecture_of(src: Path) -> str:
+    from transformers import AutoConfig
+
+    return architecture(AutoConfig.from_pretrained(src))
+
+
+def check_supported(variant: str, scheme: str, device: torch.device) -> None:
+    """One line naming the scheme, the device and what would work, before any time is spent."""
+    s = SCHEMES[scheme]
+    if device.type not in s.devices:
+        here = [k for k, v in SCHEMES.items() if device.type in v.devices]
+        raise StageError(f"variant '{variant}': scheme {scheme} is not supported on device {device.type} "
+                         f"(it runs on {', '.join(s.devices)}); schemes that work on {device.type}: "
+                         f"{', '.join(here)}")
+    if library_version(s.library) is None:
+        raise StageError(f"variant '{variant}': scheme {scheme} needs the Python package {s.library} "
+                         f"(pip install {s.library})")
+
+
+def check_group_size(src: Path, group_size: int | None, variant: str) -> None:
+    """The group size must divide every quantized layer's input width; say which one it does not."""
+    if group_size in (None, -1):  # -1: one group per output channel
+        return
+    if group_size <= 0:
+        raise StageError(f"variant '{variant}': group_size must be positive or -1, not {group_size}")
+    widths = linear_input_widths(src)
+    if not widths:
+        raise StageError(f"variant '{variant}': no decoder weight matrices found in {src} to check group_size against")
+    for name, width in widths.items():
+        if width % group_size:
+            ok = [g for g in (32, 64, 128) if all(w % g == 0 for w in widths.values())]
+            raise StageError(
+                f"variant '{variant}': group_size {group_size} does not divide layer {name} "
+                f"(input width {width}); group sizes that divide every layer: {ok or 'none of 32/64/128'}")
+
+
+def check_gptq_architecture(src: Path, variant: str) -> None:
+    """GPTQModel quantizes the architectures it has a definition for (for others it would guess
+    the module layout, and a wrong guess fails mid-quantization)."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(src).model_type
+    with contextlib.redirect_stdout(sys.stderr):  # GPTQModel prints a banner on import
+        from gptqmodel.models.auto import SUPPORTED_MODELS
+    if model_type.lower() not in SUPPORTED_MODELS:
+        raise StageError(f"variant '{variant}': GPTQModel {library_version('gptqmodel')} has no definition for "
+                         f"architecture {architecture_of(src)} (model_type {model_type}); use bnb-int8, bnb-nf4 "
+                         "or torchao-int8wo, or a GPTQ checkpoint made elsewhere (scheme checkpoint)")
+
+
+def check_coverage(src: Path, variant: str, scheme_name: str) -> None:
+    """A quantizing scheme must find decoder weights of a kind its library quantizes; otherwise
+    the 'quantized' variant would be a copy of the reference."""
+    scheme = SCHEMES[scheme_name]
+    matrices = reference_matrices(src)
+    if any(w.kind in scheme.quantizes for w in matrices):
+        return
+    kinds = sorted({w.kind for w in matrices} - {"other"})
+    handle = [k for k, v in SCHEMES.items() if v.quantizes and set(kinds) <= set(v.quantizes)]
+    raise StageError(f"variant '{variant}': scheme {scheme_name} quantizes {'/'.join(scheme.quantizes)} layers only, "
+                     f"and the decoder weights of {architecture_of(src)} are {'/'.join(kinds) or 'not found'}; "
+                     f"schemes that handle them: {', '.join(handle) or 'none'}")
+
+
+def check_variant(variant: str, spec, src: Path, reference_tokenizer, device: torch.device) -> dict:
+    """Every check on one variant that can fail before any variant is built. Returns facts for
+    meta.json (a checkpoint's inspection), {} for the other schemes."""
+    check_supported(variant, spec.scheme, device)
+    if spec.scheme == "checkpoint":
+        return {"checkpoint": check_checkpoint(variant, spec, reference_tokenizer, device)}
+    if spec.scheme == "gptq":
+        check_gptq_architecture(src, variant)
+        check_group_size(src, spec.group_size or 128, variant)
+    if SCHEMES[spec.scheme].quantizes:
+        check_coverage(src, variant, spec.scheme)
+    return {}
