@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pipeline.models.bytes import model_tensors, unique_bytes
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -86,14 +88,7 @@ def meta_weight_bytes(config, dtype: torch.dtype) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
+    return unique_bytes(model_tensors(model), meta=True)
 
 
 def cache_len(context: int, new_tokens: int, extra: int = 1) -> int:

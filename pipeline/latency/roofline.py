@@ -20,6 +20,7 @@ import time
 import torch
 
 from pipeline.core.device import synchronize
+from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
 
 
 def measure_bandwidth(device: torch.device, size_bytes: int | None = None, repeats: int = 5) -> dict:
@@ -57,34 +58,17 @@ def measure_bandwidth(device: torch.device, size_bytes: int | None = None, repea
     }
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def model_bytes(model) -> dict:
     """Bytes a decode step reads from the model, and KV bytes per cached token per sequence.
 
-    Weight bytes are every parameter and persistent buffer (quantized layers keep their packed
-    weights, scales and zeros in buffers), counted once when shared (tied embeddings). An input
-    embedding that is NOT tied to the LM head is read one row per token, not whole, so it is left
-    out of the per-step figure (and reported separately).
+    Weight bytes are every parameter and buffer (quantized layers keep their packed
+    weights, scales and zeros in buffers), counted as the bytes they hold (pipeline.models.bytes:
+    a torchao weight is its int8 data and scales, not its logical float32), once when shared
+    (tied embeddings). An input embedding that is NOT tied to the LM head is read one row per
+    token, not whole, so it is left out of the per-step figure (and reported separately).
     """
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        key = t.data_ptr()
-        if key in seen or t.device.type == "meta":
-            continue
-        seen.add(key)
-        total += _tensor_bytes(t)
-    embedding_bytes = 0
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        tied = head is not None and getattr(head, "weight", None) is not None and \
-            head.weight.data_ptr() == emb.weight.data_ptr()
-        if not tied:
-            embedding_bytes = _tensor_bytes(emb.weight)
+    total = bytes_in_memory(model)
+    embedding_bytes = _untied_input_embedding_bytes(model)
     cfg = model.config
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     layers = text.num_hidden_layers
@@ -105,6 +89,20 @@ def model_bytes(model) -> dict:
                       "note": "weight_bytes counts every expert: an upper bound, since a decode step "
                               "reads only the experts its tokens are routed to"}
     return out
+
+
+def _untied_input_embedding_bytes(model) -> int:
+    """Bytes of the input embedding when it is not tied to the LM head, else 0. Tied is judged by
+    the data held, not data_ptr(): a torchao wrapper's data_ptr() is 0 for every wrapper."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(emb, "weight", None) if emb is not None else None
+    if weight is None:
+        return 0
+    head_weight = getattr(head, "weight", None) if head is not None else None
+    if head_weight is not None and shares_data(weight, head_weight):
+        return 0
+    return unique_bytes([weight])  # like the total, a meta (offloaded) embedding holds nothing
 
 
 def _kv_element_bytes(model) -> int:
