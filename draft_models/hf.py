@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.models.architecture import check_engine_cache
-from pipeline.decode import ModelDraft, hf_model
+from pipeline.decode.cache import hf_model
+from pipeline.decode.drafts import ModelDraft
 from pipeline.models.loading import check_weight_files
 from pipeline.core.stage import StageError
 

@@ -12,7 +12,8 @@ import copy
 import torch
 
 from pipeline.models.architecture import decoder_layers
-from pipeline.decode import ModelDraft, hf_model
+from pipeline.decode.cache import hf_model
+from pipeline.decode.drafts import ModelDraft
 from pipeline.core.stage import StageError
 
 

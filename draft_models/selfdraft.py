@@ -5,7 +5,9 @@ scheme), on the target's device, and drafts with its own static cache.
 """
 from __future__ import annotations
 
-from pipeline.decode import ModelDraft, hf_model
+from pipeline.decode.cache import hf_model
+
+from pipeline.decode.drafts import ModelDraft
 from pipeline.core.stage import StageError
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pipeline.core.config import ConfigError, load_config
-from pipeline.decode import EngineError
+from pipeline.decode.errors import EngineError
 from pipeline.core.stage import StageError, StageSpec, run_stage
 
 # name: config sections read, upstream stages, output dir, code, entry point. The order is the

@@ -130,7 +130,7 @@ def test_engine_greedy_speculation_reproduces_plain_greedy(models, tiny_tokenize
     """The engine's contract on every architecture it accepts: greedy speculative decoding
     (float32) emits the target's own greedy tokens."""
     from draft_models import build_draft
-    from pipeline.decode import generate
+    from pipeline.decode.engine import generate
 
     model = models[arch]
     ids = torch.tensor([tiny_tokenizer.encode("the quick brown fox jumps over")])
@@ -139,7 +139,7 @@ def test_engine_greedy_speculation_reproduces_plain_greedy(models, tiny_tokenize
     assert res.tokens == plain
     assert sum(r.drafted for r in res.rounds) > 0
     # Sampling at T = 1 rejects drafts, so the cache is rolled back by position on this layout too.
-    from pipeline.decode import SamplingParams
+    from pipeline.decode.sampling import SamplingParams
 
     draft = build_draft("layerskip:1", model, tiny_tokenizer, None, "cpu")
     g = torch.Generator().manual_seed(0)

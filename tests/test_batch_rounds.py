@@ -293,7 +293,8 @@ def test_estimator_on_sampled_texts_matches_runs_through_the_batched_verify_rule
 def test_real_engine_greedy_batch_of_two_takes_exactly_the_derived_rounds(tiny_model, tiny_tokenizer, draft_kind):
     from draft_models.layerskip import truncate
     from pipeline.latency.batched import batch_prompts, round_width
-    from pipeline.decode import ModelDraft, NgramDraft, generate
+    from pipeline.decode.drafts import ModelDraft, NgramDraft
+    from pipeline.decode.engine import generate
     from pipeline.speculation.teacher_forced import score_text
 
     draft = (NgramDraft("ngram") if draft_kind == "ngram" else

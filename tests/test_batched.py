@@ -16,7 +16,13 @@ import torch
 from conftest import two_sample_p
 from scipy import stats
 
-from pipeline.decode import EngineError, ModelDraft, NgramDraft, SamplingParams, generate
+from pipeline.decode.drafts import ModelDraft, NgramDraft
+
+from pipeline.decode.engine import generate
+
+from pipeline.decode.errors import EngineError
+
+from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.batched import (BatchRoundRecord, batch_accept_probs, emit_tokens, synchronised_cut,
                                      verify_batch)
 from tests.conftest import make_tiny_llama

@@ -18,7 +18,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from draft_models.layerskip import truncate
-from pipeline.decode import ModelDraft, generate
+from pipeline.decode.drafts import ModelDraft
+from pipeline.decode.engine import generate
 from pipeline.decode.compiled import CompileSession, step_shapes
 from pipeline.latency.memory import cache_len
 from tests.conftest import make_tiny_llama

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from draft_models import build_draft, check_tokenizers, draft_slug
-from pipeline.decode import NgramDraft, SamplingParams, generate
+from pipeline.decode.drafts import NgramDraft
+from pipeline.decode.engine import generate
+from pipeline.decode.sampling import SamplingParams
 from pipeline.core.stage import StageError
 from tests.conftest import make_tiny_tokenizer, save_as_prepared
 

@@ -11,7 +11,15 @@ import pytest
 import torch
 from conftest import two_sample_p
 
-from pipeline.decode import EngineError, ModelDraft, SamplingParams, Timer, generate
+from pipeline.decode.drafts import ModelDraft
+
+from pipeline.decode.engine import generate
+
+from pipeline.decode.errors import EngineError
+
+from pipeline.decode.sampling import SamplingParams
+
+from pipeline.decode.timing import Timer
 from tests.conftest import make_tiny_llama
 
 PROMPTS = ["the quick brown fox", "def add(a, b): return", "Le chat est sur la", "{\"name\": \"get_"]

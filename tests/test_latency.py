@@ -109,7 +109,7 @@ def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokeniz
     """The target drafting for itself accepts every token (greedy and sampled: q = p): with 7 new
     tokens (the first from prefill, then 6 from rounds) k = 1 emits 2 per round and k = 2 emits
     3; the round time by drafted count has a sample per repeat where rounds drafted that many."""
-    from pipeline.decode import ModelDraft
+    from pipeline.decode.drafts import ModelDraft
     from pipeline.latency.speculative import speculative_pair
 
     acc = Config.model_validate({"acceptance": {"temperatures": [0.0, 0.7]}}).acceptance

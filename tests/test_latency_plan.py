@@ -43,7 +43,7 @@ def _budget_that_chunks_one_and_drops_one(model, lat) -> int:
 def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
     from pipeline.stages import latency
     from pipeline.latency import plan as latency_plan
-    from pipeline.decode import CachedModel
+    from pipeline.decode.cache import CachedModel
 
     lat = _lat()
     budget = _budget_that_chunks_one_and_drops_one(tiny_model, lat)

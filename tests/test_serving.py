@@ -289,7 +289,9 @@ def test_simulation_reproduces_a_measured_closed_loop_on_the_tiny_model(tiny_mod
     from pipeline.speculation.acceptance_stats import prompt_record, summarize_slice
     from pipeline.latency.batched import (batch_prompts, batched_cells, batched_repeat, by_width, closed_loop_summary,
                                         closed_loop_wave)
-    from pipeline.decode import ModelDraft, SamplingParams, generate
+    from pipeline.decode.drafts import ModelDraft
+    from pipeline.decode.engine import generate
+    from pipeline.decode.sampling import SamplingParams
     from pipeline.speculation.expected_rounds import round_chain
     from pipeline.serving.batching import validate
     from pipeline.speculation.teacher_forced import score_text

@@ -1,6 +1,6 @@
 """Batched speculative decoding (B > 1) on one shared cache offset: the synchronised scheme.
 
-    from pipeline.decode import generate
+    from pipeline.decode.engine import generate
     res = generate(model, ids_BxT, 32, draft=d, k=3)      # B > 1 lands here
     res.batch_tokens, res.rounds                           # rounds: BatchRoundRecord
 
@@ -46,9 +46,9 @@ import torch
 
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.drafts import ModelDraft, NgramDraft
-from pipeline.decode.engine import _cut_at_eos
 from pipeline.decode.errors import EngineError
 from pipeline.decode.sampling import SamplingParams, betas, logits_to_probs, pick
+from pipeline.decode.steps import GenerationResult, cut_at_eos, decode_one_token, prefill
 from pipeline.decode.timing import Timer, synchronize
 
 __all__ = ["BatchRoundRecord", "BatchedModelDraft", "BatchedNgramDraft", "batched_draft", "batch_accept_probs",
@@ -246,8 +246,6 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
     "prefill" once, then "round" containing "draft" and "verify" per round); returns its
     GenerationResult with per-row tokens and BatchRoundRecord rounds.
     """
-    from pipeline.decode.engine import GenerationResult, decode_one_token, prefill
-
     b, t = input_ids.shape
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     cached = CachedModel(target, batch=b, max_len=t + max_new_tokens + 1)
@@ -298,7 +296,7 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
         for row, toks in enumerate(new.tolist()):
             if done[row]:
                 continue
-            toks, hit = _cut_at_eos(toks, eos)
+            toks, hit = cut_at_eos(toks, eos)
             out[row].extend(toks)
             emitted[row] = len(toks)
             done[row] = hit
@@ -314,7 +312,7 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
     if timer is not None:
         for name, vals in samples.items():
             timer.samples[name].extend(vals)
-    per_seq = [_cut_at_eos(row, eos)[0] for row in out]
+    per_seq = [cut_at_eos(row, eos)[0] for row in out]
     stop = "eos" if per_seq[0] and per_seq[0][-1] in eos else "length"
     return GenerationResult(tokens=per_seq, rounds=rounds, prefill_s=t1 - t0, decode_s=t2 - t1,
                             batch_tokens=per_seq, stop=stop)

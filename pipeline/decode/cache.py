@@ -31,8 +31,28 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decode import compiled
 from pipeline.decode.errors import EngineError
+
+# model -> (session, label): the compiled-step sessions (pipeline/decode/compiled.py) attached to
+# models. The cache owns this table because it is the one that reads it, at every step; a session
+# writes it through attach_session / detach_session and nothing else looks at it.
+_SESSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def attach_session(model, session, label: str) -> None:
+    """Route `model`'s cached steps (not its prefill) through `session.run(label, ...)`."""
+    _SESSIONS[hf_model(model)] = (session, label)
+
+
+def detach_session(model, session) -> None:
+    """Undo attach_session, if `model` is still attached to `session`."""
+    if _SESSIONS.get(model, (None,))[0] is session:
+        del _SESSIONS[model]
+
+
+def attached_session(model) -> tuple[object, str] | None:
+    """(session, label) for a model whose steps run compiled, else None."""
+    return _SESSIONS.get(model)
 
 
 def hf_model(model):
@@ -136,7 +156,7 @@ class CachedModel:
             _move_offset(self.cache, start - pooled.offset)
             pooled.offset = start
         positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0).expand(b, t)  # [B, T]
-        session = compiled.attached(self.model) if start > 0 and not prefill else None
+        session = attached_session(self.model) if start > 0 and not prefill else None
         if session is not None:  # a decode / verify / draft step on a cache an eager forward made
             logits = session[0].run(session[1], self, tokens, positions, all_logits)
         else:

@@ -43,19 +43,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pipeline.decode.cache import CachedModel, attach_session, attached_session, detach_session, hf_model
+
 # The dynamo settings a session sets (and restores on close). Names differ across torch versions
 # (recompile_limit was cache_size_limit before 2.6): only those that exist are set, and the record
 # lists what was set.
 _LIMIT_NAMES = (("recompile_limit", "cache_size_limit"),
                 ("accumulated_recompile_limit", "accumulated_cache_size_limit"))
-
-# model -> (session, label); CachedModel.forward looks its model up here for every step.
-_ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def attached(model) -> tuple["CompileSession", str] | None:
-    return _ATTACHED.get(model)
-
 
 def _step(model, kwarg: str, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int):
     """tokens, positions: [B, W] -> logits [B, W or 1, V]: the forward every step makes."""
@@ -141,8 +135,8 @@ class CompileSession:
             return
         for ref in self._models:
             m = ref()
-            if m is not None and _ATTACHED.get(m, (None,))[0] is self:
-                del _ATTACHED[m]
+            if m is not None:
+                detach_session(m, self)
         for name, value in self._saved.items():
             setattr(torch._dynamo.config, name, value)
         torch._dynamo.reset()
@@ -168,10 +162,8 @@ class CompileSession:
 
     def attach(self, model, label: str) -> None:
         """Route `model`'s cached steps (not its prefill) through this session."""
-        from pipeline.decode.cache import hf_model
-
         hf = hf_model(model)
-        _ATTACHED[hf] = (self, label)
+        attach_session(hf, self, label)
         self._models.append(weakref.ref(hf))
 
     def warm(self, model, slot: str = "target", shapes=None) -> int:
@@ -181,10 +173,8 @@ class CompileSession:
         run may not reach (a draft's 2-token catch-up comes only after a fully accepted round).
         The cache stays pooled for the run, so CUDA graphs see the addresses they recorded.
         Returns how many shapes it compiled."""
-        from pipeline.decode.cache import CachedModel, hf_model
-
         hf = hf_model(model)
-        label = _ATTACHED[hf][1]
+        label = attached_session(hf)[1]
         pool = self.expected if shapes is None else set(shapes) & self.expected
         todo = sorted(k for k in pool if k[0] == label and k not in self.shapes)
         with torch.inference_mode():

@@ -1,6 +1,7 @@
 """The decode engine: plain and speculative decoding on a static KV cache.
 
-    from pipeline.decode import generate, SamplingParams
+    from pipeline.decode.engine import generate
+    from pipeline.decode.sampling import SamplingParams
     res = generate(model, input_ids, max_new_tokens=32)                    # plain (k = 0)
     res = generate(model, input_ids, 32, draft=d, k=4, sampling=SamplingParams(0.7))
     res.tokens, res.rounds, res.prefill_s, res.decode_s
@@ -25,14 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.decode.batched import generate_batched
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.drafts import Draft
 from pipeline.decode.errors import EngineError
-from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick, verify_draft
+from pipeline.decode.sampling import SamplingParams, logits_to_probs, verify_draft
+from pipeline.decode.steps import GenerationResult, cut_at_eos, decode_one_token, prefill
 from pipeline.decode.timing import Timer, synchronize
 
-__all__ = ["generate", "GenerationResult", "RoundRecord", "prefill", "decode_one_token", "draft_k", "verify",
-           "speculative_step"]
+__all__ = ["generate", "RoundRecord", "draft_k", "verify", "speculative_step"]
 
 
 # ---------------------------------------------------------------- records
@@ -52,43 +54,7 @@ class RoundRecord:
     measured: tuple = field(default=(), repr=False, compare=False)
 
 
-@dataclass
-class GenerationResult:
-    # New token ids: a flat list for one prompt; a list of per-sequence lists when B > 1.
-    tokens: list
-    rounds: list[RoundRecord] = field(default_factory=list)  # speculative only (empty for k = 0)
-    prefill_s: float = 0.0  # prompt forward(s) + first token (target and draft prefill)
-    decode_s: float = 0.0  # every token after the first
-    batch_tokens: list[list[int]] = field(default_factory=list)  # always per sequence
-    stop: str = "length"  # "eos" or "length" (sequence 0)
-    step_s: list[float] = field(default_factory=list)  # plain decode: seconds of each step after the first
-    # Slots of the target's static cache: every step's attention reads all of them (cache.py).
-    cache_positions: int = 0
-
-
 # ---------------------------------------------------------------- the decode steps
-
-
-def prefill(target: CachedModel, input_ids: torch.Tensor, sampling: SamplingParams,
-            generator: torch.Generator | None, chunk: int | None = None) -> torch.Tensor:
-    """input_ids: [B, T] -> first new token per sequence [B]. The cache then holds T positions.
-    chunk: prefill in forwards of at most that many tokens (a memory plan's choice; eager always)."""
-    logits = target.prefill(input_ids, chunk)[:, -1]  # [B, V]
-    return _next_token(logits, sampling, generator)
-
-
-def decode_one_token(target: CachedModel, token: torch.Tensor, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> torch.Tensor:
-    """token: [B] the last emitted token (not yet in the cache) -> the next token [B]."""
-    logits = target.forward(token.unsqueeze(1), all_logits=False)[:, -1]  # [B, V]
-    return _next_token(logits, sampling, generator)
-
-
-def _next_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
-    """logits: [B, V] -> [B]. Greedy skips building the one-hot: argmax of the logits is the same."""
-    if sampling.greedy:
-        return logits.argmax(-1)
-    return pick(logits_to_probs(logits, sampling), sampling, generator)
 
 
 def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
@@ -151,13 +117,6 @@ def _last_token_step(target: CachedModel, draft: Draft, seq: torch.Tensor, sampl
 # ---------------------------------------------------------------- the loop
 
 
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
 @torch.inference_mode()
 def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft | None = None, k: int = 0,
              sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
@@ -182,8 +141,6 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         raise EngineError(f"draft length k must be >= 0 (got {k})")
     b, t = input_ids.shape
     if speculative and b != 1:
-        from pipeline.decode.batched import generate_batched
-
         return generate_batched(target, input_ids, max_new_tokens, draft, k, sampling, generator, timer, eos_token_id)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     need = t + max_new_tokens + 1
@@ -219,7 +176,7 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
                     new, record = speculative_step(cached, draft, seq, k_round, sampling, generator, own)
                 else:
                     new, record = _last_token_step(cached, draft, seq, sampling, generator, own)
-            kept, hit = _cut_at_eos(new, eos)
+            kept, hit = cut_at_eos(new, eos)
             out[0].extend(kept)
             done[0] = hit
             seq = torch.cat([seq, torch.tensor(kept, device=device, dtype=seq.dtype)])
@@ -251,7 +208,7 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     if timer is not None:
         for name, vals in samples.items():
             timer.samples[name].extend(vals)
-    per_seq = [_cut_at_eos(row, eos)[0] for row in out]
+    per_seq = [cut_at_eos(row, eos)[0] for row in out]
     stop = "eos" if per_seq[0] and per_seq[0][-1] in eos else "length"
     return GenerationResult(tokens=per_seq[0] if b == 1 else per_seq, rounds=rounds, prefill_s=t1 - t0,
                             decode_s=t2 - t1, batch_tokens=per_seq, stop=stop, step_s=samples.get("decode", []),

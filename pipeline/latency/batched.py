@@ -74,7 +74,7 @@ def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int]
     """One repeat: at every B, plain decode then speculative decode at every k on the same B
     prompts. Returns B -> k -> figures (k = 0 is plain); a speculative k's figures carry
     `by_width`, width -> the times (ms) of its rounds of that verify width."""
-    from pipeline.decode import generate
+    from pipeline.decode.engine import generate
 
     out: dict[int, dict[int, dict]] = {}
     for b, ids in prompts.items():
@@ -152,7 +152,7 @@ def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
 
 def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int) -> dict:
     """One wave of `batch` requests (prompts from `wave * batch` on), plain then speculative."""
-    from pipeline.decode import generate
+    from pipeline.decode.engine import generate
 
     ids = batch_prompts(tokenizer, batch, offset=wave * batch)
     out = {}

@@ -94,7 +94,7 @@ def plain_phase(model, lat, device, contexts: list[int] | None = None) -> tuple[
 
 def draft_kv_bytes_per_token(draft) -> int:
     """KV bytes per position of a runtime draft's own cache (0 for a model-free draft)."""
-    from pipeline.decode import hf_model
+    from pipeline.decode.cache import hf_model
 
     model = getattr(draft, "model", None)
     if model is None:

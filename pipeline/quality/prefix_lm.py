@@ -62,7 +62,7 @@ def common_prefix(a, b) -> int:
 
 def forward_kwargs(model) -> tuple[str, bool]:
     """The forward's name for the cache argument, and whether it takes `logits_to_keep`."""
-    from pipeline.decode import cache_kwarg
+    from pipeline.decode.cache import cache_kwarg
 
     return cache_kwarg(model), "logits_to_keep" in inspect.signature(model.forward).parameters
 

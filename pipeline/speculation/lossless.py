@@ -18,7 +18,15 @@ import numpy as np
 import torch
 from scipy import stats
 
-from pipeline.decode import CachedModel, Draft, SamplingParams, Timer, generate, speculative_step
+from pipeline.decode.cache import CachedModel
+
+from pipeline.decode.drafts import Draft
+
+from pipeline.decode.engine import generate, speculative_step
+
+from pipeline.decode.sampling import SamplingParams
+
+from pipeline.decode.timing import Timer
 from pipeline.decode.sampling import logits_to_probs, pick
 
 

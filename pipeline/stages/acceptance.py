@@ -41,7 +41,9 @@ import torch
 from draft_models import build_draft, draft_slug
 from pipeline.speculation.batch_rounds import by_batch_blocks
 from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
-from pipeline.decode import Draft, SamplingParams, generate
+from pipeline.decode.drafts import Draft
+from pipeline.decode.engine import generate
+from pipeline.decode.sampling import SamplingParams
 from pipeline.core.device import resolve_device
 from pipeline.speculation.expected_rounds import round_chain
 from pipeline.speculation.lossless import lossless_checks

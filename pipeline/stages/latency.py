@@ -113,7 +113,7 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
     TTFT = the prompt forward + picking the first token (engine's prefill_s; no queue here);
     TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it; the
     inter-token samples are those steps one by one. cache_len / prefill_chunk: the memory plan's."""
-    from pipeline.decode import generate
+    from pipeline.decode.engine import generate
 
     ids = _random_prompt(vocab, batch, context, seed)
     run = dict(cache_len=cache_len, prefill_chunk=prefill_chunk)
@@ -169,7 +169,7 @@ def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: in
 
 def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, seed: int,
                confidence: float) -> dict:
-    from pipeline.decode import CachedModel
+    from pipeline.decode.cache import CachedModel
 
     mb = model_bytes(model)
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \

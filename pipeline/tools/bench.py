@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from draft_models import build_draft
     from pipeline.core.config import load_config
     from pipeline.core.device import resolve_device
-    from pipeline.decode import generate
+    from pipeline.decode.engine import generate
     from pipeline.speculation.prompts import prompt_ids
     from pipeline.models.loading import load_variant
     from pipeline.core.stage import atomic_write_json, library_versions

@@ -12,7 +12,11 @@ import time
 
 import torch
 
-from pipeline.decode import CachedModel, ModelDraft, generate
+from pipeline.decode.cache import CachedModel
+
+from pipeline.decode.drafts import ModelDraft
+
+from pipeline.decode.engine import generate
 from pipeline.decode.compiled import CompileSession, step_shapes
 from pipeline.latency.memory import cache_len
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline
