@@ -73,7 +73,7 @@ def test_wilson_bounds_hold_the_point_at_0_of_n_and_n_of_n():
 
 
 def test_marginal_plot_draws_all_and_none_accepted(tmp_path):
-    from pipeline.stages.marginal import pair_report
+    from pipeline.serving.marginal import pair_report
     from pipeline.report.marginal import write_plot
     from tests.test_marginal import _latency
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.stages.marginal import by_drafted_matrix, marginal_table, pair_report, recommend_k
+from pipeline.serving.marginal import by_drafted_matrix, marginal_table, pair_report, recommend_k
 from pipeline.stats.paired import median_ci
 
 TOL = 1e-9

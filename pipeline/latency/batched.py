@@ -134,7 +134,7 @@ def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confi
 def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
     """B -> width -> {"samples": per repeat the mean round time (ms) over every k's rounds of that
     width (None where a repeat had none), "rounds": the count}: the shape of latency_spec's
-    round_ms_by_drafted, which pipeline.stages.marginal.by_drafted_matrix reads."""
+    round_ms_by_drafted, which pipeline.serving.marginal.by_drafted_matrix reads."""
     out = {}
     for b in batch_sizes:
         widths = sorted({w for rep in reps for k in ks for w in rep[b][k].get("by_width", {})})

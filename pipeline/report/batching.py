@@ -1,5 +1,5 @@
-"""Speculation under batching for people: the marginal stage's figures and Markdown section, and the
-report stage's blocks (pipeline/stages/report.py).
+"""Speculation under batching for people: the marginal stage's figures and Markdown section
+(speedup_plot, serving_plot, batch_markdown), and the report stage's blocks (batching_blocks).
 
     marginal/<pair>.batch.png     speedup against batch size, one line per k (CIs over repeats)
     marginal/<pair>.serving.png   TPOT, TTFT and goodput against request rate (simulated)
@@ -10,7 +10,7 @@ import io
 import json
 from pathlib import Path
 
-from pipeline.core.stage import atomic_write_bytes, read_json, sha256_file
+from pipeline.core.stage import read_json
 
 
 def _f(x, digits: int = 2) -> str:
@@ -19,38 +19,6 @@ def _f(x, digits: int = 2) -> str:
 
 def _ci(ci, digits: int = 2) -> str:
     return f"[{_f(ci[0], digits)}, {_f(ci[1], digits)}]" if ci else ""
-
-
-def _paths(run_dir: Path, pair: str) -> tuple[Path, Path]:
-    return run_dir / "latency" / "batched" / f"{pair}.json", run_dir / "latency" / f"{pair.split('__')[0]}.json"
-
-
-def batching_inputs(run_dir: Path, pair: str, config) -> dict:
-    """What the marginal item for `pair` additionally depends on."""
-    batched, grid = _paths(run_dir, pair)
-    return {"batched": sha256_file(batched) if batched.is_file() else None,
-            "grid": sha256_file(grid) if grid.is_file() else None, "serving": config.section("serving")}
-
-
-def write_batching(run_dir: Path, out_dir: Path, pair: str, report: dict, acceptance: dict, config,
-                   seed: int) -> str:
-    """Add the batching keys to `report`, write its two figures; returns the Markdown section."""
-    from pipeline.serving.batching import batching_report
-
-    batched_path, grid_path = _paths(run_dir, pair)
-    if not batched_path.is_file() or not grid_path.is_file():
-        report["recommended_k_by_batch"] = None
-        report["speculative_config_by_batch"] = None
-        report["by_batch_note"] = f"no {batched_path.relative_to(run_dir)} (re-run make latency)"
-        return ""
-    p = report["primary"]
-    acc_slice = acceptance["slices"][p["slice"]][p["temperature"]]
-    report.update(batching_report(report, acc_slice, read_json(batched_path, "batched latency"),
-                                  read_json(grid_path, "latency grid"), config.serving, report["confidence"], seed))
-    dpi = config.report.dpi
-    atomic_write_bytes(out_dir / f"{pair}.batch.png", speedup_plot(report, dpi))
-    atomic_write_bytes(out_dir / f"{pair}.serving.png", serving_plot(report, dpi))
-    return batch_markdown(report, f"{pair}.batch.png", f"{pair}.serving.png")
 
 
 # ---------------------------------------------------------------- figures

@@ -1,6 +1,6 @@
 """The marginal-cost report for people: a Markdown page that reads without the JSON, and a plot
 (ms/token vs k with CI bands, the plain-decode line and the Leviathan prediction; acceptance per
-position). Called by pipeline.stages.marginal's stage; `report` is what `marginal.pair_report` returns.
+position). Called by the marginal stage; `report` is what pipeline.serving.marginal.pair_report returns.
 """
 from __future__ import annotations
 

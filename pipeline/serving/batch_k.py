@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.serving.marginal import by_drafted_matrix, recommend_k
 from pipeline.stats.paired import median_ci
 
 
@@ -80,8 +81,6 @@ def exact_tokens_per_round(acceptance_slice: dict, batch: int, k: int) -> tuple[
 def _width_block(acceptance_slice: dict, batched: dict, b: int, k: int):
     """(share over widths 0..k at (B, k), the width-time matrix [repeats, widths] at B, its jackknife
     replicates) or None when either JSON lacks the width keys."""
-    from pipeline.stages.marginal import by_drafted_matrix
-
     share = ((acceptance_slice.get("width_distribution_by_batch") or {}).get(str(b)) or {}).get(str(k))
     block = (batched.get("round_ms_by_width") or {}).get(str(b))
     if share is None or not block:
@@ -188,8 +187,6 @@ def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[flo
 
 def recommended_by_batch(rows: list[dict]) -> dict[int, int]:
     """B -> k by marginal.RULE applied to each batch size's rows (0 = do not speculate at B)."""
-    from pipeline.stages.marginal import recommend_k
-
     out = {}
     for b in sorted({r["batch"] for r in rows}):
         out[b] = recommend_k([r for r in rows if r["batch"] == b])

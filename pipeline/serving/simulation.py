@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 import numpy as np
 from scipy.interpolate import RegularGridInterpolator
 
+from pipeline.serving.marginal import by_drafted_matrix
+
 ASSUMPTIONS = [
     "One model instance with iteration-level scheduling: between steps, waiting requests join the running "
     "batch first come first served, up to the largest measured speculative batch size.",
@@ -215,8 +217,6 @@ class CostModel:
         width_ms = None
         by_width = batched.get("round_ms_by_width") or {}
         if all(by_width.get(str(b)) for b in bs):
-            from pipeline.stages.marginal import by_drafted_matrix
-
             width_ms = []
             for b in bs:
                 m, _ = by_drafted_matrix(by_width[str(b)], max(max(ks), max(int(w) for w in by_width[str(b)])))

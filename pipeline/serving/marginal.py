@@ -1,0 +1,268 @@
+"""Which draft length k pays, from measured acceptance and measured time: the marginal-cost table.
+
+    from pipeline.serving.marginal import pair_report, recommend_k
+    report = pair_report(acceptance_json, latency_json, confidence=0.95)   # marginal/<pair>.json
+
+For a (target variant, draft) pair it joins the acceptance JSON (E[tokens/round] for every k and the
+distribution of drafted counts, per slice and temperature, with per-prompt records) with the
+latency JSON (round time as a function of the drafted count and plain decode time per token, per
+temperature, on the same prompts). The marginal stage (pipeline/stages/marginal.py) writes it.
+
+Like with like: T_round(k) for a slice and temperature is the measured round time at each
+drafted count d weighted by that slice's own share of rounds drafting d at k (a model draft
+drafts k, prompt lookup often fewer or none), at the same temperature. Then, SEEDS.md,
+"Choosing k by marginal cost":
+    ms_per_token(k) = T_round(k) / E(k)                    speedup(k) = T_plain / ms_per_token(k)
+    marginal(k-1 -> k) = (T_round(k) - T_round(k-1)) / (E(k) - E(k-1))
+with k = 0 meaning plain decoding (T_round(0) = T_plain, E(0) = 1). Going to k pays while the
+marginal time per marginal token is below T_plain. Beside it, the Leviathan et al. (2023) model:
+a round costs one target step plus k draft steps of relative cost c = T_draft_step / T_plain, so
+predicted ms_per_token(k) = T_plain * (1 + k c) / E(k); where it misses the measured curve, verify
+cost growing with k or per-round overhead is what the model leaves out.
+
+Intervals resample the acceptance prompts and the timing repeats independently (percentile).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core.stage import StageError
+from pipeline.stats.paired import median_ci
+
+RULE = (
+    "k beats plain decoding when the lower end of its speedup CI is above 1. Among those, take the k "
+    "with the lowest median ms/token; then, while the next smaller k also beats plain decoding and "
+    "its ms/token CI overlaps this k's, step down to it (the data cannot tell them apart, and a "
+    "smaller k drafts and verifies less work, which matters once the device is busy). "
+    "recommended_k = 0 (do not speculate) when no k beats plain decoding."
+)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+# ---------------------------------------------------------------- the computation
+
+
+def by_drafted_matrix(block: dict, d_max: int) -> tuple[np.ndarray, list[int]]:
+    """{d: {"samples": per repeat ms or None, "rounds"}} -> [R, d_max+1] ms, and the d that no
+    round drafted (filled). A repeat's missing d is read off a least-squares line through its
+    measured ones, weighted by their round counts: a round drafts d tokens and verifies d + 1, so
+    its time is close to linear in d. Filled values only weigh as much as the acceptance stage's
+    share of rounds drafting d, which is small where no timed round drafted d."""
+    cols = [block.get(str(d)) or {"samples": [], "rounds": 0} for d in range(d_max + 1)]
+    repeats = max(len(c["samples"]) for c in cols)
+    m = np.full((repeats, d_max + 1), np.nan)
+    for d, c in enumerate(cols):
+        for r, v in enumerate(c["samples"]):
+            m[r, d] = np.nan if v is None else float(v)
+    counts = np.array([max(c["rounds"], 0) for c in cols], float)
+    ds = np.arange(d_max + 1, dtype=float)
+    for r in range(repeats):
+        seen = ~np.isnan(m[r])
+        if seen.sum() >= 2:
+            slope, icpt = np.polyfit(ds[seen], m[r, seen], 1, w=np.sqrt(np.maximum(counts[seen], 1.0)))
+            m[r, ~seen] = icpt + slope * ds[~seen]
+        elif seen.sum() == 1:
+            m[r, ~seen] = m[r, seen][0]
+    if np.isnan(m).any():  # a repeat with no rounds at all: the other repeats' medians
+        m = np.where(np.isnan(m), np.nanmedian(m, axis=0, keepdims=True), m)
+    return m, [d for d in range(d_max + 1) if counts[d] == 0]
+
+
+def _prompt_arrays(acc: dict, ks: list[int], d_max: int):
+    """Per-prompt tokens [P], expected rounds [P, K] and rounds by drafted count [P, K, D]."""
+    recs = acc["per_prompt"]
+    tokens = np.array([r["tokens"] for r in recs], float)
+    rounds = np.array([[r["expected_rounds"][str(k)] for k in ks] for r in recs], float).reshape(len(recs), len(ks))
+    drafted = np.zeros((len(recs), len(ks), d_max + 1))
+    for i, r in enumerate(recs):
+        for j, k in enumerate(ks):
+            row = r["drafted_rounds"][str(k)]
+            drafted[i, j, : len(row)] = row
+    return tokens, rounds, drafted
+
+
+def _interval(boot: np.ndarray, point: float, confidence: float) -> list[float]:
+    boot = boot[np.isfinite(boot)]
+    if boot.size == 0:
+        return [point, point]
+    lo, hi = np.quantile(boot, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return [min(float(lo), point), max(float(hi), point)]
+
+
+def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int = 0, resamples: int = 2000) -> dict:
+    """The marginal-cost table for one (pair, slice, temperature).
+
+    acc: the acceptance JSON's block for the slice and temperature (expected_tokens_per_round,
+    per_prompt, per_position); timing: the latency pair JSON's block for the temperature
+    (plain_ms_per_token, round_ms_by_drafted, draft_ms_by_drafted)."""
+    # Only the k whose drafted counts were all timed (latency.k_max may stop below acceptance's).
+    timed = max((int(d) for d in timing["round_ms_by_drafted"]), default=0)
+    ks = sorted(int(k) for k in acc["expected_tokens_per_round"] if 1 <= int(k) <= timed)
+    if not ks:
+        raise ValueError("no k with both acceptance and latency")
+    d_max = max(ks)
+    tokens, rounds, drafted = _prompt_arrays(acc, ks, d_max)
+    t_round, filled = by_drafted_matrix(timing["round_ms_by_drafted"], d_max)  # [R, D]
+    plain_ms = np.asarray(timing["plain_ms_per_token"]["samples"], float)  # [R]
+    plain = median_ci(plain_ms, confidence, seed)
+    t_plain = plain["median"]
+    expected = rounds.sum(0)  # [K]
+    e_point = tokens.sum() / expected  # [K]: = the acceptance JSON's E(k)
+    share = drafted.sum(0) / expected[:, None]  # [K, D]: share of rounds drafting d at k
+    round_point = np.median(t_round @ share.T, axis=0)  # [K]
+    # Bootstrap: prompt weights (acceptance) and repeat indices (timing), drawn independently.
+    rng = np.random.default_rng(seed)
+    n_prompts = tokens.size
+    w = rng.multinomial(n_prompts, np.full(n_prompts, 1 / n_prompts), size=resamples).astype(float) \
+        if n_prompts >= 2 else np.ones((resamples, n_prompts))
+    idx = rng.integers(0, plain_ms.size, (resamples, plain_ms.size))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rounds_b = w @ rounds  # [B, K]
+        e_b = (w @ tokens)[:, None] / rounds_b
+        share_b = np.einsum("bp,pkd->bkd", w, drafted) / rounds_b[..., None]
+        round_b = np.median(np.einsum("bkd,brd->bkr", share_b, t_round[idx]), axis=2)  # [B, K]
+        ms_b = round_b / e_b
+        sp_b = np.median(plain_ms[idx], axis=1)[:, None] / ms_b
+    alphas = _position_rates(acc.get("per_position") or [])
+    c = _cost_ratio(by_drafted_matrix(timing.get("draft_ms_by_drafted") or {}, d_max)[0]
+                    if timing.get("draft_ms_by_drafted") else None, t_plain)
+    rows = []
+    prev_round, prev_tokens = t_plain, 1.0  # k = 0 is plain decoding
+    for j, k in enumerate(ks):
+        tokens_k, r_med = float(e_point[j]), float(round_point[j])
+        ms_tok = r_med / tokens_k
+        gained = tokens_k - prev_tokens
+        marginal = (r_med - prev_round) / gained if gained > 1e-12 else None
+        row = {
+            "k": k,
+            "tokens_per_round": tokens_k,
+            "tokens_per_round_ci": _interval(e_b[:, j], tokens_k, confidence),
+            "round_ms": r_med,
+            "round_ms_ci": _interval(round_b[:, j], r_med, confidence),
+            "mean_drafted": float(share[j] @ np.arange(d_max + 1)),
+            "ms_per_token": ms_tok,
+            "ms_per_token_ci": _interval(ms_b[:, j], ms_tok, confidence),
+            "speedup": t_plain / ms_tok,
+            "speedup_ci": _interval(sp_b[:, j], t_plain / ms_tok, confidence),
+            "marginal_ms_per_token": marginal,
+            # k-1 -> k lowers ms/token iff a marginal token costs less than the average one at
+            # k-1. SEEDS' looser test (below plain ms/token) says the extra tokens are at least
+            # cheaper than plain decoding would make them.
+            "marginal_pays": marginal is not None and marginal < prev_round / prev_tokens,
+            "marginal_beats_plain": marginal is not None and marginal < t_plain,
+        }
+        if alphas and c is not None and k <= len(alphas):
+            e_pred = 1.0 + float(np.sum(np.cumprod(alphas[:k])))
+            row["predicted_tokens_per_round"] = e_pred
+            row["predicted_ms_per_token"] = t_plain * (1.0 + k * c) / e_pred
+            row["predicted_speedup"] = e_pred / (1.0 + k * c)
+        rows.append(row)
+        prev_round, prev_tokens = r_med, tokens_k
+    return {
+        "baseline_ms_per_token": t_plain,
+        "baseline_ci": plain["ci"],
+        "cost_ratio_c": c,
+        "position_rates": alphas,
+        "round_ms_by_drafted": np.median(t_round, axis=0).tolist(),
+        "round_ms_interpolated_d": filled,
+        "prompts": n_prompts,
+        "ci_unit": ("acceptance prompts and timing repeats, resampled independently" if n_prompts >= 2 else
+                    "timing repeats only (one prompt: acceptance not resampled)"),
+        "rows": rows,
+        "recommended_k": recommend_k(rows),
+    }
+
+
+def _position_rates(per_position: list[dict]) -> list[float]:
+    """Measured conditional acceptance per position (P(A_i | A_1..A_i-1)); where no round reached
+    position i, the mean beta_i (1 - TV(p, q)) stands in."""
+    rates = []
+    for pos in sorted(per_position, key=lambda p: p["position"]):
+        r = pos.get("conditional")
+        if r is None:
+            r = pos.get("expected_beta")
+        if r is None:
+            break
+        rates.append(float(r))
+    return rates
+
+
+def _cost_ratio(draft_ms: np.ndarray | None, t_plain: float) -> float | None:
+    """c = one draft step / one plain target step: the median over drafted counts d >= 1 of
+    median draft time(d) / (d T_plain). draft_ms: [repeats, d_max + 1]."""
+    if draft_ms is None or draft_ms.shape[1] < 2 or t_plain <= 0:
+        return None
+    per_d = np.median(draft_ms[:, 1:], axis=0) / (np.arange(1, draft_ms.shape[1]) * t_plain)
+    return float(np.median(per_d))
+
+
+def recommend_k(rows: list[dict]) -> int:
+    """See RULE (written into every report)."""
+    by_k = {r["k"]: r for r in rows}
+    beats = {k for k, r in by_k.items() if r["speedup_ci"][0] > 1.0}
+    if not beats:
+        return 0
+    best = min(beats, key=lambda k: (by_k[k]["ms_per_token"], k))
+    while best - 1 in beats and _overlap(by_k[best - 1]["ms_per_token_ci"], by_k[best]["ms_per_token_ci"]):
+        best -= 1
+    return best
+
+
+# ---------------------------------------------------------------- joining the artifacts
+
+
+def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
+    """The whole marginal artifact for one pair: the primary table (slice "all", greedy when
+    measured) at the top level, and one table per slice and temperature under "slices"."""
+    try:
+        by_temp = latency["by_temperature"]
+        slices = acceptance["slices"]
+    except (KeyError, TypeError) as e:
+        raise StageError(f"marginal: acceptance or latency artifact lacks expected key {e} "
+                         "(made by an older specq: re-run make acceptance latency)") from None
+    if not slices:
+        raise StageError("marginal: acceptance artifact has no slices")
+    tables: dict[str, dict[str, dict]] = {}
+    for slice_name, temps in slices.items():
+        for temp_key, acc in temps.items():
+            if temp_key not in by_temp:
+                raise StageError(f"marginal: latency has no round times at temperature {temp_key} "
+                                 f"(it has {', '.join(by_temp)}): re-run make latency")
+            try:
+                tables.setdefault(slice_name, {})[temp_key] = marginal_table(acc, by_temp[temp_key], confidence)
+            except (KeyError, TypeError, ValueError) as e:
+                raise StageError(f"marginal: acceptance slice {slice_name}/{temp_key} or latency at T={temp_key} "
+                                 f"lacks {e} (re-run make acceptance latency)") from None
+    primary_slice = "all" if "all" in tables else sorted(tables)[0]
+    temps = tables[primary_slice]
+    primary_temp = min(temps, key=lambda t: float(t))  # greedy (0.0) when it was measured
+    primary = temps[primary_temp]
+    lat_rows = {int(r["k"]): r for r in by_temp[primary_temp].get("rows", [])}
+    for row in primary["rows"]:
+        measured = lat_rows.get(row["k"], {})
+        if "tokens_per_round" in measured:
+            row["measured_tokens_per_round"] = measured["tokens_per_round"]
+        if isinstance(measured.get("ms_per_token"), dict):
+            row["measured_ms_per_token"] = measured["ms_per_token"]["median"]
+    acc_primary = slices[primary_slice][primary_temp]
+    return {
+        "variant": latency.get("variant", acceptance.get("variant")),
+        "draft": latency.get("draft", acceptance.get("draft")),
+        "device": latency.get("device"),
+        "confidence": confidence,
+        "primary": {"slice": primary_slice, "temperature": primary_temp},
+        **primary,
+        "rule": RULE,
+        "slices": tables,
+        "acceptance_per_position": acc_primary.get("per_position", []),
+        "direct_check": acc_primary.get("direct_check", {}),
+        "latency_new_tokens": latency.get("new_tokens"),
+        "latency_rows": [{k: r[k] for k in ("k", "draft_ms", "verify_ms", "overhead_ms", "round_ms") if k in r}
+                         for r in by_temp[primary_temp].get("rows", [])],
+    }
