@@ -1,53 +1,16 @@
 """Draft models for speculative decoding: one module per kind, a plain dict kind -> builder.
 
-    from draft_models import build_draft, draft_slug
+    from draft_models.registry import build_draft, draft_slug
     draft = build_draft("layerskip:8", target, tokenizer, run_dir, device)   # -> engine Draft
     draft_slug("self:w4a16-gptq")                                             # "self-w4a16-gptq"
+
+Modules: registry (BUILDERS: kind -> builder, spec parsing, build_draft), and one per kind:
+ngram (prompt lookup), layerskip (the target's first n layers), selfdraft (a quantized variant of
+the target), hf (any causal LM with the target's tokenizer). A draft's tokenizer must be the
+target's (pipeline.models.loading.compare_tokenizers).
 
 Spec strings: `ngram` (or `ngram:<max_n>`), `layerskip:<n>`, `self:<variant>`, `hf:<id or path>`.
 Every builder returns a runtime draft from pipeline/decode/drafts.py (ModelDraft or NgramDraft),
 which has the engine's Draft interface: prefill, propose (tokens + q), accept (roll back to the
 kept prefix). This package only builds: it checks the spec and the tokenizer and loads weights.
 """
-from __future__ import annotations
-
-import re
-from pathlib import Path
-from typing import Callable
-
-from pipeline.models.loading import compare_tokenizers
-from pipeline.core.stage import StageError
-
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    kind, _, arg = spec.partition(":")
-    if kind not in BUILDERS:
-        raise StageError(f"unknown draft '{spec}' (kinds: {', '.join(BUILDERS)}; e.g. ngram, layerskip:8, "
-                         "self:w4a16-gptq, hf:<id or path>)")
-    return kind, arg
-
-
-def draft_slug(spec: str) -> str:
-    """File-safe name for a draft spec: 'layerskip:8' -> 'layerskip-8', 'hf:org/m' -> 'hf-org-m'."""
-    parse_spec(spec)
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", spec.replace(":", "-")).strip("-.")
-
-
-def build_draft(spec: str, target, tokenizer, run_dir: str | Path | None, device):
-    """Build the draft for `spec` against `target` (the model it will draft for)."""
-    kind, _ = parse_spec(spec)
-    return BUILDERS[kind](spec, target, tokenizer, Path(run_dir) if run_dir is not None else None, device)
-
-
-def check_tokenizers(spec: str, target_tok, draft_tok) -> None:
-    """Refuse (one line naming the difference) unless the draft tokenizer has the target's vocab
-    and gives the same ids for a probe text."""
-    compare_tokenizers(f"draft {spec}", target_tok, draft_tok, "draft", "target")
-
-
-# Imported last: the builder modules use check_tokenizers above.
-from draft_models import hf, layerskip, ngram, selfdraft  # noqa: E402
-
-BUILDERS: dict[str, Callable] = {"ngram": ngram.build, "layerskip": layerskip.build, "self": selfdraft.build,
-                                 "hf": hf.build}

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.models.architecture import check_engine_cache
 from pipeline.decode.cache import hf_model
 from pipeline.decode.drafts import ModelDraft
-from pipeline.models.loading import check_weight_files
+from pipeline.models.loading import check_weight_files, compare_tokenizers
 from pipeline.core.stage import StageError
 
 
@@ -20,7 +20,6 @@ def build(spec, target, tokenizer, run_dir, device):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draft_models import check_tokenizers
 
     _, _, source = spec.partition(":")
     if not source:
@@ -33,7 +32,7 @@ def build(spec, target, tokenizer, run_dir, device):
     except (OSError, ValueError, SafetensorError) as e:
         raise StageError(f"draft {spec}: cannot load '{source}' ({str(e).splitlines()[0][:160]})") from None
     if tokenizer is not None:
-        check_tokenizers(spec, tokenizer, tok)
+        compare_tokenizers(f"draft {spec}", tokenizer, tok, "draft", "target")
     check_engine_cache(model.config)
     model = model.to(device).eval()
     vocab = hf_model(target).get_output_embeddings().weight.shape[0]

@@ -1,6 +1,6 @@
 """`self:<variant>`: a variant of the target (e.g. `self:w4a16-gptq`) drafting for it.
 
-Loads runs/<run>/variants/<variant> through pipeline.models.loading.load_variant (its meta.json says the
+Loads runs/<run>/variants/<variant> through pipeline.variants.schemes.load_variant (its meta.json says the
 scheme), on the target's device, and drafts with its own static cache.
 """
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from pipeline.decode.cache import hf_model
 
 from pipeline.decode.drafts import ModelDraft
+from pipeline.models.loading import compare_tokenizers
 from pipeline.core.stage import StageError
 
 
@@ -27,11 +28,10 @@ def variant_dir(spec, run_dir):
 
 
 def build(spec, target, tokenizer, run_dir, device):
-    from draft_models import check_tokenizers
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
 
     model, tok = load_variant(variant_dir(spec, run_dir), device=device)
     if tokenizer is not None:
-        check_tokenizers(spec, tokenizer, tok)
+        compare_tokenizers(f"draft {spec}", tokenizer, tok, "draft", "target")
     vocab = hf_model(target).get_output_embeddings().weight.shape[0]
     return ModelDraft(spec, model, vocab_size=vocab)

@@ -18,36 +18,10 @@ import sys
 from pathlib import Path
 
 from pipeline.core.config import ConfigError, load_config
+from pipeline.core.process import set_up_process
 from pipeline.decode.errors import EngineError
-from pipeline.core.stage import StageError, StageSpec, run_stage
-
-# name: config sections read, upstream stages, output dir, code, entry point. The order is the
-# order `evaluate` runs them in. Code: "import:<module>" = the stage's module and every project
-# module it imports (pipeline.core.stage.import_closure), plus the data files it reads.
-STAGES: dict[str, StageSpec] = {
-    s.name: s
-    for s in [
-        StageSpec("prepare", ["prepare"], [], "model", ["import:pipeline.stages.prepare"], "pipeline.stages.prepare:run",
-                  precheck="pipeline.stages.prepare:check_model"),
-        StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
-                  ["import:pipeline.stages.quantize", "evals/data/calibration.txt"], "pipeline.stages.quantize:run"),
-        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.stages.drafts"],
-                  "pipeline.stages.drafts:run"),
-        StageSpec("acceptance", ["acceptance", "latency", "device", "seed"], ["quantize", "drafts"], "acceptance",
-                  ["import:pipeline.stages.acceptance"], "pipeline.stages.acceptance:run"),
-        StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
-                  "latency", ["import:pipeline.stages.latency"], "pipeline.stages.latency:run"),
-        StageSpec("marginal", ["marginal", "serving"], ["acceptance", "latency"], "marginal",
-                  ["import:pipeline.stages.marginal"], "pipeline.stages.marginal:run"),
-        StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
-                  ["import:pipeline.stages.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.stages.quality:run"),
-        StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
-                  ["import:pipeline.stages.gate"], "pipeline.stages.gate:run"),
-        StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],
-                  "report", ["import:pipeline.stages.report"], "pipeline.stages.report:run"),
-    ]
-}
-
+from pipeline.core.stage import StageError, run_stage
+from pipeline.stages.table import STAGES
 
 def slug(model: str) -> str:
     """The default run name for a MODEL: its last path component, lower-cased, made file-safe."""
@@ -70,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_up_process()
     args = _parser().parse_args(argv)
     try:
         overrides = {"drafts": args.drafts.split()} if args.drafts.strip() else {}

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.core.process import set_up_process
+
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+set_up_process()
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = (

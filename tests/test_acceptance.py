@@ -84,10 +84,10 @@ def test_derived_matches_direct_runs_on_the_embedded_model(embedded_model_dir):
     """The real model, fp32, 4 prompts (one per kind), 24 new tokens, k_max = 3: derived E(k) vs
     real engine runs at k = 1, 2. Greedy: equal (same text). T = 0.7: the 95% prompt-bootstrap CI
     of direct - derived contains 0. Fixed seeds: deterministic."""
-    from draft_models import build_draft
+    from draft_models.registry import build_draft
     from pipeline.stages.acceptance import generate_texts, measure_pair
     from pipeline.core.config import Config
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
     from pipeline.speculation.prompts import acceptance_prompts
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype="float32")

@@ -66,7 +66,7 @@ def _old_llama_noise(model, relative_std: float, seed: int) -> int:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_weight_noise_reaches_every_decoder_matrix(models, arch):
-    from pipeline.variants.schemes import add_weight_noise
+    from pipeline.variants.quantizers import add_weight_noise
 
     model = copy.deepcopy(models[arch])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -109,7 +109,7 @@ def test_engine_cache_check_names_the_architecture(models, arch):
 
 @pytest.mark.parametrize("arch", ENGINE_OK)
 def test_layerskip_matches_a_hand_truncated_copy(models, tiny_tokenizer, arch):
-    from draft_models import build_draft
+    from draft_models.registry import build_draft
 
     model = models[arch]
     draft = build_draft("layerskip:2", model, tiny_tokenizer, None, "cpu")
@@ -129,7 +129,7 @@ def test_layerskip_matches_a_hand_truncated_copy(models, tiny_tokenizer, arch):
 def test_engine_greedy_speculation_reproduces_plain_greedy(models, tiny_tokenizer, arch):
     """The engine's contract on every architecture it accepts: greedy speculative decoding
     (float32) emits the target's own greedy tokens."""
-    from draft_models import build_draft
+    from draft_models.registry import build_draft
     from pipeline.decode.engine import generate
 
     model = models[arch]

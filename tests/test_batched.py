@@ -231,7 +231,7 @@ def test_sampled_batch_matches_plain_sampling_on_tiny_model(tiny_tokenizer, othe
 
 def test_embedded_model_batch_greedy_equals_plain(embedded_model_dir):
     from draft_models.layerskip import build as build_layerskip
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype="float32")
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there",

@@ -18,7 +18,7 @@ import torch
 
 from conftest import make_tiny_tokenizer
 from pipeline.__main__ import main
-from pipeline.models.loading import load_variant
+from pipeline.variants.schemes import load_variant
 from tests.test_quantize import logits, make_run
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from draft_models import build_draft, check_tokenizers, draft_slug
+from draft_models.registry import build_draft, draft_slug
+from pipeline.models.loading import compare_tokenizers
 from pipeline.decode.drafts import NgramDraft
 from pipeline.decode.engine import generate
 from pipeline.decode.sampling import SamplingParams
@@ -105,7 +106,7 @@ def test_hf_draft_accepts_same_tokenizer_and_refuses_a_different_one(tmp_path, t
         build_draft(f"hf:{tmp_path / 'nowhere'}", tiny_model, tiny_tokenizer, None, "cpu")
 
 
-def test_check_tokenizers_names_a_remapped_id(tiny_tokenizer):
+def test_compare_tokenizers_names_a_remapped_id(tiny_tokenizer):
     class Swapped:
         eos_token_id, bos_token_id = tiny_tokenizer.eos_token_id, tiny_tokenizer.bos_token_id
 
@@ -119,7 +120,7 @@ def test_check_tokenizers_names_a_remapped_id(tiny_tokenizer):
             return tiny_tokenizer.encode(text)
 
     with pytest.raises(StageError, match="has id .* in the draft's tokenizer"):
-        check_tokenizers("hf:x", tiny_tokenizer, Swapped())
+        compare_tokenizers("draft hf:x", tiny_tokenizer, Swapped(), "draft", "target")
 
 
 def test_drafts_stage_writes_one_meta_per_draft(tmp_path, tiny_model, tiny_tokenizer):

@@ -142,7 +142,7 @@ def test_sampled_speculative_matches_plain_on_tiny_model(tiny_tokenizer, other_d
 
 def test_embedded_model_greedy_speculative_equals_plain_and_transformers(embedded_model_dir):
     from draft_models.layerskip import build as build_layerskip
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype="float32")
     draft = build_layerskip("layerskip:8", model, tok, None, torch.device("cpu"))

@@ -192,7 +192,7 @@ def test_prepare_local_dir_then_noop_then_dtype_change(tmp_path, tiny_model_dir,
     assert meta["source"]["kind"] == "local" and meta["dtype"] == "float32"
     assert meta["layers"] == 4 and meta["kv_heads"] == 2 and meta["parameters"] > 0
     assert len(next(iter(meta["weights_sha256"].values()))) == 64
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
 
     model, tok = load_variant(run / "model", device="cpu")
     assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size

@@ -132,15 +132,15 @@ def rule_breaks(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
-def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
-    """The reader itself: an import inside a function counts, `from pkg import module` names the
-    module, and a name imported from a module counts as that module."""
+def test_the_graph_reads_module_and_name_imports():
+    """The reader itself: `from pkg import module` names the module, a name imported from a
+    module counts as that module, and Tarjan finds a circle."""
     graph = import_graph()
-    # pipeline.core.device imports nothing lazily any more, but the stage runner does import its
-    # entry modules by name at run time (importlib), which no graph can see: stages are data there.
-    assert "pipeline.decode.engine" in graph["pipeline.decode.batched"] or \
-        "pipeline.decode.steps" in graph["pipeline.decode.batched"]
-    assert any(t.startswith("pipeline.stages.") for t in graph["pipeline.stages.table"])
+    assert "pipeline.decode.steps" in graph["pipeline.decode.batched"]  # from pipeline.decode.steps import ...
+    assert "pipeline.stats.tango" in graph["pipeline.stats.paired"]  # from pipeline.stats import tango
+    # The STAGES table names its entry modules as strings (imported on use, nothing loops); the
+    # stage hash test checks those strings resolve.
+    assert not any(t.startswith("pipeline.stages.") for t in graph["pipeline.stages.table"])
     fake = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": set()}
     assert circles(fake) == [["a", "b", "c"]]
 

@@ -100,47 +100,38 @@ def test_order_one_live_cache_each_of_its_own_length(shape_8b):
     assert seen == sorted(seen)  # batch ascending, then context ascending
 
 
-def test_gpu_yaml_whole_latency_stage_planned_for_8b_on_80gb(shape_8b):
-    """The whole latency stage as it would run configs/gpu.yaml on an 8B model and an 80 GB card,
-    from estimated weights (nothing allocated): every variant's plain grid, the reference's
-    speculative cell with every draft's weights beside it, and the graphs a compiled run makes."""
-    from pipeline.latency.plan import estimated_weight_bytes, linear_parameters, plan_latency_stage
+def test_estimated_weight_bytes_for_gpu_yaml_variants_of_an_8b(shape_8b):
+    """Each scheme's bytes per quantized weight (a field of the scheme, pipeline/variants/schemes.py)
+    gives configs/gpu.yaml's variants of an 8B model the weights published checkpoints have."""
+    from pipeline.latency.plan import estimated_weight_bytes, linear_parameters
 
-    cfg = load_config(REPO / "configs/gpu.yaml")
-    variants = cfg.quantize.variants
+    variants = load_config(REPO / "configs/gpu.yaml").quantize.variants
     # 6.98B of the 8.03B parameters sit in the decoder layers' linear maps (Llama-3-8B).
     assert linear_parameters(shape_8b) == 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)
     gptq = estimated_weight_bytes(shape_8b, variants["w4a16-gptq"])
     assert 5.0e9 < gptq < 6.0e9  # 4-bit linears + 16-bit embeddings and head (published W4A16 8B: ~5.7 GB)
     assert estimated_weight_bytes(shape_8b, variants["bf16"]) == shape_8b.weight_bytes
     assert estimated_weight_bytes(shape_8b, variants["int8"]) < 0.6 * shape_8b.weight_bytes
+    assert estimated_weight_bytes(shape_8b, variants["nf4"]) < gptq * 1.1
 
-    plan = plan_latency_stage(cfg, shape_8b, card_bytes=80e9, spec_context=64)
+
+def test_gpu_yaml_plain_grid_of_an_8b_fits_80gb_and_not_40gb(shape_8b):
+    """configs/gpu.yaml's plain grid for the bf16 reference of an 8B model, planned from its
+    weights alone: on an 80 GB card every cell fits (the 32 x 8192 prefill chunked); on a 40 GB
+    card that cell is dropped and said so, and the 4-bit variant keeps at least as many cells."""
+    from pipeline.latency.plan import estimated_weight_bytes
+
+    cfg = load_config(REPO / "configs/gpu.yaml")
     lat = cfg.latency
-    for name, v in plan["variants"].items():
-        assert not v["plan"].dropped, name  # every cell fits on 80 GB, the big prefill chunked
-        assert v["graphs"] == len(lat.batch_sizes) * len(lat.context_lengths) == 9
-    bf16 = plan["variants"]["bf16"]["plan"]
-    assert next(c for c in bf16.cells if (c.batch, c.context) == (32, 8192)).prefill_chunk is not None
-    spec = plan["speculative"]["bf16"]
-    # Beside the 16 GB target: the self:w4a16-gptq draft's weights (layerskip shares the target's).
-    assert spec["weight_bytes"] == shape_8b.weight_bytes + gptq
-    (cell,) = spec["plan"].cells
-    assert (cell.batch, cell.context) == (1, 64) and cell.prefill_chunk is None
-    # The largest draft cache beside the target's: the self-draft's full 32 layers (layerskip:8 has 8).
-    step = next(s for s in spec["plan"].steps if s["action"] == "run")
-    assert step["draft_cache_bytes"] == cell.cache_len * shape_8b.kv_bytes_per_token
-    # Target: decode step + verify widths 2..9 (k_max 8); drafts layerskip:8 and self: widths 1, 2.
-    assert spec["graphs"] == 1 + 8 + 2 * 2
 
+    def grid(card: float, variant: str):
+        free = card - max(1 << 30, 0.05 * card) - estimated_weight_bytes(shape_8b, cfg.quantize.variants[variant])
+        return plan_grid(shape_8b, lat.batch_sizes, lat.context_lengths, lat.new_tokens, free, "cuda")
 
-def test_gpu_yaml_on_a_40gb_card_drops_and_says_which(shape_8b):
-    from pipeline.latency.plan import plan_latency_stage
-
-    plan = plan_latency_stage(load_config(REPO / "configs/gpu.yaml"), shape_8b, card_bytes=40e9, spec_context=64)
-    dropped = {(d["batch"], d["context"]) for d in plan["variants"]["bf16"]["plan"].dropped}
+    big = grid(80e9, "bf16")
+    assert not big.dropped and len(big.cells) == len(lat.batch_sizes) * len(lat.context_lengths) == 9
+    assert next(c for c in big.cells if (c.batch, c.context) == (32, 8192)).prefill_chunk is not None
+    small = grid(40e9, "bf16")
+    dropped = {(d["batch"], d["context"]) for d in small.dropped}
     assert (32, 8192) in dropped and (1, 128) not in dropped
-    # The 4-bit variant's smaller weights leave room for more of the grid than the bf16 reference's.
-    kept = {name: len(v["plan"].cells) for name, v in plan["variants"].items()}
-    assert kept["w4a16-gptq"] >= kept["bf16"] and kept["nf4"] >= kept["bf16"]
-    assert plan["speculative"]["bf16"]["plan"].cells  # B = 1 on a short prompt still fits
+    assert len(grid(40e9, "w4a16-gptq").cells) >= len(small.cells)

@@ -17,7 +17,7 @@ import yaml
 
 from conftest import CORPUS
 from pipeline.__main__ import main
-from pipeline.models.loading import load_variant
+from pipeline.variants.schemes import load_variant
 
 META_KEYS = {"scheme", "bits", "group_size", "library", "library_version", "bytes_on_disk", "bytes_in_memory",
              "quantize_seconds", "calibration_sha256", "calibration_tokens", "perplexity",
@@ -229,7 +229,7 @@ def test_crash_mid_quantization_leaves_no_variant_dir(tmp_path, tiny_model_dir, 
 
 
 def test_bytes_in_memory_counts_tied_weights_once(tiny_model):
-    from pipeline.variants.schemes import bytes_in_memory
+    from pipeline.models.bytes import bytes_in_memory
 
     tensors = [*tiny_model.parameters(), *tiny_model.buffers()]  # buffers: rotary inv_freq
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-# The decode package owns the device sync (it imports nothing from the stages); stages use it here.
-from pipeline.decode.timing import synchronize  # noqa: F401
+from pipeline.core.stage import StageError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -13,8 +12,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from pipeline.core.stage import StageError
-
         raise StageError("config says device: cuda, but no CUDA device is visible (use device: auto or cpu)")
     return torch.device(name)
 

@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # pipeline/core/stage.py -> the repository root
 LIBRARIES = (
     "torch", "transformers", "accelerate", "gptqmodel", "bitsandbytes", "torchao", "lm_eval",
     "datasets", "gguf", "scipy", "numpy", "statsmodels",
@@ -90,15 +90,18 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
 
 
-def read_json(path: str | Path, what: str = "artifact") -> Any:
-    """Read a JSON artifact; a missing or corrupt one is a StageError naming the file."""
+def read_json(path: str | Path, what: str = "artifact", made_by_specq: bool = True) -> Any:
+    """Read a JSON file; a missing or corrupt one is a StageError naming the file. The hint says
+    what to do: re-run the stage for specq's own artifacts, nothing more for a user's file."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise StageError(f"missing {what}: {path} (run the stage that makes it first)") from None
+        hint = " (run the stage that makes it first)" if made_by_specq else ""
+        raise StageError(f"missing {what}: {path}{hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise StageError(f"corrupt {what}: {path} is not valid JSON (delete it and re-run)") from None
+        hint = " (delete it and re-run)" if made_by_specq else ""
+        raise StageError(f"corrupt {what}: {path} is not valid JSON{hint}") from None
 
 
 def read_jsonl(path: str | Path, what: str = "artifact",
@@ -190,32 +193,52 @@ def import_closure(entry_modules: list[str]) -> list[Path]:
     return sorted(seen)
 
 
-def code_hash(modules: list[str]) -> str:
-    """Hash of the source files a stage runs. Entries are globs relative to the repository root
+def code_files(modules: list[str]) -> set[Path]:
+    """The source and data files a stage runs. Entries are globs relative to the repository root
     (data files, task YAMLs) or `import:<dotted module>`, which adds the module and every project
-    module it imports (import_closure)."""
+    module it imports (import_closure). An entry that matches no file is an error, not a silent
+    gap in the hash: after a file moves, a stale entry would otherwise stop covering it."""
     files: set[Path] = set()
     for rel in modules:
         if rel.startswith("import:"):
-            files.update(import_closure([rel.removeprefix("import:")]))
+            module = rel.removeprefix("import:")
+            if _module_file(module) is None:
+                raise StageError(f"stage code entry {rel!r}: no module {module} in {REPO}")
+            files.update(import_closure([module]))
         else:
-            files.update(p for p in REPO.glob(rel) if p.is_file())
+            matched = [p for p in REPO.glob(rel) if p.is_file()]
+            if not matched:
+                raise StageError(f"stage code entry {rel!r} matches no file under {REPO}")
+            files.update(matched)
+    return files
+
+
+def code_hash(modules: list[str]) -> str:
+    """Hash of code_files(modules): their paths and bytes."""
     h = hashlib.sha256()
-    for p in sorted(files):
+    for p in sorted(code_files(modules)):
         h.update(str(p.relative_to(REPO)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()
 
 
+# What every stage runs besides its own code: the runner and the config schema. Import entries,
+# so they follow the files wherever they live and pull in whatever those import.
+RUNNER_CODE = ["import:pipeline.core.stage", "import:pipeline.core.config"]
+
+
+def library_version(dist: str) -> str | None:
+    """The installed version of a distribution (pip name), None when it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def library_versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        dist = {"lm_eval": "lm-eval"}.get(name, name)
-        try:
-            out[name] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    """Python and every library in LIBRARIES (import names; lm_eval's distribution is lm-eval)."""
+    return {"python": platform.python_version(),
+            **{name: library_version({"lm_eval": "lm-eval"}.get(name, name)) for name in LIBRARIES}}
 
 
 def dir_bytes(path: str | Path) -> int:
@@ -312,7 +335,7 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
         if not meta_path.exists():
             raise StageError(f"{spec.name}: stage '{up}' has not run for {run_dir} (make {up} first)")
         upstream[up] = read_json(meta_path, f"{up} meta.json")
-    code = code_hash(spec.code + ["pipeline/core/stage.py", "pipeline/core/config.py"])
+    code = code_hash(spec.code + RUNNER_CODE)
     inputs = {
         "stage": spec.name,
         "config": {s: config.section(s) for s in spec.sections},

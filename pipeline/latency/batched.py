@@ -39,8 +39,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.core.stage import StageError, progress
+from pipeline.decode.engine import generate
+from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.paired import median_ci
 
 
@@ -74,8 +75,6 @@ def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int]
     """One repeat: at every B, plain decode then speculative decode at every k on the same B
     prompts. Returns B -> k -> figures (k = 0 is plain); a speculative k's figures carry
     `by_width`, width -> the times (ms) of its rounds of that verify width."""
-    from pipeline.decode.engine import generate
-
     out: dict[int, dict[int, dict]] = {}
     for b, ids in prompts.items():
         out[b] = {}
@@ -152,8 +151,6 @@ def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
 
 def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int) -> dict:
     """One wave of `batch` requests (prompts from `wave * batch` on), plain then speculative."""
-    from pipeline.decode.engine import generate
-
     ids = batch_prompts(tokenizer, batch, offset=wave * batch)
     out = {}
     for mode in ("plain", "speculative"):
@@ -226,33 +223,3 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
             "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
             "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops}
-
-
-def run_batched(ctx, dirs: dict, ks: list[int], device, confidence: float) -> None:
-    """The latency stage's batched part: one latency/batched/<pair>.json per (target, draft)."""
-    from draft_models import build_draft, draft_slug
-    from pipeline.stages.latency import draft_input_hash
-    from pipeline.models.loading import load_variant
-    from pipeline.core.stage import read_json
-
-    cfg, lat = ctx.config, ctx.config.latency
-    if lat.closed_loop_waves > 0 and lat.closed_loop_tokens < 2:
-        raise StageError("latency.closed_loop_tokens must be >= 2 (TPOT is undefined for one output token)")
-    common = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks}
-    for target in cfg.acceptance.targets or [cfg.quantize.reference]:
-        target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
-        pending = {}
-        for spec in cfg.drafts:
-            slug = draft_slug(spec)
-            inputs = {**common, "target": target_hash, "draft": spec, "draft_meta": draft_input_hash(ctx.run_dir, slug)}
-            item = ctx.item(f"batched/{target}__{slug}.json", inputs, is_dir=False)
-            if not item.fresh:
-                pending[spec] = item
-        if not pending:
-            continue
-        model, tok = load_variant(dirs[target], device=device)
-        for spec, item in pending.items():
-            draft = build_draft(spec, model, tok, ctx.run_dir, device)
-            item.write_json(batched_pair(target, spec, model, draft, tok, ks, lat, device, confidence, cfg.seed))
-            del draft
-        del model

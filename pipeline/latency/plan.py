@@ -1,18 +1,18 @@
 """The latency stage's memory plan and compile session: built before any cell runs, recorded after.
 
-    from pipeline.latency.plan import plain_phase, speculative_phase, plan_latency_stage
+    from pipeline.latency.plan import plain_phase, speculative_phase, estimated_weight_bytes
     plan, budget = plain_phase(model, lat, device)                 # after the variant is loaded
     plan, budget = speculative_phase(model, drafts, lat, k_max, prompt_len, device)
     session, record = compile_session(lat, device)                 # None + a record when off
-    plan_latency_stage(cfg, shape, card_bytes=80e9, spec_context=64)   # the whole stage, no device
+    estimated_weight_bytes(shape, variant_config)                  # planning without loading
 
 The stage runs in two phases per model: the plain grid of each variant (batch x context cells, one
 at a time, pipeline.latency.memory.plan_grid), then the speculative pairs of each target (B = 1 on
 the longest timing prompt, verify width k_max + 1, every draft built at once: their weights are
 loaded beside the target's, and one draft's cache is alive beside the target's at a time). The
 budget is measured (pipeline.latency.memory.device_budget) after the weights are loaded, so it
-already excludes them; `plan_latency_stage` plans the same phases from estimated weight bytes, for
-checking a config against a card without one.
+already excludes them; `estimated_weight_bytes` gives a variant's weights from its scheme without
+loading it, for planning a config against a card without one.
 
 Graphs a compiled run needs (one per shape, pipeline/decode/compiled.py): one decode-step graph per
 plain cell; for the speculative phase the target's decode step and its verify widths 2..k_max+1,
@@ -22,6 +22,7 @@ They are compiled before the timed runs (CompileSession.warm), never inside them
 from __future__ import annotations
 
 from pipeline.latency.memory import CellPlan, MemoryPlan, ModelShape, cache_len, device_budget, plan_grid
+from pipeline.variants.schemes import SCHEMES
 
 
 # ---------------------------------------------------------------- the compiled shapes and the session
@@ -143,59 +144,12 @@ def linear_parameters(shape: ModelShape) -> int:
 
 
 def estimated_weight_bytes(shape: ModelShape, variant) -> int:
-    """Bytes a variant's weights take once loaded, from its scheme (an estimate for planning
-    without loading it; the stage itself measures). Quantized linears: bits/8 bytes per weight,
-    plus a 16-bit scale (and packed zero) per group; the rest stays in the compute dtype."""
+    """Bytes a variant's weights take once loaded, from its scheme's bytes per quantized weight
+    (pipeline/variants/schemes.py; an estimate for planning without loading it, the stage itself
+    measures). The decoder's linear maps are quantized; the rest stays in the compute dtype."""
+    per_weight = SCHEMES[variant.scheme].bytes_per_weight
+    if per_weight is None:
+        return shape.weight_bytes
     linear = linear_parameters(shape)
     rest = shape.weight_bytes - linear * shape.element_bytes
-    scheme, bits = variant.scheme, variant.bits
-    if scheme == "none":
-        return shape.weight_bytes
-    if scheme in ("gptq", "checkpoint"):
-        group = variant.group_size or 128
-        per_weight = (bits or 4) / 8 + (2 + (bits or 4) / 8) / group
-    elif scheme == "bnb-nf4":
-        per_weight = 0.5 + 4 / 64  # one float32 absmax per block of 64 (before double quantization)
-    elif scheme in ("bnb-int8", "torchao-int8wo"):
-        per_weight = 1.0  # + one scale per output row, negligible
-    else:
-        raise ValueError(f"no weight estimate for scheme {scheme!r}")
-    return int(rest + linear * per_weight)
-
-
-def draft_cost(spec: str, shape: ModelShape, variants: dict) -> dict:
-    """Weights a draft adds beside the target, and its KV bytes per position (for planning)."""
-    kind, _, arg = spec.partition(":")
-    if kind == "ngram":
-        return {"weight_bytes": 0, "kv_bytes_per_token": 0}
-    if kind == "layerskip":  # shares the target's first n layers; its own n-layer cache
-        return {"weight_bytes": 0, "kv_bytes_per_token": shape.kv_bytes_per_token * int(arg) // shape.layers}
-    if kind == "self":  # the target architecture, quantized: a second copy of the weights
-        return {"weight_bytes": estimated_weight_bytes(shape, variants[arg]),
-                "kv_bytes_per_token": shape.kv_bytes_per_token}
-    raise ValueError(f"no planning estimate for draft {spec!r} (an hf: draft's size is known once loaded)")
-
-
-def plan_latency_stage(cfg, shape: ModelShape, card_bytes: float, spec_context: int, device_type: str = "cuda",
-                       reserve_fraction: float = 0.05, reserve_min: int = 1 << 30) -> dict:
-    """The stage's plan for a config on a card of `card_bytes`, from estimated weights: every
-    variant's plain grid, every target's speculative cell, and the graphs each would compile."""
-    lat = cfg.latency
-    k_max = lat.k_max or cfg.acceptance.k_max
-    free = card_bytes - max(reserve_min, reserve_fraction * card_bytes)
-    variants = cfg.quantize.variants
-    out: dict = {"card_bytes": int(card_bytes), "variants": {}, "speculative": {}}
-    for name, variant in variants.items():
-        weights = estimated_weight_bytes(shape, variant)
-        plan = plan_grid(shape, lat.batch_sizes, lat.context_lengths, lat.new_tokens, free - weights, device_type)
-        out["variants"][name] = {"weight_bytes": weights, "plan": plan, "graphs": len(plain_shapes(plan.cells))}
-    costs = {spec: draft_cost(spec, shape, variants) for spec in cfg.drafts}
-    for target in cfg.acceptance.targets or [cfg.quantize.reference]:
-        weights = estimated_weight_bytes(shape, variants[target]) + sum(c["weight_bytes"] for c in costs.values())
-        plan = speculative_plan(shape, {s: c["kv_bytes_per_token"] for s, c in costs.items()}, spec_context,
-                                lat.new_tokens, k_max, free - weights, device_type)
-        labels = [draft_label(s) for s, c in costs.items() if c["kv_bytes_per_token"]]
-        length = plan.cells[0].cache_len if plan.cells else cache_len(spec_context, lat.new_tokens)
-        out["speculative"][target] = {"weight_bytes": weights, "plan": plan,
-                                      "graphs": len(speculative_shapes(length, k_max, labels))}
-    return out
+    return int(rest + linear * per_weight(variant.bits, variant.group_size))

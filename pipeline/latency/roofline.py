@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pipeline.core.device import synchronize
+from pipeline.decode.timing import synchronize
 from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
 
 

@@ -1,29 +1,26 @@
-"""One loader for every later stage: `load_variant(dir) -> (model, tokenizer)`.
+"""Loading plain Hugging Face models and tokenizers, and checking model directories before they load.
 
-The directory's meta.json says how it was made (`scheme`); nothing is inferred from its name.
-Loaders are a plain dict scheme -> function; the quantize stage adds its schemes' loaders here.
+    from pipeline.models.loading import load_hf, load_tokenizer, compare_tokenizers, check_weight_files
+
+Variants (quantized or not) load through pipeline.variants.schemes.load_variant, which dispatches
+on the scheme recorded in the directory's meta.json and calls `load_hf` for plain ones.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from pipeline.core.device import resolve_device, resolve_dtype
 from pipeline.core.stage import StageError
 
 
-def _load_hf(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
+def load_hf(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
+    """A plain Hugging Face directory (the reference, a `none` variant): transformers' own loader."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)
-
-
-# scheme -> loader(path, meta, device, dtype) -> model
-LOADERS: dict[str, Callable] = {"none": _load_hf, "reference": _load_hf}
 
 
 def load_tokenizer(path: str | Path):
@@ -93,40 +90,6 @@ def check_weight_files(path: str | Path, what: str) -> list[Path]:
                 raise StageError(f"{what}: weight file {f} is truncated or corrupt "
                                  f"({str(e).splitlines()[0][:120]})") from None
     return files
-
-
-def load_variant(path: str | Path, device: str | torch.device = "auto", dtype: str | None = None):
-    """Load a prepared model or a variant directory on `device`, in eval mode.
-
-    `dtype` overrides the compute dtype recorded in meta.json ("auto" = float32 on CPU, bf16 on CUDA).
-    """
-    path = Path(path)
-    meta_path = path / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise StageError(f"{path} has no meta.json: not a specq model or variant directory") from None
-    except json.JSONDecodeError:
-        raise StageError(f"corrupt artifact: {meta_path} is not valid JSON") from None
-    scheme = meta.get("scheme", "reference")
-    if scheme not in LOADERS:
-        _register_quantized_loaders()
-    if scheme not in LOADERS:
-        raise StageError(f"{path}: unknown scheme '{scheme}' (known: {', '.join(sorted(LOADERS))})")
-    dev = resolve_device(device) if isinstance(device, str) else device
-    dt = resolve_dtype(dtype or meta.get("dtype_compute", "auto"), dev)
-    check_weight_files(path, "corrupt artifact")
-    model = LOADERS[scheme](path, meta, dev, dt)
-    model.eval()
-    return model, load_tokenizer(path)
-
-
-def _register_quantized_loaders() -> None:
-    """Quantized schemes' loaders live beside their quantizers and register on first use."""
-    try:
-        import pipeline.variants.schemes  # noqa: F401  (fills LOADERS)
-    except ImportError:
-        pass
 
 
 def model_facts(model) -> dict:

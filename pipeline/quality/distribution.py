@@ -5,7 +5,8 @@ Task scores move late; these move first. Per document j (a fixed token window) a
     agree_t = [argmax p_ref == argmax p_var]                        top-1 agreement
     nll_t   = -log p(next token)                                    for both models
 Each document contributes its mean over positions; CIs are t-intervals over documents (the
-documents are the independent units; positions inside one are not). The perplexity ratio is
+documents are the independent units; positions inside one are not), intersected with the
+metric's range (top-1 agreement in [0, 1], KL >= 0; `summarize`). The perplexity ratio is
 exp(mean_j (nll_var_j - nll_ref_j)), its CI the exponentiated t-interval of that paired mean.
 
 The held-out text is read at run time from the docstrings of Python standard-library modules on
@@ -21,7 +22,8 @@ import math
 
 import numpy as np
 import torch
-from scipy import stats
+
+from pipeline.stats.intervals import mean_t_interval
 
 # Modules whose docstrings are long prose; the order fixes which documents a run uses.
 HELDOUT_MODULES = [
@@ -113,28 +115,34 @@ def per_document(reference, variant, ids: torch.Tensor, device: torch.device, ba
     return out
 
 
-def t_interval(values, confidence: float = 0.95) -> tuple[float, list[float | None]]:
-    """Mean and two-sided t confidence interval over independent units (null CI if n < 2)."""
-    v = np.asarray(values, dtype=np.float64)
-    mean = float(v.mean())
-    if len(v) < 2:
-        return mean, [None, None]
-    sem = float(stats.sem(v))
-    if sem == 0.0:
-        return mean, [mean, mean]
-    lo, hi = stats.t.interval(confidence, len(v) - 1, loc=mean, scale=sem)
-    return mean, [float(lo), float(hi)]
+# The range each per-document metric can take: its interval is clipped to it.
+RANGES = {"kl": (0.0, math.inf), "top1": (0.0, 1.0)}
+CI_METHOD = ("t interval over documents (mean, SE s/sqrt(n), t quantile on n - 1 df), intersected with the "
+             "metric's range: top-1 agreement [0, 1], KL [0, inf); ppl_ratio: exp of the t interval of the "
+             "mean per-document log-ratio (unbounded, so not clipped; exp keeps it > 0)")
 
 
 def summarize(per_doc: dict, confidence: float = 0.95) -> dict:
-    kl, kl_ci = t_interval(per_doc["kl"], confidence)
-    top1, top1_ci = t_interval(per_doc["top1"], confidence)
+    """The distribution metrics of one variant: per-document means, averaged over documents, with
+    descriptive intervals whose unit is the document (`ci_method`, written into the summary).
+
+    Each interval is the t interval of the mean over documents (SE s/sqrt(n), n - 1 df;
+    pipeline.stats.intervals.mean_t_interval) intersected with the range the metric can take:
+    top-1 agreement is a rate in [0, 1], KL(reference || variant) a divergence >= 0. With few
+    documents the t interval alone runs outside the range (2 documents: 0.656 [-0.138, 1.450]);
+    the true mean lies in the range, so the intersection covers it whenever the t interval does
+    (coverage unchanged) and only drops values the metric cannot take. The perplexity ratio's
+    interval is the exponentiated t interval of the mean log-ratio, positive by construction.
+    Fewer than two documents: [None, None]."""
+    kl, kl_ci = mean_t_interval(per_doc["kl"], confidence, RANGES["kl"])
+    top1, top1_ci = mean_t_interval(per_doc["top1"], confidence, RANGES["top1"])
     diff = np.asarray(per_doc["nll_var"]) - np.asarray(per_doc["nll_ref"])
-    d, d_ci = t_interval(diff, confidence)
+    d, d_ci = mean_t_interval(diff, confidence)
     return {
         "kl_mean": kl, "kl_ci": kl_ci,
         "top1_agreement": top1, "top1_ci": top1_ci,
         "ppl_ratio": math.exp(d), "ppl_ratio_ci": [None if c is None else math.exp(c) for c in d_ci],
+        "ci_method": CI_METHOD,
         "ppl_reference": math.exp(float(np.mean(per_doc["nll_ref"]))),
         "ppl_variant": math.exp(float(np.mean(per_doc["nll_var"]))),
         "n_docs": len(per_doc["kl"]),

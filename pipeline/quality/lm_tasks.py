@@ -1,6 +1,6 @@
 """Standard lm-eval tasks as quality slices (`quality.tasks`), the way their users read them.
 
-Used by the quality stage (pipeline/stages/quality.py); no command of its own.
+Used by the quality stage (pipeline/stages/quality.py) and pipeline/quality/evaluate.py.
 
 * An entry is a task, group or tag that lm-eval knows by name, or a path to a task YAML (or a
   directory of them), indexed with lm-eval's include_path. Its data comes from wherever lm-eval
@@ -22,9 +22,12 @@ Used by the quality stage (pipeline/stages/quality.py); no command of its own.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +71,21 @@ class NamedSlice:
 
 
 @functools.lru_cache(maxsize=4)
+@contextlib.contextmanager
+def quiet():
+    """lm-eval and datasets log a lot at INFO/WARNING; keep the stage's stderr to progress lines."""
+    loggers = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets", "evaluate")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
 def task_manager(with_defaults: bool, include_paths: tuple[str, ...] = ()):
     """lm-eval's task index, built once per process: indexing lm-eval's own ~27k task YAMLs took
     about 12 s, and simple_evaluate builds a fresh index on every call unless given one."""
@@ -119,7 +137,6 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
         return [], {}
     from lm_eval.tasks import get_task_dict
 
-    from pipeline.stages.quality import _quiet
 
     if qcfg is None:
         from pipeline.core.config import QualityConfig
@@ -136,7 +153,7 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
             skipped[entry] = "not a task lm-eval knows" + (f" (nothing named so in {path})" if path else "")
         else:
             try:
-                with _quiet():  # loads (and caches) the data
+                with quiet():  # loads (and caches) the data
                     tasks = list(manager.load([name])["tasks"].values()) if hasattr(manager, "load") \
                         else _leaf_tasks(get_task_dict([name], manager))
             except Exception as e:  # datasets raises many kinds when the hub is unreachable

@@ -39,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.serving.marginal import by_drafted_matrix, recommend_k
+from pipeline.stats.intervals import jackknife_se, normal_se, percentile_interval
 from pipeline.stats.paired import median_ci
 
 
@@ -156,33 +157,23 @@ def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[flo
     relative SE; without it only E_B moves (a normal draw with the SE its CI implies). Written out
     because scipy.stats.bootstrap resamples data only, and acceptance's uncertainty is given as a
     jackknife."""
-    from scipy.stats import norm
-
     rng = np.random.default_rng(seed)
-    z = float(norm.ppf((1 + confidence) / 2))
     med_round = np.median(rng.choice(round_ms, (resamples, round_ms.size)), axis=1)
     med_ratio = np.median(rng.choice(ratio, (resamples, ratio.size)), axis=1)
     noise = rng.standard_normal(resamples)
     if jack_factor is not None and jack_factor.size >= 2 and np.all(np.isfinite(jack_factor)):
-        m = jack_factor.size
-        rel_se = float(np.sqrt((m - 1) / m * np.sum((jack_factor - jack_factor.mean()) ** 2)) / jack_factor.mean())
+        rel_se = jackknife_se(jack_factor) / jack_factor.mean()
         scale = np.clip(1.0 + rel_se * noise, 0.05, None)  # multiplies ms/token, divides speedup
         ms_draws, sp_draws = med_round / e_point * scale, med_ratio * e_point / scale
         unit = ("timing repeats (bootstrap) and acceptance prompts (delete-one-prompt jackknife of "
                 "sum_w share_w T_w / E_B), independent")
     else:
-        se = max(e_ci[1] - e_ci[0], 0.0) / (2 * z)
+        se = normal_se(e_ci, confidence)
         e = np.clip(e_point + se * noise, 1.0, k + 1.0)
         ms_draws, sp_draws = med_round / e, med_ratio * e
         unit = "timing repeats (bootstrap) and E_B's prompt interval (normal), independent"
-    q = [(1 - confidence) / 2, (1 + confidence) / 2]
-
-    def interval(samples: np.ndarray, point: float) -> list[float]:
-        lo, hi = np.quantile(samples, q)
-        return [min(float(lo), point), max(float(hi), point)]
-
-    return (interval(ms_draws, float(np.median(round_ms)) / e_point),
-            interval(sp_draws, float(np.median(ratio)) * e_point), unit)
+    return (percentile_interval(ms_draws, confidence, float(np.median(round_ms)) / e_point),
+            percentile_interval(sp_draws, confidence, float(np.median(ratio)) * e_point), unit)
 
 
 def recommended_by_batch(rows: list[dict]) -> dict[int, int]:

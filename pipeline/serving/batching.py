@@ -45,7 +45,7 @@ import numpy as np
 from pipeline.serving.batch_k import by_batch_section, prefix_rates
 from pipeline.serving.simulation import (ASSUMPTIONS, CostModel, Request, crossover, open_loop, plain_capacity_rps,
                                   simulate, summarize, table_policy)
-from pipeline.stats.paired import percentile_bootstrap
+from pipeline.stats.intervals import percentile_bootstrap, percentile_interval
 
 
 def _policies(fixed_k: int, by_batch: dict[int, int]) -> dict[str, tuple]:
@@ -106,11 +106,6 @@ def _rel_median(pred: np.ndarray, meas: np.ndarray) -> float:
     return float(np.median(pred) / np.median(meas) - 1.0)
 
 
-def _percentiles(x: np.ndarray, confidence: float) -> list[float]:
-    """The central `confidence` interval of resampled statistics (a percentile-bootstrap CI)."""
-    return [float(np.percentile(x, (1 - confidence) / 2 * 100)), float(np.percentile(x, (1 + confidence) / 2 * 100))]
-
-
 def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, confidence: float, seed: int,
              accept_by_k: dict | None = None, accept_by_batch: dict | None = None,
              width_by_batch: dict | None = None) -> list[dict]:
@@ -163,15 +158,15 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
             for j, metric in enumerate(("tpot_ms", "ttft_ms")):
                 m = loop[mode][metric]
                 p = float(np.median(pred[:, j]))
-                rel_ci = _percentiles(boot[:, j], confidence)
-                interval = _percentiles(spread[:, j], confidence)
+                rel_ci = percentile_interval(boot[:, j], confidence)
+                interval = percentile_interval(spread[:, j], confidence)
                 row[metric] = {"predicted": p, "prediction_interval": interval, "measured": m["median"],
                                "measured_ci": m["ci"], "relative_error": p / m["median"] - 1.0,
                                "relative_error_ci": rel_ci, "agrees": rel_ci[0] <= 0.0 <= rel_ci[1],
                                "within_measured_ci": m["ci"][0] <= p <= m["ci"][1],
                                "intervals_overlap": interval[0] <= m["ci"][1] and m["ci"][0] <= interval[1],
                                "per_wave": {"predicted": pred[:, j].tolist(), "measured": meas[:, j].tolist()}}
-            family_ci = _percentiles(boot[:, 0], family_level)
+            family_ci = percentile_interval(boot[:, 0], family_level)
             row["tpot_ms"].update({"relative_error_ci_familywise": family_ci, "familywise_confidence": family_level,
                                    "agrees_familywise": family_ci[0] <= 0.0 <= family_ci[1]})
             if spec:
@@ -180,7 +175,7 @@ def validate(grid: dict, batched: dict, prefix: np.ndarray, resamples: int, conf
                                                False)[0] for j, w in enumerate(waves)]
                                         for r in range(max(1, min(resamples, 20)))])
                 p = float(np.median(np.median(drawn_point, axis=1)))
-                ci = _percentiles(np.asarray(drawn_boot), confidence)
+                ci = percentile_interval(np.asarray(drawn_boot), confidence)
                 row["unconditional"] = {"tpot_predicted": p, "relative_error": p / float(np.median(meas[:, 0])) - 1.0,
                                         "relative_error_ci": ci, "agrees": ci[0] <= 0.0 <= ci[1]}
                 row["acceptance_check"] = _acceptance_check(point_costs, loop, waves, confidence, seed)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.core.stage import StageError
+from pipeline.stats.intervals import percentile_interval
 from pipeline.stats.paired import median_ci
 
 RULE = (
@@ -87,14 +88,6 @@ def _prompt_arrays(acc: dict, ks: list[int], d_max: int):
     return tokens, rounds, drafted
 
 
-def _interval(boot: np.ndarray, point: float, confidence: float) -> list[float]:
-    boot = boot[np.isfinite(boot)]
-    if boot.size == 0:
-        return [point, point]
-    lo, hi = np.quantile(boot, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return [min(float(lo), point), max(float(hi), point)]
-
-
 def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int = 0, resamples: int = 2000) -> dict:
     """The marginal-cost table for one (pair, slice, temperature).
 
@@ -132,6 +125,12 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
     alphas = _position_rates(acc.get("per_position") or [])
     c = _cost_ratio(by_drafted_matrix(timing.get("draft_ms_by_drafted") or {}, d_max)[0]
                     if timing.get("draft_ms_by_drafted") else None, t_plain)
+
+    def ci(boot: np.ndarray, point: float) -> list[float]:
+        # Percentile interval containing the point; resamples where a ratio is undefined (no
+        # weight on any prompt's rounds) are dropped, and with none left it is the point alone.
+        return percentile_interval(boot, confidence, point, drop_nonfinite=True, too_few=(point, point))
+
     rows = []
     prev_round, prev_tokens = t_plain, 1.0  # k = 0 is plain decoding
     for j, k in enumerate(ks):
@@ -142,14 +141,14 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         row = {
             "k": k,
             "tokens_per_round": tokens_k,
-            "tokens_per_round_ci": _interval(e_b[:, j], tokens_k, confidence),
+            "tokens_per_round_ci": ci(e_b[:, j], tokens_k),
             "round_ms": r_med,
-            "round_ms_ci": _interval(round_b[:, j], r_med, confidence),
+            "round_ms_ci": ci(round_b[:, j], r_med),
             "mean_drafted": float(share[j] @ np.arange(d_max + 1)),
             "ms_per_token": ms_tok,
-            "ms_per_token_ci": _interval(ms_b[:, j], ms_tok, confidence),
+            "ms_per_token_ci": ci(ms_b[:, j], ms_tok),
             "speedup": t_plain / ms_tok,
-            "speedup_ci": _interval(sp_b[:, j], t_plain / ms_tok, confidence),
+            "speedup_ci": ci(sp_b[:, j], t_plain / ms_tok),
             "marginal_ms_per_token": marginal,
             # k-1 -> k lowers ms/token iff a marginal token costs less than the average one at
             # k-1. SEEDS' looser test (below plain ms/token) says the extra tokens are at least

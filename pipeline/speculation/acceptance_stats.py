@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.speculation.expected_rounds import RoundChain, TextAcceptance
+from pipeline.stats.intervals import clip_contain, percentile_interval
 
 RESAMPLES = 2000
 
@@ -49,17 +50,15 @@ def prompt_weights(n_prompts: int, seed: int, resamples: int = RESAMPLES) -> np.
 
 def ratio_interval(num_b: np.ndarray, den_b: np.ndarray, point: float | None, confidence: float,
                    bounds: tuple[float, float], n_prompts: int) -> list[float] | None:
-    """Percentile interval of num/den over resamples (undefined resamples dropped), clipped to
-    `bounds` and widened to contain `point`."""
+    """Percentile interval of num/den over prompt resamples (undefined resamples dropped), clipped
+    to `bounds` and widened to contain `point` (pipeline.stats.intervals.percentile_interval);
+    `bounds` itself with one prompt or fewer than 10 defined resamples."""
     if point is None:
         return None
-    ok = den_b > 0
-    if n_prompts < 2 or ok.sum() < 10:
+    if n_prompts < 2:
         return [float(bounds[0]), float(bounds[1])]
-    r = num_b[ok] / den_b[ok]
-    lo, hi = np.quantile(r, [(1 - confidence) / 2, (1 + confidence) / 2])
-    lo, hi = max(float(lo), bounds[0]), min(float(hi), bounds[1])
-    return [min(lo, point), max(hi, point)]
+    ok = den_b > 0
+    return percentile_interval(num_b[ok] / den_b[ok], confidence, point, bounds, min_replicates=10, too_few=bounds)
 
 
 def rate_interval(num_b: np.ndarray, den_b: np.ndarray, hits: float, trials: float, confidence: float,
@@ -73,7 +72,7 @@ def rate_interval(num_b: np.ndarray, den_b: np.ndarray, hits: float, trials: flo
     if boot is None:
         return None
     lo, hi = proportion_confint(hits, trials, alpha=1 - confidence, method="wilson")
-    return [max(0.0, min(boot[0], float(lo), point)), min(1.0, max(boot[1], float(hi), point))]
+    return clip_contain(min(boot[0], float(lo)), max(boot[1], float(hi)), point, (0.0, 1.0))
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -166,11 +165,11 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
         measured = _ratio(d_tokens.sum(), d_rounds.sum()) or 1.0
         diff_b_ok = ((w @ rounds) > 0) & ((w @ d_rounds) > 0)
         diff_b = (w @ d_tokens)[diff_b_ok] / (w @ d_rounds)[diff_b_ok] - (w @ tokens)[diff_b_ok] / (w @ rounds)[diff_b_ok]
-        if n_prompts >= 2 and diff_b.size >= 10:
-            lo, hi = np.quantile(diff_b, [(1 - confidence) / 2, (1 + confidence) / 2])
-            diff_ci = [min(float(lo), measured - derived), max(float(hi), measured - derived)]
-        else:
-            diff_ci = [-float(k), float(k)]  # one prompt: the difference of two values in [1, k+1]
+        # Too few to resample (one prompt, or under 10 defined resamples): the whole range of a
+        # difference of two values in [1, k+1].
+        whole = [-float(k), float(k)]
+        diff_ci = (percentile_interval(diff_b, confidence, measured - derived, min_replicates=10, too_few=whole)
+                   if n_prompts >= 2 else whole)
         agree = abs(measured - derived) <= 1e-9 if greedy else diff_ci[0] <= 0.0 <= diff_ci[1]
         out[str(k)] = {
             "derived": derived, "direct": measured,

@@ -57,9 +57,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import norm
 
 from pipeline.speculation.expected_rounds import TextAcceptance, round_chain
+from pipeline.stats.intervals import jackknife_se, normal_interval
 
 PARTITIONS = 8  # random partitions per (slice, B): more groups per prompt, a steadier average
 
@@ -132,15 +132,6 @@ def partition_groups(n_prompts: int, batch: int, seed: int, partitions: int = PA
     return groups
 
 
-def _interval(point: float, jack: np.ndarray, confidence: float, k: int) -> tuple[list[float], float]:
-    """Delete-one jackknife normal interval (and SE) of a ratio, clipped to [1, k+1]."""
-    m = jack.size
-    se = float(np.sqrt((m - 1) / m * np.sum((jack - jack.mean()) ** 2)))
-    z = float(norm.ppf((1 + confidence) / 2))
-    lo, hi = max(1.0, point - z * se), min(k + 1.0, point + z * se)
-    return [min(lo, point), max(hi, point)], se
-
-
 def batch_block(texts: list[TextAcceptance], batch: int, k_max: int, confidence: float = 0.95,
                 seed: int = 0) -> dict:
     """E_B(k) for k = 1..k_max over one slice's prompts (module docstring), with intervals."""
@@ -177,7 +168,9 @@ def batch_block(texts: list[TextAcceptance], batch: int, k_max: int, confidence:
             jack.append(tokens[keep].sum() / row_rounds[keep].sum() if row_rounds[keep].sum() > 0 else 1.0)
             w = widths[keep].sum(0)
             jack_share.append((w / w.sum()).tolist() if w.sum() > 0 else width_share.get(str(k)))
-        ci[str(k)], se_by_k[str(k)] = _interval(point, np.asarray(jack), confidence, k)
+        # Delete-one-prompt jackknife SE, normal interval clipped to E_B's range [1, k + 1].
+        se_by_k[str(k)] = jackknife_se(jack)
+        ci[str(k)] = normal_interval(point, se_by_k[str(k)], confidence, bounds=(1.0, k + 1.0))
         # The delete-one-prompt replicates of E_B and of the width shares, for a jackknife of any
         # smooth function of both (pipeline/serving/batch_k.py: ms/token = sum_w share_w T_w / E_B).
         jackknife[str(k)] = {"tokens_per_round": jack, "width_share": jack_share}

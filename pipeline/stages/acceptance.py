@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from draft_models import build_draft, draft_slug
+from draft_models.registry import build_draft, draft_slug
 from pipeline.speculation.batch_rounds import by_batch_blocks
 from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
 from pipeline.decode.drafts import Draft
@@ -139,7 +139,7 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
 
 
 def run(ctx: StageContext) -> None:
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
 
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)

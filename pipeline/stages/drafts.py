@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from draft_models import build_draft, draft_slug, parse_spec
+from draft_models.registry import build_draft, draft_slug, parse_spec
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, StageError, progress, read_json
 
@@ -50,7 +50,7 @@ def run(ctx: StageContext) -> None:
     from transformers import AutoConfig
 
     from pipeline.models.architecture import check_engine_cache
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
 
     specs = list(dict.fromkeys(ctx.config.drafts))
     slugs = [draft_slug(s) for s in specs]  # validates every spec before any work

@@ -39,11 +39,16 @@ from pathlib import Path
 import torch
 
 from pipeline.core.device import DTYPES, resolve_device, resolve_dtype
-from pipeline.models.loading import load_tokenizer, load_variant
+from pipeline.models.loading import load_tokenizer
+from pipeline.variants.schemes import load_variant
 from pipeline.models.architecture import architecture, float_matrix_fraction
 from pipeline.variants.checks import check_variant, reference_matrices
-from pipeline.variants.schemes import SCHEMES, Job, bytes_in_memory, library_version, weight_bytes
-from pipeline.core.stage import REPO, StageContext, StageError, atomic_write_json, progress, read_json, sha256_file
+from pipeline.models.bytes import bytes_in_memory
+from pipeline.variants.files import weight_bytes
+from pipeline.variants.quantizers import Job
+from pipeline.variants.schemes import SCHEMES
+from pipeline.core.stage import (REPO, StageContext, StageError, atomic_write_json, library_version, progress, read_json,
+                                 sha256_file)
 
 BUILTIN_CALIBRATION = REPO / "evals" / "data" / "calibration.txt"
 SANITY_MODULES = ("argparse", "textwrap", "difflib", "heapq", "bisect", "functools", "contextlib",

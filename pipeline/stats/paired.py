@@ -33,6 +33,7 @@ import numpy as np
 from scipy import stats as sps
 
 from pipeline.stats import tango
+from pipeline.stats.intervals import clip_contain, percentile_bootstrap, t_interval
 
 # ---------------------------------------------------------------- clusters
 
@@ -387,30 +388,17 @@ def mean_ci(scores: Sequence[float], codes: np.ndarray | None, confidence: float
         usable = 0.0 < se < math.inf and spread > 0.0
         n_eff = spread / se**2 if usable else n / design_effect_bound(codes)
         lo, hi = proportion_confint(mean * n_eff, n_eff, alpha=1.0 - confidence, method="wilson")
-        # min/max: float rounding can put Wilson's end a hair inside a mean of exactly 0 or 1.
-        return mean, [min(float(lo), mean), max(float(hi), mean)], f"Wilson at effective n {n_eff:.1f} ({unit})"
+        # Containing the mean: float rounding can put Wilson's end a hair inside a mean of 0 or 1.
+        return mean, clip_contain(lo, hi, mean), f"Wilson at effective n {n_eff:.1f} ({unit})"
     if g < 2:
         return mean, [None, None], "one cluster"
-    q = sps.t.isf((1.0 - confidence) / 2.0, g - 1)
-    return mean, [mean - q * se, mean + q * se], f"t, CR1 ({unit})"
+    return mean, t_interval(mean, se, g - 1, confidence), f"t, CR1 ({unit})"
 
 
 # ---------------------------------------------------------------- medians over timing repeats
-# (latency and marginal; kept in its own section at the end so it merges apart from the gate's)
-
-
-def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0.95, seed: int = 0,
-                         paired: bool = False, n_resamples: int = 2000) -> tuple[float, float]:
-    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised), through scipy.stats.
-    Each sample is resampled on its own unless `paired`."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # degenerate resamples of tiny samples are expected
-        res = sps.bootstrap(data, statistic, paired=paired, vectorized=True, n_resamples=n_resamples,
-                            confidence_level=confidence, method="percentile",
-                            random_state=np.random.default_rng(seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+# (latency and marginal; kept in its own section at the end so it merges apart from the gate's).
+# percentile_bootstrap lives in pipeline.stats.intervals; it is imported here for median_ci and
+# for the callers that take it from this module.
 
 
 def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
@@ -424,4 +412,4 @@ def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
         lo = hi = med
     else:
         lo, hi = percentile_bootstrap((x,), lambda a, axis: np.median(a, axis=axis), confidence, seed)
-    return {"median": med, "ci": [min(lo, med), max(hi, med)], "samples": x.tolist()}
+    return {"median": med, "ci": clip_contain(lo, hi, med), "samples": x.tolist()}

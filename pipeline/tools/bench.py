@@ -52,7 +52,7 @@ def truncated_copy(model, n_layers: int):
 
 
 def _timed(device: torch.device, fn):
-    from pipeline.core.device import synchronize
+    from pipeline.decode.timing import synchronize
 
     synchronize(device)
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def compare(name: str, engine_fn, hf_fn, device, warmup: int, repeats: int, n: i
 def _model_dir(run: Path, config_path: str, model: str) -> Path:
     if (run / "model" / "meta.json").is_file():
         return run / "model"
-    from pipeline.__main__ import STAGES
+    from pipeline.stages.table import STAGES
     from pipeline.core.config import load_config
     from pipeline.core.stage import run_stage
 
@@ -120,6 +120,9 @@ def _model_dir(run: Path, config_path: str, model: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipeline.core.process import set_up_process
+
+    set_up_process()
     p = argparse.ArgumentParser(prog="python -m pipeline.tools.bench", description=__doc__.split("\n")[0])
     p.add_argument("--run", default="runs/smollm2-135m")
     p.add_argument("--config", default="configs/default.yaml")
@@ -131,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
 
-    from draft_models import build_draft
+    from draft_models.registry import build_draft
     from pipeline.core.config import load_config
     from pipeline.core.device import resolve_device
     from pipeline.decode.engine import generate
     from pipeline.speculation.prompts import prompt_ids
-    from pipeline.models.loading import load_variant
+    from pipeline.variants.schemes import load_variant
     from pipeline.core.stage import atomic_write_json, library_versions
 
     cfg = load_config(args.config)

@@ -26,21 +26,19 @@ size in bytes.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from pipeline.core.stage import StageError
-
-_SPECQ_FILES = {"meta.json", "model_info.json"}
+from pipeline.core.stage import StageError, library_version, read_json
+from pipeline.models.loading import check_weight_files, compare_tokenizers, load_hf
+from pipeline.variants.files import SPECQ_FILES, link_or_copy_tree, weight_bytes
+from pipeline.variants.quantizers import hf_from_pretrained, load_bnb, load_gptq, load_torchao
 
 
 def _read_json(path: Path, label: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise StageError(f"{label}: {path} is not valid JSON") from None
+    """A checkpoint's JSON file as a dict; anything else is one line naming the file."""
+    data = read_json(path, f"{label} file", made_by_specq=False)
     if not isinstance(data, dict):
         raise StageError(f"{label}: {path} is not a JSON object")
     return data
@@ -71,12 +69,10 @@ def quant_method(qcfg: dict) -> str | None:
 
 def inspect_checkpoint(path: Path) -> dict:
     """What a checkpoint directory holds, as recorded in the variant's meta.json."""
-    from pipeline.models.loading import weight_files
-
     config = _read_json(path / "config.json", "checkpoint")
     qcfg = quant_config(path, config)
     files = [{"name": str(p.relative_to(path)), "bytes": p.stat().st_size}
-             for p in sorted(path.rglob("*")) if p.is_file() and p.name not in _SPECQ_FILES]
+             for p in sorted(path.rglob("*")) if p.is_file() and p.name not in SPECQ_FILES]
     text = config.get("text_config") or {}
     return {
         "path": str(path.resolve()),
@@ -88,7 +84,7 @@ def inspect_checkpoint(path: Path) -> dict:
         "vocab_size": config.get("vocab_size") or text.get("vocab_size"),
         "files": files,
         "bytes": sum(f["bytes"] for f in files),
-        "weight_bytes": sum(p.stat().st_size for p in weight_files(path)),
+        "weight_bytes": weight_bytes(path),
     }
 
 
@@ -127,8 +123,6 @@ def _check_loadable(label: str, path: Path, info: dict, device: torch.device) ->
 
 
 def _version(dist: str) -> str:
-    from pipeline.variants.schemes import library_version
-
     return library_version(dist) or "(not installed)"
 
 
@@ -136,8 +130,6 @@ def check_checkpoint(variant: str, spec, reference_tokenizer, device: torch.devi
     """Every check on a `checkpoint` variant that needs no weights loaded; returns what
     inspect_checkpoint found."""
     from transformers import AutoTokenizer
-
-    from pipeline.models.loading import check_weight_files, compare_tokenizers
 
     label = f"variant '{variant}'"
     if not spec.path:
@@ -165,8 +157,6 @@ def check_checkpoint(variant: str, spec, reference_tokenizer, device: torch.devi
             raise StageError(f"{label}: config says {key} {want}, checkpoint {path} has {qcfg.get(key)} "
                              f"(quantization: {info['quant_method'] or 'none'})")
     if info["quant_method"] == "gptq":
-        from pipeline.variants.schemes import library_version
-
         if library_version("gptqmodel") is None:
             raise StageError(f"{label}: checkpoint {path} is GPTQ, which needs the Python package gptqmodel "
                              "(pip install gptqmodel)")
@@ -176,11 +166,9 @@ def check_checkpoint(variant: str, spec, reference_tokenizer, device: torch.devi
 
 def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
     """Link the checkpoint into the variant directory (check_checkpoint has passed)."""
-    from pipeline.variants.schemes import library_version, link_or_copy_tree
-
     path = Path(spec.path).expanduser()
     info = inspect_checkpoint(path)
-    link_or_copy_tree(path, out, skip=_SPECQ_FILES)
+    link_or_copy_tree(path, out, skip=SPECQ_FILES)
     qcfg = info["quantization_config"] or {}
     method = info["quant_method"]
     library = "gptqmodel" if method == "gptq" else "transformers"
@@ -194,17 +182,15 @@ def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
 def load_checkpoint(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     """GPTQ through GPTQModel; bitsandbytes and torchao through the loaders of the schemes that
     make them; anything else (plain, AWQ, FP8, compressed-tensors, ...) through transformers."""
-    from pipeline.variants import schemes as qs
-
     info = meta.get("checkpoint")
     # Variant directories made before `checkpoint` took any directory were all GPTQ.
     method = info.get("quant_method") if isinstance(info, dict) else "gptq"
     if method == "gptq":
-        return qs.load_gptq(path, meta, device, dtype)
+        return load_gptq(path, meta, device, dtype)
     if method == "bitsandbytes":
-        return qs.load_bnb(path, meta, device, dtype)
+        return load_bnb(path, meta, device, dtype)
     if method == "torchao":
-        return qs.load_torchao(path, meta, device, dtype)
+        return load_torchao(path, meta, device, dtype)
     if method is None:
-        return qs._load_hf(path, meta, device, dtype)
-    return qs._hf_from_pretrained(path, dtype, device)
+        return load_hf(path, meta, device, dtype)
+    return hf_from_pretrained(path, dtype, device)

@@ -21,8 +21,8 @@ import torch
 
 from pipeline.models.architecture import WeightMatrix, architecture, meta_model, weight_matrices
 from pipeline.variants.checkpoint import check_checkpoint
-from pipeline.variants.schemes import SCHEMES, library_version
-from pipeline.core.stage import StageError
+from pipeline.variants.schemes import SCHEMES
+from pipeline.core.stage import StageError, library_version
 
 
 def reference_matrices(src: Path) -> list[WeightMatrix]:

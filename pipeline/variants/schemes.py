@@ -1,376 +1,39 @@
-"""Quantization schemes: a plain dict scheme -> (quantizer, loader, library, devices).
+"""The one registry of quantization schemes, and the loader every later stage uses.
 
-A quantizer turns the reference HF directory `src` into a variant directory `out` and returns the
-extra keys it wants in the variant's meta.json. A loader is `(path, meta, device, dtype) -> model`;
-importing this module registers every loader into `pipeline.models.loading.LOADERS`, so
-`load_variant(dir)` dispatches on the `scheme` recorded in the directory's meta.json.
+    from pipeline.variants.schemes import SCHEMES, load_variant
+    SCHEMES["gptq"].quantize(src, out, spec, job)          # the quantize stage
+    model, tokenizer = load_variant("runs/x/variants/w4a16-gptq", device="cpu")
 
-    scheme          library        stored as
-    none            transformers   the reference's safetensors (hard links), or a noised copy
-    gptq            gptqmodel      packed int4/int8 GPTQ safetensors (GPTQModel format)
-    bnb-int8        bitsandbytes   LLM.int8 weights serialized by save_pretrained
-    bnb-nf4         bitsandbytes   NF4 weights + quant state serialized by save_pretrained
-    torchao-int8wo  torchao        int8 weight-only tensors serialized by save_pretrained
-    checkpoint      transformers   any HF directory given as `path` (plain, or quantized elsewhere:
-                   (gptqmodel)    GPTQ through GPTQModel, other methods through transformers),
-                                  linked in; see pipeline/variants/checkpoint.py
+A plain dict scheme -> Scheme (quantizer, loader, library, devices, what it quantizes, the bytes
+a weight costs). Nothing registers itself: adding a scheme means a quantizer and a loader
+(pipeline/variants/quantizers.py or a module of its own) and one entry here, plus its name in the
+config's `scheme` list (pipeline/core/config.py, which cannot import this package).
+
+`load_variant` reads the directory's meta.json: its `scheme` says how it was made; nothing is
+inferred from the directory's name. The prepared reference (runs/<run>/model/, scheme
+"reference") loads like `none`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
-import os
-import shutil
-import sys
-import time
-import zlib
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from pipeline.models.architecture import architecture, text_config, weight_matrices
+from pipeline.core.device import resolve_device, resolve_dtype
+from pipeline.core.stage import StageError
+from pipeline.models.loading import check_weight_files, load_hf, load_tokenizer
 from pipeline.variants.checkpoint import load_checkpoint, quantize_checkpoint
-from pipeline.models.loading import LOADERS, WEIGHT_SUFFIXES, _load_hf
-from pipeline.core.stage import StageError, progress
+from pipeline.variants.quantizers import (load_bnb, load_gptq, load_torchao, quantize_bnb_int8, quantize_bnb_nf4,
+                                          quantize_gptq, quantize_none, quantize_torchao_int8wo)
 
-# Files of a prepared model that belong to specq, not to the HF checkpoint.
-_SPECQ_FILES = {"meta.json", "model_info.json"}
 
-
-@dataclass
-class Job:
-    """What a quantizer needs besides src/out: device, dtypes, calibration, where logs go."""
-
-    name: str
-    device: torch.device
-    storage_dtype: torch.dtype  # dtype of the unquantized parts on disk (the reference's)
-    compute_dtype: torch.dtype
-    seed: int
-    log_dir: Path
-    calibration: Callable[[], list[list[int]]] | None = None  # token-id windows, made on demand
-    calibration_batch: int = 1
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def library_version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def link_or_copy_tree(src: Path, out: Path, skip: set[str] = _SPECQ_FILES) -> None:
-    """Hard-link every weight file of `src` into `out` (copy across file systems) and copy the rest.
-    Weight files are never written in place by anyone, so sharing their inodes is safe and costs
-    no disk; tokenizer and config files are rewritten in the variant (save_pretrained opens them
-    for writing in place), which through a hard link would edit the source directory."""
-    for p in sorted(src.rglob("*")):
-        rel = p.relative_to(src)
-        if p.is_dir() or rel.name in skip:
-            continue
-        dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if not p.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copy2(p, dst)
-            continue
-        try:
-            os.link(p, dst)
-        except OSError:
-            shutil.copy2(p, dst)
-
-
-def weight_bytes(path: Path) -> int:
-    """Bytes of the weight files in a model directory (config/tokenizer files excluded)."""
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-
-
-def _is_wrapper(t: torch.Tensor) -> bool:
-    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    # Tensor subclasses (torchao's Int8Tensor, ...) report the logical dtype's element size;
-    # what they hold is their inner tensors.
-    if _is_wrapper(t):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    n = t.numel() * t.element_size()
-    # bitsandbytes keeps scales beside the packed data: Params4bit.quant_state, Int8Params.SCB.
-    state = getattr(t, "quant_state", None)
-    if state is not None:
-        for attr in ("absmax", "code"):
-            v = getattr(state, attr, None)
-            if isinstance(v, torch.Tensor):
-                n += v.numel() * v.element_size()
-        inner = getattr(state, "state2", None)
-        if inner is not None and isinstance(getattr(inner, "absmax", None), torch.Tensor):
-            n += inner.absmax.numel() * inner.absmax.element_size()
-    scb = getattr(t, "SCB", None)
-    if isinstance(scb, torch.Tensor):
-        n += scb.numel() * scb.element_size()
-    return n
-
-
-def bytes_in_memory(model: torch.nn.Module) -> int:
-    """Bytes held by a loaded model's parameters and buffers, each storage counted once (tied
-    embeddings share one)."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        key = id(t) if _is_wrapper(t) else t.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += _tensor_bytes(t)
-    return total
-
-
-def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> int:
-    """Deliberate damage: w += relative_std * std(w) * N(0, 1) on every decoder weight matrix
-    (Linear, GPT-2's Conv1D, each expert of a fused expert tensor, a router). Seeded, so the
-    damaged variant is reproducible. Returns the number of matrices changed."""
-    gen = torch.Generator().manual_seed(seed)
-    changed = 0
-    with torch.no_grad():
-        for matrix in weight_matrices(model):
-            w = matrix.param
-            for m in (w if w.dim() == 3 else [w]):  # each expert is a matrix of its own
-                noise = torch.randn(m.shape, generator=gen, dtype=torch.float32)
-                m.add_((noise * (relative_std * m.float().std())).to(m.dtype))
-                changed += 1
-    if not changed:
-        raise StageError(f"weight_noise: no decoder weight matrices found in {architecture(model)}")
-    return changed
-
-
-def noise_seed(seed: int, variant: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(variant.encode())) % (2**31)
-
-
-@contextlib.contextmanager
-def library_output_to(log_file: Path):
-    """Send a library's chatter (progress bars, tables) to a log file, and run in the log
-    directory: GPTQModel writes `logs/` into its working directory. Paths given to the library
-    must be absolute. Yields the real stderr, for the caller's own progress lines."""
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    cwd, stderr = os.getcwd(), sys.stderr
-    with open(log_file, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        os.chdir(log_file.parent)
-        try:
-            yield stderr  # where the caller's own progress lines still go
-        finally:
-            os.chdir(cwd)
-
-
-def _hf_from_pretrained(src: Path, dtype: torch.dtype, device: torch.device, **kw):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=str(device), **kw)
-
-
-# ---------------------------------------------------------------- none (the reference, or a noised copy)
-
-
-def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
-    bits = torch.finfo(job.storage_dtype).bits
-    if spec.weight_noise > 0:
-        model = _hf_from_pretrained(src, job.storage_dtype, torch.device("cpu"))
-        n = add_weight_noise(model, spec.weight_noise, noise_seed(job.seed, job.name))
-        model.save_pretrained(out, safe_serialization=True)
-        return {"storage": f"copy of the reference with noise on {n} decoder weight matrices", "bits": bits,
-                "library": "transformers", "library_version": library_version("transformers")}
-    link_or_copy_tree(src, out)
-    return {"storage": "hard links to the reference's files", "library": "transformers", "bits": bits,
-            "library_version": library_version("transformers")}
-
-
-# ---------------------------------------------------------------- GPTQ through GPTQModel
-
-
-def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
-    from gptqmodel import GPTQModel, QuantizeConfig
-    from transformers import AutoConfig
-
-    src, out = Path(src).resolve(), Path(out).resolve()  # the library runs in the log directory
-    bits, group_size = spec.bits or 4, spec.group_size or 128
-    windows = job.calibration()
-    calibration = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in windows]
-    n_layers = text_config(AutoConfig.from_pretrained(src)).num_hidden_layers
-    start = time.perf_counter()
-    err = sys.stderr
-
-    def layer_done(layer_idx: int, submodule_finalized: bool) -> None:
-        if submodule_finalized:
-            print(f"[{time.strftime('%H:%M:%S')}] quantize {job.name}: GPTQ layer {layer_idx + 1}/{n_layers} "
-                  f"done ({time.perf_counter() - start:.0f} s)", file=err, flush=True)
-
-    log = job.log_dir.resolve() / f"quantize-{job.name}.log"
-    progress(f"quantize {job.name}: GPTQ {bits}-bit g{group_size} on {job.device.type}, "
-             f"{len(windows)} calibration windows; GPTQModel's log -> {log}")
-    qdevice = "cuda:0" if job.device.type == "cuda" else "cpu"
-    with library_output_to(log) as err, transformers_classes_kept(AutoConfig.from_pretrained(src)):
-        qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=False, sym=True,
-                            device=qdevice, offload_to_disk=False)
-        # On CPU GPTQModel would pick bfloat16, which this CPU only emulates (measured ~4x slower
-        # per layer than float32 on SmolLM2); on CUDA its own choice (bf16/fp16) is right.
-        gm = GPTQModel.load(str(src), qc, **({"dtype": torch.float32} if qdevice == "cpu" else {}))
-        gm.layer_callback = layer_done
-        gm.quantize(calibration, backend="torch" if qdevice == "cpu" else "auto",
-                    batch_size=job.calibration_batch)
-        # The unquantized parameters (embeddings, norms) go to disk in the reference's dtype, not
-        # the float32 used for quantizing (SmolLM2: 108 MiB of float32 embeddings otherwise). The
-        # GPTQ buffers (packed weights, float16 scales) are left as GPTQModel made them.
-        for p in gm.model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(job.storage_dtype)
-        gm.model.config.dtype = job.storage_dtype
-        gm.save(str(out))
-    return {"storage": "GPTQ packed weights (GPTQModel format, safetensors)", "library": "gptqmodel",
-            "bits": bits, "group_size": group_size, "quantize_dtype": "float32" if qdevice == "cpu" else "auto",
-            "calibration_batch": job.calibration_batch,
-            "library_version": library_version("gptqmodel"), "desc_act": False, "sym": True,
-            "quantize_log": str(log)}
-
-
-def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
-    from gptqmodel import GPTQModel
-    from transformers import AutoConfig
-
-    # GPTQModel prints to stdout while loading; keep stdout for the stages' own output.
-    with contextlib.redirect_stdout(sys.stderr), transformers_classes_kept(AutoConfig.from_pretrained(path)):
-        gm = GPTQModel.load(str(path), device=str(device), dtype=dtype)
-    return gm.model
-
-
-@contextlib.contextmanager
-def transformers_classes_kept(config):
-    """Undo, on exit, GPTQModel's process-wide edits to transformers. Loading a MoE model, it
-    (through its `defuser` package) replaces the architecture's sparse-MoE block class in the
-    transformers modeling module and the checkpoint conversion mapping, so every later plain
-    transformers load of that architecture in this process builds unfused experts (a
-    bitsandbytes NF4 Qwen2-MoE variant made after a GPTQ one then fails with 'quant_state is
-    required'). Models already built keep the classes they were built with."""
-    import transformers.conversion_mapping as conversion
-    import transformers.modeling_utils as modeling_utils
-    from transformers import AutoModelForCausalLM
-
-    module = None
-    try:
-        module = sys.modules[AutoModelForCausalLM._model_mapping[type(config)].__module__]
-    except (KeyError, AttributeError):
-        pass
-    saved_module = dict(vars(module)) if module is not None else {}
-    saved = [(m, "get_checkpoint_conversion_mapping", getattr(m, "get_checkpoint_conversion_mapping", None))
-             for m in (conversion, modeling_utils)]
-    try:
-        yield
-    finally:
-        for name, value in saved_module.items():
-            if getattr(module, name, None) is not value:
-                setattr(module, name, value)
-        for m, name, value in saved:
-            if value is not None:
-                setattr(m, name, value)
-
-
-# ---------------------------------------------------------------- bitsandbytes LLM.int8 and NF4
-
-
-def _quantize_bnb(src: Path, out: Path, job: Job, config, storage: str) -> dict:
-    # Unquantized parts (embeddings, norms) are stored in the reference's dtype, so the size on
-    # disk is what the scheme costs, not an artefact of float32 compute.
-    model = _hf_from_pretrained(src, job.storage_dtype, job.device, quantization_config=config)
-    model.save_pretrained(out, safe_serialization=True)
-    return {"storage": storage, "library": "bitsandbytes", "library_version": library_version("bitsandbytes")}
-
-
-def quantize_bnb_int8(src: Path, out: Path, spec, job: Job) -> dict:
-    from transformers import BitsAndBytesConfig
-
-    if spec.bits not in (None, 8):
-        raise StageError(f"variant '{job.name}': scheme bnb-int8 is 8-bit, not {spec.bits}-bit")
-    return {**_quantize_bnb(src, out, job, BitsAndBytesConfig(load_in_8bit=True),
-                            "LLM.int8 weights serialized by save_pretrained"),
-            "bits": 8, "group_size": None, "scales": "per output row",
-            "matmul": "int8 with outlier columns in 16-bit; inputs cast to float16"}
-
-
-def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
-    from transformers import BitsAndBytesConfig
-
-    if spec.bits not in (None, 4):
-        raise StageError(f"variant '{job.name}': scheme bnb-nf4 is 4-bit, not {spec.bits}-bit")
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                bnb_4bit_compute_dtype=job.compute_dtype)
-    return {**_quantize_bnb(src, out, job, config, "NF4 weights + quant state serialized by save_pretrained"),
-            "bits": 4, "group_size": 64, "scales": "one absmax per block of 64 weights"}
-
-
-class _OncePerMessage(logging.Filter):
-    """Let each distinct message through once."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if msg in self.seen:
-            return False
-        self.seen.add(msg)
-        return True
-
-
-def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
-    import warnings
-
-    # LLM.int8 on float32 inputs says on every matmul call that it casts them to float16: as a
-    # warning in older bitsandbytes, through its logger in 0.50 (28,980 lines in one int8 quality
-    # run). Keep the logged one once, so the fact is still on record.
-    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _OncePerMessage) for f in bnb_log.filters):
-        bnb_log.addFilter(_OncePerMessage())
-    model = _hf_from_pretrained(path, dtype, device)
-    # transformers keeps a pre-quantized bnb model's unquantized parts (embeddings, norms) in the
-    # stored dtype and refuses model.to(dtype); cast those plain parameters one by one.
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if type(p) is torch.nn.Parameter and p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-        if type(m).__name__ == "Linear4bit":  # NF4 dequantizes into compute_dtype
-            m.compute_dtype = dtype
-    return model
-
-
-# ---------------------------------------------------------------- torchao int8 weight-only
-
-
-def quantize_torchao_int8wo(src: Path, out: Path, spec, job: Job) -> dict:
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import TorchAoConfig
-
-    if spec.bits not in (None, 8):
-        raise StageError(f"variant '{job.name}': scheme torchao-int8wo is 8-bit, not {spec.bits}-bit")
-    model = _hf_from_pretrained(src, job.storage_dtype, job.device,
-                                quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
-    model.save_pretrained(out, safe_serialization=True)
-    return {"storage": "torchao int8 weight-only tensors (per-channel scales) serialized by save_pretrained",
-            "library": "torchao", "library_version": library_version("torchao"), "bits": 8, "group_size": None,
-            "scales": "per output channel"}
-
-
-def load_torchao(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
-    return _hf_from_pretrained(path, dtype, device)
-
-
-# ---------------------------------------------------------------- the registry
+def _gptq_bytes(bits: int | None, group_size: int | None) -> float:
+    """bits/8 bytes per weight, plus a 16-bit scale and a packed zero (bits/8) per group."""
+    bits, group = bits or 4, group_size or 128
+    return bits / 8 + (2 + bits / 8) / group
 
 
 @dataclass(frozen=True)
@@ -385,18 +48,50 @@ class Scheme:
     # transformers' bitsandbytes integration replaces Linear and Conv1D; torchao's quantize_
     # filter takes nn.Linear only.
     quantizes: tuple[str, ...] = ()
+    # Bytes one quantized weight costs once loaded, scales included, as a function of the
+    # variant's (bits, group_size): a planning estimate (pipeline/latency/plan.py); the quantize
+    # stage measures the real figure. None: the scheme keeps the reference's dtype.
+    bytes_per_weight: Callable[[int | None, int | None], float] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {
-    "none": Scheme(quantize_none, _load_hf, "transformers", ("cpu", "cuda")),
+    "none": Scheme(quantize_none, load_hf, "transformers", ("cpu", "cuda")),
     "gptq": Scheme(quantize_gptq, load_gptq, "gptqmodel", ("cpu", "cuda"), calibrated=True,
-                   quantizes=("linear", "conv1d", "fused")),
-    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d")),
-    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d")),
-    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda"), quantizes=("linear",)),
-    "checkpoint": Scheme(quantize_checkpoint, load_checkpoint, "transformers", ("cpu", "cuda")),
+                   quantizes=("linear", "conv1d", "fused"), bytes_per_weight=_gptq_bytes),
+    # int8: one byte a weight, plus one scale per output row (negligible).
+    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d"),
+                       bytes_per_weight=lambda bits, group: 1.0),
+    # NF4: half a byte, plus one float32 absmax per block of 64 (before double quantization).
+    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d"),
+                      bytes_per_weight=lambda bits, group: 0.5 + 4 / 64),
+    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda"), quantizes=("linear",),
+                             bytes_per_weight=lambda bits, group: 1.0),
+    # A checkpoint made elsewhere: planned as GPTQ-shaped (the common pre-quantized case).
+    "checkpoint": Scheme(quantize_checkpoint, load_checkpoint, "transformers", ("cpu", "cuda"),
+                         bytes_per_weight=_gptq_bytes),
 }
 
 
-for _name, _scheme in SCHEMES.items():
-    LOADERS.setdefault(_name, _scheme.load)
+def load_variant(path: str | Path, device: str | torch.device = "auto", dtype: str | None = None):
+    """Load a prepared model or a variant directory on `device`, in eval mode.
+
+    `dtype` overrides the compute dtype recorded in meta.json ("auto" = float32 on CPU, bf16 on CUDA).
+    """
+    path = Path(path)
+    meta_path = path / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise StageError(f"{path} has no meta.json: not a specq model or variant directory") from None
+    except json.JSONDecodeError:
+        raise StageError(f"corrupt artifact: {meta_path} is not valid JSON") from None
+    scheme = meta.get("scheme", "reference")
+    loader = load_hf if scheme == "reference" else SCHEMES[scheme].load if scheme in SCHEMES else None
+    if loader is None:
+        raise StageError(f"{path}: unknown scheme '{scheme}' (known: reference, {', '.join(sorted(SCHEMES))})")
+    dev = resolve_device(device) if isinstance(device, str) else device
+    dt = resolve_dtype(dtype or meta.get("dtype_compute", "auto"), dev)
+    check_weight_files(path, "corrupt artifact")
+    model = loader(path, meta, dev, dt)
+    model.eval()
+    return model, load_tokenizer(path)

@@ -1,0 +1,118 @@
+"""Scoring a loaded model on the quality slices through lm-eval, item by item, and per-slice summaries.
+
+    from pipeline.quality.evaluate import evaluate, summarize_slice
+    records, counters = evaluate(model, tokenizer, task_configs, named_slices, cfg.quality, seed=0)
+    summary = summarize_slice(records["long_context"], confidence=0.95)
+
+Evaluation runs through lm-eval (`simple_evaluate` on the loaded model, `log_samples=True` for
+per-item results). All tasks of a variant go through one lm-eval call. The lm-eval model is
+`quality.evaluator`: `prefix` (default; pipeline.quality.prefix_lm: each shared prompt prefix
+computed once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own
+HFLM, which batches requests of a kind after sorting them by length). Both give the same scores up
+to float summation order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from evals import metrics
+from evals.bfcl_checker import score_item as score_bfcl
+from pipeline.core.stage import StageError
+from pipeline.quality import lm_tasks
+from pipeline.quality.items import PRIMARY
+from pipeline.stats.paired import mean_ci, merge_clusters
+from pipeline.stats.scoring_rules import calibration_summary
+
+
+def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
+             seed: int) -> tuple[dict, dict]:
+    """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
+    the evaluator's counters: prompt tokens requested and computed, generated tokens, ...)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if qcfg.evaluator == "prefix":
+        from pipeline.quality.prefix_lm import PrefixCachedLM as lm_class
+    else:
+        lm_class = HFLM
+    tasks = list(task_configs.values()) + [s.request for s in named]
+    use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
+    include = tuple(sorted({p for s in named for p in s.index[1]}))
+    manager = lm_tasks.task_manager(any(s.index[0] for s in named), include)
+    with lm_tasks.quiet():  # HFLM warns at construction that it was handed a loaded model: expected here
+        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+        res = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
+            samples=lm_tasks.samples_request(named) or None,
+            bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed, verbosity="ERROR", task_manager=manager)
+    samples = res["samples"]
+    out = {}
+    for name, cfg in task_configs.items():
+        out[name] = [_builtin_record(name, s) for s in sorted(samples[cfg["task"]], key=lambda s: s["doc_id"])]
+    for s in named:
+        recs = lm_tasks.records(s, samples)
+        if isinstance(recs, str):
+            raise StageError(f"quality: lm-eval task '{s.name}' cannot be gated: {recs}")
+        out[s.name] = recs
+    return out, dict(getattr(lm, "stats", {}))
+
+
+def _builtin_record(slice_name: str, sample: dict) -> dict:
+    doc = sample["doc"]
+    rec = {"id": doc["id"], "cluster": doc["cluster"], "slice": slice_name, "group": doc.get("group"),
+           "prompt_hash": sample.get("prompt_hash")}
+    if slice_name == "calibration":
+        lls = [float(r[0]) for r in sample["filtered_resps"]]
+        probs = metrics.option_probs(lls)
+        pick = int(np.argmax(lls))
+        scores = {"acc": float(pick == doc["label"])}
+        rec.update(metric="acc", score=scores["acc"], scores=scores, prediction=doc["choices"][pick],
+                   target=doc["target"], option_probs=probs, label=doc["label"])
+        return rec
+    if slice_name == "code":  # the sandbox filter's outcome; the completion is in it
+        outcome = sample["filtered_resps"][0]
+        scores = {"pass@1": float(outcome["pass@1"])}
+        rec.update(metric="pass@1", score=scores["pass@1"], scores=scores, prediction=outcome["completion"],
+                   target=doc["target"], status=outcome["status"], detail=outcome["detail"])
+        return rec
+    prediction = sample["filtered_resps"][0]
+    if slice_name == "bfcl":
+        s = score_bfcl(doc, prediction)
+        scores = {"accuracy": s["accuracy"], "decoded": s["decoded"]}
+        rec["error"] = s["error"]
+    elif slice_name == "tool_args":
+        scores = metrics.score_tool_call(doc, prediction)
+    else:
+        scores = {"exact_match": metrics.score_answer(doc, prediction)["exact_match"]}
+    metric = PRIMARY.get(slice_name, "exact_match")
+    rec.update(metric=metric, score=scores[metric], scores=scores, prediction=prediction,
+               target=doc["target"])
+    return rec
+
+
+# ------------------------------------------------------------------ summaries
+
+
+def summarize_slice(records: list[dict], confidence: float) -> dict:
+    """Per-slice (and per-group) mean with a CI inside the scores' range, clustered like the gate
+    clusters (a shared `cluster` label or prompt): pipeline.stats.paired.mean_ci."""
+    def summary(recs: list[dict]) -> tuple[float, list, str, int]:
+        codes = merge_clusters(len(recs), [r["cluster"] for r in recs], [r.get("prompt_hash") for r in recs])
+        return (*mean_ci([r["score"] for r in recs], codes, confidence), int(codes.max()) + 1)
+
+    mean, ci, how, clusters = summary(records)
+    out = {"metric": records[0]["metric"], "mean": mean, "ci": ci, "ci_method": how, "n": len(records),
+           "clusters": clusters, "groups": {}}
+    for g in sorted({r["group"] for r in records if r["group"] is not None}):
+        sub = [r for r in records if r["group"] == g]
+        gm, gci, _, _ = summary(sub)
+        out["groups"][g] = {"mean": gm, "ci": gci, "n": len(sub)}
+    all_metrics = sorted(records[0]["scores"])
+    if len(all_metrics) > 1:
+        out["metrics"] = {m: float(np.mean([r["scores"][m] for r in records])) for m in all_metrics}
+    if "option_probs" in records[0]:
+        out.update(calibration_summary([r["option_probs"] for r in records], [r["label"] for r in records]))
+    return out

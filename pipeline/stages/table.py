@@ -1,0 +1,38 @@
+"""The STAGES table: every stage's config sections, upstream stages, output directory, code and entry.
+
+    from pipeline.stages.table import STAGES
+    run_stage(STAGES["latency"], run_dir, config, {}, STAGES)      # pipeline.core.stage.run_stage
+
+The order is the order `evaluate` runs them in. Code: "import:<module>" = the stage's module and
+every project module it imports (pipeline.core.stage.import_closure), plus the data files it
+reads. The runner adds its own modules and the config schema to every stage's code
+(pipeline.core.stage.RUNNER_CODE), so editing either re-runs everything.
+"""
+from __future__ import annotations
+
+from pipeline.core.stage import StageSpec
+
+# name -> StageSpec(name, config sections read, upstream stages, output dir, code, entry point)
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in [
+        StageSpec("prepare", ["prepare"], [], "model", ["import:pipeline.stages.prepare"], "pipeline.stages.prepare:run",
+                  precheck="pipeline.stages.prepare:check_model"),
+        StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
+                  ["import:pipeline.stages.quantize", "evals/data/calibration.txt"], "pipeline.stages.quantize:run"),
+        StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.stages.drafts"],
+                  "pipeline.stages.drafts:run"),
+        StageSpec("acceptance", ["acceptance", "latency", "device", "seed"], ["quantize", "drafts"], "acceptance",
+                  ["import:pipeline.stages.acceptance"], "pipeline.stages.acceptance:run"),
+        StageSpec("latency", ["latency", "acceptance", "device", "seed"], ["quantize", "drafts"],
+                  "latency", ["import:pipeline.stages.latency"], "pipeline.stages.latency:run"),
+        StageSpec("marginal", ["marginal", "serving"], ["acceptance", "latency"], "marginal",
+                  ["import:pipeline.stages.marginal"], "pipeline.stages.marginal:run"),
+        StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
+                  ["import:pipeline.stages.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.stages.quality:run"),
+        StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
+                  ["import:pipeline.stages.gate"], "pipeline.stages.gate:run"),
+        StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],
+                  "report", ["import:pipeline.stages.report"], "pipeline.stages.report:run"),
+    ]
+}
