@@ -7,7 +7,7 @@
 
 Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
 the input is bad (a config, stage or decode-engine error); gate-check exits 1 on no-go and 3 on
-inconclusive (pipeline/gate/table.py).
+inconclusive (pipeline/stages/gate.py).
 """
 from __future__ import annotations
 

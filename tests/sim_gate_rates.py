@@ -218,7 +218,7 @@ def f4_paired_ci(side: Side, rng) -> dict:
 
 def f6_descriptive(side: Side, rng) -> dict:
     """Per-slice and per-group CIs in quality/<variant>.json: share outside [0, 1]."""
-    from pipeline.stages import quality
+    from pipeline.quality import evaluate as quality
 
     out = {}
     cases = {"30 clusters x 4, p=0.92": (30, 4, 0.92), "20 haystacks x 3, p=0.9": (20, 3, 0.9),

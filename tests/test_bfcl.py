@@ -199,7 +199,7 @@ def test_items_prompt_and_clusters(tiny_tokenizer):
 def test_bfcl_task_yaml_is_an_lm_eval_task(tmp_path, tiny_tokenizer):
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from pipeline.stages.quality import builtin_task_config
+    from pipeline.quality.items import builtin_task_config
 
     render, fmt = bfcl.chat_renderer(tiny_tokenizer)
     data = tmp_path / "bfcl.jsonl"

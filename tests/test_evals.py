@@ -94,7 +94,7 @@ def test_task_yamls_are_lm_eval_tasks():
     """Each YAML builds an lm-eval task over its shipped JSONL (local `datasets` json loader)."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from pipeline.stages.quality import builtin_task_config
+    from pipeline.quality.items import builtin_task_config
 
     for name in gen.GENERATORS:
         cfg = builtin_task_config(name, gen.DATA / f"{name}.jsonl", max_new_tokens=16)
@@ -192,7 +192,7 @@ def test_calibration_text_does_not_overlap_slices():
 def test_more_items_than_distinct_questions_is_one_clear_error():
     """A slice's templates hold a finite number of distinct questions (language about 1260):
     asking for more is bad input, not a repeated prompt."""
-    from pipeline.stages.quality import slice_items
+    from pipeline.quality.items import slice_items
     from pipeline.core.stage import StageError
 
     with pytest.raises(StageError, match="items_per_slice 2000: language: .* ask for fewer items"):

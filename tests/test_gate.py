@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.__main__ import main
-from pipeline.stages.gate import decide, overall_decision
+from pipeline.gate.decision import decide, overall_decision
 
 SLICES = ("reasoning", "language", "calibration", "long_context")
 

@@ -74,7 +74,7 @@ def _lat(**kw):
 
 
 def test_plain_grid_figures_on_the_tiny_model(tiny_model):
-    from pipeline.stages.latency import plain_grid
+    from pipeline.latency.grid import plain_grid
 
     bw = {"gbps": 10.0}
     out = plain_grid("tiny", tiny_model, _lat(), CPU, bw, seed=0, confidence=0.95)
@@ -141,7 +141,7 @@ def test_speculative_pair_self_draft_accepts_everything(tiny_model, tiny_tokeniz
 
 
 def test_percentiles_and_ratio_intervals():
-    from pipeline.stages.latency import percentiles_ci, ratio_of_medians
+    from pipeline.latency.grid import percentiles_ci, ratio_of_medians
 
     steps = [[1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 4.0, 50.0], [1.5, 2.5, 3.5, 4.5]]
     p = percentiles_ci(steps, 0.95, 0)
@@ -159,7 +159,7 @@ def test_peak_memory_tracks_an_allocation(monkeypatch):
     # The process's real RSS need not grow for a new tensor (the allocator may reuse resident
     # memory freed by earlier tests), so the sampler is fed a known RSS: it must catch the
     # transient peak and keep it after the level falls back.
-    from pipeline.stages.latency import PeakMemory
+    from pipeline.latency.grid import PeakMemory
 
     level = {"rss": 1000}
     monkeypatch.setattr(PeakMemory, "_rss", staticmethod(lambda: level["rss"]))

@@ -41,7 +41,7 @@ def _budget_that_chunks_one_and_drops_one(model, lat) -> int:
 
 
 def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
-    from pipeline.stages import latency
+    from pipeline.latency import grid as latency
     from pipeline.latency import plan as latency_plan
     from pipeline.decode.cache import CachedModel
 

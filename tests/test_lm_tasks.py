@@ -122,7 +122,7 @@ def test_several_filters_give_one_record_per_document():
 def test_tasks_run_through_the_quality_evaluator(task_files, tiny_model, tiny_tokenizer, monkeypatch):
     """The tiny model answers the group and the two-filter task in one lm-eval call (as the
     built-in slices are); each comes back as one slice with the structure above."""
-    from pipeline.stages.quality import evaluate, summarize_slice
+    from pipeline.quality.evaluate import evaluate, summarize_slice
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     qcfg = _qcfg()

@@ -98,11 +98,11 @@ def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
 
 def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
     """Offline (no hub), gsm8k's data cannot load: it is skipped, one line says why."""
-    from pipeline.stages.quality import resolve_named_tasks
+    from pipeline.quality.lm_tasks import resolve
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    usable, skipped = resolve_named_tasks(["gsm8k", "no_such_task_xyz"])
+    usable, skipped = resolve(["gsm8k", "no_such_task_xyz"])
     assert usable == []
     assert set(skipped) == {"gsm8k", "no_such_task_xyz"}
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "skipping lm-eval task" in ln]
@@ -122,7 +122,7 @@ def test_mismatched_item_ids_are_refused(tmp_path):
 
 
 def test_slice_summary_groups_and_clustered_ci():
-    from pipeline.stages.quality import summarize_slice
+    from pipeline.quality.evaluate import summarize_slice
 
     recs = [{"id": str(i), "cluster": f"c{i % 4}", "group": "en" if i % 2 else "fr",
              "metric": "exact_match", "score": float(i % 3 == 0), "scores": {"exact_match": 0.0}}
@@ -170,7 +170,7 @@ def test_benchmarks_and_lm_eval_tasks_through_the_stage_and_gate(tmp_path, tiny_
     run through the stage for both variants; the gate reads them like any slice: a bfcl row with
     one group per category, a row for the group task with its subtasks as groups."""
     from pipeline.__main__ import STAGES
-    from pipeline.stages.gate import build_gate
+    from pipeline.gate.decision import build_gate
     from pipeline.core.stage import run_stage
     from test_lm_tasks import _write_tasks
 

@@ -111,7 +111,7 @@ def test_code_task_yaml_filter_runs_the_sandbox():
 
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from pipeline.stages.quality import builtin_task_config
+    from pipeline.quality.items import builtin_task_config
 
     rows = humaneval.items(4)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,405 +1,28 @@
-"""The gate: go / no-go / inconclusive per variant and slice, from paired per-item quality scores.
+"""The gate stage, and gate-check: the release decision from the quality results, as a table and an exit status.
 
     python -m pipeline gate       --run runs/smollm2-135m --config configs/default.yaml
     python -m pipeline gate-check --run runs/smollm2-135m   # the table; exit 0 go, 1 no-go, 3 inconclusive
 
-Reads `quality/<variant>/<slice>.jsonl` (one line per item and sample), `quality/data/<slice>.jsonl`
-(the prompts, for clustering), `quality/<variant>.json` (distribution metrics) and
-`acceptance/<pair>.json` (`lossless`), and writes `runs/<run>/gate.json` and `gate/table.md`.
-How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have the formulas):
+The gate reads the quality stage's per-item scores and the acceptance stage's lossless checks and
+decides every (variant, slice) cell (pipeline/gate/decision.py says how), then writes
+`runs/<run>/gate.json` and `gate/table.md` (pipeline/report/gate_table.py) and prints the table.
 
-1. Per variant and slice, pair the variant's items with the reference's by id (the id sets must be
-   equal); average repeated samples of one item first, so the item is the unit. The difference is
-   variant - reference (oriented so negative = worse). Items that share a `cluster` label OR a
-   prompt (lm-eval's prompt hash, else the hash of the item's prompt in quality/data) are one
-   cluster, always: duplicated prompts score identically under greedy decoding.
-2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by the clusters'
-   largest possible design effect. Other scores (per-item Brier on calibration slices): t bounds
-   from the CR1 cluster-robust SE. Non-inferiority: pass if the lower bound is above -margin, fail
-   if the upper bound is below -margin, otherwise inconclusive with the items per slice that would
-   settle it at `gate.power`. ECE is reported (debiased), never gated: it is not a mean and its
-   plug-in estimate is biased.
-3. Multiplicity. A variant is go only if ALL its cells pass: an intersection-union test, whose
-   false-go rate is at most alpha without adjustment, so the lower bounds are drawn at alpha.
-   Only when the user picks among release variants (`gate.select_among_variants`) is the pass
-   side adjusted, across the release variants (Holm or Bonferroni on each variant's largest
-   cell p). The upper bounds (a false fail is a false no-go) are adjusted within each variant,
-   over its gated cells. So a `release: false` variant never changes another variant's verdict.
-4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
-   no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
-   A config with no release variant is bad input. Speculation pairs are judged apart (lossless or
-   not): a failing pair is no-go for speculation; it does not change a variant's quality decision.
+gate-check's exit status: 0 go (every release variant passes every gated cell), 1 no-go (a release
+variant fails a cell), 3 inconclusive (nothing fails, but some release cell lacks the evidence to
+pass; the table says how many items per slice would settle it), 2 bad input (no or corrupt
+gate.json).
 """
 from __future__ import annotations
 
-import hashlib
-import math
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
-from pipeline.stats import scoring_rules
-
-from pipeline.stats import paired as stats
-from pipeline.gate.table import cell_text, gate_check, render_table  # noqa: F401 (re-exported)
-from pipeline.core.stage import StageError, atomic_write_json, atomic_write_text, progress, read_json, read_jsonl
-
-# ---------------------------------------------------------------- reading quality items
+from pipeline.core.stage import StageContext, StageError, atomic_write_json, atomic_write_text, read_json
+from pipeline.gate.decision import EXIT_CODES, build_gate
+from pipeline.report.gate_table import render_table
 
 
-def read_items(path: Path) -> list[dict]:
-    """One slice's JSONL; a bad line is a StageError naming file and line."""
-    rows = read_jsonl(path, "quality items", validate=_quality_item)
-    if not rows:
-        raise StageError(f"empty slice: {path} has no items")
-    return rows
-
-
-def _quality_item(row) -> dict:
-    try:
-        if not isinstance(row, dict) or not math.isfinite(float(row["score"])):
-            raise ValueError
-        row["id"] = str(row["id"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError("is not a quality item with id and a finite score") from None
-    return row
-
-
-def by_item(rows: list[dict]) -> dict[str, dict]:
-    """Collapse repeated samples of one item: mean score, first cluster/prompt/group/probabilities."""
-    out: dict[str, dict] = {}
-    for r in rows:
-        it = out.setdefault(r["id"], {"scores": [], "cluster": r.get("cluster"),
-                                      "prompt_hash": r.get("prompt_hash"),
-                                      "group": r.get("group"), "metric": r.get("metric", "score"),
-                                      "option_probs": r.get("option_probs"), "label": r.get("label")})
-        it["scores"].append(float(r["score"]))
-    for it in out.values():
-        it["score"] = float(np.mean(it["scores"]))
-    return out
-
-
-def pair_items(ref: dict[str, dict], var: dict[str, dict], where: str) -> list[str]:
-    if set(ref) != set(var):
-        only_ref, only_var = sorted(set(ref) - set(var)), sorted(set(var) - set(ref))
-        raise StageError(f"{where}: the variant and the reference scored different items "
-                         f"({len(only_ref)} only in reference e.g. {only_ref[:3]}, {len(only_var)} "
-                         f"only in variant e.g. {only_var[:3]}); re-run quality")
-    return sorted(ref)
-
-
-def prompt_hashes(data_file: Path) -> dict[str, str]:
-    """id -> sha256 of the item's prompt, from the items the quality stage scored (for results
-    written before quality recorded lm-eval's prompt hash); {} when there is no such file."""
-    if not data_file.is_file():
-        return {}
-    return {str(it["id"]): hashlib.sha256(str(it.get("prompt", "")).encode()).hexdigest()
-            for it in read_jsonl(data_file, "quality items") if isinstance(it, dict) and "id" in it}
-
-
-def item_clusters(items: dict[str, dict], ids: list[str], prompts: dict[str, str]) -> np.ndarray:
-    """Cluster codes for `ids`: a shared `cluster` label or a shared prompt puts items together."""
-    labels = [items[i]["cluster"] for i in ids]
-    keys = [items[i]["prompt_hash"] or prompts.get(i) for i in ids]
-    return stats.merge_clusters(len(ids), labels, keys)
-
-
-# ---------------------------------------------------------------- estimates per slice
-
-
-def slice_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray,
-                    gcfg) -> tuple[dict[str, stats.Estimate], dict | None]:
-    """Row key -> estimate (the slice's primary metric, plus per-item Brier on calibration items),
-    and the calibration errors reported beside them (None without option probabilities)."""
-    metric = ref[ids[0]]["metric"] or "score"
-    out = {"": stats.paired_difference([ref[i]["score"] for i in ids], [var[i]["score"] for i in ids],
-                                       codes, metric=metric)}
-    calibrated = all(m[i]["option_probs"] is not None and m[i]["label"] is not None
-                     for m in (ref, var) for i in ids)
-    if not (gcfg.calibration_metrics and calibrated):
-        return out, None
-    try:
-        probs = {k: ([m[i]["option_probs"] for i in ids], [m[i]["label"] for i in ids])
-                 for k, m in (("reference", ref), ("variant", var))}
-        brier = {k: scoring_rules.brier_per_item(*v) for k, v in probs.items()}
-        summary = {k: scoring_rules.calibration_summary(*v) for k, v in probs.items()}
-    except (ValueError, IndexError, TypeError) as e:
-        raise StageError(f"corrupt calibration item: {e}") from None
-    out["brier"] = stats.paired_difference(brier["reference"], brier["variant"], codes, metric="brier",
-                                           higher_is_better=False, score_range=(0.0, 2.0))
-    reported = {name: {"reference": summary["reference"][name], "variant": summary["variant"][name],
-                       "diff": summary["reference"][name] - summary["variant"][name] + 0.0}
-                for name in ("ece_debiased", "ece")}
-    reported["gated"] = False
-    reported["note"] = ("calibration errors, lower is better, diff = reference - variant (negative "
-                        "= worse); ece_debiased: Kumar et al. 2019 l2 estimator, equal-mass bins")
-    return out, reported
-
-
-def group_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray) -> dict[str, stats.Estimate]:
-    groups: dict[str, list[int]] = defaultdict(list)
-    for k, i in enumerate(ids):
-        if ref[i]["group"] is not None:
-            groups[str(ref[i]["group"])].append(k)
-    return {g: stats.paired_difference([ref[ids[k]]["score"] for k in ks], [var[ids[k]]["score"] for k in ks],
-                                       codes[ks], metric=ref[ids[ks[0]]]["metric"])
-            for g, ks in sorted(groups.items()) if len(ks) >= 2}
-
-
-def _margin(gcfg, key: str, slice_name: str) -> float:
-    """A metric row (`calibration:brier`) has its own units: its own margin, never the slice's
-    accuracy margin. A slice or group row: its key, else its slice's, else the default."""
-    if ":" in key:
-        metric = key.split(":", 1)[1]
-        default = gcfg.brier_margin if metric == "brier" else gcfg.margin
-        return float(gcfg.margins.get(key, default))
-    return float(gcfg.margins.get(key, gcfg.margins.get(slice_name, gcfg.margin)))
-
-
-def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, gcfg,
-          p_adj: tuple[float, float] | None) -> dict:
-    lo, hi = est.ci(alpha_lo, alpha_hi)
-    status = stats.noninferiority_status(lo, hi, margin)
-    settle = None
-    if status == "inconclusive":
-        # Settling means reaching pass (diff above -margin) or fail (below): the side it is on.
-        settle = est.items_needed(margin, alpha_lo if est.diff > -margin else alpha_hi, gcfg.power)
-    return {
-        "metric": est.metric, "higher_is_better": est.higher_is_better,
-        "reference": est.reference, "variant": est.variant, "diff": est.diff, "ci": [lo, hi],
-        "ci_level": 1 - alpha_lo - alpha_hi, "alpha_lower": alpha_lo, "alpha_upper": alpha_hi,
-        "margin": margin, "n": est.n, "n_clusters": est.n_clusters, "se": est.se,
-        "design_effect": est.design_effect, "method": est.method,
-        "p_noninferior": est.p_pass(margin), "p_inferior": est.p_fail(margin),
-        "p_adjusted": list(p_adj) if p_adj else None, "status": status, "items_to_settle": settle,
-    }
-
-
-# ---------------------------------------------------------------- distribution and speculation
-
-
-def distribution_checks(summary: dict, gcfg) -> dict:
-    """Optional thresholds on KL and top-1 agreement, judged on the CI quality reported."""
-    dist = summary.get("distribution") or {}
-    out = {k: dist.get(k) for k in ("kl_mean", "kl_ci", "top1_agreement", "top1_ci", "ppl_ratio",
-                                    "ppl_ratio_ci", "n_docs")}
-    checks = {}
-    # A threshold with no measurement (quality wrote no distribution CI) cannot pass: inconclusive.
-    if gcfg.max_kl is not None:
-        lo, hi = _bounds(dist.get("kl_ci"))
-        checks["kl"] = {"threshold": gcfg.max_kl, "ci": [lo, hi],
-                        "status": "inconclusive" if lo is None else "pass" if hi <= gcfg.max_kl
-                        else "fail" if lo > gcfg.max_kl else "inconclusive"}
-    if gcfg.min_top1_agreement is not None:
-        lo, hi = _bounds(dist.get("top1_ci"))
-        t = gcfg.min_top1_agreement
-        checks["top1_agreement"] = {"threshold": t, "ci": [lo, hi],
-                                    "status": "inconclusive" if lo is None else "pass" if lo >= t
-                                    else "fail" if hi < t else "inconclusive"}
-    out["checks"] = checks
-    return out
-
-
-def _bounds(ci) -> tuple[float | None, float | None]:
-    try:
-        lo, hi = (float(x) for x in ci)
-    except (TypeError, ValueError):
-        return None, None
-    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (None, None)
-
-
-def speculation(run_dir: Path, method: str) -> dict:
-    """Per pair: greedy identical and the sampling test, with the sampling p-values adjusted for
-    the number of pairs (same multiplicity method as the quality cells)."""
-    pairs = {}
-    for path in sorted((run_dir / "acceptance").glob("*__*.json")):
-        doc = read_json(path, "acceptance result")
-        if not isinstance(doc, dict):
-            raise StageError(f"corrupt artifact: {path} is not a JSON object")
-        pairs[path.stem] = {"variant": doc.get("variant"), "draft": doc.get("draft"),
-                            "lossless": doc.get("lossless")}
-    tested = [k for k, v in pairs.items()
-              if isinstance((v["lossless"] or {}).get("sampling"), dict)
-              and v["lossless"]["sampling"].get("p_value") is not None]
-    alpha = min([pairs[k]["lossless"]["sampling"].get("alpha", 0.01) for k in tested] or [0.01])
-    rejected, p_adj = stats.adjusted_p_values([float(pairs[k]["lossless"]["sampling"]["p_value"])
-                                               for k in tested], alpha, method)
-    adj = dict(zip(tested, zip(rejected, p_adj)))
-    for key, pair in pairs.items():
-        loss = pair.pop("lossless") or {}
-        sampling = loss.get("sampling") or {}
-        greedy = loss.get("greedy_identical")
-        pair.update({"greedy_identical": greedy, "prompts": loss.get("prompts"), "dtype": loss.get("dtype"),
-                     "mismatches": len(loss.get("mismatches") or []),
-                     "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
-                     "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})
-        if greedy is None and key not in adj:
-            pair["decision"] = "unchecked"
-        elif greedy is False or (key in adj and adj[key][0]):
-            pair["decision"] = "no-go"
-        else:
-            pair["decision"] = "go"
-    decisions = {p["decision"] for p in pairs.values()}
-    overall = "no-go" if "no-go" in decisions else "unchecked" if "unchecked" in decisions or not pairs else "go"
-    return {"decision": overall, "pairs": pairs}
-
-
-# ---------------------------------------------------------------- the stage
-
-
-def decide(statuses: list[str]) -> str:
-    if "fail" in statuses:
-        return "no-go"
-    if statuses and all(s == "pass" for s in statuses):
-        return "go"
-    return "inconclusive"
-
-
-def overall_decision(decisions: list[str]) -> str:
-    """Over the release variants: one no-go blocks; all go ships; anything else waits."""
-    if "no-go" in decisions:
-        return "no-go"
-    return "go" if decisions and all(d == "go" for d in decisions) else "inconclusive"
-
-
-def pass_levels(tests: dict[str, list], release: list[str], alpha: float, gcfg) -> tuple[dict, dict]:
-    """Per variant, the one-sided alpha of its lower bounds and the adjusted p of its go. No
-    adjustment (intersection-union: go needs every cell) unless the user chooses among the
-    release variants; then Holm/Bonferroni over those variants, each tested by its largest
-    cell p (the intersection-union p)."""
-    levels = {name: alpha for name in tests}
-    adjusted = {name: None for name in tests}
-    chosen = [n for n in release if tests.get(n)] if gcfg.select_among_variants else []
-    if chosen:
-        p_go = [max(est.p_pass(m) for _, _, est, m in tests[n]) for n in chosen]
-        steps = stats.step_levels(
-            p_go, lambda i, a: all(est.lower(a) > -m for _, _, est, m in tests[chosen[i]]),
-            alpha, gcfg.multiplicity)
-        levels.update(zip(chosen, steps))
-        adjusted.update(zip(chosen, stats.adjusted_p_values(p_go, alpha, gcfg.multiplicity)[1]))
-    return levels, adjusted
-
-
-def build_gate(run_dir: Path, cfg) -> dict:
-    gcfg, qcfg = cfg.gate, cfg.quantize
-    reference = qcfg.reference
-    release = [n for n, v in qcfg.variants.items() if v.release and n != reference]
-    if not release:
-        raise StageError("no variant besides the reference is marked release: true, so the gate has "
-                         "nothing to decide (mark the variants you would ship in quantize.variants)")
-    alpha = (1.0 - gcfg.confidence) / 2.0
-    quality = run_dir / "quality"
-    ref_dir = quality / reference
-    if not ref_dir.is_dir():
-        raise StageError(f"missing artifact: {ref_dir} (the reference's quality results)")
-    slices = sorted(p.stem for p in ref_dir.glob("*.jsonl"))
-    if not slices:
-        raise StageError(f"empty artifact: {ref_dir} has no <slice>.jsonl")
-    ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
-    prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
-
-    variants: dict[str, dict] = {}
-    tests: dict[str, list] = {}  # variant -> [(row key, slice, estimate, margin)]
-    groups: dict[tuple[str, str], dict[str, stats.Estimate]] = {}
-    reported: dict[tuple[str, str], dict] = {}
-    for name, vcfg in qcfg.variants.items():
-        if name == reference:
-            continue
-        entry = {"decision": "inconclusive", "release": vcfg.release, "scheme": vcfg.scheme,
-                 "slices": {}, "missing": []}
-        variants[name] = entry
-        tests[name] = []
-        vdir = quality / name
-        if not vdir.is_dir():
-            entry["missing"].append("quality results")
-            progress(f"gate: {name} has no quality results; it cannot be go")
-            continue
-        for s in slices:
-            if not (vdir / f"{s}.jsonl").is_file():
-                raise StageError(f"missing artifact: {vdir / f'{s}.jsonl'} (the reference has it)")
-            var = by_item(read_items(vdir / f"{s}.jsonl"))
-            ids = pair_items(ref_items[s], var, f"{name}/{s}")
-            if len(ids) < 2:
-                raise StageError(f"slice {s} has {len(ids)} item(s); the gate needs at least 2")
-            codes = item_clusters(ref_items[s], ids, prompts[s])
-            rows, reported[(name, s)] = slice_estimates(ref_items[s], var, ids, codes, gcfg)
-            for row, est in rows.items():
-                key = f"{s}:{row}" if row else s
-                tests[name].append((key, s, est, _margin(gcfg, key, s)))
-            groups[(name, s)] = group_estimates(ref_items[s], var, ids, codes)
-            if gcfg.gate_groups:
-                for g, est in groups[(name, s)].items():
-                    key = f"{s}/{g}"
-                    tests[name].append((key, s, est, _margin(gcfg, key, s)))
-        summary_path = quality / f"{name}.json"
-        entry["distribution"] = (distribution_checks(read_json(summary_path, "quality summary"), gcfg)
-                                 if summary_path.is_file() else {"checks": {}})
-
-    lo_alpha, go_p_adjusted = pass_levels(tests, release, alpha, gcfg)
-    for name, cells in tests.items():
-        # The fail family: this variant's gated cells, upper bounds adjusted among themselves.
-        p_fail = [est.p_fail(m) for _, _, est, m in cells]
-        hi_levels = stats.step_levels(p_fail, lambda i, a: cells[i][2].upper(a) < -cells[i][3], alpha,
-                                      gcfg.multiplicity)
-        fail_adj = stats.adjusted_p_values(p_fail, alpha, gcfg.multiplicity)[1]
-        for i, (key, s, est, margin) in enumerate(cells):
-            p_go = go_p_adjusted[name] if go_p_adjusted[name] is not None else est.p_pass(margin)
-            variants[name]["slices"][key] = _cell(est, margin, lo_alpha[name], hi_levels[i], gcfg,
-                                                  (p_go, fail_adj[i]))
-        variants[name]["alpha_pass"] = lo_alpha[name]
-        variants[name]["fail_family_size"] = len(cells)
-    for (name, s), gests in groups.items():
-        cell = variants[name]["slices"][s]
-        if reported.get((name, s)):
-            cell["calibration_error"] = reported[(name, s)]
-        cell["groups"] = {}
-        for g, est in gests.items():
-            gated = variants[name]["slices"].pop(f"{s}/{g}", None)
-            cell["groups"][g] = ({**gated, "gated": True} if gated else
-                                 {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, gcfg, None),
-                                  "gated": False})
-
-    for name, entry in variants.items():
-        statuses = [c["status"] for c in entry["slices"].values()]
-        statuses += [g["status"] for c in entry["slices"].values() for g in c.get("groups", {}).values()
-                     if g["gated"]]
-        statuses += [c["status"] for c in entry.get("distribution", {}).get("checks", {}).values()]
-        entry["decision"] = "inconclusive" if entry["missing"] else decide(statuses)
-    chosen = [n for n in release if tests[n]] if gcfg.select_among_variants else []
-    return {
-        "decision": overall_decision([variants[n]["decision"] for n in release]),
-        "reference": reference,
-        "release_variants": release,
-        "confidence": gcfg.confidence,
-        "alpha_one_sided": alpha,
-        "multiplicity": gcfg.multiplicity,
-        "select_among_variants": gcfg.select_among_variants,
-        # The largest family any bound is adjusted over (kept from the single-family gate).
-        "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),
-        "families": {"pass": chosen, "fail": {n: len(c) for n, c in tests.items()}},
-        "method": _method_text(gcfg, chosen),
-        "variants": variants,
-        "speculation": speculation(run_dir, gcfg.multiplicity),
-    }
-
-
-def _method_text(gcfg, chosen: list[str]) -> str:
-    name = {"holm": "Holm step-down", "bonferroni": "Bonferroni", "none": "no adjustment"}[gcfg.multiplicity]
-    pass_side = (f"{name} across the release variants {', '.join(chosen)} (the user picks among them)"
-                 if chosen else "unadjusted: a variant is go only if all its cells pass "
-                                "(intersection-union test)")
-    return (f"paired differences variant - reference over the same items (negative = worse); "
-            f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
-            f"bounds (pass) {pass_side}; upper bounds (fail) {name} within each variant; pass if "
-            f"the lower bound > -margin, fail if the upper bound < -margin; 0/1 scores: Tango "
-            f"score bounds, variance times the clusters' largest design effect; other scores: t "
-            f"with CR1 cluster-robust SE (exact binomial bound when no cluster differs); items "
-            f"sharing a cluster label or a prompt are one cluster; ECE reported, not gated")
-
-
-def run(ctx) -> None:
+def run(ctx: StageContext) -> None:
     gate = build_gate(ctx.run_dir, ctx.config)
     atomic_write_json(ctx.run_dir / "gate.json", gate)
     table = render_table(gate)
@@ -407,3 +30,15 @@ def run(ctx) -> None:
     ctx.meta["decision"] = gate["decision"]
     ctx.meta["gate_json"] = str(ctx.run_dir / "gate.json")
     print(table, file=sys.stderr)
+
+
+def gate_check(run_dir: str | Path) -> int:
+    """Print the table of a finished gate; the exit status of its decision (EXIT_CODES)."""
+    path = Path(run_dir) / "gate.json"
+    gate = read_json(path, "gate result")
+    if not isinstance(gate, dict) or gate.get("decision") not in EXIT_CODES:
+        raise StageError(f"corrupt artifact: {path} has no decision (go, no-go or inconclusive)")
+    if not gate.get("release_variants"):
+        raise StageError(f"{path}: no release variant, nothing was decided (re-run the gate)")
+    print(render_table(gate), end="")
+    return EXIT_CODES[gate["decision"]]

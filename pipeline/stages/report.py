@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline.report.batching import batching_blocks
-from pipeline.stages.gate import cell_text
+from pipeline.report.gate_table import cell_text
 from pipeline.report.runtime import runtime_blocks
 from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_text, library_versions, read_json
 

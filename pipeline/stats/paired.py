@@ -10,7 +10,7 @@ Conventions (every function here):
   (non-inferior), its upper bound at alpha_upper below -margin is "fail" (inferior); the interval
   covers with probability >= 1 - alpha_lower - alpha_upper. 95% means one-sided 0.025 each.
 - The unit of resampling is the cluster: items that share a prompt, a haystack or a source
-  document (pipeline.stages.gate merges the `cluster` labels with prompt hashes). An item without one is
+  document (pipeline.gate.decision merges the `cluster` labels with prompt hashes). An item without one is
   its own cluster, which reduces every formula to the textbook one.
 
 Two kinds of estimate:

@@ -1,6 +1,6 @@
 """Calibration metrics of multiple-choice items (option probabilities and the right option): the
 per-item Brier score the gate tests, and the calibration errors the quality summary and the gate
-report. The one implementation: pipeline.stages.quality and pipeline.stages.gate both call these.
+report. The one implementation: the quality summaries (pipeline/quality/evaluate.py) and the gate (pipeline/gate/decision.py) both call these.
 
 - Brier (multi-class): sum_j (p_j - [j == label])^2 per item, in [0, 2], lower is better. A proper
   scoring rule and a per-item mean, so a paired difference of it has an ordinary CI.

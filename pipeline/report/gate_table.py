@@ -1,19 +1,13 @@
-"""The gate's table and `gate-check`'s exit status (the gate itself: pipeline/stages/gate.py).
+"""The gate's table for people: the headline, one row per release variant and slice, speculation.
 
-    python -m pipeline gate-check --run runs/smollm2-135m
+    from pipeline.report.gate_table import render_table, cell_text
+    print(render_table(json.load(open("runs/x/gate.json"))))
 
-Exit status: 0 go (every release variant passes every gated cell), 1 no-go (a release variant
-fails a cell), 3 inconclusive (nothing fails, but some release cell lacks the evidence to pass;
-the table says how many items per slice would settle it), 2 bad input (no or corrupt gate.json).
+Written by the gate stage (gate/table.md), printed by `gate-check`, embedded in the report.
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
-from pipeline.core.stage import StageError, read_json
-
-EXIT_CODES = {"go": 0, "no-go": 1, "inconclusive": 3}
 
 
 def _fmt(x: float | None, signed: bool = False) -> str:
@@ -88,15 +82,3 @@ def render_table(gate: dict) -> str:
             lines.append(f"| {key} | {p['greedy_identical']} ({p.get('dtype') or '-'}) | {_fmt(p['sampling_p'])} "
                          f"({_fmt(p['sampling_p_adjusted'])}) | **{p['decision']}** |")
     return "\n".join(lines) + "\n"
-
-
-def gate_check(run_dir: str | Path) -> int:
-    """Print the table of a finished gate; the exit status of its decision (EXIT_CODES)."""
-    path = Path(run_dir) / "gate.json"
-    gate = read_json(path, "gate result")
-    if not isinstance(gate, dict) or gate.get("decision") not in EXIT_CODES:
-        raise StageError(f"corrupt artifact: {path} has no decision (go, no-go or inconclusive)")
-    if not gate.get("release_variants"):
-        raise StageError(f"{path}: no release variant, nothing was decided (re-run the gate)")
-    print(render_table(gate), end="")
-    return EXIT_CODES[gate["decision"]]
