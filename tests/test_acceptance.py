@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.stages.acceptance import temp_key
+from pipeline.speculation.measure import temp_key
 from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
 from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
 from pipeline.speculation.lossless import two_sample_chi2
@@ -85,7 +85,7 @@ def test_derived_matches_direct_runs_on_the_embedded_model(embedded_model_dir):
     real engine runs at k = 1, 2. Greedy: equal (same text). T = 0.7: the 95% prompt-bootstrap CI
     of direct - derived contains 0. Fixed seeds: deterministic."""
     from draft_models.registry import build_draft
-    from pipeline.stages.acceptance import generate_texts, measure_pair
+    from pipeline.speculation.measure import generate_texts, measure_pair
     from pipeline.core.config import Config
     from pipeline.variants.schemes import load_variant
     from pipeline.speculation.prompts import acceptance_prompts

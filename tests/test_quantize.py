@@ -170,7 +170,7 @@ def test_calibration_shorter_than_asked_says_so(tmp_path, tiny_tokenizer, capsys
     """A text with room for fewer windows than asked gives the windows it has (no repeats),
     with one line saying asked vs used."""
     from pipeline.core.config import CalibrationConfig
-    from pipeline.stages.quantize import load_calibration
+    from pipeline.variants.calibration import load_calibration
 
     path = tmp_path / "calib.txt"
     path.write_text((CORPUS + "\n") * 3)
@@ -240,7 +240,7 @@ def test_bytes_in_memory_counts_tied_weights_once(tiny_model):
 def test_perplexity_matches_transformers_loss(tiny_model):
     import math
 
-    from pipeline.stages.quantize import perplexity
+    from pipeline.variants.sanity import perplexity
 
     ids = list(range(3, 60))
     with torch.no_grad():

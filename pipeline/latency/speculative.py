@@ -25,17 +25,11 @@ import torch
 
 from pipeline.decode.engine import generate
 
-from pipeline.decode.sampling import SamplingParams
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.latency.plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
 from pipeline.core.stage import StageError, progress
+from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.paired import median_ci
-
-PARTS = ("round", "draft", "verify")
-
-
-def _temp_key(t: float) -> str:
-    return f"{float(t):.1f}" if round(t, 1) == t else repr(float(t))
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],
@@ -45,7 +39,7 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
     device = next(model.parameters()).device
     out = {}
     for ti, t in enumerate(temperatures):
-        sampling = SamplingParams(t, sampling_cfg.top_k, sampling_cfg.top_p)
+        sampling = sampling_of(sampling_cfg, t)
         g = torch.Generator(device).manual_seed(seed * 7919 + ti)
         per_k = {}
         for k in [0, *ks]:
@@ -58,7 +52,7 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
                     fig["tokens"] += len(res.tokens) - 1
                     fig["rounds"] += [(r.k, r.drafted, r.emitted, r.round_s, r.draft_s, r.verify_s) for r in res.rounds]
             per_k[k] = fig
-        out[_temp_key(t)] = per_k
+        out[temp_key(t)] = per_k
     return out
 
 

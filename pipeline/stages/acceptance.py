@@ -4,8 +4,8 @@
 
 For each target variant (acceptance.targets, default the reference), each temperature and each
 prompt of every kind (slice), the target generates its text once with plain decoding
-(pipeline.decode.generate; speculation is lossless, so that text is distributed as any
-speculative run's, at any k and with any draft). Then, per draft:
+(pipeline.decode.engine.generate; speculation is lossless, so that text is distributed as any
+speculative run's, at any k and with any draft). Then, per draft (pipeline/speculation/measure.py):
 
 1. One teacher-forced pass of target and draft over each text (pipeline/speculation/teacher_forced.py) gives,
    at every position, the probability that a draft token there would be accepted given the text.
@@ -36,111 +36,15 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from draft_models.registry import build_draft, draft_slug
-from pipeline.speculation.batch_rounds import by_batch_blocks
-from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
-from pipeline.decode.drafts import Draft
-from pipeline.decode.engine import generate
-from pipeline.decode.sampling import SamplingParams
 from pipeline.core.device import resolve_device
-from pipeline.speculation.expected_rounds import round_chain
-from pipeline.speculation.lossless import lossless_checks
-from pipeline.speculation.prompts import acceptance_prompts
 from pipeline.core.stage import StageContext, progress, read_json
-from pipeline.speculation.teacher_forced import score_text
-
-
-def temp_key(t: float) -> str:
-    return f"{float(t):.1f}" if round(t, 1) == t else repr(float(t))
-
-
-def sampling_of(cfg, t: float) -> SamplingParams:
-    return SamplingParams(t, cfg.sampling.top_k, cfg.sampling.top_p)
-
-
-def generate_texts(model, prompts: dict, cfg, seed: int, eos) -> dict[str, dict[str, list[int]]]:
-    """temperature key -> prompt id -> the target's own output (plain decode, one per prompt)."""
-    device = next(model.parameters()).device
-    texts: dict[str, dict[str, list[int]]] = {}
-    for ti, t in enumerate(cfg.temperatures):
-        g = torch.Generator(device).manual_seed(seed * 1000 + ti)
-        texts[temp_key(t)] = {
-            pid: generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling_of(cfg, t),
-                          generator=g, eos_token_id=eos).tokens
-            for rows in prompts.values() for pid, ids in rows}
-    return texts
-
-
-def direct_runs(model, draft: Draft, prompts: dict, k: int, sampling: SamplingParams, max_new_tokens: int,
-                eos, generator) -> dict[str, dict]:
-    """prompt id -> {"tokens" (emitted by rounds), "rounds", "output"} of a real run at k."""
-    device = next(model.parameters()).device
-    out = {}
-    for rows in prompts.values():
-        for pid, ids in rows:
-            res = generate(model, torch.tensor([ids], device=device), max_new_tokens, draft=draft, k=k,
-                           sampling=sampling, generator=generator, eos_token_id=eos)
-            out[pid] = {"tokens": len(res.tokens) - 1, "rounds": len(res.rounds), "output": res.tokens}
-    return out
-
-
-def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
-                 batch_sizes: list[int] = ()) -> dict:
-    """The acceptance JSON for one (target, draft) pair (without the variant/draft names);
-    batch_sizes: B > 1 for `expected_tokens_per_round_by_batch` (pipeline/speculation/batch_rounds.py)."""
-    k_max, eos = cfg.k_max, tokenizer.eos_token_id
-    check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
-    device = next(model.parameters()).device
-    slices: dict[str, dict] = {}
-    greedy_runs: dict[int, dict] = {}
-    for ti, t in enumerate(cfg.temperatures):
-        sampling, key = sampling_of(cfg, t), temp_key(t)
-        records: dict[str, dict] = {}
-        scored = {}
-        for kind, rows in prompts.items():
-            for pid, ids in rows:
-                text = scored[pid] = score_text(model, draft, ids, texts[key][pid], sampling, k_max,
-                                                cfg.max_new_tokens)
-                records[pid] = prompt_record(pid, kind, text, {k: round_chain(text, k) for k in range(1, k_max + 1)})
-        direct = {}
-        for k in check_ks:
-            g = torch.Generator(device).manual_seed(seed * 1000 + 100 * k + ti + 17)
-            direct[k] = direct_runs(model, draft, prompts, k, sampling, cfg.max_new_tokens, eos, g)
-            if sampling.greedy:
-                greedy_runs[k] = direct[k]
-        groups = {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()}
-        groups["all"] = [pid for rows in prompts.values() for pid, _ in rows]
-        for name, pids in groups.items():
-            if not pids:
-                continue
-            recs = [records[p] for p in pids]
-            summary = summarize_slice(recs, k_max, cfg.confidence, seed)
-            summary.update(by_batch_blocks([scored[p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
-                                           cfg.confidence, seed))
-            summary["direct_check"] = direct_check(recs, {k: [direct[k][p] for p in pids] for k in check_ks},
-                                                   sampling.greedy, cfg.confidence, seed)
-            slices.setdefault(name, {})[key] = summary
-    if "0.0" in texts and greedy_runs:
-        greedy_plain = texts["0.0"]
-    else:  # no greedy temperature (or no direct k) configured: the lossless check runs its own pair
-        greedy_plain = {pid: generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens,
-                                      eos_token_id=eos).tokens for rows in prompts.values() for pid, ids in rows}
-        greedy_runs = {1: direct_runs(model, draft, prompts, 1, SamplingParams(0.0), cfg.max_new_tokens, eos, None)}
-    return {"k_max": k_max, "method": "teacher-forced round chain (pipeline/speculation/expected_rounds.py)",
-            "direct_check_k": check_ks, "max_new_tokens": cfg.max_new_tokens,
-            "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
-            "slices": slices,
-            "lossless": lossless_checks(model, prompts, draft, cfg, seed, greedy_plain, greedy_runs)}
-
-
-# ---------------------------------------------------------------- the stage
+from pipeline.speculation.measure import generate_texts, measure_pair
+from pipeline.speculation.prompts import acceptance_prompts
+from pipeline.variants.schemes import load_variant
 
 
 def run(ctx: StageContext) -> None:
-    from pipeline.variants.schemes import load_variant
-
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
     targets = cfg.targets or [ctx.config.quantize.reference]

@@ -15,6 +15,8 @@ import torch
 from draft_models.registry import build_draft, draft_slug, parse_spec
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, StageError, progress, read_json
+from pipeline.models.architecture import check_engine_cache
+from pipeline.variants.schemes import load_variant
 
 
 def reference_dir(ctx: StageContext):
@@ -48,9 +50,6 @@ def describe(spec: str, draft, target, run_dir) -> dict:
 
 def run(ctx: StageContext) -> None:
     from transformers import AutoConfig
-
-    from pipeline.models.architecture import check_engine_cache
-    from pipeline.variants.schemes import load_variant
 
     specs = list(dict.fromkeys(ctx.config.drafts))
     slugs = [draft_slug(s) for s in specs]  # validates every spec before any work

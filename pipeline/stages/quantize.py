@@ -20,124 +20,32 @@ still holds in floating point (0 for a fully quantized variant; a bitsandbytes v
 whose experts are fused tensors keeps them float). `checkpoint` variants add `checkpoint`: what
 pipeline/variants/checkpoint.py found in the directory.
 
-The held-out text is the docstrings of a fixed list of Python standard-library modules: present on
-every machine, plain English prose, and unrelated to both the calibration text and the eval slices.
+Calibration windows come from pipeline/variants/calibration.py, the held-out text and perplexity
+from pipeline/variants/sanity.py, the quantizers and loaders from the scheme registry
+(pipeline/variants/schemes.py).
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 import json
-import math
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.core.device import DTYPES, resolve_device, resolve_dtype
-from pipeline.models.loading import load_tokenizer
-from pipeline.variants.schemes import load_variant
+from pipeline.core.stage import StageContext, StageError, atomic_write_json, library_version, progress, read_json
 from pipeline.models.architecture import architecture, float_matrix_fraction
-from pipeline.variants.checks import check_variant, reference_matrices
 from pipeline.models.bytes import bytes_in_memory
+from pipeline.models.loading import load_tokenizer
+from pipeline.variants.calibration import load_calibration
+from pipeline.variants.checks import check_variant, reference_matrices
 from pipeline.variants.files import weight_bytes
 from pipeline.variants.quantizers import Job
-from pipeline.variants.schemes import SCHEMES
-from pipeline.core.stage import (REPO, StageContext, StageError, atomic_write_json, library_version, progress, read_json,
-                                 sha256_file)
-
-BUILTIN_CALIBRATION = REPO / "evals" / "data" / "calibration.txt"
-SANITY_MODULES = ("argparse", "textwrap", "difflib", "heapq", "bisect", "functools", "contextlib",
-                  "statistics", "fractions", "shutil", "tempfile", "zipfile", "csv", "string", "pathlib")
-
-
-# ---------------------------------------------------------------- calibration and held-out text
-
-
-@dataclass
-class Calibration:
-    path: Path
-    sha256: str
-    windows: list[list[int]]  # token ids, one list per calibration sample
-    tokens_available: int
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(w) for w in self.windows)
-
-
-def calibration_path(source: str) -> Path:
-    return BUILTIN_CALIBRATION if source == "builtin" else Path(source).expanduser()
-
-
-def load_calibration(ccfg, tokenizer) -> Calibration:
-    """n_samples windows of max_tokens tokens, evenly spread over the calibration text (so every
-    language and the code in it are represented); refuse a text shorter than min_tokens."""
-    path = calibration_path(ccfg.source)
-    if not path.is_file():
-        raise StageError(f"calibration text missing: {path} (quantize.calibration.source is '{ccfg.source}')")
-    text = path.read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < ccfg.min_tokens:
-        raise StageError(f"calibration text {path} is too short: {len(ids)} tokens, fewer than "
-                         f"quantize.calibration.min_tokens = {ccfg.min_tokens}")
-    size = min(ccfg.max_tokens, len(ids))
-    n = max(1, min(ccfg.n_samples, len(ids) // size))
-    if n < ccfg.n_samples or size < ccfg.max_tokens:
-        # Windows do not overlap, so a short text gives fewer of them than asked; say so once
-        # rather than repeat text (meta.json records asked and used).
-        progress(f"quantize: calibration text {path.name} has {len(ids)} tokens: {n} windows of {size} "
-                 f"tokens, fewer than the {ccfg.n_samples} x {ccfg.max_tokens} asked (quantize.calibration)")
-    starts = [round(i * (len(ids) - size) / max(1, n - 1)) for i in range(n)]
-    return Calibration(path, sha256_file(path), [ids[s:s + size] for s in starts], len(ids))
-
-
-def sanity_text() -> str:
-    """Module and public-function docstrings of SANITY_MODULES, in a fixed order."""
-    parts = []
-    for name in SANITY_MODULES:
-        mod = importlib.import_module(name)
-        parts.append(inspect.getdoc(mod) or "")
-        for attr in sorted(getattr(mod, "__all__", [])):
-            doc = inspect.getdoc(getattr(mod, attr, None))
-            if doc and getattr(getattr(mod, attr), "__module__", None) == name:
-                parts.append(doc)
-    return "\n\n".join(p for p in parts if p)
-
-
-def sanity_ids(tokenizer, n_tokens: int) -> list[int]:
-    ids = tokenizer(sanity_text(), add_special_tokens=False)["input_ids"]
-    return ids[:n_tokens]
-
-
-@torch.no_grad()
-def perplexity(model, ids: list[int], window: int = 512) -> float:
-    """exp(mean next-token NLL) over `ids`, in independent windows of `window` tokens."""
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for s in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([ids[s:s + window + 1]], device=device)  # [1, <=window+1]
-        if chunk.shape[1] < 2:
-            break
-        logits = model(chunk[:, :-1]).logits.float()  # [1, T, V]
-        loss = torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum")
-        nll, count = nll + loss.item(), count + chunk.shape[1] - 1
-    return math.exp(nll / max(count, 1))
-
-
-def _sample_text(model, tokenizer, prompt: str = "The capital of France is", n: int = 12) -> str:
-    device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
-# ---------------------------------------------------------------- the stage
+from pipeline.variants.sanity import SANITY_MODULES, perplexity, sample_text, sanity_ids
+from pipeline.variants.schemes import SCHEMES, load_variant
 
 
 def _remove_stale(out_dir: Path, keep: set[str]) -> None:
@@ -246,7 +154,7 @@ def run(ctx: StageContext) -> None:
                 meta["bytes_in_memory"] = bytes_in_memory(model)
                 meta["bytes_on_disk"] = weight_bytes(tmp)
                 meta["perplexity"] = round(perplexity(model, ids), 4)
-                meta["sample"] = _sample_text(model, tok)
+                meta["sample"] = sample_text(model, tok)
                 del model
                 if spec.scheme == "none" and spec.weight_noise == 0:  # the same weights: no second pass
                     reference_ppl.setdefault(str(compute_dtype), meta["perplexity"])

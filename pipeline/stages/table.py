@@ -17,7 +17,7 @@ STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
         StageSpec("prepare", ["prepare"], [], "model", ["import:pipeline.stages.prepare"], "pipeline.stages.prepare:run",
-                  precheck="pipeline.stages.prepare:check_model"),
+                  precheck="pipeline.models.source:check_model"),
         StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
                   ["import:pipeline.stages.quantize", "evals/data/calibration.txt"], "pipeline.stages.quantize:run"),
         StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.stages.drafts"],

@@ -35,11 +35,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.tools.gpu_check_parts import (SHAPES, build_model, compile_part, fp32_part, make_draft, plain_part,
-                                      render_markdown, speculative_part)
-from pipeline.models.kernels import device_name
+# core.stage is standard library only, so the bare image (torch and transformers) imports it.
+from pipeline.core.stage import atomic_write_text, progress
 from pipeline.latency.memory import ModelShape, device_budget, plan_grid
 from pipeline.latency.roofline import measure_bandwidth, model_bytes
+from pipeline.models.kernels import device_name
+from pipeline.tools.gpu_check_parts import (SHAPES, build_model, compile_part, fp32_part, make_draft, plain_part,
+                                            render_markdown, speculative_part)
 
 
 class Check:
@@ -90,18 +92,8 @@ class Check:
 
     def save(self) -> None:
         self.doc["elapsed_s"] = round(self.elapsed(), 1)
-        _atomic(self.out_dir / "gpu_check.json", json.dumps(self.doc, indent=1, default=str) + "\n")
-        _atomic(self.out_dir / "gpu_check.md", render_markdown(self.doc))
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+        atomic_write_text(self.out_dir / "gpu_check.json", json.dumps(self.doc, indent=1, default=str) + "\n")
+        atomic_write_text(self.out_dir / "gpu_check.md", render_markdown(self.doc))
 
 
 def _ints(text: str) -> list[int]:
