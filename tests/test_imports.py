@@ -188,3 +188,18 @@ def test_a_rule_break_is_reported():
     }
     breaks = rule_breaks(graph)
     assert len(breaks) == 3 and not any("stages.gate" in b for b in breaks)
+
+
+def test_the_readme_architecture_table_is_the_rule():
+    """The README's architecture table (part, rank) is the same rule this file enforces, and names
+    every part that exists."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Architecture"):]
+    section = section[: section.find("\n## ", 5) if "\n## " in section[5:] else len(section)]
+    rows = re.findall(r"^\| `([\w/]+)` \| (\d+) \|", section, flags=re.M)
+    table = {path.split("/")[-1]: int(rank) for path, rank in rows}
+    assert table == RANKS, f"README architecture table {table} differs from RANKS {RANKS}"
+    for part_name in IMPORTS_NOTHING:
+        assert f"`{part_name}`" in section
