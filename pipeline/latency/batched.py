@@ -41,6 +41,7 @@ import torch
 
 from pipeline.core.stage import StageError, progress
 from pipeline.decode.engine import generate
+from pipeline.latency.speculative import round_time_block
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.paired import median_ci
 
@@ -131,21 +132,14 @@ def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confi
 
 
 def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
-    """B -> width -> {"samples": per repeat the mean round time (ms) over every k's rounds of that
-    width (None where a repeat had none), "rounds": the count}: the shape of latency_spec's
-    round_ms_by_drafted, which pipeline.serving.marginal.by_drafted_matrix reads."""
+    """B -> width -> round_time_block (pipeline/latency/speculative.py) of every k's rounds of that
+    verify width (ms)."""
     out = {}
     for b in batch_sizes:
         widths = sorted({w for rep in reps for k in ks for w in rep[b][k].get("by_width", {})})
-        per_b = {}
-        for w in widths:
-            samples, count = [], 0
-            for rep in reps:
-                times = [t for k in ks for t in rep[b][k].get("by_width", {}).get(w, [])]
-                samples.append(float(np.mean(times)) if times else None)
-                count += len(times)
-            per_b[str(w)] = {"samples": samples, "rounds": count}
-        out[str(b)] = per_b
+        out[str(b)] = {str(w): round_time_block([[t for k in ks for t in rep[b][k].get("by_width", {}).get(w, [])]
+                                                 for rep in reps])
+                       for w in widths}
     return out
 
 

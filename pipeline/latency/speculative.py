@@ -56,17 +56,20 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
     return out
 
 
+def round_time_block(times_per_repeat: list[list[float]]) -> dict:
+    """{"samples": per repeat the mean of its round times (None where a repeat had none),
+    "rounds": how many rounds in all}: one entry of round_ms_by_drafted (here, by drafted count)
+    and of round_ms_by_width (pipeline/latency/batched.py), which
+    pipeline.serving.marginal.by_drafted_matrix reads."""
+    return {"samples": [float(np.mean(t)) if t else None for t in times_per_repeat],
+            "rounds": sum(len(t) for t in times_per_repeat)}
+
+
 def _by_drafted(reps: list[dict], k_max: int, part: int) -> dict:
-    """d -> {"samples": per repeat mean ms of rounds that drafted d (None: none did), "rounds"}."""
-    out = {}
-    for d in range(k_max + 1):
-        samples, count = [], 0
-        for rep in reps:
-            times = [r[part] for k, fig in rep.items() if k for r in fig["rounds"] if r[1] == d]
-            samples.append(float(np.mean(times)) * 1e3 if times else None)
-            count += len(times)
-        out[str(d)] = {"samples": samples, "rounds": count}
-    return out
+    """d -> round_time_block of the rounds that drafted d (ms), over every k > 0."""
+    return {str(d): round_time_block([[r[part] * 1e3 for k, fig in rep.items() if k for r in fig["rounds"] if r[1] == d]
+                                      for rep in reps])
+            for d in range(k_max + 1)}
 
 
 def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, seed: int) -> dict:

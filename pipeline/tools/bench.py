@@ -4,7 +4,7 @@
     python -m pipeline.tools.bench --run runs/smollm2-135m --config configs/default.yaml \
         --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 3
 
-1. Plain greedy decode: `pipeline.decode.generate(model, ids, N)` vs `model.generate(ids,
+1. Plain greedy decode: `pipeline.decode.engine.generate(model, ids, N)` vs `model.generate(ids,
    max_new_tokens=N, do_sample=False)` (transformers' default dynamic cache).
 2. Speculative greedy decode at the same draft and k: the engine with the config's first
    `layerskip:<n>` draft (draft_models) vs transformers assisted generation with `assistant_model`

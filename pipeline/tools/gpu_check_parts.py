@@ -1,7 +1,7 @@
 """The parts of `python -m pipeline.tools.gpu_check`: the random model, the timed cells, the greedy
 checks, and the one Markdown table. See pipeline/tools/gpu_check.py for what the check is and how to run it.
 
-Timing is the engine's own (pipeline.decode.generate with pipeline.decode.timing: CUDA events
+Timing is the engine's own (pipeline.decode.engine.generate with pipeline.decode.timing: CUDA events
 on GPU, a synchronized clock on CPU): one warm-up run per cell (and, compiled, every planned graph
 compiled before it), then `repeats` timed runs; figures are medians with min and max.
 """
