@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.stages.report import to_markdown
+from pipeline.report.document import to_markdown
 from pipeline.report.runtime import runtime_blocks
 
 PLAN = {"budget_bytes": 60e9, "steps": [

@@ -6,44 +6,19 @@
 """
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 from pipeline.core.stage import read_json
-
-
-def _f(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _ci(ci, digits: int = 2) -> str:
-    return f"[{_f(ci[0], digits)}, {_f(ci[1], digits)}]" if ci else ""
+from pipeline.report.figures import png_bytes, pyplot
+from pipeline.report.format import MISSING, interval, number, percent
 
 
 # ---------------------------------------------------------------- figures
 
 
-def _fig_bytes(fig, dpi: int) -> bytes:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def speedup_plot(report: dict, dpi: int) -> bytes:
-    plt = _plt()
+    plt = pyplot()
     rows = report["by_batch"]["rows"]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for k in sorted({r["k"] for r in rows}):
@@ -62,11 +37,11 @@ def speedup_plot(report: dict, dpi: int) -> bytes:
     ax.set_title(f"{report['variant']} / {report['draft']}: speedup vs batch size", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    return _fig_bytes(fig, dpi)
+    return png_bytes(fig, dpi)
 
 
 def serving_plot(report: dict, dpi: int) -> bytes:
-    plt = _plt()
+    plt = pyplot()
     sv = report["serving"]
     rates = sv["rates_rps"]
     names = list(sv["policies"])
@@ -99,7 +74,7 @@ def serving_plot(report: dict, dpi: int) -> bytes:
                  f"{sv['workload']['max_batch']}, {sv['workload']['prompt_tokens']} prompt + "
                  f"{sv['workload']['output_tokens']} output tokens", fontsize=10)
     fig.tight_layout()
-    return _fig_bytes(fig, dpi)
+    return png_bytes(fig, dpi)
 
 
 # ---------------------------------------------------------------- text
@@ -113,15 +88,14 @@ def speedup_matrix(report: dict) -> tuple[list[str], list[list[str]]]:
     cells = {(r["batch"], r["k"]): r for r in rows}
     out = []
     for b in sorted({r["batch"] for r in rows}):
-        line = [str(b), str(rec.get(str(b), "-"))]
+        line = [str(b), str(rec.get(str(b), MISSING))]
         for k in ks:
             r = cells.get((b, k))
             mark = " *" if r and str(k) == str(rec.get(str(b))) else ""
-            line.append(f"{_f(r['speedup'])}x {_ci(r['speedup_ci'])}{mark}" if r else "-")
+            line.append(f"{number(r['speedup'], 2)}x {interval(r['speedup_ci'], 2)}{mark}" if r else MISSING)
         top = cells.get((b, ks[-1]))
         measured = top.get("measured_thrown_away_fraction") if top else None
-        line.append(f"{100 * top['thrown_away_share']:.0f}% / {'-' if measured is None else f'{100 * measured:.0f}%'}"
-                    if top else "-")
+        line.append(f"{percent(top['thrown_away_share'], 0)} / {percent(measured, 0)}" if top else MISSING)
         out.append(line)
     return ["B", "recommended k", *[f"k={k}" for k in ks],
             f"accepted tokens thrown away at k={ks[-1]}: model / measured"], out
@@ -143,9 +117,11 @@ def round_rows(report: dict) -> list[list[str]]:
     for r in report["by_batch"]["rows"]:
         weighted = r.get("mean_width") is not None
         out.append([str(r["batch"]), str(r["k"]),
-                    f"{_f(r['round_ms'])} {_ci(r.get('round_ms_ci'))}" + ("" if weighted else " (cells' own)"),
-                    _f(r.get("mean_width")), _f(r.get("cell_round_ms", r["round_ms"])), _f(r.get("cell_mean_width")),
-                    f"{_f(r['speedup'])} / {_f(r.get('measured_speedup'))}"])
+                    f"{number(r['round_ms'], 2)} {interval(r.get('round_ms_ci'), 2)}"
+                    + ("" if weighted else " (cells' own)"),
+                    number(r.get("mean_width"), 2), number(r.get("cell_round_ms", r["round_ms"]), 2),
+                    number(r.get("cell_mean_width"), 2),
+                    f"{number(r['speedup'], 2)} / {number(r.get('measured_speedup'), 2)}"])
     return out
 
 
@@ -170,16 +146,16 @@ def validation_rows(report: dict) -> list[list[str]]:
             agrees = m.get("agrees", m["within_measured_ci"])  # older marginal JSON: the old rule
             unc = v.get("unconditional") if metric == "tpot_ms" else None
             acc = v.get("acceptance_check") if metric == "tpot_ms" else None
-            rows.append([str(v["batch"]), v["mode"], str(v["k"]), metric.replace("_ms", ""), _f(m["measured"]),
-                         _ci(m["measured_ci"]), _f(m["predicted"]),
-                         f"{100 * m['relative_error']:+.1f}%" + (f" [{100 * rel_ci[0]:+.1f}%, {100 * rel_ci[1]:+.1f}%]"
-                                                                 if rel_ci else ""),
+            rows.append([str(v["batch"]), v["mode"], str(v["k"]), metric.replace("_ms", ""), number(m["measured"], 2),
+                         interval(m["measured_ci"], 2), number(m["predicted"], 2),
+                         percent(m["relative_error"], 1, signed=True)
+                         + (f" {interval(rel_ci, 1, signed=True, as_percent=True)}" if rel_ci else ""),
                          "yes" if agrees else "no",
                          _familywise(m),
-                         f"{100 * unc['relative_error']:+.1f}% [{100 * unc['relative_error_ci'][0]:+.1f}%, "
-                         f"{100 * unc['relative_error_ci'][1]:+.1f}%]" if unc else "",
-                         f"{_f(acc['measured_tokens_per_round'])} {_ci(acc['measured_ci'])} / "
-                         f"{_f(acc['model_tokens_per_round'])}" if acc else ""])
+                         f"{percent(unc['relative_error'], 1, signed=True)} "
+                         f"{interval(unc['relative_error_ci'], 1, signed=True, as_percent=True)}" if unc else "",
+                         f"{number(acc['measured_tokens_per_round'], 2)} {interval(acc['measured_ci'], 2)} / "
+                         f"{number(acc['model_tokens_per_round'], 2)}" if acc else ""])
     return rows
 
 
@@ -187,8 +163,8 @@ def _familywise(m: dict) -> str:
     ci = m.get("relative_error_ci_familywise")
     if not ci:
         return ""
-    return (f"{'yes' if m['agrees_familywise'] else 'no'} [{100 * ci[0]:+.1f}%, {100 * ci[1]:+.1f}%] "
-            f"at {100 * m['familywise_confidence']:.2f}%")
+    return (f"{'yes' if m['agrees_familywise'] else 'no'} {interval(ci, 1, signed=True, as_percent=True)} "
+            f"at {percent(m['familywise_confidence'], 2)}")
 
 
 VALIDATION_HEADER = ["B", "mode", "k", "metric", "measured ms (median over waves)", "CI (unit: wave)",
@@ -225,7 +201,7 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
             json.dumps(cfg["vllm_speculative_config"]), "```", "",
             f"![speedup vs batch size]({batch_png})", "", "## What pays at a request rate (simulated)", ""]
     out += [f"- {line}" for line in crossover_lines(report)]
-    out += ["", f"Plain server capacity at full batch: {_f(sv['plain_capacity_rps'], 3)} req/s. Assumptions:", ""]
+    out += ["", f"Plain server capacity at full batch: {number(sv['plain_capacity_rps'], 3)} req/s. Assumptions:", ""]
     out += [f"{i + 1}. {a}" for i, a in enumerate(sv["assumptions"])]
     out += ["", f"![simulated server]({serving_png})", "", "### The simulation against a measured closed loop", "",
             f"Validation: {'agrees' if sv.get('validation_agrees') else 'does NOT agree everywhere'} "

@@ -1,19 +1,18 @@
-"""The gate's table for people: the headline, one row per release variant and slice, speculation.
+"""The gate's table for people: the headline, one row per release variant and slice, speculation;
+and the report's gate section (the go/no-go table, the forest plot, groups, distribution).
 
     from pipeline.report.gate_table import render_table, cell_text
     print(render_table(json.load(open("runs/x/gate.json"))))
+    blocks = gate_blocks(gate, figures, dpi)      # report blocks (pipeline/report/document.py)
 
-Written by the gate stage (gate/table.md), printed by `gate-check`, embedded in the report.
+The table is written by the gate stage (gate/table.md) and printed by `gate-check`; the blocks
+open the report.
 """
 from __future__ import annotations
 
-import math
-
-
-def _fmt(x: float | None, signed: bool = False) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:+.3f}" if signed else f"{x:.3f}"
+from pipeline.report.document import Block
+from pipeline.report.figures import png_bytes, pyplot
+from pipeline.report.format import interval, number
 
 
 def cell_text(c: dict) -> str:
@@ -22,7 +21,7 @@ def cell_text(c: dict) -> str:
     if c["status"] == "inconclusive":
         settle = (f" (~{c['items_to_settle']} items per slice would settle it)" if c.get("items_to_settle")
                   else " (diff sits on -margin: no n settles it)")
-    return f"{_fmt(c['diff'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}] {c['status']}{settle}"
+    return f"{number(c['diff'], 3, signed=True)} {interval([lo, hi], 3, signed=True)} {c['status']}{settle}"
 
 
 def headline(gate: dict) -> list[str]:
@@ -56,22 +55,22 @@ def render_table(gate: dict) -> str:
                          f"{', '.join(v['missing']) or 'nothing gated'} | - | - | - | - |")
         for i, (key, c) in enumerate(v["slices"].items()):
             head = f"| {name} | {rel} | **{v['decision']}** " if i == 0 else "| | | "
-            lines.append(f"{head}| {key} | {c['metric']} | {_fmt(c['reference'])} | {_fmt(c['variant'])} "
+            lines.append(f"{head}| {key} | {c['metric']} | {number(c['reference'], 3)} | {number(c['variant'], 3)} "
                          f"| {cell_text(c)} | {c['ci_level']:.4f} | {c['margin']:g} | {c['n']} "
                          f"| {c.get('items_to_settle') or '-'} |")
             for g, gc in (c.get("groups") or {}).items():
                 tag = "" if gc.get("gated", True) else " (reported, not gated)"
-                lines.append(f"| | | | {key}/{g} | {gc['metric']} | {_fmt(gc['reference'])} "
-                             f"| {_fmt(gc['variant'])} | {cell_text(gc)}{tag} | {gc['ci_level']:.4f} "
+                lines.append(f"| | | | {key}/{g} | {gc['metric']} | {number(gc['reference'], 3)} "
+                             f"| {number(gc['variant'], 3)} | {cell_text(gc)}{tag} | {gc['ci_level']:.4f} "
                              f"| {gc['margin']:g} | {gc['n']} | {gc.get('items_to_settle') or '-'} |")
             for what, ce in ((c.get("calibration_error") or {}).items()):
                 if isinstance(ce, dict):
-                    lines.append(f"| | | | {key}:{what} | {what} | {_fmt(ce['reference'])} "
-                                 f"| {_fmt(ce['variant'])} | {_fmt(ce['diff'], True)} (reported, not "
+                    lines.append(f"| | | | {key}:{what} | {what} | {number(ce['reference'], 3)} "
+                                 f"| {number(ce['variant'], 3)} | {number(ce['diff'], 3, signed=True)} (reported, not "
                                  f"gated) | - | - | {c['n']} | - |")
         for what, chk in (v.get("distribution") or {}).get("checks", {}).items():
             lo, hi = chk["ci"]
-            lines.append(f"| | | | distribution | {what} | - | - | [{_fmt(lo)}, {_fmt(hi)}] "
+            lines.append(f"| | | | distribution | {what} | - | - | {interval([lo, hi], 3)} "
                          f"{chk['status']} (threshold {chk['threshold']:g}) | - | - | - | - |")
     spec = gate.get("speculation") or {"pairs": {}}
     if spec["pairs"]:
@@ -79,6 +78,86 @@ def render_table(gate: dict) -> str:
                       f"**{spec['decision']}**", "",
                   "| pair | greedy identical (dtype) | sampling p (adjusted) | decision |", "|---|---|---|---|"]
         for key, p in spec["pairs"].items():
-            lines.append(f"| {key} | {p['greedy_identical']} ({p.get('dtype') or '-'}) | {_fmt(p['sampling_p'])} "
-                         f"({_fmt(p['sampling_p_adjusted'])}) | **{p['decision']}** |")
+            lines.append(f"| {key} | {p['greedy_identical']} ({p.get('dtype') or '-'}) | {number(p['sampling_p'], 3)} "
+                         f"({number(p['sampling_p_adjusted'], 3)}) | **{p['decision']}** |")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the report's section
+
+
+def forest_plot(gate: dict, dpi: int) -> bytes | None:
+    """Each (variant, slice) difference with its CI, coloured by status, beside -margin; None when no cells."""
+    rows = [(f"{v} / {k}", c) for v, e in gate["variants"].items() for k, c in e["slices"].items()]
+    if not rows:
+        return None
+    plt = pyplot()
+    colour = {"pass": "#2e7d32", "fail": "#c62828", "inconclusive": "#ef8f00"}
+    fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(rows) + 1.2))
+    for y, (label, c) in enumerate(reversed(rows)):
+        lo, hi = c["ci"]
+        ax.plot([lo, hi], [y, y], color=colour[c["status"]], lw=2)
+        ax.plot(c["diff"], y, "o", color=colour[c["status"]], ms=5)
+        ax.plot([-c["margin"]] * 2, [y - 0.4, y + 0.4], color="#c62828", lw=1.5)
+    ax.axvline(0.0, color="grey", lw=0.8)
+    margins = {c["margin"] for _, c in rows}
+    if len(margins) == 1:
+        ax.axvline(-margins.pop(), color="#c62828", ls="--", lw=1, label="-margin")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(range(len(rows)), [label for label, _ in reversed(rows)], fontsize=8)
+    ax.set_xlabel("paired difference, variant - reference (negative = worse); red tick = -margin")
+    ax.set_title(f"Paired differences with multiplicity-adjusted CIs ({gate['multiplicity']})", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return png_bytes(fig, dpi)
+
+
+def gate_blocks(gate: dict, figures: dict[str, bytes], dpi: int) -> list[Block]:
+    """The report's first section: the decision, the go/no-go table (one row per variant, one column
+    per slice), the forest plot (added to `figures`), then per group and the distribution checks."""
+    keys = []
+    for v in gate["variants"].values():
+        keys += [k for k in v["slices"] if k not in keys]
+    rows, classes = [], []
+    for name, v in gate["variants"].items():
+        rows.append([name, "yes" if v["release"] else "no", v["decision"].upper(),
+                     *[cell_text(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
+        classes.append([None, None, v["decision"],
+                        *[v["slices"][k]["status"] if k in v["slices"] else None for k in keys]])
+    out: list[Block] = [
+        ("h2", f"Decision: {gate['decision'].upper()}"),
+        ("p", f"Reference `{gate['reference']}`; release variants: "
+              f"{', '.join(gate['release_variants']) or 'none'}. {gate['method']}. Each cell: "
+              "diff [CI] status; 'items to settle' is the n that would give 80% power to decide "
+              "an inconclusive cell, assuming the observed difference and spread."),
+        ("table", ["variant", "release", "decision", *keys], rows, classes),
+    ]
+    forest = forest_plot(gate, dpi)
+    if forest:
+        figures["forest.png"] = forest
+        out.append(("img", "forest.png", "paired differences (dots) with their CIs; red tick = -margin", "wide"))
+    grows, gclasses = [], []
+    for name, v in gate["variants"].items():
+        for key, c in v["slices"].items():
+            for g, gc in (c.get("groups") or {}).items():
+                grows.append([name, f"{key}/{g}", cell_text(gc), str(gc["n"]),
+                              "gated" if gc.get("gated") else "reported"])
+                gclasses.append([None, None, gc["status"], None, None])
+    if grows:
+        out += [("h3", "Per group (sub-slices)"),
+                ("p", "Groups are reported at the unadjusted level and are not gated unless "
+                      "gate.gate_groups is set (few items each: low power, and a larger family)."),
+                ("table", ["variant", "group", "diff [CI] status", "n", ""], grows, gclasses)]
+    drows = []
+    for name, v in gate["variants"].items():
+        d = v.get("distribution") or {}
+        if d.get("kl_mean") is not None:
+            checks = "; ".join(f"{k}: {c['status']}" for k, c in d.get("checks", {}).items()) or "not gated"
+            drows.append([name, f"{number(d['kl_mean'], 4)} {interval(d.get('kl_ci'), 4)}",
+                          f"{number(d.get('top1_agreement'), 3)} {interval(d.get('top1_ci'), 3)}",
+                          f"{number(d.get('ppl_ratio'), 3)} {interval(d.get('ppl_ratio_ci'), 3)}", str(d.get("n_docs")),
+                          checks])
+    if drows:
+        out += [("h3", "Distribution vs the reference"),
+                ("table", ["variant", "KL", "top-1 agreement", "perplexity ratio", "docs", "gated"],
+                 drows, None)]
+    return out

@@ -1,6 +1,8 @@
 """The latency stage's figure: each variant's decode speedup over the reference against B x context."""
 from __future__ import annotations
 
+from pipeline.report.figures import png_bytes, pyplot
+
 
 def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
     """Speedup over the reference (reference TPOT / variant TPOT, with CIs) against B x context,
@@ -10,13 +12,7 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (name, cells) in enumerate(sorted(series.items())):
         cells = sorted(cells, key=lambda c: (c["batch"] * c["context"], c["batch"]))
@@ -35,7 +31,4 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, dpi=110, tight=False)

@@ -7,14 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.stage import atomic_write_bytes, atomic_write_text
-
-
-def _f(x, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
-def _ci(ci, digits: int = 2) -> str:
-    return f"[{_f(ci[0], digits)}, {_f(ci[1], digits)}]"
+from pipeline.report.figures import png_bytes, pyplot
+from pipeline.report.format import MISSING, interval, number
 
 
 def _temp_label(t: str) -> str:
@@ -34,28 +28,31 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
                f"temperature {_temp_label(p['temperature'])}. All intervals are {conf}% bootstrap CIs "
                f"({report.get('ci_unit', 'timing repeats')}).")
     out.append("")
-    out.append(f"Plain decoding of `{v}`: **{_f(base)} ms/token** {_ci(base_ci)}.")
+    out.append(f"Plain decoding of `{v}`: **{number(base, 2)} ms/token** {interval(base_ci, 2)}.")
     if rec:
         r = by_k[rec]
-        out.append(f"**Recommended k = {rec}**: {_f(r['ms_per_token'])} ms/token "
-                   f"{_ci(r['ms_per_token_ci'])}, speedup **{_f(r['speedup'])}x** {_ci(r['speedup_ci'])}.")
+        out.append(f"**Recommended k = {rec}**: {number(r['ms_per_token'], 2)} ms/token "
+                   f"{interval(r['ms_per_token_ci'], 2)}, speedup **{number(r['speedup'], 2)}x** "
+                   f"{interval(r['speedup_ci'], 2)}.")
     else:
         best = min(rows, key=lambda r: r["ms_per_token"])
         out.append(f"**Recommended k = 0: do not speculate.** No k was measurably faster than plain "
-                   f"decoding (best: k = {best['k']}, speedup {_f(best['speedup'])}x "
-                   f"{_ci(best['speedup_ci'])}).")
+                   f"decoding (best: k = {best['k']}, speedup {number(best['speedup'], 2)}x "
+                   f"{interval(best['speedup_ci'], 2)}).")
     out += ["", "| k | E[tokens/round] | mean drafted | round ms | ms/token | speedup | marginal ms/token (k-1 to k) "
             "| Leviathan ms/token |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         m = r["marginal_ms_per_token"]
         marginal = "n/a (no extra tokens)" if m is None else \
-            f"{_f(m)} {'pays' if r['marginal_pays'] else 'does not pay'}"
+            f"{number(m, 2)} {'pays' if r['marginal_pays'] else 'does not pay'}"
         mark = " **<-**" if r["k"] == rec else ""
         out.append(
-            f"| {r['k']}{mark} | {_f(r['tokens_per_round'])} {_ci(r['tokens_per_round_ci'])} "
-            f"| {_f(r.get('mean_drafted'))} | {_f(r['round_ms'])} {_ci(r.get('round_ms_ci') or [None, None])} | {_f(r['ms_per_token'])} {_ci(r['ms_per_token_ci'])} "
-            f"| {_f(r['speedup'])}x {_ci(r['speedup_ci'])} | {marginal} "
-            f"| {_f(r.get('predicted_ms_per_token'))} |")
+            f"| {r['k']}{mark} | {number(r['tokens_per_round'], 2)} {interval(r['tokens_per_round_ci'], 2)} "
+            f"| {number(r.get('mean_drafted'), 2)} "
+            f"| {number(r['round_ms'], 2)} {interval(r.get('round_ms_ci') or [None, None], 2)} "
+            f"| {number(r['ms_per_token'], 2)} {interval(r['ms_per_token_ci'], 2)} "
+            f"| {number(r['speedup'], 2)}x {interval(r['speedup_ci'], 2)} | {marginal} "
+            f"| {number(r.get('predicted_ms_per_token'), 2)} |")
     c = report.get("cost_ratio_c")
     out += ["", "How to read it: E[tokens/round] comes from the acceptance stage (emitted tokens / "
             "expected rounds at that k, from one teacher-forced pass over the target's own text, "
@@ -65,17 +62,18 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
             "count at k (mean drafted below); ms/token = round ms / E[tokens/round]. The marginal column is the extra "
             "round time per extra expected token when k grows by one (from plain decoding for k = 1); "
             "a step *pays* when that is below the ms/token at k-1 (the average falls); SEEDS' "
-            f"looser test, below the plain {_f(base)} ms/token, only says the extra tokens come "
+            f"looser test, below the plain {number(base, 2)} ms/token, only says the extra tokens come "
             "cheaper than plain decoding would make them.",
             "",
             f"The Leviathan column predicts ms/token = plain x (1 + k c) / E[tokens/round] with the "
-            f"measured per-position acceptance and the measured draft cost ratio c = {_f(c, 3)} "
+            f"measured per-position acceptance and the measured draft cost ratio c = {number(c, 3)} "
             "(one draft step / one plain target step). It assumes verifying k+1 tokens costs one "
             "plain step and that rounds have no other overhead."]
     gaps = [r for r in rows if r.get("predicted_ms_per_token")
             and abs(r["ms_per_token"] / r["predicted_ms_per_token"] - 1) > 0.10]
     if gaps:
-        ks = ", ".join(f"k={r['k']} ({_f(r['ms_per_token'] / r['predicted_ms_per_token'])}x)" for r in gaps)
+        ks = ", ".join(f"k={r['k']} ({number(r['ms_per_token'] / r['predicted_ms_per_token'], 2)}x)"
+                       for r in gaps)
         slower = sum(r["ms_per_token"] > r["predicted_ms_per_token"] for r in gaps)
         why = ("rounds cost more than 1 + k c plain steps: verifying k+1 tokens costs more than one "
                "plain step, or per-round overhead adds up") if slower >= len(gaps) / 2 else \
@@ -91,8 +89,8 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
         out += ["## Tokens per round in the latency run itself", "",
                 f"The latency stage's timed runs ({report.get('latency_new_tokens')} new tokens per prompt, "
                 "so more of their rounds are shortened near the end than the acceptance runs') gave, per k: " +
-                ", ".join(f"k={r['k']}: {_f(r['measured_tokens_per_round'])} tokens/round, "
-                          f"{_f(r.get('measured_ms_per_token'))} ms/token" for r in measured) + ".", ""]
+                ", ".join(f"k={r['k']}: {number(r['measured_tokens_per_round'], 2)} tokens/round, "
+                          f"{number(r.get('measured_ms_per_token'), 2)} ms/token" for r in measured) + ".", ""]
     if png_name:
         out += [f"![ms/token vs k and acceptance per position]({png_name})", ""]
     return "\n".join(out)
@@ -108,8 +106,8 @@ def _direct_section(report: dict) -> list[str]:
            "difference must contain 0.", "",
            "| k | derived [CI] | direct | direct - derived [CI] | agree |", "|---:|---:|---:|---:|---|"]
     for k, c in sorted(checks.items(), key=lambda kv: int(kv[0])):
-        out.append(f"| {k} | {_f(c['derived'], 3)} {_ci(c['ci'], 3)} | {_f(c['direct'], 3)} "
-                   f"| {_f(c['direct'] - c['derived'], 3)} {_ci(c['difference_ci'], 3)} | "
+        out.append(f"| {k} | {number(c['derived'], 3)} {interval(c['ci'], 3)} | {number(c['direct'], 3)} "
+                   f"| {number(c['direct'] - c['derived'], 3)} {interval(c['difference_ci'], 3)} | "
                    f"{'yes' if c['agree'] else '**no**'} |")
     return out + [""]
 
@@ -128,10 +126,10 @@ def _slice_section(report: dict) -> list[str]:
             rows = tab["rows"]
             rec = tab["recommended_k"]
             best = min(rows, key=lambda r: r["ms_per_token"])
-            e = ", ".join(_f(r["tokens_per_round"]) for r in rows)
-            sp = "-" if not rec else next(f"{_f(r['speedup'])}x {_ci(r['speedup_ci'])}"
+            e = ", ".join(number(r["tokens_per_round"], 2) for r in rows)
+            sp = MISSING if not rec else next(f"{number(r['speedup'], 2)}x {interval(r['speedup_ci'], 2)}"
                                           for r in rows if r["k"] == rec)
-            out.append(f"| {s} | {_temp_label(t)} | {rec} | {e} | {_f(best['ms_per_token'])} "
+            out.append(f"| {s} | {_temp_label(t)} | {rec} | {e} | {number(best['ms_per_token'], 2)} "
                        f"({best['k']}) | {sp} |")
     return out + [""]
 
@@ -149,8 +147,8 @@ def _position_section(report: dict) -> list[str]:
            "|---:|---:|---:|---:|---:|---:|"]
     for p in pos:
         ci = p.get("ci") or [None, None]
-        out.append(f"| {p['position']} | {_f(p.get('conditional'), 3)} | {_f(p.get('prefix'), 3)} "
-                   f"| {_f(p.get('expected_beta'), 3)} | {_f(p.get('n'), 1)} | {_ci(ci, 3)} |")
+        out.append(f"| {p['position']} | {number(p.get('conditional'), 3)} | {number(p.get('prefix'), 3)} "
+                   f"| {number(p.get('expected_beta'), 3)} | {number(p.get('n'), 1)} | {interval(ci, 3)} |")
     return out + [""]
 
 
@@ -159,13 +157,7 @@ def write_markdown(report: dict, path: Path, png_name: str | None = None, extra:
 
 
 def write_plot(report: dict, path: Path) -> None:
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = report["rows"]
     ks = [r["k"] for r in rows]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -206,7 +198,4 @@ def write_plot(report: dict, path: Path) -> None:
     ax2.set_ylabel("acceptance")
     ax2.set_title(f"acceptance per position ({report['primary']['slice']}, T={report['primary']['temperature']})")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, png_bytes(fig, dpi=110, tight=False))

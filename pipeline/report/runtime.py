@@ -2,7 +2,7 @@
 whether the steps were compiled (and which shapes fell back), and the memory plan.
 
     from pipeline.report.runtime import runtime_blocks
-    blocks += runtime_blocks(run_dir)     # report blocks (see pipeline/stages/report.py)
+    blocks += runtime_blocks(run_dir)     # report blocks (pipeline/report/document.py)
 
 Read from latency/<variant>.json and latency/<variant>__<draft>.json, which the latency stage
 writes (pipeline/stages/latency.py); older files without these keys give a line saying so.
@@ -11,18 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.stage import StageError, read_json
-
-
-def _gb(n) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f} GB"
+from pipeline.report.format import MISSING, nbytes
+from pipeline.report.inputs import json_files
 
 
 def kernel_text(kernels: dict | None) -> str:
     if not kernels:
         return "not recorded"
     if not kernels.get("kernels"):
-        return f"unquantized ({kernels.get('compute_dtype') or '-'})"
+        return f"unquantized ({kernels.get('compute_dtype') or MISSING})"
     parts = []
     for name, count in kernels["kernels"].items():
         info = kernels.get("details", {}).get(name, {})
@@ -48,25 +45,13 @@ def compile_text(rec: dict | None) -> str:
             + (f"; eager: {'; '.join(why)}" if why else ""))
 
 
-def _files(folder: Path) -> dict[str, dict]:
-    out = {}
-    for path in sorted(folder.glob("*.json")):
-        if path.name == "meta.json":
-            continue
-        doc = read_json(path, "latency result")
-        if not isinstance(doc, dict):
-            raise StageError(f"corrupt latency result: {path} is not a JSON object")
-        out[path.stem] = doc
-    return out
-
-
 def runtime_blocks(run_dir: Path) -> list[tuple]:
-    docs = _files(run_dir / "latency")
+    docs = json_files(run_dir / "latency", "*.json", "latency result")
     if not docs:
         return []
     rows, plan_rows = [], []
     for name, doc in docs.items():
-        rows.append([name, str(doc.get("device_name") or doc.get("device") or "-"), kernel_text(doc.get("kernels")),
+        rows.append([name, str(doc.get("device_name") or doc.get("device") or MISSING), kernel_text(doc.get("kernels")),
                      compile_text(doc.get("compile"))])
         plan = doc.get("memory_plan")
         if plan:
@@ -74,7 +59,7 @@ def runtime_blocks(run_dir: Path) -> list[tuple]:
             order = ", ".join(f"B={c['batch']}x{c['context']}" + (f" (chunks of {c['prefill_chunk']})"
                                                                    if c.get("prefill_chunk") else "") for c in cells)
             dropped = "; ".join(f"B={d['batch']}x{d['context']}: {d['reason']}" for d in plan.get("dropped", []))
-            plan_rows.append([name, _gb(plan.get("budget_bytes")), order or "-", dropped or "none"])
+            plan_rows.append([name, nbytes(plan.get("budget_bytes"), "GB", 2), order or MISSING, dropped or "none"])
     out: list[tuple] = [("h3", "How latency was measured: device, kernels, compilation"),
                         ("p", "The kernel each variant ran is read off the loaded modules (GPTQModel's QuantLinear "
                               "class, bitsandbytes' layer class, torchao's weight subclass). Compilation is what "

@@ -1,0 +1,127 @@
+"""The report's speculation section: per (variant, draft) pair, whether speculation is lossless,
+the recommended draft length k and its speed, and each pair's figures.
+
+    from pipeline.report.speculation import speculation_blocks
+    blocks += speculation_blocks(run_dir, gate, figures, dpi)
+
+Reads acceptance/<pair>.json, marginal/<pair>.json (and the marginal stage's <pair>.png, used as
+it is) and latency/<pair>.json; the lossless decisions come from the gate result.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.report.document import Block
+from pipeline.report.figures import png_bytes, pyplot
+from pipeline.report.format import MISSING, interval, number
+from pipeline.report.inputs import json_files
+
+
+def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
+    """Per-position acceptance (all slices) per temperature: conditional with CIs, prefix, E[beta]."""
+    pooled = (acc.get("slices") or {}).get("all") or {}
+    if not pooled:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for temp, rec in sorted(pooled.items()):
+        # A position no round reached (n = 0) has no conditional rate and no CI: not drawn.
+        pos = [p for p in rec.get("per_position") or [] if p.get("conditional") is not None]
+        if not pos:
+            continue
+        x = [p["position"] for p in pos]
+        y = [p["conditional"] for p in pos]
+        ci = [p.get("ci") or [p["conditional"]] * 2 for p in pos]
+        err = [[max(0.0, yi - c[0]) for yi, c in zip(y, ci)], [max(0.0, c[1] - yi) for yi, c in zip(y, ci)]]
+        line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"T={temp} conditional")
+        prefix = [p for p in rec["per_position"] if p.get("prefix") is not None]
+        ax.plot([p["position"] for p in prefix], [p["prefix"] for p in prefix], ls=":",
+                color=line[0].get_color(), label=f"T={temp} prefix P(A1..Ai)")
+        if all(p.get("expected_beta") is not None for p in pos):
+            ax.plot(x, [p["expected_beta"] for p in pos], ls="--", color=line[0].get_color(), alpha=0.6,
+                    label=f"T={temp} E[beta]")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("acceptance")
+    ax.set_title(f"{pair}: per-position acceptance (all slices)", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return png_bytes(fig, dpi)
+
+
+def speed_plot(pair: str, marginal: dict | None, latency: dict | None, dpi: int) -> bytes | None:
+    """ms/token vs k with CIs and the plain-decode line, from marginal (or else latency) JSON."""
+    if marginal and marginal.get("rows"):
+        rows = marginal["rows"]
+        ks = [r["k"] for r in rows]
+        med = [r["ms_per_token"] for r in rows]
+        cis = [r.get("ms_per_token_ci") or [m, m] for r, m in zip(rows, med)]
+        base = marginal["baseline_ms_per_token"]
+    elif latency and latency.get("rows"):
+        rows = latency["rows"]
+        ks = [r["k"] for r in rows]
+        med = [r["ms_per_token"]["median"] for r in rows]
+        cis = [r["ms_per_token"].get("ci") or [m, m] for r, m in zip(rows, med)]
+        base = latency["plain_ms_per_token"]["median"]
+    else:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.errorbar(ks, med, yerr=[[max(0.0, m - c[0]) for m, c in zip(med, cis)],
+                               [max(0.0, c[1] - m) for m, c in zip(med, cis)]],
+                marker="o", capsize=3, label="speculative ms/token")
+    ax.axhline(base, color="grey", ls="--", label="plain decode ms/token")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("ms / token")
+    ax.set_title(f"{pair}: decode time per token vs k", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return png_bytes(fig, dpi)
+
+
+def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi: int) -> list[Block]:
+    """Per (variant, draft) pair: lossless decision, recommended k and its speed, then each pair's
+    acceptance and speed figures (added to `figures`)."""
+    acceptance = json_files(run_dir / "acceptance", "*__*.json", "acceptance result")
+    marginal = json_files(run_dir / "marginal", "*__*.json", "marginal report")
+    latency = json_files(run_dir / "latency", "*__*.json", "latency result")
+    lossless = (gate.get("speculation") or {}).get("pairs", {})
+    pairs = sorted(set(acceptance) | set(marginal) | set(latency))
+    out: list[Block] = [("h2", "Speculative decoding per (variant, draft) pair")]
+    if not pairs:
+        return out + [("p", "No acceptance, latency or marginal results for any pair in this run.")]
+    rows, classes = [], []
+    for pair in pairs:
+        m, loss = marginal.get(pair), lossless.get(pair, {})
+        rec = m.get("recommended_k") if m else None
+        at = next((r for r in (m or {}).get("rows", []) if r["k"] == rec), None)
+        rows.append([pair, loss.get("decision", "unchecked"), MISSING if rec is None else str(rec),
+                     f"{number(at['speedup'], 2)}x {interval(at.get('speedup_ci'), 2)}" if at else MISSING,
+                     number(at["ms_per_token"], 2) if at else MISSING,
+                     number(at["tokens_per_round"], 2) if at else MISSING,
+                     number(m["baseline_ms_per_token"], 2) if m else MISSING])
+        classes.append([None, {"go": "pass", "no-go": "fail"}.get(loss.get("decision"), "inconclusive"),
+                        None, None, None, None, None])
+    out += [("p", "Lossless: greedy speculative output identical to the target's own, and the "
+                  "sampling test (p adjusted across pairs); a pair that fails is no-go for "
+                  "speculation whatever its speed. It does not change the variant's quality decision."),
+            ("table", ["pair", "lossless", "recommended k", "speedup at k [CI]", "ms/token at k",
+                       "E[tokens/round] at k", "plain ms/token"], rows, classes)]
+    for pair in pairs:
+        out.append(("h3", pair))
+        if pair in acceptance:
+            png = acceptance_plot(pair, acceptance[pair], dpi)
+            if png:
+                figures[f"acceptance-{pair}.png"] = png
+                out.append(("img", f"acceptance-{pair}.png", "per-position acceptance with CIs"))
+        theirs = run_dir / "marginal" / f"{pair}.png"
+        png = theirs.read_bytes() if theirs.is_file() else speed_plot(pair, marginal.get(pair),
+                                                                      latency.get(pair), dpi)
+        if png:
+            figures[f"speed-{pair}.png"] = png
+            out.append(("img", f"speed-{pair}.png", "ms/token vs k with CIs (marginal report)"))
+        else:
+            out.append(("p", "No timing for this pair."))
+    return out

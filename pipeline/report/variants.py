@@ -1,0 +1,71 @@
+"""The report's variants section: each variant's size, memory and perplexity, and the plain-decode
+latency grid (TPOT, TTFT, p99 inter-token, ratio to the reference against the roofline).
+
+    from pipeline.report.variants import variant_blocks
+    blocks += variant_blocks(run_dir, figures)
+
+Reads variants/<variant>/meta.json, latency/<variant>.json and latency/tpot_ratio.png (drawn by
+the latency stage, pipeline/report/latency.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.core.stage import read_json
+from pipeline.report.document import Block
+from pipeline.report.format import MISSING, interval, median_ci, nbytes, number
+from pipeline.report.inputs import json_files
+
+
+def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> list[Block]:
+    """One row per variant (scheme, size, memory, perplexity, calibration), then the plain-decode
+    latency grid and the latency stage's TPOT-ratio figure (added to `figures` when given)."""
+    out: list[Block] = [("h2", "Variants: size, memory, decode latency")]
+    rows = []
+    for vdir in sorted(p for p in (run_dir / "variants").glob("*") if (p / "meta.json").is_file()):
+        m = read_json(vdir / "meta.json", "variant meta.json")
+        calib = f"{str(m.get('calibration_sha256') or '-')[:12]} ({m.get('calibration_tokens') or '-'} tokens)"
+        rows.append([vdir.name, str(m.get("scheme")), str(m.get("bits") or "-"),
+                     str(m.get("group_size") or "-"), str(m.get("library") or "-"),
+                     nbytes(m.get("bytes_on_disk")), nbytes(m.get("bytes_in_memory")),
+                     f"{number(m.get('perplexity'), 2)} / {number(m.get('reference_perplexity'), 2)}",
+                     number(m.get("quantize_seconds"), 1), calib, str(m.get("device_fallback") or "-")])
+    if rows:
+        out.append(("table", ["variant", "scheme", "bits", "group", "library", "on disk", "in memory",
+                              "ppl / ref ppl", "quantize s", "calibration sha256 (tokens)", "fallback"],
+                    rows, None))
+    else:
+        out.append(("p", "No variants/<variant>/meta.json in this run."))
+    lat = {n: d for n, d in json_files(run_dir / "latency", "*.json", "latency result").items()
+           if "__" not in n}
+    grid_rows = []
+    for name, doc in lat.items():
+        for cell in doc.get("grid", []):
+            head = [name, str(cell.get("batch")), str(cell.get("context"))]
+            if cell.get("skipped"):
+                grid_rows.append([*head, f"skipped: {cell['skipped']}", "", "", "", "", "", ""])
+                continue
+            ratio = cell.get("tpot_ratio_vs_reference")
+            p99 = (cell.get("inter_token_ms") or {}).get("p99")
+            grid_rows.append([*head, median_ci(cell.get("tpot_ms"), 2), median_ci(cell.get("ttft_ms"), 2),
+                              f"{number(p99['value'], 2)} {interval(p99['ci'], 2)}" if p99 else MISSING,
+                              f"{number(ratio['value'], 2)} {interval(ratio['ci'], 2)} (roofline "
+                              f"{number(cell.get('roofline_tpot_ratio_vs_reference'), 2)})" if ratio else MISSING,
+                              nbytes(cell.get("peak_memory_bytes")), number(cell.get("achieved_gbps"), 1),
+                              number(cell.get("roofline_fraction"), 2)])
+    if grid_rows:
+        bw = sorted(f"{n}: {number(d.get('bandwidth_gbps'), 1)} GB/s on {d.get('device')}" for n, d in lat.items())
+        out += [("h3", "Plain decode latency grid (median [CI] over repeats)"),
+                ("p", "Measured bandwidth: " + "; ".join(bw) + ". Roofline fraction = achieved bytes/s "
+                      "over measured bandwidth for the bytes a decode step must read."),
+                ("table", ["variant", "batch", "context", "TPOT ms", "TTFT ms", "p99 inter-token ms",
+                           "TPOT / reference (roofline)", "peak memory", "achieved GB/s", "roofline fraction"],
+                 grid_rows, None)]
+        ratio_png = run_dir / "latency" / "tpot_ratio.png"
+        if figures is not None and ratio_png.is_file():
+            figures["tpot-ratio.png"] = ratio_png.read_bytes()
+            out.append(("img", "tpot-ratio.png", "speedup over the reference vs batch x context, with the "
+                                                 "roofline's (W + BK) / (W_q + BK)"))
+    else:
+        out.append(("p", "No plain-decode latency grid in this run (latency/<variant>.json missing)."))
+    return out
