@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.serving.marginal import by_drafted_matrix, marginal_table, pair_report, recommend_k
-from pipeline.stats.paired import median_ci
+from pipeline.stats.intervals import median_ci
 
 TOL = 1e-9
 

@@ -10,7 +10,7 @@ from pipeline.serving.batch_k import (batch_rows, expected_tokens_batched, recom
                               vllm_rows)
 from pipeline.core.config import ServingConfig
 from pipeline.serving.simulation import CostModel, Request, Table2D, crossover, open_loop, simulate, summarize
-from pipeline.stats.paired import median_ci
+from pipeline.stats.intervals import median_ci
 
 
 def test_expected_tokens_batched_matches_monte_carlo():

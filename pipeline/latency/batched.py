@@ -43,7 +43,7 @@ from pipeline.core.stage import StageError, progress
 from pipeline.decode.engine import generate
 from pipeline.latency.speculative import round_time_block
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
-from pipeline.stats.paired import median_ci
+from pipeline.stats.intervals import median_ci
 
 
 def batch_prompts(tokenizer, batch: int, offset: int = 0) -> torch.Tensor:

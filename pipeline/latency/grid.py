@@ -26,7 +26,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.plan import compile_session, plain_phase, plain_shapes
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline
 from pipeline.models.kernels import device_name, quantized_kernels
-from pipeline.stats.paired import median_ci, percentile_bootstrap
+from pipeline.stats.intervals import clip_contain, median_ci, percentile_bootstrap, percentile_interval
 
 PERCENTILES = (50, 90, 99)
 
@@ -129,8 +129,7 @@ def percentiles_ci(per_repeat: list[list[float]], confidence: float, seed: int) 
     else:
         idx = np.random.default_rng(seed).integers(0, x.shape[0], (2000, x.shape[0]))
         boot = np.percentile(x[idx].reshape(2000, -1), PERCENTILES, axis=1)  # [3, B]
-        lo, hi = np.quantile(boot, [(1 - confidence) / 2, (1 + confidence) / 2], axis=1)
-        cis = [[float(min(a, p)), float(max(b, p))] for a, b, p in zip(lo, hi, point)]
+        cis = [percentile_interval(b, confidence, float(p)) for b, p in zip(boot, point)]
     return {**{f"p{q}": {"value": float(p), "ci": ci} for q, p, ci in zip(PERCENTILES, point, cis)},
             "ci_unit": "repeat"}
 
@@ -144,7 +143,7 @@ def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: in
     lo, hi = percentile_bootstrap((np.asarray(a, float), np.asarray(b, float)),
                                   lambda x, y, axis: np.median(x, axis=axis) / np.median(y, axis=axis),
                                   confidence, seed)
-    return {"value": point, "ci": [min(lo, point), max(hi, point)], "ci_unit": "repeat, each variant resampled"}
+    return {"value": point, "ci": clip_contain(lo, hi, point), "ci_unit": "repeat, each variant resampled"}
 
 
 # ---------------------------------------------------------------- the two artifacts

@@ -29,7 +29,7 @@ from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.latency.plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
 from pipeline.core.stage import StageError, progress
 from pipeline.speculation.measure import sampling_of, temp_key
-from pipeline.stats.paired import median_ci
+from pipeline.stats.intervals import median_ci
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],

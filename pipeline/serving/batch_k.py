@@ -40,7 +40,7 @@ import numpy as np
 
 from pipeline.serving.marginal import by_drafted_matrix, recommend_k
 from pipeline.stats.intervals import jackknife_se, normal_se, percentile_interval
-from pipeline.stats.paired import median_ci
+from pipeline.stats.intervals import median_ci
 
 
 # vLLM's dynamic speculative decoding (DSD): speculative_config.num_speculative_tokens_per_batch_size,

@@ -131,3 +131,17 @@ def mean_t_interval(values, confidence: float = 0.95,
     if se == 0.0:
         return mean, [mean, mean]
     return mean, t_interval(mean, se, v.size - 1, confidence, bounds)
+
+
+def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
+    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median; the unit of
+    resampling is one sample (a timing repeat)."""
+    x = np.asarray([float(s) for s in samples], dtype=float)
+    if x.size == 0:
+        raise ValueError("median_ci needs at least one sample")
+    med = float(np.median(x))
+    if x.size < 2 or np.ptp(x) == 0:
+        lo = hi = med
+    else:
+        lo, hi = percentile_bootstrap((x,), lambda a, axis: np.median(a, axis=axis), confidence, seed)
+    return {"median": med, "ci": clip_contain(lo, hi, med), "samples": x.tolist()}

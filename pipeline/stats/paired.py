@@ -33,7 +33,7 @@ import numpy as np
 from scipy import stats as sps
 
 from pipeline.stats import tango
-from pipeline.stats.intervals import clip_contain, percentile_bootstrap, t_interval
+from pipeline.stats.intervals import clip_contain, t_interval
 
 # ---------------------------------------------------------------- clusters
 
@@ -393,23 +393,3 @@ def mean_ci(scores: Sequence[float], codes: np.ndarray | None, confidence: float
     if g < 2:
         return mean, [None, None], "one cluster"
     return mean, t_interval(mean, se, g - 1, confidence), f"t, CR1 ({unit})"
-
-
-# ---------------------------------------------------------------- medians over timing repeats
-# (latency and marginal; kept in its own section at the end so it merges apart from the gate's).
-# percentile_bootstrap lives in pipeline.stats.intervals; it is imported here for median_ci and
-# for the callers that take it from this module.
-
-
-def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
-    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median; the unit of
-    resampling is one sample (a timing repeat)."""
-    x = np.asarray([float(s) for s in samples], dtype=float)
-    if x.size == 0:
-        raise ValueError("median_ci needs at least one sample")
-    med = float(np.median(x))
-    if x.size < 2 or np.ptp(x) == 0:
-        lo = hi = med
-    else:
-        lo, hi = percentile_bootstrap((x,), lambda a, axis: np.median(a, axis=axis), confidence, seed)
-    return {"median": med, "ci": clip_contain(lo, hi, med), "samples": x.tolist()}
