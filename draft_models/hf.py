@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.models.architecture import check_engine_cache
+from pipeline.core.stage import StageError
 from pipeline.decode.cache import hf_model
 from pipeline.decode.drafts import ModelDraft
+from pipeline.models.architecture import check_engine_cache
 from pipeline.models.loading import check_weight_files, compare_tokenizers
-from pipeline.core.stage import StageError
 
 
 def build(spec, target, tokenizer, run_dir, device):

@@ -11,10 +11,10 @@ import copy
 
 import torch
 
-from pipeline.models.architecture import decoder_layers
+from pipeline.core.stage import StageError
 from pipeline.decode.cache import hf_model
 from pipeline.decode.drafts import ModelDraft
-from pipeline.core.stage import StageError
+from pipeline.models.architecture import decoder_layers
 
 
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:

@@ -5,8 +5,8 @@ fallback when nothing matches); this module only turns the spec string into one.
 """
 from __future__ import annotations
 
-from pipeline.decode.drafts import NgramDraft
 from pipeline.core.stage import StageError
+from pipeline.decode.drafts import NgramDraft
 
 
 def build(spec, target, tokenizer, run_dir, device):

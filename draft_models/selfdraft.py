@@ -5,11 +5,11 @@ scheme), on the target's device, and drafts with its own static cache.
 """
 from __future__ import annotations
 
+from pipeline.core.stage import StageError
 from pipeline.decode.cache import hf_model
-
 from pipeline.decode.drafts import ModelDraft
 from pipeline.models.loading import compare_tokenizers
-from pipeline.core.stage import StageError
+from pipeline.variants.schemes import load_variant
 
 
 def variant_dir(spec, run_dir):
@@ -28,8 +28,6 @@ def variant_dir(spec, run_dir):
 
 
 def build(spec, target, tokenizer, run_dir, device):
-    from pipeline.variants.schemes import load_variant
-
     model, tok = load_variant(variant_dir(spec, run_dir), device=device)
     if tokenizer is not None:
         compare_tokenizers(f"draft {spec}", tokenizer, tok, "draft", "target")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from pipeline.core.config import ConfigError, load_config
 from pipeline.core.process import set_up_process
-from pipeline.decode.errors import EngineError
 from pipeline.core.stage import StageError, run_stage
+from pipeline.decode.errors import EngineError
 from pipeline.stages.table import STAGES
+
 
 def slug(model: str) -> str:
     """The default run name for a MODEL: its last path component, lower-cased, made file-safe."""

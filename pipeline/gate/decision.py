@@ -40,8 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.stage import StageError, progress, read_json, read_jsonl
-from pipeline.stats import paired as stats
-from pipeline.stats import scoring_rules
+from pipeline.stats import paired as stats, scoring_rules
 
 # gate-check's exit status per decision (2 is bad input): a contract release jobs rely on.
 EXIT_CODES = {"go": 0, "no-go": 1, "inconclusive": 3}

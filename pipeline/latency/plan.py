@@ -21,25 +21,23 @@ They are compiled before the timed runs (CompileSession.warm), never inside them
 """
 from __future__ import annotations
 
+from pipeline.decode.cache import hf_model
+from pipeline.decode.compiled import CompileSession, not_compiled, step_shapes
 from pipeline.latency.memory import CellPlan, MemoryPlan, ModelShape, cache_len, device_budget, plan_grid
+from pipeline.latency.roofline import model_bytes
 from pipeline.variants.schemes import SCHEMES
-
 
 # ---------------------------------------------------------------- the compiled shapes and the session
 
 
 def plain_shapes(cells: list[CellPlan]) -> list[tuple]:
     """One decode-step graph per plain cell (its batch, its cache length)."""
-    from pipeline.decode.compiled import step_shapes
-
     return [s for c in cells for s in step_shapes("target", c.batch, c.cache_len, [1])]
 
 
 def speculative_shapes(cache_len: int, k_max: int, draft_labels: list[str]) -> list[tuple]:
     """The target's decode step and verify widths 2..k_max+1 (the shortened last rounds of a
     generation use the narrower ones), and each model draft's widths 1 and 2."""
-    from pipeline.decode.compiled import step_shapes
-
     shapes = step_shapes("target", 1, cache_len, [1]) + step_shapes("target", 1, cache_len, range(2, k_max + 2),
                                                                      all_logits=True)
     for label in draft_labels:
@@ -56,8 +54,6 @@ def compile_session(lat, device):
     on CUDA with inductor and CUDA graphs (compile_backend auto), on any device with an explicit
     eager / aot_eager backend (a check of the machinery; no speed-up is expected from those).
     The caller says which shapes to compile (session.expect) once its plan is known."""
-    from pipeline.decode.compiled import CompileSession, not_compiled
-
     why = why_not_compiled(lat, device)
     if why is not None:
         return None, not_compiled(why)
@@ -84,8 +80,6 @@ def _shape(model, weight_bytes: int) -> ModelShape:
 
 def plain_phase(model, lat, device, contexts: list[int] | None = None) -> tuple[MemoryPlan, dict]:
     """The plain grid of a loaded variant against the memory free now."""
-    from pipeline.latency.roofline import model_bytes
-
     weights = model_bytes(model)["all_weight_bytes"]
     budget = device_budget(device, weights_loaded=True, weight_bytes=weights)
     plan = plan_grid(_shape(model, weights), lat.batch_sizes, contexts if contexts is not None else lat.context_lengths,
@@ -95,8 +89,6 @@ def plain_phase(model, lat, device, contexts: list[int] | None = None) -> tuple[
 
 def draft_kv_bytes_per_token(draft) -> int:
     """KV bytes per position of a runtime draft's own cache (0 for a model-free draft)."""
-    from pipeline.decode.cache import hf_model
-
     model = getattr(draft, "model", None)
     if model is None:
         return 0
@@ -105,8 +97,6 @@ def draft_kv_bytes_per_token(draft) -> int:
 
 def speculative_phase(model, drafts: dict, lat, k_max: int, prompt_len: int, device) -> tuple[MemoryPlan, dict]:
     """The speculative cell of a loaded target with its drafts loaded beside it."""
-    from pipeline.latency.roofline import model_bytes
-
     weights = model_bytes(model)["all_weight_bytes"]
     budget = device_budget(device, weights_loaded=True, weight_bytes=weights)
     kv = {spec: draft_kv_bytes_per_token(d) for spec, d in drafts.items()}

@@ -23,11 +23,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.decode.engine import generate
-
-from pipeline.models.kernels import device_name, quantized_kernels
-from pipeline.latency.plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
 from pipeline.core.stage import StageError, progress
+from pipeline.decode.cache import CachedModel
+from pipeline.decode.compiled import not_compiled
+from pipeline.decode.engine import generate
+from pipeline.latency.plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
+from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.intervals import median_ci
 
@@ -110,9 +111,6 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
                      confidence: float, seed: int, ks: list[int], session=None) -> dict:
     """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). With a
     compile `session` (pipeline.decode.compiled), this pair's step shapes compile before any timed run."""
-    from pipeline.decode.cache import CachedModel
-    from pipeline.decode.compiled import not_compiled
-
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
     plan, budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
     if plan.dropped:

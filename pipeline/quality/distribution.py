@@ -23,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+from pipeline.core.stage import StageError
 from pipeline.stats.intervals import mean_t_interval
 
 # Modules whose docstrings are long prose; the order fixes which documents a run uses.
@@ -71,8 +72,6 @@ def heldout_documents(tokenizer, n_docs: int, n_tokens: int) -> tuple[torch.Tens
         if len(docs) == n_docs:
             break
     if len(docs) < n_docs:
-        from pipeline.core.stage import StageError
-
         raise StageError(f"held-out text: only {len(docs)} standard-library modules have "
                          f"{n_tokens} tokens of docstrings (asked for {n_docs}); lower "
                          f"quality.distribution_tokens or distribution_docs")

@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from evals import bfcl, humaneval, sandbox
-from evals import generate as gen
+from evals import bfcl, generate as gen, humaneval, sandbox
 from pipeline.core.stage import StageError
 
 TASKS_DIR = Path(gen.__file__).resolve().parent / "tasks"

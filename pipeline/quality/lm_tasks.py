@@ -32,6 +32,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.core.config import QualityConfig
 from pipeline.core.stage import StageError, progress
 
 # Fields that hold a passage several documents are asked about (race: article, squad: context,
@@ -139,8 +140,6 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
 
 
     if qcfg is None:
-        from pipeline.core.config import QualityConfig
-
         qcfg = QualityConfig()
     parsed = split_entries(entries)
     paths = tuple(sorted({p for _, _, p in parsed if p}))

@@ -42,6 +42,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from pipeline.decode.cache import cache_kwarg
+
 # Cost of a forward pass ~ CALL_COST + TOKEN_COST * rows * width (seconds, 2-core CPU, SmolLM2-135M
 # in float32). Only the ratio (one call ~ 50 tokens) steers the plan.
 CALL_COST = 0.11
@@ -62,8 +64,6 @@ def common_prefix(a, b) -> int:
 
 def forward_kwargs(model) -> tuple[str, bool]:
     """The forward's name for the cache argument, and whether it takes `logits_to_keep`."""
-    from pipeline.decode.cache import cache_kwarg
-
     return cache_kwarg(model), "logits_to_keep" in inspect.signature(model.forward).parameters
 
 

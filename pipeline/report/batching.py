@@ -13,7 +13,6 @@ from pipeline.core.stage import read_json
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number, percent
 
-
 # ---------------------------------------------------------------- figures
 
 

@@ -39,9 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.serving.marginal import by_drafted_matrix, recommend_k
-from pipeline.stats.intervals import jackknife_se, normal_se, percentile_interval
-from pipeline.stats.intervals import median_ci
-
+from pipeline.stats.intervals import jackknife_se, median_ci, normal_se, percentile_interval
 
 # vLLM's dynamic speculative decoding (DSD): speculative_config.num_speculative_tokens_per_batch_size,
 # a list of [start_bs, end_bs, K] rows, ranges inclusive; num_speculative_tokens is the startup

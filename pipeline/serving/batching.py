@@ -44,7 +44,7 @@ import numpy as np
 
 from pipeline.serving.batch_k import by_batch_section, prefix_rates
 from pipeline.serving.simulation import (ASSUMPTIONS, CostModel, Request, crossover, open_loop, plain_capacity_rps,
-                                  simulate, summarize, table_policy)
+                                         simulate, summarize, table_policy)
 from pipeline.stats.intervals import percentile_bootstrap, percentile_interval
 
 

@@ -27,8 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.core.stage import StageError
-from pipeline.stats.intervals import percentile_interval
-from pipeline.stats.intervals import median_ci
+from pipeline.stats.intervals import median_ci, percentile_interval
 
 RULE = (
     "k beats plain decoding when the lower end of its speedup CI is above 1. Among those, take the k "

@@ -19,15 +19,10 @@ import torch
 from scipy import stats
 
 from pipeline.decode.cache import CachedModel
-
 from pipeline.decode.drafts import Draft
-
 from pipeline.decode.engine import generate, speculative_step
-
-from pipeline.decode.sampling import SamplingParams
-
+from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
 from pipeline.decode.timing import Timer
-from pipeline.decode.sampling import logits_to_probs, pick
 
 
 def two_sample_chi2(a: list[int], b: list[int]) -> float:

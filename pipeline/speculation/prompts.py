@@ -6,6 +6,8 @@ the quality slices feed their own prompts, these are the slices. Written for thi
 """
 from __future__ import annotations
 
+from pipeline.core.stage import StageError, progress
+
 KINDS = ("chat", "code", "long_context", "structured")
 
 _REPORT = (
@@ -98,8 +100,6 @@ def acceptance_prompts(per_kind: int, tokenizer, stage: str) -> dict[str, list[t
     """kind -> [(prompt id, token ids)], the acceptance slices' prompts (the latency stage times
     speculative rounds on the same ones). A kind with fewer built-in prompts than asked uses all
     it has and says so on stderr; the artifacts record the prompt ids actually used."""
-    from pipeline.core.stage import StageError, progress
-
     by_kind = prompts_by_kind(per_kind)
     short = {kind: len(rows) for kind, rows in by_kind.items() if len(rows) < per_kind}
     if short:

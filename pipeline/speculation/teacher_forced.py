@@ -21,14 +21,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.decode.cache import hf_model
-
-from pipeline.decode.drafts import ModelDraft, NgramDraft
-
-from pipeline.decode.sampling import SamplingParams
-from pipeline.decode.sampling import logits_to_probs
-from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows
 from pipeline.core.stage import StageError
+from pipeline.decode.cache import hf_model
+from pipeline.decode.drafts import ModelDraft, NgramDraft
+from pipeline.decode.sampling import SamplingParams, logits_to_probs
+from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows
 
 
 def _logits(model, ids: torch.Tensor, rows: int) -> torch.Tensor:

@@ -31,13 +31,14 @@ import numpy as np
 
 from evals import sandbox
 from pipeline.core.device import resolve_device
-from pipeline.core.stage import (StageContext, StageError, atomic_write_json, atomic_write_text, progress, read_json,
-                                 read_jsonl, sha256_file)
+from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                                 progress, read_json, read_jsonl, sha256_file)
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
 from pipeline.variants.schemes import load_variant
+
 
 def run(ctx: StageContext) -> None:
     cfg, qcfg = ctx.config, ctx.config.quality
@@ -73,8 +74,6 @@ def run(ctx: StageContext) -> None:
             blob = slice_items(name, n, qcfg.long_context_lengths)
         path = data_dir / f"{name}.jsonl"
         if not path.is_file() or path.read_bytes() != blob:
-            from pipeline.core.stage import atomic_write_bytes
-
             atomic_write_bytes(path, blob)
         data_files[name] = path
     named, skipped = lm_tasks.resolve(qcfg.tasks, qcfg, cfg.seed)

@@ -111,9 +111,9 @@ def compare(name: str, engine_fn, hf_fn, device, warmup: int, repeats: int, n: i
 def _model_dir(run: Path, config_path: str, model: str) -> Path:
     if (run / "model" / "meta.json").is_file():
         return run / "model"
-    from pipeline.stages.table import STAGES
     from pipeline.core.config import load_config
     from pipeline.core.stage import run_stage
+    from pipeline.stages.table import STAGES
 
     run_stage(STAGES["prepare"], run, load_config(config_path), {"model": model}, STAGES)
     return run / "model"
@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     from draft_models.registry import build_draft
     from pipeline.core.config import load_config
     from pipeline.core.device import resolve_device
+    from pipeline.core.stage import atomic_write_json, library_versions
     from pipeline.decode.engine import generate
     from pipeline.speculation.prompts import prompt_ids
     from pipeline.variants.schemes import load_variant
-    from pipeline.core.stage import atomic_write_json, library_versions
 
     cfg = load_config(args.config)
     drafts = args.drafts.split() or cfg.drafts

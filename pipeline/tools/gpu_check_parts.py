@@ -13,11 +13,9 @@ import time
 import torch
 
 from pipeline.decode.cache import CachedModel
-
-from pipeline.decode.drafts import ModelDraft
-
-from pipeline.decode.engine import generate
 from pipeline.decode.compiled import CompileSession, step_shapes
+from pipeline.decode.drafts import ModelDraft
+from pipeline.decode.engine import generate
 from pipeline.latency.memory import cache_len
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.core.stage import StageError, library_version
 from pipeline.models.architecture import WeightMatrix, architecture, meta_model, weight_matrices
 from pipeline.variants.checkpoint import check_checkpoint
 from pipeline.variants.schemes import SCHEMES
-from pipeline.core.stage import StageError, library_version
 
 
 def reference_matrices(src: Path) -> list[WeightMatrix]:
