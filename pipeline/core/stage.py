@@ -41,11 +41,7 @@ class StageError(Exception):
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -53,6 +49,7 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `path.tmp`, then rename it over `path`: a reader never sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

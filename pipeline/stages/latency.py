@@ -66,8 +66,9 @@ def run(ctx: StageContext) -> None:
         raise StageError("latency.new_tokens must be >= 2 (TPOT is undefined for one output token)")
     if lat.repeats < 1 or lat.warmup < 0:
         raise StageError("latency.repeats must be >= 1 and latency.warmup >= 0")
+    if lat.closed_loop_waves > 0 and lat.closed_loop_tokens < 2:
+        raise StageError("latency.closed_loop_tokens must be >= 2 (TPOT is undefined for one output token)")
     device = resolve_device(cfg.device)
-    confidence = lat.confidence
     k_max = lat.k_max or cfg.acceptance.k_max
     if k_max < 1:
         raise StageError(f"latency.k_max must be >= 1 (got {k_max})")
@@ -77,22 +78,26 @@ def run(ctx: StageContext) -> None:
     if not names:
         raise StageError(f"latency: no variants in {ctx.run_dir / 'variants'} (run make quantize first)")
     dirs = {n: _resolve_dir(ctx, n, (listed.get(n) or {}).get("dir")) for n in names}
-    bandwidth: dict | None = None
-    common = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed}
+    targets = cfg.acceptance.targets or [cfg.quantize.reference]
+    for target in targets:
+        if target not in dirs:
+            raise StageError(f"latency: target '{target}' is not a variant ({', '.join(dirs)})")
     ctx.meta.update(device=str(device), device_name=device_name(device),
                     compile="off" if not lat.compile else "requested; no cell ran",
                     compile_record={"plain": {}, "speculative": {}}, memory_plan={"plain": {}, "speculative": {}},
                     kernels={}, threads=torch.get_num_threads(),
                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
-    def bw() -> dict:
-        nonlocal bandwidth
-        if bandwidth is None:
-            progress("latency: measuring device bandwidth (large tensor copy)")
-            bandwidth = measure_bandwidth(device)
-            ctx.meta["bandwidth"] = bandwidth
-        return bandwidth
+    _plain_grids(ctx, dirs, device)  # latency/<variant>.json, tpot_ratio.png
+    _speculative_pairs(ctx, dirs, targets, ks, device)  # latency/<target>__<draft>.json
+    _batched_pairs(ctx, dirs, targets, ks, device)  # latency/batched/<target>__<draft>.json
 
+
+def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device) -> None:
+    """Every variant's plain decode grid, then each one's TPOT against the reference's."""
+    cfg, lat = ctx.config, ctx.config.latency
+    common = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed}
+    bandwidth: dict | None = None
     for name, d in dirs.items():
         item = ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
                                          or str(d)}, is_dir=False)
@@ -100,8 +105,11 @@ def run(ctx: StageContext) -> None:
             # A resumed run keeps the bandwidth its grids were measured against in meta.json.
             ctx.meta.setdefault("bandwidth", read_json(item.path).get("bandwidth"))
             continue
+        if bandwidth is None:  # measured once, and only when a grid is timed
+            progress("latency: measuring device bandwidth (large tensor copy)")
+            bandwidth = ctx.meta["bandwidth"] = measure_bandwidth(device)
         model, _ = load_variant(d, device=device)
-        doc = plain_grid(name, model, lat, device, bw(), cfg.seed, confidence)
+        doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, lat.confidence)
         _record(ctx.meta, "plain", name, doc)
         item.write_json(doc)
         del model
@@ -109,27 +117,36 @@ def run(ctx: StageContext) -> None:
     if reference in dirs:
         grids = {name: read_json(ctx.out_dir / f"{name}.json", "latency grid") for name in dirs}
         for name, grid in grids.items():  # a cheap join, redone on every run: never stale
-            if add_reference_ratios(grid, grids[reference], confidence, cfg.seed):
+            if add_reference_ratios(grid, grids[reference], lat.confidence, cfg.seed):
                 atomic_write_json(ctx.out_dir / f"{name}.json", grid)
         png = tpot_ratio_plot(grids, reference)
         if png:
             atomic_write_bytes(ctx.out_dir / "tpot_ratio.png", png)
 
-    targets = cfg.acceptance.targets or [cfg.quantize.reference]
-    # Round times are measured on the acceptance stage's prompts and temperatures.
+
+def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder: str, inputs: dict) -> dict:
+    """draft spec -> the item of (target, draft) under `folder` that is not yet current."""
+    target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
+    pending = {}
+    for spec in ctx.config.drafts:
+        slug = draft_slug(spec)
+        item = ctx.item(f"{folder}{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec,
+                                                             "draft_meta": draft_input_hash(ctx.run_dir, slug)},
+                        is_dir=False)
+        if not item.fresh:
+            pending[spec] = item
+    return pending
+
+
+def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device) -> None:
+    """B = 1 round times of every (target, draft) pair on the acceptance stage's prompts and
+    temperatures, compiled where latency.compile asks (one session for the target and its drafts)."""
+    cfg, lat = ctx.config, ctx.config.latency
     acc_inputs = {key: cfg.section("acceptance")[key] for key in ("temperatures", "sampling", "prompts_per_kind")}
+    inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
+              "acceptance": acc_inputs}
     for target in targets:
-        if target not in dirs:
-            raise StageError(f"latency: target '{target}' is not a variant ({', '.join(dirs)})")
-        target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
-        pending = {}
-        for spec in cfg.drafts:
-            slug = draft_slug(spec)
-            inputs = {**common, "target": target_hash, "draft": spec, "ks": ks, "acceptance": acc_inputs,
-                      "draft_meta": draft_input_hash(ctx.run_dir, slug)}
-            item = ctx.item(f"{target}__{slug}.json", inputs, is_dir=False)
-            if not item.fresh:
-                pending[spec] = item
+        pending = _pending_pairs(ctx, dirs, target, "", inputs)
         if not pending:
             continue
         model, tok = load_variant(dirs[target], device=device)
@@ -146,7 +163,7 @@ def run(ctx: StageContext) -> None:
             for spec, item in pending.items():
                 t0 = time.time()
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
-                                       device, confidence, cfg.seed, ks, session=session)
+                                       device, lat.confidence, cfg.seed, ks, session=session)
                 _record(ctx.meta, "speculative", f"{target}__{draft_slug(spec)}", doc)
                 item.write_json(doc)
                 progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
@@ -155,8 +172,22 @@ def run(ctx: StageContext) -> None:
                 session.close()
         del model, drafts
 
-    # Speculation under batching: (B, k) cells and the closed loop (pipeline/latency/batched.py).
-    _batched_pairs(ctx, dirs, ks, device, confidence)
+
+def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device) -> None:
+    """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
+    (pipeline/latency/batched.py)."""
+    cfg, lat = ctx.config, ctx.config.latency
+    inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks}
+    for target in targets:
+        pending = _pending_pairs(ctx, dirs, target, "batched/", inputs)
+        if not pending:
+            continue
+        model, tok = load_variant(dirs[target], device=device)
+        for spec, item in pending.items():
+            draft = build_draft(spec, model, tok, ctx.run_dir, device)
+            item.write_json(batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed))
+            del draft
+        del model
 
 
 def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
@@ -169,28 +200,3 @@ def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
         meta["compile"] = runs.pop() if len(runs) == 1 else "mixed: " + ", ".join(sorted(runs))
     if phase == "plain":
         meta["kernels"][name] = doc["kernels"]
-
-
-def _batched_pairs(ctx: StageContext, dirs: dict, ks: list[int], device, confidence: float) -> None:
-    """The latency stage's batched part: one latency/batched/<pair>.json per (target, draft)."""
-    cfg, lat = ctx.config, ctx.config.latency
-    if lat.closed_loop_waves > 0 and lat.closed_loop_tokens < 2:
-        raise StageError("latency.closed_loop_tokens must be >= 2 (TPOT is undefined for one output token)")
-    common = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks}
-    for target in cfg.acceptance.targets or [cfg.quantize.reference]:
-        target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
-        pending = {}
-        for spec in cfg.drafts:
-            slug = draft_slug(spec)
-            inputs = {**common, "target": target_hash, "draft": spec, "draft_meta": draft_input_hash(ctx.run_dir, slug)}
-            item = ctx.item(f"batched/{target}__{slug}.json", inputs, is_dir=False)
-            if not item.fresh:
-                pending[spec] = item
-        if not pending:
-            continue
-        model, tok = load_variant(dirs[target], device=device)
-        for spec, item in pending.items():
-            draft = build_draft(spec, model, tok, ctx.run_dir, device)
-            item.write_json(batched_pair(target, spec, model, draft, tok, ks, lat, device, confidence, cfg.seed))
-            del draft
-        del model
