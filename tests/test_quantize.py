@@ -261,3 +261,16 @@ def test_embedded_model_nf4_is_smaller_and_still_sensible(tmp_path, embedded_mod
     assert nf4["reference_perplexity"] == ref["perplexity"]
     assert ref["perplexity"] < nf4["perplexity"] < 1.5 * ref["perplexity"]
     assert "Paris" in ref["sample"] and "Paris" in nf4["sample"]
+
+
+def test_config_schemes_are_the_registry():
+    """The config cannot import the scheme registry (core sits below variants), so it names the
+    schemes itself: this keeps the two lists one list."""
+    from typing import get_args
+
+    from pipeline.core.config import VariantConfig
+    from pipeline.variants.schemes import SCHEMES
+
+    assert set(get_args(VariantConfig.model_fields["scheme"].annotation)) == set(SCHEMES)
+    for name, scheme in SCHEMES.items():  # every quantizing scheme can be planned without loading
+        assert (scheme.bytes_per_weight is None) == (name == "none"), name
