@@ -68,10 +68,6 @@ class NamedSlice:
                              for leaf in self.leaves}}
 
 
-# ------------------------------------------------------------------ resolving names
-
-
-@functools.lru_cache(maxsize=4)
 @contextlib.contextmanager
 def quiet():
     """lm-eval and datasets log a lot at INFO/WARNING; keep the stage's stderr to progress lines."""
@@ -87,6 +83,10 @@ def quiet():
             lg.setLevel(lv)
 
 
+# ------------------------------------------------------------------ resolving names
+
+
+@functools.lru_cache(maxsize=4)
 def task_manager(with_defaults: bool, include_paths: tuple[str, ...] = ()):
     """lm-eval's task index, built once per process: indexing lm-eval's own ~27k task YAMLs took
     about 12 s, and simple_evaluate builds a fresh index on every call unless given one."""
