@@ -229,6 +229,10 @@ def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
             "bits": 4, "group_size": 64, "scales": "one absmax per block of 64 weights"}
 
 
+# bitsandbytes' block of output rows in its packed CPU NF4 layout (functional._convert_weight_packed_for_cpu).
+_BNB_CPU_BLOCK_N = 32
+
+
 class _OncePerMessage(logging.Filter):
     """Let each distinct message through once."""
 
@@ -263,6 +267,12 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
                 p.data = p.data.to(dtype)
         if type(m).__name__ == "Linear4bit":  # NF4 dequantizes into compute_dtype
             m.compute_dtype = dtype
+            # bitsandbytes 0.50.2 repacks an NF4 weight for its avx512-bf16 CPU kernel on the first
+            # forward and asserts out_features % 32 == 0 there (block_n = 32): a narrower layer
+            # (Qwen2-MoE's one-wide shared_expert_gate) would crash the model. Those layers keep
+            # the generic NF4 path; the weights are the same.
+            if getattr(m, "support_avx512bf16_for_cpu", False) and m.out_features % _BNB_CPU_BLOCK_N:
+                m.support_avx512bf16_for_cpu = False
     return model
 
 
