@@ -91,10 +91,12 @@ evaluate: $(RUN)/report/meta.json
 bench: $(RUN)/model/meta.json
 	$(PY) -m pipeline.tools.bench $(ARGS)
 
-# On a GPU box, with the machine's own python (no .venv, no network): copy bandwidth, plain decode
-# and its roofline, speculative rounds k = 1..6, compile on vs off, on a random 8B-shaped model;
-# about 6-8 minutes on one H200. Writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md.
-GPU_PY         ?= python3
+# On a GPU box (no network needed): copy bandwidth, plain decode and its roofline, speculative
+# rounds k = 1..6, compile on vs off, on a random 8B-shaped model; about 6-8 minutes on one H200.
+# Writes $(OUT)/gpu_check.json and $(OUT)/gpu_check.md. It runs on .venv's python where the install
+# has finished (the torch `make evaluate` uses; it never starts the install), else on the machine's
+# python3, and prints the python, torch and transformers it ran with.
+GPU_PY         ?= $(if $(and $(wildcard $(STAMP)),$(wildcard $(PY))),$(PY),python3)
 OUT            ?= runs/gpu-check
 GPU_CHECK_ARGS ?=
 gpu-check:

@@ -49,6 +49,7 @@ def test_every_part_ran_and_greedy_is_exact_in_float32(gpu_check):
     doc, _, stderr = gpu_check
     assert doc["finished"] and doc["skipped"] == [] and "gpu-check: done" in stderr
     assert doc["environment"]["device"] == "cpu" and doc["settings"]["dtype"] == "float32"
+    assert doc["elapsed_s"] < doc["budget_s"]
     assert doc["model"]["shape"] == "tiny" and doc["model"]["parameters"] > 0
     parts = doc["parts"]
     assert parts["bandwidth"]["gbps"] > 0
@@ -68,6 +69,27 @@ def test_every_part_ran_and_greedy_is_exact_in_float32(gpu_check):
         assert 1.0 <= r["tokens_per_round"]["median"] <= r["k"] + 1
         assert r["round_ms"]["median"] >= r["draft_ms"]["min"] > 0
     assert [r["k"] for r in parts["speculative_compiled"]["rows"]] == [2]
+
+
+def test_the_versions_it_ran_with_are_printed_first_and_recorded(gpu_check):
+    """The python (GPU_PY, here the test's own interpreter through the wrapper), torch and the CUDA it
+    was built for, and transformers: the first thing on stderr and in the JSON and the table."""
+    import platform
+
+    import transformers
+
+    doc, md, stderr = gpu_check
+    env = doc["environment"]
+    assert env["python_executable"] == sys.executable and env["python"] == platform.python_version()
+    assert env["torch"] == torch.__version__ and env["torch_cuda"] == torch.version.cuda
+    assert env["transformers"] == transformers.__version__
+    first = stderr.splitlines()[0]
+    assert first.endswith(f"] gpu-check: python {env['python']} ({sys.executable}), torch {torch.__version__} "
+                          f"(CUDA {torch.version.cuda or 'none: a CPU build'}), transformers "
+                          f"{transformers.__version__}" + (f", NVIDIA driver {env['nvidia_driver']}"
+                                                           if env["nvidia_driver"] else ""))
+    assert (f"python {env['python']} ({sys.executable}), torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"transformers {transformers.__version__}, float32") in md
 
 
 def test_the_compile_record_is_the_truth(gpu_check):
@@ -145,3 +167,49 @@ def test_logit_gap_at_a_divergence():
     assert out["logit_gap"] == pytest.approx(float(logits[reference[3]] - logits[runner_up]), abs=1e-5)
     assert out["logit_gap"] > 0 and out["near_tie"] == (out["logit_gap"] <= 0.02 * max(1.0, abs(out["top_logit"])))
     assert compare_greedy(model, ids, reference, list(reference)) == {"equal": True}
+
+
+def test_an_old_driver_stops_the_check_with_one_line(tmp_path, monkeypatch, capsys):
+    """A CUDA 13 torch on an R550 driver (probes replaced: this machine has none): the check stops
+    before building the model, exit 2, with the versions and the one line in the JSON."""
+    from pipeline.core import device
+    from pipeline.tools import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(device, "driver_cuda_version", lambda: 12040)
+    monkeypatch.setattr(device, "driver_version", lambda: "550.54.15")
+    monkeypatch.setattr(gpu_check, "driver_version", lambda: "550.54.15")
+    monkeypatch.setattr(gpu_check, "build_model", lambda *a, **k: pytest.fail("the model must not be built"))
+    assert gpu_check.main([str(tmp_path), "--shape", "tiny"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "gpu-check: device: auto: torch " in last and "built for CUDA 13.0" in last and "R580" in last
+    assert "550.54.15 (supports CUDA 12.4)" in last
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["environment"]["torch_cuda"] == "13.0" and doc["environment"]["nvidia_driver"] == "550.54.15"
+    assert [e["part"] for e in doc["errors"]] == ["device"] and "R580" in doc["errors"][0]["error"]
+    assert "- FAILED device: device: auto: torch" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_make_picks_the_venv_python_only_when_its_install_finished(tmp_path, installed):
+    """`make -n gpu-check` in a copy of the Makefile: with a .venv whose install finished (the stamp),
+    .venv/bin/python; with none, or one whose install did not finish, python3. Nothing is installed
+    (-n runs nothing, and the target has no prerequisite)."""
+    (tmp_path / "Makefile").write_text((REPO / "Makefile").read_text())
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    if installed:
+        (tmp_path / ".venv" / ".installed").write_text("")
+
+    def recipe(*args):
+        out = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    python = ".venv/bin/python" if installed else "python3"
+    assert recipe() == (f"PYTHONPATH=.${{PYTHONPATH:+:$PYTHONPATH}} {python} -m pipeline.tools.gpu_check "
+                        "'runs/gpu-check'")
+    assert recipe("GPU_PY=/opt/py/bin/python3").split()[1] == "/opt/py/bin/python3"
+    assert {p.name for p in (tmp_path / ".venv").iterdir()} == {"bin"} | ({".installed"} if installed else set())

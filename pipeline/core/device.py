@@ -1,5 +1,30 @@
-"""Device and dtype resolution, in one place so every stage agrees."""
+"""Device and dtype resolution, in one place so every stage agrees.
+
+`device: cuda` on a machine where torch sees no CUDA device is an error; `device: auto` there means
+CPU. One case in between is neither: an NVIDIA driver is installed, but it is older than the CUDA
+this torch was built for. PyPI's torch 2.14.1 wheel is built for CUDA 13, which needs an R580 or
+newer driver; on an R550 or R570 box torch.cuda.is_available() is False with nothing but a warning
+(once per process), and `device: auto` would quietly run an 8B model on the CPU for hours. There,
+both `cuda` and `auto` stop with one line that names the torch, the CUDA it was built for, the
+driver it needs, the driver found, and the fix (README, "Any Hugging Face model on a GPU box":
+install torch's CUDA 12 build into .venv, or upgrade the driver). `device: cpu` never looks.
+
+The driver is only probed when CUDA is not available (a working CUDA is never second-guessed), from:
+  - the driver's own CUDA version (an int, 12040 = CUDA 12.4): torch._C._cuda_getDriverVersion where a
+    torch build has it, else libcuda's cuDriverGetVersion (callable without cuInit and without a
+    GPU), else the "too old (found version N)" warning torch gives from its first device count;
+  - the driver's version ("550.54.15"): /proc/driver/nvidia/version, else
+    `nvidia-smi --query-gpu=driver_version --format=csv,noheader`.
+Each probe is a module-level function, so tests replace them on a machine with no GPU.
+"""
 from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -7,13 +32,124 @@ from pipeline.core.stage import StageError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
+# The oldest driver branch that runs a CUDA major version (minor-version compatibility: any toolkit
+# 13.x on R580+, any 12.x on R525+, 11.x on R450+). Source: NVIDIA, "CUDA Compatibility", Minor Version
+# Compatibility, Table 1 (docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html),
+# which defers to the CUDA Toolkit release notes' "CUDA Toolkit and Minimum Required Driver Version
+# for CUDA Minor Version Compatibility". A minor version newer than the driver's runs with a limited
+# feature set; the driver each toolkit shipped with has all of it (12.6: 560.28.03, 12.8: R570,
+# 13.0: 580.65.06, release notes' "CUDA Toolkit and Corresponding Driver Versions").
+MIN_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
+FIX = ("install torch's CUDA 12 build into .venv (README, 'Any Hugging Face model on a GPU box') "
+       "or upgrade the driver")
+_TOO_OLD = re.compile(r"driver on your system is too old \(found version (\d+)\)")
+
+
+def _cuda_version_text(version: int) -> str:
+    """12040 -> '12.4' (the encoding of cudaDriverGetVersion: 1000 * major + 10 * minor)."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def driver_cuda_version() -> int | None:
+    """The newest CUDA the installed driver supports (12040 = 12.4), or None without a driver."""
+    probe = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if probe is not None:
+        try:
+            version = int(probe())
+            if version > 0:
+                return version
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value > 0:
+            return int(version.value)
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def driver_version(proc: Path = Path("/proc/driver/nvidia/version")) -> str | None:
+    """The NVIDIA driver's version ('550.54.15'), or None where no driver is installed."""
+    try:
+        for line in proc.read_text().splitlines():
+            if line.startswith("NVRM version"):
+                found = re.search(r"\s(\d{3,}\.\d+(?:\.\d+)?)\s", line + " ")
+                if found:
+                    return found.group(1)
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            first = out.stdout.strip().splitlines()[0].strip() if out.stdout.strip() else ""
+            if out.returncode == 0 and re.fullmatch(r"\d+\.\d+(?:\.\d+)?", first):
+                return first
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return None
+
+
+def driver_too_old(warned_cuda: int | None = None) -> str | None:
+    """The one-line reason this torch cannot use the machine's NVIDIA driver, or None (no driver,
+    a driver new enough, or a torch without CUDA). `warned_cuda`: the driver's CUDA version from
+    torch's own "too old" warning, where one was caught."""
+    built = torch.version.cuda
+    if not built:
+        return None
+    major = int(built.split(".")[0])
+    branch = MIN_DRIVER_BRANCH.get(major)
+    driver_cuda = driver_cuda_version() or warned_cuda
+    driver = driver_version()
+    if driver_cuda is None and driver is None:
+        return None
+    too_old = ((driver_cuda is not None and driver_cuda // 1000 < major)
+               or (driver is not None and branch is not None and int(driver.split(".")[0]) < branch))
+    if not too_old:
+        return None
+    found = (driver or "an unknown version") + (f" (supports CUDA {_cuda_version_text(driver_cuda)})"
+                                                if driver_cuda else "")
+    need = f"NVIDIA driver R{branch} or newer" if branch else f"a driver that supports CUDA {major}.x"
+    return (f"torch {torch.__version__} is built for CUDA {built}, which needs {need}, but this machine's "
+            f"driver is {found}: {FIX}")
+
+
+def cuda_available() -> tuple[bool, int | None]:
+    """torch.cuda.is_available(), and the driver's CUDA version if torch warned that it is too old.
+    The warning is torch's (printed from its first device count); it is taken here only to be
+    replaced by one line, and shown as it was when it is something else."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    warned = None
+    for w in caught:
+        m = _TOO_OLD.search(str(w.message))
+        if m:
+            warned = int(m.group(1))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return available, warned
+
 
 def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise StageError("config says device: cuda, but no CUDA device is visible (use device: auto or cpu)")
-    return torch.device(name)
+    """'auto': CUDA where torch sees it, else the CPU; 'cuda' where it does not is an error; a driver
+    too old for this torch's CUDA is an error for both (the module docstring says why)."""
+    if name not in ("auto", "cuda"):
+        return torch.device(name)
+    available, warned = cuda_available()
+    if available:
+        return torch.device("cuda")
+    problem = driver_too_old(warned)
+    if problem:
+        raise StageError(f"device: {name}: {problem}")
+    if name == "cuda":
+        cpu_build = "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)"
+        raise StageError("config says device: cuda, but no CUDA device is visible (use device: auto or cpu)"
+                         + cpu_build)
+    return torch.device("cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

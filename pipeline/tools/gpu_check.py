@@ -1,6 +1,6 @@
 """One prepared check of the GPU path, for a machine with one GPU, no network and a few minutes.
 
-    make gpu-check OUT=runs/gpu-check                  # PYTHONPATH=. python3 -m pipeline.tools.gpu_check OUT
+    make gpu-check OUT=runs/gpu-check                  # PYTHONPATH=. <python> -m pipeline.tools.gpu_check OUT
     PYTHONPATH=. python3 -m pipeline.tools.gpu_check OUTDIR [--shape 8b|tiny] [--budget-s 420] [--ks 1,2,3,4,5,6]
 
 On a random-weight model of Llama-3-8B's shape built on the device (decode latency does not depend
@@ -19,6 +19,11 @@ cut short keeps what it measured. Progress lines go to stderr.
 
 It imports only torch, transformers and the repository's decode core (no GPTQModel, bitsandbytes,
 torchao, scipy or pydantic), so it runs on a bare image's python with the repository on PYTHONPATH.
+`make gpu-check` runs it on .venv's python when `make install` has finished there (the torch that
+`make evaluate` uses), else on the machine's python3; GPU_PY=... picks another. It prints, and
+records under "environment", the python, torch (and the CUDA it was built for), transformers and
+NVIDIA driver it ran with, before anything else; a driver too old for that torch's CUDA ends the
+run there with one line (pipeline.core.device), exit status 2.
 `--shape tiny` runs the same parts on a small model on CPU in seconds (tests/test_gpu_check.py).
 """
 from __future__ import annotations
@@ -36,7 +41,8 @@ from pathlib import Path
 import torch
 
 # core.stage is standard library only, so the bare image (torch and transformers) imports it.
-from pipeline.core.stage import atomic_write_text, progress
+from pipeline.core.device import driver_version, resolve_device
+from pipeline.core.stage import StageError, atomic_write_text, progress
 from pipeline.latency.memory import ModelShape, device_budget, plan_grid
 from pipeline.latency.roofline import measure_bandwidth, model_bytes
 from pipeline.models.kernels import device_name
@@ -137,11 +143,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def environment(device: torch.device) -> dict:
+def versions() -> dict:
+    """What the check runs with, recorded and printed before anything else: `make gpu-check` takes
+    .venv's python when the install finished and the machine's otherwise, so the torch measured here
+    is not necessarily the one `make evaluate` uses."""
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "device": str(device), "device_name": device_name(device), "cpus": os.cpu_count(),
+    return {"python": platform.python_version(), "python_executable": sys.executable, "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "nvidia_driver": driver_version()}
+
+
+def environment(device: torch.device) -> dict:
+    env = {"device": str(device), "device_name": device_name(device), "cpus": os.cpu_count(),
            "threads": torch.get_num_threads()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -155,11 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     check = Check(args.out_dir, args.budget_s, argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    env = check.doc["environment"] = versions()
+    progress(f"gpu-check: python {env['python']} ({env['python_executable']}), torch {env['torch']} "
+             f"(CUDA {env['torch_cuda'] or 'none: a CPU build'}), transformers {env['transformers']}"
+             f"{', NVIDIA driver ' + env['nvidia_driver'] if env['nvidia_driver'] else ''}")
+    try:
+        # An NVIDIA driver too old for this torch's CUDA stops here, with its one line, rather
+        # than running the 8B shape on the CPU (pipeline.core.device).
+        device = resolve_device(args.device)
+    except StageError as e:
+        check.doc["errors"].append({"part": "device", "error": str(e)})
+        check.save()
+        progress(f"gpu-check: {e}")
+        return 2
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    check.doc["environment"] = environment(device)
+    env.update(environment(device))
     check.doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     check.doc["settings"]["dtype"] = str(dtype).removeprefix("torch.")
     progress(f"gpu-check: {args.shape} shape on {check.doc['environment']['device_name']} ({dtype}), "

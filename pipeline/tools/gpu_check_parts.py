@@ -306,7 +306,8 @@ def render_markdown(doc: dict) -> str:
     env, parts = doc.get("environment", {}), doc.get("parts", {})
     settings = doc.get("settings", {})
     lines = [f"# gpu-check: {settings.get('shape', '?')} shape on {env.get('device_name', '?')}", "",
-             f"torch {env.get('torch')}, transformers {env.get('transformers')}, {settings.get('dtype')}, "
+             f"python {env.get('python')} ({env.get('python_executable')}), torch {env.get('torch')} (CUDA "
+             f"{env.get('torch_cuda')}), transformers {env.get('transformers')}, {settings.get('dtype')}, "
              f"context {settings.get('context')}, {settings.get('new_tokens')} new tokens, "
              f"{settings.get('repeats')} repeats; {doc.get('elapsed_s', 0):.0f} s of a {doc.get('budget_s', 0):.0f} s "
              f"budget{'' if doc.get('finished') else ' (not finished)'}. Times are medians (ms).", "",
