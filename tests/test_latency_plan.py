@@ -95,7 +95,8 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
         "acceptance": {"k_max": 1, "temperatures": [0.0], "prompts_per_kind": 1},
         "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
-                    "compile": True, "compile_backend": "eager"},
+                    "compile": True, "compile_backend": "eager", "spec_batch_sizes": [2],
+                    "closed_loop_batch_sizes": [2], "closed_loop_waves": 1, "closed_loop_tokens": 4},
     })
     before = counters["stats"]["unique_graphs"]
     meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES).read_text())
@@ -107,8 +108,11 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
     # widths 1 and 2.
     assert plain["graphs_compiled"] == plain["planned_graphs"] == 1
     assert pair["graphs_compiled"] == pair["planned_graphs"] == 4
-    assert made == 5 and plain["recompiles"] == pair["recompiles"] == 0
-    for rec in (plain, pair):
+    # Batched (B = 2, its own session): the same four shapes at B = 2, one cache length.
+    batched = meta["compile_record"]["batched"]["bf16__layerskip-2"]
+    assert batched["graphs_compiled"] == batched["planned_graphs"] == 4
+    assert made == 9 and plain["recompiles"] == pair["recompiles"] == batched["recompiles"] == 0
+    for rec in (plain, pair, batched):
         assert rec["ran"] == "compiled" and rec["backend"] == "eager"
         assert all(s["ran"] == "compiled" and s["calls"] == s["compiled_calls"] > 0 for s in rec["shapes"])
     assert {s["model"] for s in pair["shapes"]} == {"target", "draft layerskip:2"}

@@ -99,8 +99,8 @@ class BatchedModelDraft:
         self.cached: CachedModel | None = None
         self._round = (0, 0)
 
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
-        self.cached = CachedModel(self.inner.model, batch=self.batch, max_len=max_len, slot="draft")
+    def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
+        self.cached = CachedModel(self.inner.model, batch=self.batch, max_len=max_len, slot="draft", exact=exact)
         self.cached.forward(input_ids, all_logits=False)
         self._round = (0, 0)
 
@@ -134,7 +134,7 @@ class BatchedNgramDraft:
     def __init__(self, draft: NgramDraft, batch: int, vocab: int):
         self.spec, self.inner, self.batch, self.vocab = draft.spec, draft, batch, vocab
 
-    def prefill(self, input_ids: torch.Tensor, max_len: int) -> None:
+    def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
         pass
 
     def propose(self, seqs, k, sampling, generator, active):
@@ -239,16 +239,23 @@ def verify_batch(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor, offered: tor
 @torch.inference_mode()
 def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft, k: int,
                      sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
-                     timer: Timer | None = None, eos_token_id: int | list[int] | None = None):
+                     timer: Timer | None = None, eos_token_id: int | list[int] | None = None,
+                     cache_len: int | None = None):
     """Speculative decoding of B equal-length prompts input_ids [B, T] with draft length k.
 
     Called by pipeline.decode.engine.generate for B > 1 (same arguments, same timer sections:
     "prefill" once, then "round" containing "draft" and "verify" per round); returns its
-    GenerationResult with per-row tokens and BatchRoundRecord rounds.
+    GenerationResult with per-row tokens and BatchRoundRecord rounds. cache_len: the target's
+    and a model draft's static caches get exactly this many positions (as in generate), so a
+    compiled step (pipeline/decode/compiled.py) sees one planned cache length at this B.
     """
     b, t = input_ids.shape
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    cached = CachedModel(target, batch=b, max_len=t + max_new_tokens + 1)
+    need = t + max_new_tokens + 1
+    if cache_len is not None and cache_len < need:
+        raise EngineError(f"cache_len {cache_len} < prompt {t} + max_new_tokens {max_new_tokens} + 1")
+    length, exact = cache_len or need, cache_len is not None
+    cached = CachedModel(target, batch=b, max_len=length, exact=exact)
     device = cached.device
     input_ids = input_ids.to(device)
     drafter = batched_draft(draft, b, cached.vocab)
@@ -258,7 +265,7 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
     t0 = time.perf_counter()
     with own.measure("prefill"):
         first = prefill(cached, input_ids, sampling, generator)  # [B]
-        drafter.prefill(input_ids, t + max_new_tokens + 1)
+        drafter.prefill(input_ids, length, exact=exact)
     synchronize(device)
     t1 = time.perf_counter()
 
@@ -315,4 +322,4 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
     per_seq = [cut_at_eos(row, eos)[0] for row in out]
     stop = "eos" if per_seq[0] and per_seq[0][-1] in eos else "length"
     return GenerationResult(tokens=per_seq, rounds=rounds, prefill_s=t1 - t0, decode_s=t2 - t1,
-                            batch_tokens=per_seq, stop=stop)
+                            batch_tokens=per_seq, stop=stop, cache_positions=cached.max_len)

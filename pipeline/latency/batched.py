@@ -31,8 +31,18 @@ pair files `latency/*__*.json` sees it):
 
 Every figure is a median over `latency.repeats` repeats (cells) or over waves (closed loop) with a
 percentile-bootstrap CI whose unit of resampling is the repeat or the wave; raw samples are kept.
-The model runs eager here even where latency.compile is on (one compiled graph per (B, verify
-width) would be a compile path of its own).
+
+Like with like (issue #24): the cells and the closed loop run the same way as B = 1. Every run at
+a batch size B uses one static cache of exactly L_B positions (`cache_len`: the longest of its
+cells' and its closed-loop waves' prompt + new tokens + 1), so with latency.compile the stage's
+CompileSession (pipeline/decode/compiled.py) is given every shape these runs make before any
+timing, per B: the target's decode step and verify widths 2..k_max+1 and a model draft's widths
+1 and 2 (pipeline/latency/plan.py batched_shapes: at most k_max + 3 graphs per B), and compiles
+them (CompileSession.warm). Each cell and each closed-loop mode records what its own runs really
+ran, from the session's per-shape record (`run_mode`: compiled, eager or mixed, with every eager
+shape and why; pipeline/latency/modes.py), and each speedup says whether its plain and
+speculative sides ran the same way (`like_with_like`; when not, both modes). The marginal stage
+keeps flagged speedups out of recommended_k_by_batch and the vLLM table.
 """
 from __future__ import annotations
 
@@ -40,7 +50,12 @@ import numpy as np
 import torch
 
 from pipeline.core.stage import StageError, progress
+from pipeline.decode.batched import generate_batched
+from pipeline.decode.compiled import not_compiled
 from pipeline.decode.engine import generate
+from pipeline.latency.memory import cache_len
+from pipeline.latency.modes import calls_before, compare, merge_ran, run_mode, steps_ran
+from pipeline.latency.plan import batched_shapes, draft_label, why_not_compiled
 from pipeline.latency.speculative import round_time_block
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.intervals import median_ci
@@ -72,19 +87,32 @@ def round_tokens(r) -> tuple[float, float, int]:
     return r.accepted + 1, r.accepted + 1, 0
 
 
-def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int], new_tokens: int) -> dict:
+def run_generate(model, ids: torch.Tensor, new_tokens: int, draft, k: int, cache_len: int | None = None):
+    """Plain (k = 0) or speculative decoding of ids [B, T] on a cache of exactly `cache_len`
+    positions (None: the engine's own pooled length). B > 1 speculative goes to the batched
+    engine directly, which takes the cache length (engine.generate does not pass it on)."""
+    if k and ids.shape[0] > 1:
+        return generate_batched(model, ids, new_tokens, draft, k, cache_len=cache_len)
+    return generate(model, ids, new_tokens, draft=draft if k else None, k=k, cache_len=cache_len)
+
+
+def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int], new_tokens: int,
+                   session=None, cache_lens: dict[int, int] | None = None) -> dict:
     """One repeat: at every B, plain decode then speculative decode at every k on the same B
     prompts. Returns B -> k -> figures (k = 0 is plain); a speculative k's figures carry
-    `by_width`, width -> the times (ms) of its rounds of that verify width."""
+    `by_width`, width -> the times (ms) of its rounds of that verify width; every figure carries
+    `ran`, the step shapes its run used and how each ran (pipeline/latency/modes.py steps_ran)."""
     out: dict[int, dict[int, dict]] = {}
     for b, ids in prompts.items():
         out[b] = {}
         for k in [0, *ks]:
-            res = generate(model, ids, new_tokens, draft=draft if k else None, k=k)
+            before = calls_before(session)
+            res = run_generate(model, ids, new_tokens, draft, k, (cache_lens or {}).get(b))
             n = len(res.batch_tokens[0])
             if n != new_tokens:
                 raise StageError(f"latency: the engine produced {n} tokens at B={b}, asked {new_tokens}")
-            fig = {"ms_per_token": res.decode_s / (n - 1) * 1e3, "prefill_ms": res.prefill_s * 1e3}
+            fig = {"ms_per_token": res.decode_s / (n - 1) * 1e3, "prefill_ms": res.prefill_s * 1e3,
+                   "ran": steps_ran(session, before)}
             if k:
                 # Rounds near max_new_tokens are shortened; T_round(k) uses the rounds that drafted k.
                 full = [r for r in res.rounds if r.k == k] or res.rounds
@@ -103,14 +131,24 @@ def batched_repeat(model, draft, prompts: dict[int, torch.Tensor], ks: list[int]
     return out
 
 
-def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confidence: float, seed: int) -> list[dict]:
+def _mode(reps: list[dict], b: int, k: int, why_eager: str | None) -> dict:
+    """The run mode of cell (b, k) over every repeat's runs."""
+    return run_mode(merge_ran(*(rep[b][k].get("ran") for rep in reps)), why_eager=why_eager)
+
+
+def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confidence: float, seed: int,
+                  why_eager: str | None = None) -> list[dict]:
+    """why_eager: why no step was compiled where no session ran them (compile off, ...)."""
     cells = []
     for b in batch_sizes:
         plain = [rep[b][0]["ms_per_token"] for rep in reps]
+        plain_mode = _mode(reps, b, 0, why_eager)
         cells.append({"batch": b, "k": 0, "ms_per_token": median_ci(plain, confidence, seed),
-                      "prefill_ms": median_ci([rep[b][0]["prefill_ms"] for rep in reps], confidence, seed)})
+                      "prefill_ms": median_ci([rep[b][0]["prefill_ms"] for rep in reps], confidence, seed),
+                      "run_mode": plain_mode})
         for k in ks:
-            col = {key: [rep[b][k][key] for rep in reps] for key in reps[0][b][k] if key != "by_width"}
+            col = {key: [rep[b][k][key] for rep in reps] for key in reps[0][b][k] if key not in ("by_width", "ran")}
+            mode = _mode(reps, b, k, why_eager)
             kept, ragged = float(np.mean(col["tokens_per_round"])), float(np.mean(col["ragged_tokens_per_round"]))
             ms = median_ci(col["ms_per_token"], confidence, seed)
             cells.append({
@@ -127,6 +165,9 @@ def batched_cells(reps: list[dict], batch_sizes: list[int], ks: list[int], confi
                 "thrown_away_fraction": 1.0 - kept / ragged if ragged else 0.0,
                 "rounds": int(sum(col["rounds"])),
                 "mean_width": float(np.mean(col["mean_width"])),  # these B prompts' verify width
+                "run_mode": mode,
+                # The speedup compares this cell with the plain one: only like with like counts.
+                **compare(mode, plain_mode, ("speculative", "plain")),
             })
     return cells
 
@@ -143,16 +184,18 @@ def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
     return out
 
 
-def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int) -> dict:
+def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int,
+                     session=None, cache_len: int | None = None) -> dict:
     """One wave of `batch` requests (prompts from `wave * batch` on), plain then speculative."""
     ids = batch_prompts(tokenizer, batch, offset=wave * batch)
     out = {}
     for mode in ("plain", "speculative"):
-        res = generate(model, ids, new_tokens, draft=draft if mode == "speculative" else None,
-                       k=k if mode == "speculative" else 0)
+        before = calls_before(session)
+        res = run_generate(model, ids, new_tokens, draft, k if mode == "speculative" else 0, cache_len)
         n = len(res.batch_tokens[0])
         out[mode] = {"wave": wave, "prompt_tokens": int(ids.shape[1]), "ttft_ms": res.prefill_s * 1e3,
-                     "tpot_ms": res.decode_s / (n - 1) * 1e3, "output_tokens": n}
+                     "tpot_ms": res.decode_s / (n - 1) * 1e3, "output_tokens": n,
+                     "ran": steps_ran(session, before)}
         if mode == "speculative":
             drafted = [r for r in res.rounds if r.k > 0]
             full = [r for r in res.rounds if r.k == k]
@@ -168,14 +211,20 @@ def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new
     return out
 
 
-def closed_loop_summary(waves: list[dict], batch: int, k: int, new_tokens: int, confidence: float, seed: int) -> dict:
-    """Medians over waves (the unit of resampling) of TTFT and TPOT, per mode; raw waves kept."""
+def closed_loop_summary(waves: list[dict], batch: int, k: int, new_tokens: int, confidence: float, seed: int,
+                        why_eager: str | None = None) -> dict:
+    """Medians over waves (the unit of resampling) of TTFT and TPOT, per mode, with the mode's
+    run mode over its waves; raw waves kept."""
     out = {"batch": batch, "k": k, "waves": len(waves), "new_tokens": new_tokens, "requests": len(waves) * batch}
     for mode in ("plain", "speculative"):
         rows = sorted((w[mode] for w in waves), key=lambda w: w["wave"])
+        ran = merge_ran(*(r.get("ran") for r in rows))
+        rows = [{key: v for key, v in r.items() if key != "ran"} for r in rows]
         out[mode] = {"tpot_ms": median_ci([r["tpot_ms"] for r in rows], confidence, seed),
                      "ttft_ms": median_ci([r["ttft_ms"] for r in rows], confidence, seed),
-                     "tpot_mean_ms": float(np.mean([r["tpot_ms"] for r in rows])), "waves": rows}
+                     "tpot_mean_ms": float(np.mean([r["tpot_ms"] for r in rows])), "waves": rows,
+                     "run_mode": run_mode(ran, why_eager=why_eager)}
+    out.update(compare(out["speculative"]["run_mode"], out["plain"]["run_mode"], ("speculative", "plain")))
     return out
 
 
@@ -186,34 +235,58 @@ def best_k(figures: dict[int, dict], batch: int) -> int:
     return min((k for k in figures[b] if k > 0), key=lambda k: (figures[b][k]["ms_per_token"], k))
 
 
+def batched_cache_lens(tokenizer, prompts: dict[int, torch.Tensor], lat, loop_sizes: list[int]) -> dict[int, int]:
+    """B -> the one cache length every run at B uses: the longest of its cells' (prompt + new
+    tokens + 1) and its closed-loop waves' (each wave's prompt + closed-loop tokens + 1)."""
+    lens = {b: cache_len(int(ids.shape[1]), lat.new_tokens) for b, ids in prompts.items()}
+    for b in loop_sizes:
+        longest = max(int(batch_prompts(tokenizer, b, offset=w * b).shape[1]) for w in range(lat.closed_loop_waves))
+        lens[b] = max(lens.get(b, 0), cache_len(longest, lat.closed_loop_tokens))
+    return lens
+
+
 def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list[int], lat, device,
-                 confidence: float, seed: int) -> dict:
+                 confidence: float, seed: int, session=None) -> dict:
+    """The latency/batched/<target>__<draft>.json document. With a compile `session` (the model and
+    a model draft attached), every (B, width) step shape compiles before any timed run."""
     batch_sizes = sorted(set(lat.spec_batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:
         raise StageError(f"latency.spec_batch_sizes must be batch sizes >= 1 (got {lat.spec_batch_sizes})")
     prompts = {b: batch_prompts(tokenizer, b) for b in batch_sizes}
+    loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
+    lens = batched_cache_lens(tokenizer, prompts, lat, loop_sizes)
+    has_model = getattr(draft, "model", None) is not None
+    why_eager = why_not_compiled(lat, device) or "requested; this call was given no compile session"
+    if session is not None:
+        labels = [draft_label(draft_spec)] if has_model else []
+        session.expect(batched_shapes(lens, max(ks), labels))
+        made = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
+        progress(f"latency: {target} + {draft_spec}: batched: compiled {made} step graphs")
+    run = {"session": session, "cache_lens": lens}
     warm = None
     for _ in range(lat.warmup):
-        warm = batched_repeat(model, draft, prompts, ks, lat.new_tokens)
-    loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
+        warm = batched_repeat(model, draft, prompts, ks, lat.new_tokens, **run)
     loop_k: dict[int, int] = {}
     waves: dict[int, list[dict]] = {b: [] for b in loop_sizes}
     reps = []
     for r in range(lat.repeats):
         progress(f"latency: {target} + {draft_spec}: B = {', '.join(map(str, batch_sizes))}: "
                  f"repeat {r + 1}/{lat.repeats}")
-        reps.append(batched_repeat(model, draft, prompts, ks, lat.new_tokens))
+        reps.append(batched_repeat(model, draft, prompts, ks, lat.new_tokens, **run))
         # The closed loop's k: the fastest in the warm-up (else the first repeat). Its waves are
         # spread over the repeats, so cells and closed loop see the same machine load.
         loop_k = loop_k or {b: best_k(warm or reps[0], b) for b in loop_sizes}
         for b in loop_sizes:
             for w in range(r, lat.closed_loop_waves, lat.repeats):
-                waves[b].append(closed_loop_wave(model, draft, tokenizer, b, loop_k[b], w, lat.closed_loop_tokens))
-    cells = batched_cells(reps, batch_sizes, ks, confidence, seed)
-    loops = [closed_loop_summary(waves[b], b, loop_k[b], lat.closed_loop_tokens, confidence, seed)
+                waves[b].append(closed_loop_wave(model, draft, tokenizer, b, loop_k[b], w, lat.closed_loop_tokens,
+                                                 session=session, cache_len=lens[b]))
+    cells = batched_cells(reps, batch_sizes, ks, confidence, seed, why_eager)
+    loops = [closed_loop_summary(waves[b], b, loop_k[b], lat.closed_loop_tokens, confidence, seed, why_eager)
              for b in loop_sizes]
     return {"variant": target, "draft": draft_spec, "device": str(device), "threads": torch.get_num_threads(),
             "batch_sizes": batch_sizes, "ks": ks,
             "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
+            "cache_len": {str(b): n for b, n in sorted(lens.items())},
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
-            "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops}
+            "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops,
+            "compile": session.record() if session is not None else not_compiled(why_eager)}

@@ -9,7 +9,10 @@ the acceptance stage measured, timed by pipeline.decode.timing (CUDA events on G
 perf_counter on CPU). Warm-up runs are not recorded; every CI is a bootstrap over `repeats` repeats
 (the unit of resampling), and the raw per-repeat (and per-step) samples are kept. Beside each cell:
 peak memory, bytes per step and the share of the measured bandwidth it reaches (the roofline),
-and, once the reference's grid exists, this variant's TPOT / the reference's with a CI.
+its `run_mode` (its steps compiled or eager, from the compile record of the shapes its runs
+used, and whether the variant runs a fallback kernel: pipeline/latency/modes.py), and, once the
+reference's grid exists, this variant's TPOT / the reference's with a CI, which says
+`like_with_like: false` and both modes when the two cells did not run the same way.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import torch
 from pipeline.core.stage import StageError, progress
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
-from pipeline.latency.plan import compile_session, plain_phase, plain_shapes
+from pipeline.latency.modes import calls_before, compare, run_mode, steps_ran
+from pipeline.latency.plan import compile_session, plain_phase, plain_shapes, why_not_compiled
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.stats.intervals import clip_contain, median_ci, percentile_bootstrap, percentile_interval
@@ -167,6 +171,8 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                  f"{cell['reason']}")
         grid.append({"batch": cell["batch"], "context": cell["context"], "skipped": f"memory plan: {cell['reason']}"})
     session, compiled = compile_session(lat, device)
+    kernels = quantized_kernels(model)
+    why_eager = why_not_compiled(lat, device)
     try:
         if session is not None:
             session.attach(model, "target")
@@ -179,6 +185,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                      + (f" (prefill in chunks of {planned.prefill_chunk})" if planned.prefill_chunk else ""))
             if session is not None:  # this cell's graph compiles now, on its own cache, before any timed run
                 session.warm(model, shapes=plain_shapes([planned]))
+            before = calls_before(session)
             try:
                 raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, lat.repeats, device,
                                  vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk)
@@ -203,7 +210,8 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                          "peak_memory_kind": raw["peak_memory_kind"],
                          "memory_before_bytes": raw["memory_before_bytes"],
                          "bytes_per_step": step_bytes,
-                         **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"])})
+                         **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"]),
+                         "run_mode": run_mode(steps_ran(session, before), kernels, why_eager)})
         if session is not None:
             compiled = session.record()
     finally:
@@ -213,13 +221,14 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
             "bandwidth_gbps": bandwidth["gbps"], "bandwidth": bandwidth, "weight_bytes": mb["weight_bytes"],
             "model_bytes": mb, "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
             "grid": grid, "memory_plan": {**plan.to_json(), "budget": budget}, "compile": compiled,
-            "kernels": quantized_kernels(model)}
+            "kernels": kernels}
 
 
 def add_reference_ratios(grid: dict, reference: dict, confidence: float, seed: int) -> bool:
     """Give every measured cell of a non-reference grid its TPOT over the reference's (with a
-    CI) and the roofline's ratio of bytes per step, (W_q + B K_q) / (W + B K). Returns whether
-    anything was added."""
+    CI), whether the two cells ran the same way (`like_with_like`; both modes when not), and the
+    roofline's ratio of bytes per step, (W_q + B K_q) / (W + B K). Returns whether anything was
+    added."""
     if grid is reference or grid.get("variant") == reference.get("variant"):
         return False
     ref = {(c["batch"], c["context"]): c for c in reference["grid"] if "tpot_ms" in c}
@@ -230,7 +239,8 @@ def add_reference_ratios(grid: dict, reference: dict, confidence: float, seed: i
             continue
         cell["tpot_ratio_vs_reference"] = {
             **ratio_of_medians(cell["tpot_ms"]["samples"], other["tpot_ms"]["samples"], confidence, seed),
-            "reference": reference.get("variant"), "meaning": "this variant's TPOT / the reference's (< 1: faster)"}
+            "reference": reference.get("variant"), "meaning": "this variant's TPOT / the reference's (< 1: faster)",
+            **compare(cell.get("run_mode"), other.get("run_mode"), ("variant", "reference"))}
         cell["roofline_tpot_ratio_vs_reference"] = cell["bytes_per_step"] / other["bytes_per_step"]
         added = True
     return added

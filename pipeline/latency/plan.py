@@ -17,7 +17,12 @@ loading it, for planning a config against a card without one.
 Graphs a compiled run needs (one per shape, pipeline/decode/compiled.py): one decode-step graph per
 plain cell; for the speculative phase the target's decode step and its verify widths 2..k_max+1,
 and each model draft's widths 1 and 2 (a step, and the catch-up after a round accepted in full).
-They are compiled before the timed runs (CompileSession.warm), never inside them.
+The batched part (pipeline/latency/batched.py) runs every batch size B on one cache length L_B
+(its cells' and its closed loop's longest need) and compiles, per B, the target's decode step
+and verify widths 2..k_max+1 (at B = 1 with a model-free draft also width 1 with every logit: a
+round whose lookup found nothing verifies only the last token) and each model draft's widths 1
+and 2: at most k_max + 3 graphs per B, |B| x (k_max + 3) for the pair, known before any
+timing. They are compiled before the timed runs (CompileSession.warm), never inside them.
 """
 from __future__ import annotations
 
@@ -37,11 +42,33 @@ def plain_shapes(cells: list[CellPlan]) -> list[tuple]:
 
 def speculative_shapes(cache_len: int, k_max: int, draft_labels: list[str]) -> list[tuple]:
     """The target's decode step and verify widths 2..k_max+1 (the shortened last rounds of a
-    generation use the narrower ones), and each model draft's widths 1 and 2."""
+    generation use the narrower ones), and each model draft's widths 1 and 2. Without a model
+    draft (prompt lookup), also the 1-token verify of a round whose lookup found nothing: left
+    out, those rounds ran eagerly and every k of the pair was 'mixed' against compiled plain
+    decoding (pipeline/latency/modes.py), so flagged and never recommended."""
     shapes = step_shapes("target", 1, cache_len, [1]) + step_shapes("target", 1, cache_len, range(2, k_max + 2),
                                                                      all_logits=True)
+    if not draft_labels:
+        shapes += step_shapes("target", 1, cache_len, [1], all_logits=True)
     for label in draft_labels:
         shapes += step_shapes(label, 1, cache_len, [1, 2])
+    return shapes
+
+
+def batched_shapes(cache_lens: dict[int, int], k_max: int, draft_labels: list[str]) -> list[tuple]:
+    """The batched part's graphs: per B at its one cache length, the target's decode step (plain
+    decode, and a round where no row was offered anything), its verify widths 2..k_max+1 (shortened
+    last rounds use the narrower ones) and each model draft's widths 1 and 2. At B = 1 without a
+    model draft, also the 1-token verify of a round whose lookup offered nothing (B > 1 runs such
+    a round as a plain step)."""
+    shapes = []
+    for b, length in sorted(cache_lens.items()):
+        shapes += step_shapes("target", b, length, [1])
+        shapes += step_shapes("target", b, length, range(2, k_max + 2), all_logits=True)
+        if b == 1 and not draft_labels:
+            shapes += step_shapes("target", 1, length, [1], all_logits=True)
+        for label in draft_labels:
+            shapes += step_shapes(label, b, length, [1, 2])
     return shapes
 
 

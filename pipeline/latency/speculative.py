@@ -16,7 +16,9 @@ the acceptance stage's distribution of drafted counts at each k, per slice and t
 Runs use no EOS (every run emits latency.new_tokens tokens, so plain ms/token is over a fixed
 count). Every run gets a static cache of one length, the memory plan's for the longest prompt
 (pipeline/latency/plan.py), so every timed run attends the same number of cache slots and a
-compiled step (latency.compile) has one shape per width for every prompt.
+compiled step (latency.compile) has one shape per width for every prompt. Each row (and plain
+decoding, `plain_run_mode`) records how its steps really ran, from the compile record, and each
+speedup whether both sides ran the same way (`like_with_like`, pipeline/latency/modes.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pipeline.core.stage import StageError, progress
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.compiled import not_compiled
 from pipeline.decode.engine import generate
+from pipeline.latency.modes import calls_before, compare, merge_ran, run_mode, steps_ran
 from pipeline.latency.plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
@@ -34,9 +37,10 @@ from pipeline.stats.intervals import median_ci
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],
-               new_tokens: int, seed: int, cache_len: int | None = None) -> dict:
+               new_tokens: int, seed: int, cache_len: int | None = None, session=None) -> dict:
     """temperature key -> {k: {"decode_s", "tokens", "rounds": [(k_round, drafted, emitted, round_s,
-    draft_s, verify_s)]}}, k = 0 being plain decoding, over every prompt."""
+    draft_s, verify_s)], "ran": the step shapes used and how each ran}}, k = 0 being plain
+    decoding, over every prompt (`session`: the compile session, for "ran")."""
     device = next(model.parameters()).device
     out = {}
     for ti, t in enumerate(temperatures):
@@ -45,6 +49,7 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
         per_k = {}
         for k in [0, *ks]:
             fig = {"decode_s": 0.0, "tokens": 0, "rounds": []}
+            before = calls_before(session)
             for rows in prompts.values():
                 for _, ids in rows:
                     res = generate(model, torch.tensor([ids], device=device), new_tokens, draft=draft if k else None,
@@ -52,6 +57,7 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
                     fig["decode_s"] += res.decode_s
                     fig["tokens"] += len(res.tokens) - 1
                     fig["rounds"] += [(r.k, r.drafted, r.emitted, r.round_s, r.draft_s, r.verify_s) for r in res.rounds]
+            fig["ran"] = steps_ran(session, before)
             per_k[k] = fig
         out[temp_key(t)] = per_k
     return out
@@ -73,10 +79,14 @@ def _by_drafted(reps: list[dict], k_max: int, part: int) -> dict:
             for d in range(k_max + 1)}
 
 
-def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, seed: int) -> dict:
-    """One temperature's figures over repeats (reps: one_repeat(...)[temperature] per repeat)."""
+def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, seed: int,
+                          why_eager: str | None = None) -> dict:
+    """One temperature's figures over repeats (reps: one_repeat(...)[temperature] per repeat).
+    Each k's row carries its `run_mode` and whether its speedup compares like with like
+    (pipeline/latency/modes.py)."""
     k_max = max(ks)
     plain = [rep[0]["decode_s"] / max(rep[0]["tokens"], 1) * 1e3 for rep in reps]
+    modes = {k: run_mode(merge_ran(*(rep[k].get("ran") for rep in reps)), why_eager=why_eager) for k in [0, *ks]}
     rows = []
     for k in ks:
         per_rep = []
@@ -99,8 +109,9 @@ def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, se
             "tokens_per_s": 1e3 / ms["median"],
             # Paired: plain and speculative of the same repeat, so drift between repeats cancels.
             "speedup": median_ci([p / s for p, s in zip(plain, col["ms_per_token"])], confidence, seed),
+            "run_mode": modes[k], **compare(modes[k], modes[0], ("speculative", "plain")),
         })
-    return {"plain_ms_per_token": median_ci(plain, confidence, seed),
+    return {"plain_ms_per_token": median_ci(plain, confidence, seed), "plain_run_mode": modes[0],
             "round_ms_by_drafted": _by_drafted(reps, k_max, 3),
             "draft_ms_by_drafted": _by_drafted(reps, k_max, 4),
             "verify_ms_by_drafted": _by_drafted(reps, k_max, 5),
@@ -129,10 +140,11 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     for r in range(lat.repeats):
         progress(f"latency: {target} + {draft_spec}: repeat {r + 1}/{lat.repeats}")
         reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + r,
-                               length))
+                               length, session=session))
     if has_model:
         CachedModel.release(draft.model)  # the next pair's draft gets its own
-    by_temp = {t: summarize_temperature([rep[t] for rep in reps], ks, confidence, seed) for t in reps[0]}
+    why_eager = why_not_compiled(lat, device) or "requested; this call was given no compile session"
+    by_temp = {t: summarize_temperature([rep[t] for rep in reps], ks, confidence, seed, why_eager) for t in reps[0]}
     primary = min(by_temp, key=float)  # greedy when measured: the top-level figures (older readers)
     return {"variant": target, "draft": draft_spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},

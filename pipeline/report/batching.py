@@ -12,6 +12,8 @@ from pathlib import Path
 from pipeline.core.stage import read_json
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number, percent
+from pipeline.report.modes import footnote
+from pipeline.report.modes import mark as like_mark
 
 # ---------------------------------------------------------------- figures
 
@@ -91,13 +93,18 @@ def speedup_matrix(report: dict) -> tuple[list[str], list[list[str]]]:
         for k in ks:
             r = cells.get((b, k))
             mark = " *" if r and str(k) == str(rec.get(str(b))) else ""
-            line.append(f"{number(r['speedup'], 2)}x {interval(r['speedup_ci'], 2)}{mark}" if r else MISSING)
+            line.append(f"{number(r['speedup'], 2)}x{like_mark(r)} {interval(r['speedup_ci'], 2)}{mark}" if r else MISSING)
         top = cells.get((b, ks[-1]))
         measured = top.get("measured_thrown_away_fraction") if top else None
         line.append(f"{percent(top['thrown_away_share'], 0)} / {percent(measured, 0)}" if top else MISSING)
         out.append(line)
     return ["B", "recommended k", *[f"k={k}" for k in ks],
             f"accepted tokens thrown away at k={ks[-1]}: model / measured"], out
+
+
+def mode_footnote(report: dict) -> str:
+    """The footnote of the (B, k) speedups whose cell and plain cell ran differently, or ""."""
+    return footnote(report["by_batch"]["rows"], "speedup", lambda r: f"B={r['batch']} k={r['k']}")
 
 
 ROUND_HEADER = ["B", "k", "round ms used (by verify width) [CI]", "mean verify width: acceptance prompts",
@@ -194,6 +201,9 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
            "accepted tokens that throws away against per-row offsets.", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
+    note = mode_footnote(report)
+    if note:
+        out += ["", note]
     out += ["", ROUND_NOTE, "", "| " + " | ".join(ROUND_HEADER) + " |", "|" + "---|" * len(ROUND_HEADER)]
     out += ["| " + " | ".join(r) + " |" for r in round_rows(report)]
     out += ["", f"vLLM dynamic speculation (`{cfg['config_key']}`): {cfg['note']}", "", "```json",
@@ -227,6 +237,7 @@ def batching_blocks(run_dir: Path, figures: dict[str, bytes]) -> list[tuple]:
                       "* = recommended k. Rows keep n_min + 1 tokens a round; the last column is the share of "
                       "accepted tokens thrown away against per-row offsets."),
                 ("table", head, rows, None),
+                *([("p", mode_footnote(m))] if mode_footnote(m) else []),
                 ("p", ROUND_NOTE), ("table", ROUND_HEADER, round_rows(m), None),
                 ("p", f"vLLM: {cfg['config_key']}. {cfg['note']} Sources: {', '.join(cfg['sources'])}"),
                 ("pre", json.dumps(cfg["vllm_speculative_config"]))]

@@ -1,4 +1,6 @@
-"""The latency stage's figure: each variant's decode speedup over the reference against B x context."""
+"""The latency stage's figure: each variant's decode speedup over the reference against B x context.
+A point whose two cells did not run the same way (compiled vs eager, a fallback kernel;
+`like_with_like` false, pipeline/latency/modes.py) is crossed out with an x."""
 from __future__ import annotations
 
 from pipeline.report.figures import png_bytes, pyplot
@@ -23,6 +25,9 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
         line = ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=f"{name} measured")
         ax.plot(x, [1 / c["roofline_tpot_ratio_vs_reference"] for c in cells], "s--", color=line[0].get_color(),
                 alpha=0.6, label=f"{name} roofline (W + BK) / (W_q + BK)")
+        flagged = [(xi, yi) for xi, yi, v in zip(x, y, r) if v.get("like_with_like") is False]
+        if flagged:
+            ax.plot(*zip(*flagged), "x", color="k", ms=10, label=f"{name}: not like with like (run modes differ)")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("batch x context (tokens in the KV cache)")

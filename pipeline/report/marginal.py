@@ -9,6 +9,8 @@ from pathlib import Path
 from pipeline.core.stage import atomic_write_bytes, atomic_write_text
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number
+from pipeline.report.modes import footnote
+from pipeline.report.modes import mark as like_mark
 
 
 def _temp_label(t: str) -> str:
@@ -51,9 +53,12 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
             f"| {number(r.get('mean_drafted'), 2)} "
             f"| {number(r['round_ms'], 2)} {interval(r.get('round_ms_ci') or [None, None], 2)} "
             f"| {number(r['ms_per_token'], 2)} {interval(r['ms_per_token_ci'], 2)} "
-            f"| {number(r['speedup'], 2)}x {interval(r['speedup_ci'], 2)} | {marginal} "
+            f"| {number(r['speedup'], 2)}x{like_mark(r)} {interval(r['speedup_ci'], 2)} | {marginal} "
             f"| {number(r.get('predicted_ms_per_token'), 2)} |")
     c = report.get("cost_ratio_c")
+    note = footnote(rows, "speedup")
+    if note:
+        out += ["", note]
     out += ["", "How to read it: E[tokens/round] comes from the acceptance stage (emitted tokens / "
             "expected rounds at that k, from one teacher-forced pass over the target's own text, "
             "checked against direct runs below); the round time (draft up to k tokens + verify them "

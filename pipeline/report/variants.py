@@ -15,6 +15,8 @@ from pipeline.core.stage import read_json
 from pipeline.report.document import Block
 from pipeline.report.format import MISSING, interval, median_ci, nbytes, number
 from pipeline.report.inputs import json_files
+from pipeline.report.modes import footnote
+from pipeline.report.modes import mark as like_mark
 
 
 def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> list[Block]:
@@ -50,7 +52,8 @@ def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> li
             grid_rows.append([*head, median_ci(cell.get("tpot_ms"), 2), median_ci(cell.get("ttft_ms"), 2),
                               f"{number(p99['value'], 2)} {interval(p99['ci'], 2)}" if p99 else MISSING,
                               f"{number(ratio['value'], 2)} {interval(ratio['ci'], 2)} (roofline "
-                              f"{number(cell.get('roofline_tpot_ratio_vs_reference'), 2)})" if ratio else MISSING,
+                              f"{number(cell.get('roofline_tpot_ratio_vs_reference'), 2)}){like_mark(ratio)}"
+                              if ratio else MISSING,
                               nbytes(cell.get("peak_memory_bytes")), number(cell.get("achieved_gbps"), 1),
                               number(cell.get("roofline_fraction"), 2)])
     if grid_rows:
@@ -61,6 +64,10 @@ def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> li
                 ("table", ["variant", "batch", "context", "TPOT ms", "TTFT ms", "p99 inter-token ms",
                            "TPOT / reference (roofline)", "peak memory", "achieved GB/s", "roofline fraction"],
                  grid_rows, None)]
+        flagged = [{**c["tpot_ratio_vs_reference"], "cell": f"{n} B={c['batch']} context={c['context']}"}
+                   for n, d in lat.items() for c in d.get("grid", []) if c.get("tpot_ratio_vs_reference")]
+        if footnote(flagged, "TPOT / reference", lambda r: r["cell"]):
+            out.append(("p", footnote(flagged, "TPOT / reference", lambda r: r["cell"])))
         ratio_png = run_dir / "latency" / "tpot_ratio.png"
         if figures is not None and ratio_png.is_file():
             figures["tpot-ratio.png"] = ratio_png.read_bytes()

@@ -24,7 +24,10 @@ acceptance prompts (the delete-one-prompt jackknife of the whole acceptance fact
 sum_w share_w T_w / E_B, `by_batch_jackknife`). A latency or acceptance JSON without the width
 keys falls back to the cells' own round time at k (`round_ms_source` says which). The accepted
 tokens thrown away against each row running alone are a share 1 - E_B(k) / E_1(k).
-recommended_k_by_batch applies marginal.RULE at each B.
+recommended_k_by_batch applies marginal.RULE at each B. Each row carries whether its (B, k) cell
+and the plain cell at B ran the same way (`like_with_like`, both modes when not; the latency
+stage's `run_mode`, pipeline/latency/modes.py): a flagged row stays in the table and out of
+recommended_k_by_batch and so out of the vLLM table.
 
 Beside E_B, for comparison only: `tokens_per_round_independent_rows` = 1 + sum_{i<=k} prefix_i^B,
 the formula this module used before (prefix rates from the k_max rounds and rows' accepted
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.latency.modes import compare
 from pipeline.serving.marginal import by_drafted_matrix, recommend_k
 from pipeline.stats.intervals import jackknife_se, median_ci, normal_se, percentile_interval
 
@@ -140,7 +144,8 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
                "plain_ms_per_token": t_plain, "plain_ms_per_token_ci": plain[b]["ms_per_token"]["ci"],
                "ms_per_token": t_round / e_b, "speedup": float(np.median(ratio)) * e_b,
                "measured_ms_per_token": c["ms_per_token"]["median"], "measured_speedup": c["speedup"]["median"],
-               "measured_speedup_ci": c["speedup"]["ci"]}
+               "measured_speedup_ci": c["speedup"]["ci"],
+               **compare(c.get("run_mode"), plain[b].get("run_mode"), ("speculative", "plain"))}
         row["ms_per_token_ci"], row["speedup_ci"], row["ci_unit"] = _cis(
             round_ms, ratio, e_b, e_ci, k, confidence, seed + 31 * b + k, jack_factor)
         rows.append(row)
@@ -175,7 +180,8 @@ def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[flo
 
 
 def recommended_by_batch(rows: list[dict]) -> dict[int, int]:
-    """B -> k by marginal.RULE applied to each batch size's rows (0 = do not speculate at B)."""
+    """B -> k by marginal.RULE applied to each batch size's rows (0 = do not speculate at B;
+    recommend_k leaves out rows flagged not like with like)."""
     out = {}
     for b in sorted({r["batch"] for r in rows}):
         out[b] = recommend_k([r for r in rows if r["batch"] == b])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.latency.modes import comparable
 from pipeline.serving.batch_k import by_batch_section, prefix_rates
 from pipeline.serving.simulation import (ASSUMPTIONS, CostModel, Request, crossover, open_loop, plain_capacity_rps,
                                          simulate, summarize, table_policy)
@@ -216,6 +217,17 @@ def _acceptance_check(costs: CostModel, loop: dict, waves: list[dict], confidenc
     return out
 
 
+def _cost_sources(grid: dict, batched: dict) -> dict:
+    """Whether the simulation's costs (plain steps from the grid, rounds from the batched cells)
+    were timed the same way: compiled, eager or mixed per source (pipeline/latency/modes.py)."""
+    modes = {"plain grid": sorted({c["run_mode"]["steps"] for c in grid.get("grid", []) if c.get("run_mode")}),
+             "batched cells": sorted({c["run_mode"]["steps"] for c in batched.get("cells", []) if c.get("run_mode")})}
+    if not all(modes.values()):
+        return {"like_with_like": None, "modes": modes}
+    both = set(modes["plain grid"]) | set(modes["batched cells"])
+    return {"like_with_like": len(both) == 1 and "mixed" not in both, "modes": modes}
+
+
 def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: dict, serving, confidence: float,
                     seed: int = 0) -> dict:
     """The keys the marginal JSON gets for one pair (module docstring)."""
@@ -226,7 +238,8 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
     fixed_note = "recommended k at B = 1"
     if fixed_k == 0 or fixed_k not in {r["k"] for r in rows}:
         b1 = [r for r in rows if r["batch"] == min(by_batch)]
-        fixed_k = min(b1, key=lambda r: (r["ms_per_token"], r["k"]))["k"]
+        # Mixed-mode rows (like_with_like false) are out, unless every row is.
+        fixed_k = min([r for r in b1 if comparable(r)] or b1, key=lambda r: (r["ms_per_token"], r["k"]))["k"]
         fixed_note = f"fastest k at B = {min(by_batch)} (no k is recommended there)"
     prefix = prefix_rates(acceptance_slice.get("per_position") or [], max(r["k"] for r in rows))
     accept_by_k = acceptance_slice.get("accepted_distribution") or None
@@ -240,6 +253,7 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
                    width_by_batch)
     section["serving"] = {
         **result,
+        "cost_sources": _cost_sources(grid, batched),
         "policies": {"plain": "no speculation", f"k={fixed_k}": fixed_note,
                      "per-batch k": f"recommended_k_by_batch {section['recommended_k_by_batch']}"},
         "fixed_k": fixed_k,

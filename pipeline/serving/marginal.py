@@ -21,12 +21,18 @@ predicted ms_per_token(k) = T_plain * (1 + k c) / E(k); where it misses the meas
 cost growing with k or per-round overhead is what the model leaves out.
 
 Intervals resample the acceptance prompts and the timing repeats independently (percentile).
+
+Like with like in run mode too (issue #24): each row's speedup is plain over speculative time,
+so each row carries whether the latency stage ran both sides the same way (compiled, eager, ...;
+`like_with_like`, with both modes when false: pipeline/latency/modes.py). A flagged row is
+reported but never recommended (RULE).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pipeline.core.stage import StageError
+from pipeline.latency.modes import comparable, compare
 from pipeline.stats.intervals import median_ci, percentile_interval
 
 RULE = (
@@ -34,7 +40,9 @@ RULE = (
     "with the lowest median ms/token; then, while the next smaller k also beats plain decoding and "
     "its ms/token CI overlaps this k's, step down to it (the data cannot tell them apart, and a "
     "smaller k drafts and verifies less work, which matters once the device is busy). "
-    "recommended_k = 0 (do not speculate) when no k beats plain decoding."
+    "recommended_k = 0 (do not speculate) when no k beats plain decoding. A k whose speculative and "
+    "plain timings did not run the same way (compiled vs eager, a fallback kernel; like_with_like false) "
+    "is never recommended."
 )
 
 
@@ -122,6 +130,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         ms_b = round_b / e_b
         sp_b = np.median(plain_ms[idx], axis=1)[:, None] / ms_b
     alphas = _position_rates(acc.get("per_position") or [])
+    lat_modes = {int(r["k"]): r.get("run_mode") for r in timing.get("rows", [])}
     c = _cost_ratio(by_drafted_matrix(timing.get("draft_ms_by_drafted") or {}, d_max)[0]
                     if timing.get("draft_ms_by_drafted") else None, t_plain)
 
@@ -154,6 +163,8 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
             # cheaper than plain decoding would make them.
             "marginal_pays": marginal is not None and marginal < prev_round / prev_tokens,
             "marginal_beats_plain": marginal is not None and marginal < t_plain,
+            # The latency stage's run modes of this k and of plain decoding (None: not recorded).
+            **compare(lat_modes.get(k), timing.get("plain_run_mode"), ("speculative", "plain")),
         }
         if alphas and c is not None and k <= len(alphas):
             e_pred = 1.0 + float(np.sum(np.cumprod(alphas[:k])))
@@ -202,7 +213,7 @@ def _cost_ratio(draft_ms: np.ndarray | None, t_plain: float) -> float | None:
 
 def recommend_k(rows: list[dict]) -> int:
     """See RULE (written into every report)."""
-    by_k = {r["k"]: r for r in rows}
+    by_k = {r["k"]: r for r in rows if comparable(r)}  # mixed-mode ratios are out
     beats = {k for k, r in by_k.items() if r["speedup_ci"][0] > 1.0}
     if not beats:
         return 0

@@ -39,6 +39,7 @@ import time
 from draft_models.registry import build_draft, draft_slug
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
+from pipeline.decode.release import collect, release_caches
 from pipeline.speculation.measure import generate_texts, measure_pair
 from pipeline.speculation.prompts import acceptance_prompts
 from pipeline.variants.schemes import load_variant
@@ -79,6 +80,9 @@ def run(ctx: StageContext) -> None:
             progress(f"acceptance: {name}")
             draft = build_draft(spec, model, tokenizer, ctx.run_dir, device)
             result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts, batch_sizes)
+            release_caches(getattr(draft, "model", None))
+            del draft  # a layer-skip draft holds the target's layers: it goes before the next one is built
+            collect(device)
             item.write_json({"variant": variant, "draft": spec, "draft_slug": slug, **result})
             timings[name] = round(time.time() - t0, 1)
             for t, v in result["slices"]["all"].items():
@@ -86,5 +90,9 @@ def run(ctx: StageContext) -> None:
                                    f"{'' if c['agree'] else ' DISAGREE'}" for k, c in v["direct_check"].items())
                 progress(f"acceptance: {name} T={t}: E[tokens/round]@k_max="
                          f"{v['expected_tokens_per_round'][str(cfg.k_max)]:.2f}; derived vs direct {checks}")
+        # Done with this variant: its memory goes back before the next one loads (pipeline/decode/release.py).
+        release_caches(model)
+        model = tokenizer = prompts = texts = None
+        collect(device)
     ctx.meta["pairs"] = pairs
     ctx.meta["seconds"] = timings

@@ -21,8 +21,13 @@ resampling), and the raw per-repeat (and per-step) samples are kept in the JSON.
 Before any cell runs, a memory plan (pipeline/latency/plan.py) drops the cells that cannot fit
 (one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
 cells so each runs on a cache of exactly its length, freed before the next. With latency.compile
-the steps run compiled (pipeline/decode/compiled.py). Each JSON records the plan, what compiled
-(per shape), the quantized kernels the variant really runs and the device's name.
+the steps run compiled (pipeline/decode/compiled.py), the batched cells and the closed loop
+included (one session per pair there). Each JSON records the plan, what compiled (per shape),
+the quantized kernels the variant really runs and the device's name; every timed cell its
+`run_mode`, and every ratio between two cells whether they ran the same way (pipeline/latency/modes.py).
+A variant or draft that is done with has its caches released, its references deleted and
+gc.collect() + torch.cuda.empty_cache() run (pipeline/decode/release.py) before the next one is
+loaded and planned, so the next plan's free memory does not still count it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import torch
 from draft_models.registry import build_draft, draft_slug
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json
+from pipeline.decode.release import collect, release_caches
 from pipeline.latency.batched import batched_pair
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.plan import compile_session, draft_label
@@ -112,7 +118,9 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device) -> None:
         doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, lat.confidence)
         _record(ctx.meta, "plain", name, doc)
         item.write_json(doc)
+        release_caches(model)
         del model
+        collect(device)  # before the next variant loads and its plan measures the free memory
     reference = cfg.quantize.reference
     if reference in dirs:
         grids = {name: read_json(ctx.out_dir / f"{name}.json", "latency grid") for name in dirs}
@@ -170,7 +178,9 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
         finally:
             if session is not None:
                 session.close()
+        release_caches(model, *(getattr(d, "model", None) for d in drafts.values()))
         del model, drafts
+        collect(device)  # before the next target's plan
 
 
 def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device) -> None:
@@ -185,9 +195,34 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         model, tok = load_variant(dirs[target], device=device)
         for spec, item in pending.items():
             draft = build_draft(spec, model, tok, ctx.run_dir, device)
-            item.write_json(batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed))
+            # A session per pair: the batched shapes (B x widths) of one pair, the target's and
+            # this draft's, are all it holds; closing it drops the graphs before the next draft.
+            session, _ = compile_session(lat, device)
+            if session is not None:
+                session.attach(model, "target")
+                if getattr(draft, "model", None) is not None:
+                    session.attach(draft.model, draft_label(spec))
+            try:
+                doc = batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed,
+                                   session=session)
+            finally:
+                if session is not None:
+                    session.close()
+            name = f"{target}__{draft_slug(spec)}"
+            ctx.meta["compile_record"].setdefault("batched", {})[name] = doc["compile"]
+            _summarize_compile(ctx.meta)
+            item.write_json(doc)
+            release_caches(model, getattr(draft, "model", None))
             del draft
+            collect(device)  # before the next draft is built
         del model
+        collect(device)  # before the next target loads
+
+
+def _summarize_compile(meta: dict) -> None:
+    runs = {r["ran"] for p in meta["compile_record"].values() for r in p.values() if r.get("requested")}
+    if runs:
+        meta["compile"] = runs.pop() if len(runs) == 1 else "mixed: " + ", ".join(sorted(runs))
 
 
 def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
@@ -195,8 +230,6 @@ def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
     stays a one-word summary (its old meaning); the per-shape detail is in `compile_record`."""
     meta["memory_plan"][phase][name] = doc["memory_plan"]
     meta["compile_record"][phase][name] = doc["compile"]
-    runs = {r["ran"] for p in meta["compile_record"].values() for r in p.values() if r.get("requested")}
-    if runs:
-        meta["compile"] = runs.pop() if len(runs) == 1 else "mixed: " + ", ".join(sorted(runs))
+    _summarize_compile(meta)
     if phase == "plain":
         meta["kernels"][name] = doc["kernels"]

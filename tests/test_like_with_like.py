@@ -1,0 +1,333 @@
+"""Issue #24, points 2(a), 2(c) and 5: the batched cells run the way B = 1 runs, ratios between
+cells that ran differently are flagged and kept out of every recommendation, and a dropped
+variant's memory is handed back before the next one is planned.
+
+2(a): latency.compile with dynamo's eager backend on CPU (the compile machinery, cheaply: a
+2-layer model, B = 2, k_max = 1, four graphs). 2(c): synthetic artifacts with known answers.
+5: the latency and acceptance stages on tiny models with the cyclic collector switched off, so
+only an explicit gc.collect() can free a model caught in a reference cycle.
+
+    .venv/bin/python -m pytest -q tests/test_like_with_like.py
+"""
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+
+from pipeline.core.config import Config
+from tests.conftest import make_tiny_llama
+
+CPU = torch.device("cpu")
+
+
+def _mode(steps: str, kernel: str | None = None) -> dict:
+    from pipeline.latency.modes import label
+
+    m = {"steps": steps, **({"kernel": kernel} if kernel else {})}
+    return {**m, "label": label(m)}
+
+
+# ---------------------------------------------------------------- 2(a): batched cells compiled
+
+
+@pytest.fixture(scope="module")
+def small(tiny_tokenizer):
+    return make_tiny_llama(tiny_tokenizer, layers=2, seed=5)
+
+
+def _batched_lat(**kw):
+    base = {"spec_batch_sizes": [2], "new_tokens": 4, "warmup": 0, "repeats": 1, "closed_loop_waves": 1,
+            "closed_loop_batch_sizes": [2], "closed_loop_tokens": 4, "compile": True, "compile_backend": "eager"}
+    return Config.model_validate({"latency": {**base, **kw}}).latency
+
+
+def _run_batched(model, tok, lat, monkeypatch, shapes=None):
+    from draft_models.layerskip import truncate
+    from pipeline.decode.drafts import ModelDraft
+    from pipeline.latency import batched as batch_latency
+    from pipeline.latency.plan import compile_session, draft_label
+
+    monkeypatch.setattr(batch_latency, "KINDS", ("chat", "code", "structured"))  # short prompts: seconds
+    if shapes is not None:
+        monkeypatch.setattr(batch_latency, "batched_shapes", shapes)
+    draft = ModelDraft("layerskip:1", truncate(model, 1), model.config.vocab_size)
+    session, _ = compile_session(lat, CPU)
+    assert session is not None
+    session.attach(model, "target")
+    session.attach(draft.model, draft_label("layerskip:1"))
+    try:
+        return batch_latency.batched_pair("tiny", "layerskip:1", model, draft, tok, [1], lat, CPU, 0.95, 0,
+                                          session=session)
+    finally:
+        session.close()
+
+
+def test_batched_cells_and_closed_loop_run_compiled_like_b1(small, tiny_tokenizer, monkeypatch):
+    """With compile on, every (B, k) cell and both closed-loop modes run their decode / verify /
+    draft steps through compiled graphs planned before any timing, and say so per cell."""
+    from pipeline.latency.plan import batched_shapes
+
+    doc = _run_batched(small, tiny_tokenizer, _batched_lat(), monkeypatch)
+    rec = doc["compile"]
+    # B = 2, k_max = 1: the target's step and verify width 2, the draft's widths 1 and 2.
+    assert rec["planned_graphs"] == rec["graphs_compiled"] == 4 == len(batched_shapes(
+        {2: doc["cache_len"]["2"]}, 1, ["draft layerskip:1"]))
+    assert rec["ran"] == "compiled" and rec["eager_shapes"] == 0 and rec["recompiles"] == 0
+    assert all(s["calls"] == s["compiled_calls"] > 0 for s in rec["shapes"])
+    assert {s["cache_len"] for s in rec["shapes"]} == {doc["cache_len"]["2"]}  # one cache length at B = 2
+    cells = {(c["batch"], c["k"]): c for c in doc["cells"]}
+    for c in cells.values():
+        assert c["run_mode"]["steps"] == "compiled" and "eager_steps" not in c["run_mode"], c["run_mode"]
+    assert cells[(2, 1)]["like_with_like"] is True
+    loop = doc["closed_loop"][0]
+    assert loop["plain"]["run_mode"]["steps"] == loop["speculative"]["run_mode"]["steps"] == "compiled"
+    assert loop["like_with_like"] is True
+
+
+def test_an_unplanned_verify_width_runs_eager_and_its_speedup_is_flagged(small, tiny_tokenizer, monkeypatch):
+    """A plan without the verify widths: the speculative cell's verify steps run eagerly (the
+    record says why), the cell is 'mixed' against a compiled plain cell, its speedup is flagged,
+    and the marginal stage's k per batch size leaves it out."""
+    from pipeline.decode.compiled import step_shapes
+    from pipeline.serving.batch_k import by_batch_section
+
+    def no_verify(lens, k_max, labels):
+        return [s for b, n in lens.items() for s in step_shapes("target", b, n, [1])
+                + [x for label in labels for x in step_shapes(label, b, n, [1, 2])]]
+
+    doc = _run_batched(small, tiny_tokenizer, _batched_lat(), monkeypatch, shapes=no_verify)
+    cells = {(c["batch"], c["k"]): c for c in doc["cells"]}
+    assert cells[(2, 0)]["run_mode"]["steps"] == "compiled"
+    spec = cells[(2, 1)]
+    assert spec["run_mode"]["steps"] == "mixed"
+    assert any("not in the compile plan" in (e["reason"] or "") for e in spec["run_mode"]["eager_steps"])
+    assert spec["like_with_like"] is False and spec["modes"] == {"speculative": "mixed", "plain": "compiled"}
+    # Whatever its speed, a flagged cell is never the recommended k at its B.
+    acc = {"per_position": [{"position": 1, "prefix": 0.9}], "expected_tokens_per_round": {"1": 1.9},
+           "expected_tokens_per_round_by_batch": {"2": {"1": 1.8}}}
+    section = by_batch_section(acc, doc, 0.95)
+    assert section["by_batch"]["rows"][0]["like_with_like"] is False
+    assert section["recommended_k_by_batch"] == {"2": 0}
+    assert section["speculative_config_by_batch"]["vllm_speculative_config"] is None
+
+
+# ---------------------------------------------------------------- 2(c): ratios, flags, recommendations
+
+
+def test_b1_marginal_table_flags_a_mixed_mode_k_and_never_recommends_it():
+    from tests.test_marginal import _acc, _expected, _timing
+    from pipeline.serving.marginal import marginal_table
+
+    e = _expected(0.8, 4)
+    timing = _timing(4, lambda d: 10.0 + 4 * d, 10.0, lambda d: 4.0 * d)  # best k = 2 (closed form)
+    same = {**timing, "plain_run_mode": _mode("compiled"),
+            "rows": [{"k": k, "run_mode": _mode("compiled")} for k in range(1, 5)]}
+    tab = marginal_table(_acc(e, 0.8), same)
+    assert tab["recommended_k"] == 2 and all(r["like_with_like"] is True for r in tab["rows"])
+    mixed = {**same, "rows": [{"k": k, "run_mode": _mode("eager" if k == 2 else "compiled")} for k in range(1, 5)]}
+    tab = marginal_table(_acc(e, 0.8), mixed)
+    rows = {r["k"]: r for r in tab["rows"]}
+    assert rows[2]["like_with_like"] is False and rows[2]["modes"] == {"speculative": "eager", "plain": "compiled"}
+    assert rows[3]["like_with_like"] is True
+    assert tab["recommended_k"] == 3  # k = 2 is out; 3 is the fastest left (7.453 < 7.778 ms/token)
+    # Artifacts without modes (made before they were recorded): unknown, not flagged.
+    tab = marginal_table(_acc(e, 0.8), timing)
+    assert tab["recommended_k"] == 2 and all(r["like_with_like"] is None for r in tab["rows"])
+
+
+def test_k_by_batch_and_vllm_table_leave_out_a_mixed_mode_cell():
+    from tests.test_serving import _cells, _slice
+    from pipeline.serving.batch_k import batch_rows, recommended_by_batch, speculative_config
+
+    exact = {b: {k: 1 + sum(0.8 ** (i * b) for i in range(1, k + 1)) for k in range(1, 5)} for b in (1, 4)}
+    cells = _cells({1: 10.0, 4: 12.0}, lambda b, k: 10 + 2 * k if b == 1 else 12 + 2 * k, [1, 2, 3, 4])
+    for c in cells:
+        c["run_mode"] = _mode("compiled")
+    rows = batch_rows(_slice(exact, [0.5] * 4), cells, 0.95)
+    rec = recommended_by_batch(rows)
+    assert all(r["like_with_like"] is True for r in rows) and rec[1] >= 1 and rec[4] >= 1
+    # Every cell at B = 4 and the recommended one at B = 1 timed eagerly against a compiled plain cell.
+    for c in cells:
+        if c["k"] and (c["batch"] == 4 or (c["batch"], c["k"]) == (1, rec[1])):
+            c["run_mode"] = _mode("eager")
+    flagged = batch_rows(_slice(exact, [0.5] * 4), cells, 0.95)
+    by = {(r["batch"], r["k"]): r for r in flagged}
+    assert by[(1, rec[1])]["like_with_like"] is False and by[(4, 1)]["modes"] == {"speculative": "eager",
+                                                                                   "plain": "compiled"}
+    new = recommended_by_batch(flagged)
+    assert new[1] not in (0, rec[1]) and new[4] == 0
+    assert speculative_config(new)["rows"] == [[1, 3, new[1]], [4, 4, 0]]
+
+
+def test_tpot_ratio_vs_reference_flags_other_modes_and_fallback_kernels():
+    from pipeline.latency.grid import add_reference_ratios
+    from pipeline.latency.modes import kernel_fallback, run_mode
+
+    def grid(name, modes):
+        return {"variant": name, "grid": [{"batch": 1, "context": c, "tpot_ms": {"samples": [10.0, 11.0]},
+                                           "bytes_per_step": 100, "run_mode": m} for c, m in zip((8, 64), modes)]}
+
+    ref = grid("bf16", [_mode("compiled", "native"), _mode("compiled", "native")])
+    var = grid("w4", [_mode("compiled", "native"), _mode("eager", "native")])
+    assert add_reference_ratios(var, ref, 0.95, 0)
+    same, other = (c["tpot_ratio_vs_reference"] for c in var["grid"])
+    assert same["like_with_like"] is True and "modes" not in same
+    assert other["like_with_like"] is False and other["modes"] == {"variant": "eager", "reference": "compiled"}
+    # GPTQModel's pure-torch kernel is a fallback: a ratio against the reference says so.
+    gptq = {"details": {"TorchFusedQuantLinear": {"library": "gptqmodel", "QUANT_TYPE": "torch_fused"}}}
+    marlin = {"details": {"MarlinQuantLinear": {"library": "gptqmodel", "QUANT_TYPE": "marlin"}}}
+    assert kernel_fallback(gptq) == "TorchFusedQuantLinear" and kernel_fallback(marlin) is None
+    var = grid("w4", [run_mode({"target B=1 w=1 L=64": {"ran": "compiled", "reason": None}}, gptq)] * 2)
+    add_reference_ratios(var, ref, 0.95, 0)
+    ratio = var["grid"][0]["tpot_ratio_vs_reference"]
+    assert ratio["like_with_like"] is False and ratio["modes"]["variant"] == "compiled + fallback kernel"
+
+
+def test_reports_mark_a_flagged_ratio_with_a_footnote():
+    from tests.test_marginal import _acc, _expected, _timing
+    from pipeline.report.marginal import render_markdown
+    from pipeline.report.modes import MARK
+    from pipeline.serving.marginal import RULE, marginal_table
+
+    e = _expected(0.8, 4)
+    timing = {**_timing(4, lambda d: 10.0 + 4 * d, 10.0, lambda d: 4.0 * d), "plain_run_mode": _mode("compiled"),
+              "rows": [{"k": k, "run_mode": _mode("eager" if k == 2 else "compiled")} for k in range(1, 5)]}
+    tab = marginal_table(_acc(e, 0.8), timing)
+    report = {"variant": "bf16", "draft": "layerskip:4", "confidence": 0.95, "primary": {"slice": "all",
+              "temperature": "0.0"}, "rule": RULE, **tab}
+    md = render_markdown(report)
+    flagged_line = next(line for line in md.splitlines() if line.startswith("| 2 "))
+    assert MARK in flagged_line
+    assert all(MARK not in line for line in md.splitlines() if line.startswith(("| 1 ", "| 3 ", "| 4 ")))
+    assert f"{MARK} speedup compares two runs that did not run the same way" in md
+    assert "k=2 (speculative eager, plain compiled)" in md
+    tab = marginal_table(_acc(e, 0.8), {**timing, "rows": [{"k": k, "run_mode": _mode("compiled")}
+                                                           for k in range(1, 5)]})
+    assert MARK not in render_markdown({**report, **tab})
+
+
+# ---------------------------------------------------------------- 5: memory between variants
+
+
+class _Spy:
+    def __init__(self):
+        self.events: list = []
+        self.refs: dict[str, weakref.ref] = {}
+
+    def load(self, tok, name, layers=1):
+        model = make_tiny_llama(tok, layers=layers, seed=len(self.refs))
+        model.__dict__["_cycle"] = [model]  # a reference cycle, as hooks and wrappers make: `del` alone keeps it
+        self.refs[name] = weakref.ref(model)
+        return model
+
+    def alive(self) -> list[str]:
+        return sorted(n for n, r in self.refs.items() if r() is not None)
+
+
+@pytest.fixture
+def no_auto_gc():
+    """Only an explicit gc.collect() frees a cycle while this is on (as when the collector's
+    thresholds happen not to trigger between two variants)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _fake_stage_dirs(run, variants: list[str], drafts: list[str] = ()):
+    for name in variants:
+        (run / "variants" / name).mkdir(parents=True)
+        (run / "variants" / name / "meta.json").write_text(json.dumps({"input_hash": name}))
+    (run / "variants" / "meta.json").write_text(json.dumps({
+        "stage": "variants", "input_hash": "v", "variants": {n: {"scheme": "none", "dir": f"variants/{n}"}
+                                                             for n in variants}}))
+    (run / "drafts").mkdir(parents=True)
+    (run / "drafts" / "meta.json").write_text(json.dumps({"stage": "drafts", "input_hash": "d"}))
+    for spec in drafts:
+        (run / "drafts" / spec / "meta.json").parent.mkdir(parents=True)
+        (run / "drafts" / spec / "meta.json").write_text(json.dumps({"input_hash": spec}))
+
+
+def test_latency_stage_frees_each_variant_before_the_next_plan(tmp_path, tiny_tokenizer, monkeypatch, no_auto_gc):
+    from pipeline.__main__ import STAGES
+    from pipeline.core.stage import run_stage
+    from pipeline.latency import plan as latency_plan
+    from pipeline.stages import latency as stage
+
+    spy = _Spy()
+    monkeypatch.setattr(stage, "load_variant", lambda d, device: (spy.load(tiny_tokenizer, d.name), tiny_tokenizer))
+    monkeypatch.setattr(stage, "measure_bandwidth", lambda device: {"gbps": 10.0})
+    budget = latency_plan.device_budget
+
+    def plan_spy(device, **kw):
+        spy.events.append(("plan", spy.alive()))
+        return budget(device, **kw)
+
+    collect = stage.collect
+    monkeypatch.setattr(latency_plan, "device_budget", plan_spy)
+    monkeypatch.setattr(stage, "collect", lambda device: (collect(device), spy.events.append(("free", spy.alive()))))
+    run = tmp_path / "run"
+    _fake_stage_dirs(run, ["a", "b"])
+    cfg = Config.model_validate({
+        "device": "cpu", "drafts": [], "quantize": {"reference": "a", "variants": {"a": {"scheme": "none"},
+                                                                                  "b": {"scheme": "none"}}},
+        "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 2, "warmup": 0, "repeats": 1}})
+    run_stage(STAGES["latency"], run, cfg, {}, STAGES)
+    # Variant a is planned with only itself alive, freed (and dead) before b is loaded and planned.
+    assert spy.events == [("plan", ["a"]), ("free", []), ("plan", ["b"]), ("free", [])]
+
+
+def test_acceptance_stage_frees_drafts_and_each_variant_before_the_next(tmp_path, tiny_tokenizer, monkeypatch,
+                                                                         no_auto_gc):
+    from pipeline.__main__ import STAGES
+    from pipeline.core.stage import run_stage
+    from pipeline.decode.drafts import ModelDraft
+    from pipeline.stages import acceptance as stage
+
+    spy = _Spy()
+
+    def load(d, device):
+        spy.events.append(("load", d.name, spy.alive()))
+        return spy.load(tiny_tokenizer, d.name), tiny_tokenizer
+
+    def draft(spec, model, tok, run_dir, device):
+        spy.events.append(("draft", spec, spy.alive()))
+        d = ModelDraft(spec, spy.load(tok, f"{spec}@{len(spy.refs)}"), model.config.vocab_size)
+        d.__dict__["_target"] = model  # a draft that holds its target (a layer-skip draft holds its layers)
+        return d
+
+    result = {"slices": {"all": {}}}
+    monkeypatch.setattr(stage, "load_variant", load)
+    monkeypatch.setattr(stage, "build_draft", draft)
+    monkeypatch.setattr(stage, "generate_texts", lambda *a, **k: {})
+    monkeypatch.setattr(stage, "measure_pair", lambda *a, **k: result)
+    run = tmp_path / "run"
+    _fake_stage_dirs(run, ["a", "b"], ["d1", "d2"])
+    cfg = Config.model_validate({"device": "cpu", "drafts": ["d1", "d2"],
+                                 "quantize": {"reference": "a", "variants": {"a": {"scheme": "none"},
+                                                                             "b": {"scheme": "none"}}},
+                                 "acceptance": {"targets": ["a", "b"]}})
+    monkeypatch.setattr(stage, "draft_slug", lambda spec: spec)
+    run_stage(STAGES["acceptance"], run, cfg, {}, STAGES)
+    # Each draft is gone before the next is built; variant a (and its drafts) before b loads.
+    assert spy.events == [("load", "a", []), ("draft", "d1", ["a"]), ("draft", "d2", ["a"]),
+                          ("load", "b", []), ("draft", "d1", ["b"]), ("draft", "d2", ["b"])]
+
+
+def test_prompt_lookup_pairs_plan_the_one_token_verify():
+    """A B = 1 round whose lookup offered nothing verifies the last token alone (width 1, every
+    logit): planned for model-free drafts, at B = 1 in the batched part too, so such pairs are not
+    'mixed' (and flagged) merely for lack of a graph. A model draft always offers k: not planned."""
+    from pipeline.latency.plan import batched_shapes, speculative_shapes
+
+    one = ("target", 1, 1, 64, True)  # (model, batch, width, cache length, every logit)
+    assert one in speculative_shapes(64, 2, []) and one not in speculative_shapes(64, 2, ["draft x"])
+    assert one in batched_shapes({1: 64, 4: 80}, 2, []) and ("target", 4, 1, 80, True) not in batched_shapes(
+        {1: 64, 4: 80}, 2, [])
+    assert len(batched_shapes({1: 64, 4: 80}, 3, ["draft x"])) == 2 * (3 + 3)  # k_max + 3 per B
