@@ -6,10 +6,10 @@
     cm.rollback(T - 2)                           # keep the first T-2 positions, copy nothing
 
 The cache is transformers' StaticCache: tensors [B, kv_heads, max_len, head_dim] allocated once and
-written in place at the cache's write offset (each layer's `cumulative_length`). Rolling back is
-StaticLayer.crop(-n), transformers' own call for "the next update overwrites the last n
-positions" (5.17 has no crop for static layers: the same in-place move of the offset, see
-_move_offset): it moves the offset and touches no K/V tensor. The slots past the offset still hold the
+written in place at the cache's write offset (each layer's `cumulative_length`). Rolling back
+does what StaticLayer.crop(-n) does ("the next update overwrites the last n positions"), for all
+layers in one foreach update of their offsets (see _move_offset): it moves the offset and
+touches no K/V tensor. The slots past the offset still hold the
 rejected tokens' keys and values; they are never attended, because every forward passes explicit
 position_ids and the causal mask (query at position t sees key slots 0..t) excludes them.
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.decode.attention import use_gqa_attention
 from pipeline.decode.errors import EngineError
 
 # model -> (session, label): the compiled-step sessions (pipeline/decode/compiled.py) attached to
@@ -117,6 +118,8 @@ class CachedModel:
         self.length = 0
         emb = self.model.get_output_embeddings()
         self.vocab = emb.weight.shape[0] if emb is not None and hasattr(emb, "weight") else self.model.config.vocab_size
+        # Grouped-query attention that reads each KV head once (pipeline/decode/attention.py); what ran.
+        self.attention = use_gqa_attention(self.model)
 
     @classmethod
     def release(cls, model, slot: str | None = None) -> int:
@@ -194,13 +197,13 @@ class CachedModel:
 
 def _move_offset(cache, delta: int) -> None:
     """Move every layer's write offset by delta (< 0: the next update overwrites the last -delta
-    positions). transformers >= 5.2x: StaticLayer.crop(delta), its own call for this. 5.17's
-    StaticLayer has no crop (is_croppable False); the same in-place move of its offset tensor."""
-    for layer in cache.layers:
-        if getattr(layer, "is_croppable", False):
-            layer.crop(delta)
-        else:
-            layer.cumulative_length.sub_(-delta)  # in place: the tensor's address is marked static
+    positions), in one foreach update of all the layers' offset tensors (one kernel on CUDA, where
+    StaticLayer.crop, transformers' own call for this, is one `sub_` launch per layer). It is
+    what crop does, in place (the tensors' addresses are marked static for compiled steps), and
+    it works on 5.17's StaticLayer, which has no crop. Layers on several devices (a model split
+    across GPUs) fall back to one update per tensor inside foreach."""
+    offsets = [layer.cumulative_length for layer in cache.layers]
+    torch._foreach_add_(offsets, delta)
 
 
 def _empty_device_cache(device: torch.device) -> None:

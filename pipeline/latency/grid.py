@@ -24,11 +24,12 @@ import numpy as np
 import torch
 
 from pipeline.core.stage import StageError, progress
+from pipeline.decode.attention import attention_path
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
 from pipeline.latency.modes import calls_before, compare, run_mode, steps_ran
 from pipeline.latency.plan import compile_session, plain_phase, plain_shapes, why_not_compiled
-from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline
+from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.stats.intervals import clip_contain, median_ci, percentile_bootstrap, percentile_interval
 
@@ -198,7 +199,11 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
             tpot = median_ci(raw["tpot_ms"], confidence, seed)
             # Attention reads every slot of the static cache each step (pipeline/decode/cache.py),
             # so the KV bytes are the allocated length's, not the filled length's.
-            step_bytes = bytes_per_step(mb["weight_bytes"], batch, raw["cache_positions"], mb["kv_bytes_per_token"])
+            # And the attention path says how often those bytes move: once when each KV head is
+            # read once (pipeline/decode/attention.py), 1 + 2 n_rep where repeat_kv copies them.
+            passes = step_kv_passes(model, width=1, compiled=session is not None)
+            step_bytes = bytes_per_step(mb["weight_bytes"], batch, raw["cache_positions"], mb["kv_bytes_per_token"],
+                                        kv_passes=passes)
             grid.append({**cell,
                          "ttft_ms": median_ci(raw["ttft_ms"], confidence, seed), "tpot_ms": tpot,
                          "ttft_percentiles": percentiles_ci([[x] for x in raw["ttft_ms"]], confidence, seed),
@@ -210,6 +215,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                          "peak_memory_kind": raw["peak_memory_kind"],
                          "memory_before_bytes": raw["memory_before_bytes"],
                          "bytes_per_step": step_bytes,
+                         "attention_path": attention_path(model), "kv_passes": passes,
                          **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"]),
                          "run_mode": run_mode(steps_ran(session, before), kernels, why_eager)})
         if session is not None:
@@ -221,7 +227,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
             "bandwidth_gbps": bandwidth["gbps"], "bandwidth": bandwidth, "weight_bytes": mb["weight_bytes"],
             "model_bytes": mb, "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
             "grid": grid, "memory_plan": {**plan.to_json(), "budget": budget}, "compile": compiled,
-            "kernels": kernels}
+            "kernels": kernels, "attention_path": attention_path(model)}
 
 
 def add_reference_ratios(grid: dict, reference: dict, confidence: float, seed: int) -> bool:

@@ -28,8 +28,24 @@ activation element (the compute dtype):
                       + scores B * heads * T * S * 4 where the kernel materialises them (CPU)
     MLP               3 * B * T * intermediate * e       (gate, up, their product)
     logits            B * T_logits * vocab * (e + 4)     (the model's output and its float32 copy)
+    repeated K, V     2 * B * heads * S * head_dim * e  only on an attention path that repeats K and V
+                      (transformers' repeat_kv, "sdpa+repeat_kv" / "eager+repeat_kv": one layer's
+                      copies over the whole allocated length); 0 on the engine's own path, which
+                      reads each KV head once (pipeline/decode/attention.py, "sdpa-gqa")
 The larger of attention and MLP counts (they are not alive together), times `slack` for allocator
 rounding and temporaries the sum leaves out.
+
+CUDA graphs (steps compiled with mode "reduce-overhead", `cuda_graphs=True`): every captured graph
+allocates from one private memory pool of the compile session (torch's cudagraph trees), which
+empty_cache does not hand back while the graphs live, and the grid's session lives across all of
+its cells. Inside it a graph's intermediates are freed when it ends (the next graph reuses them)
+and its static outputs stay until the next step begins, so the pool is estimated as
+    pool = sum over the session's graphs of their logits (B * W_logits * vocab * e)
+         + the largest graph's step activations (the forward estimate above, without the logits)
+times `slack`, growing as cells add graphs (one per step width a cell compiles: 1, and k + 1 when
+speculative rounds verify). An estimate from shapes, not yet checked against
+torch.cuda.memory_stats on a GPU. A cell then needs cache + slack * prefill (eager, outside the
+pool) + the pool so far; without graphs, cache + slack * max(prefill, step). Zero on CPU / eager.
 """
 from __future__ import annotations
 
@@ -37,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT
 from pipeline.models.bytes import model_tensors, unique_bytes
 
 
@@ -97,18 +114,37 @@ def cache_len(context: int, new_tokens: int, extra: int = 1) -> int:
     return max(context + new_tokens + extra, 64)
 
 
+def repeats_kv(attention_path: str, shape: ModelShape) -> bool:
+    """Whether attention on this path copies K and V to every query head (see the docstring)."""
+    return attention_path in (SDPA_REPEAT, EAGER_REPEAT) and shape.heads > shape.kv_heads
+
+
 def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, logits_rows: int,
-                  materialised_scores: bool) -> int:
-    """Peak activation bytes of one forward (see the module docstring for the terms)."""
+                  materialised_scores: bool, repeated_kv: bool = False, logits: bool = True) -> int:
+    """Peak activation bytes of one forward (see the module docstring for the terms);
+    logits=False leaves the logits out (a CUDA graph's output, counted apart in its pool)."""
     e = shape.element_bytes
     bt = batch * tokens
     residual = 2 * bt * shape.hidden * e
     attention = bt * (2 * shape.hidden + 2 * shape.kv_heads * shape.head_dim) * e
     if materialised_scores:
         attention += batch * shape.heads * tokens * attended * 4
+    if repeated_kv:  # one layer's K and V copied to every query head over the attended length
+        attention += 2 * batch * shape.heads * attended * shape.head_dim * e
     mlp = 3 * bt * shape.intermediate * e
-    logits = batch * logits_rows * shape.vocab * (e + 4)
-    return residual + max(attention, mlp) + logits
+    out = batch * logits_rows * shape.vocab * (e + 4) if logits else 0
+    return residual + max(attention, mlp) + out
+
+
+def graph_pool_bytes(shape: ModelShape, graphs: list[tuple[int, int, int, int]], slack: float = 1.2) -> int:
+    """The CUDA-graph pool of a session that captured `graphs`, each (batch, width, cache_len,
+    logits_rows): the sum of their logits outputs plus the largest one's step activations, times
+    slack (see the module docstring). 0 for no graphs."""
+    if not graphs:
+        return 0
+    outputs = sum(b * rows * shape.vocab * shape.element_bytes for b, _, _, rows in graphs)
+    activations = max(forward_bytes(shape, b, w, length, rows, False, logits=False) for b, w, length, rows in graphs)
+    return int(slack * (outputs + activations))
 
 
 @dataclass
@@ -119,7 +155,8 @@ class CellPlan:
     cache_bytes: int
     prefill_chunk: int | None  # None = the whole prompt in one forward
     activation_bytes: int  # the larger of the prefill (chunk) and a decode / verify step
-    peak_bytes: int  # cache + activations (weights are outside the budget)
+    peak_bytes: int  # cache + activations + graph pool (weights are outside the budget)
+    graph_pool_bytes: int = 0  # the CUDA-graph pool once this cell's graphs are captured (0: eager)
 
 
 @dataclass
@@ -127,6 +164,8 @@ class MemoryPlan:
     budget_bytes: int
     steps: list[dict] = field(default_factory=list)  # {"action": "run" | "free", ...} in order
     dropped: list[dict] = field(default_factory=list)
+    attention_path: str = GQA  # what the planned steps run (repeated K / V counted or not)
+    cuda_graphs: bool = False  # whether a CUDA-graph pool was counted
 
     @property
     def cells(self) -> list[CellPlan]:
@@ -135,46 +174,61 @@ class MemoryPlan:
 
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "steps": self.steps, "dropped": self.dropped,
+                "attention_path": self.attention_path, "cuda_graph_pool": self.cuda_graphs,
                 "order": "batch ascending, then context ascending; one cache alive at a time, "
                          "each of exactly its cell's length, freed before the next is allocated"}
 
 
 def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_tokens: int,
               budget_bytes: float, device_type: str, verify_width: int = 1, slack: float = 1.2,
-              min_chunk: int = 128) -> MemoryPlan:
+              min_chunk: int = 128, attention_path: str = GQA, cuda_graphs: bool = False) -> MemoryPlan:
     """Plan every (batch, context) cell against `budget_bytes`: the memory left for caches and
     activations once the weights are loaded (the caller subtracts weights and a reserve).
 
     verify_width: the widest forward a decode step makes (1 plain, k + 1 when speculative rounds
     run on the same cache). Prefill is chunked (halving from the whole prompt down to min_chunk)
-    only when the one-shot prefill does not fit.
+    only when the one-shot prefill does not fit. attention_path: what the steps run
+    (pipeline.decode.attention.attention_path; the engine's "sdpa-gqa" by default): a path that
+    repeats K and V adds one layer's copies. cuda_graphs: the steps are captured as CUDA graphs
+    (compiled, mode "reduce-overhead"; only on CUDA): their pool is counted, growing cell by cell.
     """
     scores = device_type != "cuda"  # CPU SDPA with a mask materialises B x heads x T x S scores
-    plan = MemoryPlan(budget_bytes=int(budget_bytes))
+    repeated = repeats_kv(attention_path, shape)
+    graphs_on = cuda_graphs and device_type == "cuda"
+    plan = MemoryPlan(budget_bytes=int(budget_bytes), attention_path=attention_path, cuda_graphs=graphs_on)
     live: tuple[int, int] | None = None  # (batch, cache_len) of the one cache alive
+    graphs: list[tuple[int, int, int, int]] = []  # (batch, width, cache_len, logits rows) captured so far
     for batch in sorted(set(batches)):
         for context in sorted(set(contexts)):
             length = cache_len(context, new_tokens)
             cache = batch * length * shape.kv_bytes_per_token
-            step = forward_bytes(shape, batch, verify_width, length, verify_width, scores)
-            chunk, prefill = None, forward_bytes(shape, batch, context, length, 1, scores)
-            while cache + slack * max(prefill, step) > budget_bytes and (chunk or context) > min_chunk:
+            step = forward_bytes(shape, batch, verify_width, length, verify_width, scores, repeated)
+            pool = 0
+            if graphs_on:  # this cell's graphs join the session's pool; the steps run inside it
+                cell_graphs = [(batch, w, length, w) for w in sorted({1, verify_width})]
+                pool, step = graph_pool_bytes(shape, graphs + cell_graphs, slack), 0
+            chunk, prefill = None, forward_bytes(shape, batch, context, length, 1, scores, repeated)
+            while cache + slack * max(prefill, step) + pool > budget_bytes and (chunk or context) > min_chunk:
                 chunk = max(min_chunk, (chunk or context) // 2)
-                prefill = forward_bytes(shape, batch, chunk, length, 1, scores)
+                prefill = forward_bytes(shape, batch, chunk, length, 1, scores, repeated)
             activation = int(slack * max(prefill, step))
-            need = cache + activation
+            need = cache + activation + pool
             if need > budget_bytes:
                 plan.dropped.append({"batch": batch, "context": context, "cache_len": length,
                                      "needs_bytes": int(need), "budget_bytes": int(budget_bytes),
                                      "reason": f"needs {_size(need)} (cache {_size(cache)} + activations "
-                                               f"{_size(activation)}) of {_size(budget_bytes)}"})
+                                               f"{_size(activation)}"
+                                               + (f" + CUDA-graph pool {_size(pool)}" if pool else "")
+                                               + f") of {_size(budget_bytes)}"})
                 continue
             if live is not None:
                 plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
             plan.steps.append({"action": "run", **asdict(CellPlan(
                 batch=batch, context=context, cache_len=length, cache_bytes=int(cache),
-                prefill_chunk=chunk, activation_bytes=activation, peak_bytes=int(need)))})
+                prefill_chunk=chunk, activation_bytes=activation, peak_bytes=int(need), graph_pool_bytes=pool))})
             live = (batch, length)
+            if graphs_on:
+                graphs += cell_graphs
     if live is not None:
         plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
     return plan

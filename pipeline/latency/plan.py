@@ -26,6 +26,7 @@ timing. They are compiled before the timed runs (CompileSession.warm), never ins
 """
 from __future__ import annotations
 
+from pipeline.decode.attention import GQA, attention_path, use_gqa_attention
 from pipeline.decode.cache import hf_model
 from pipeline.decode.compiled import CompileSession, not_compiled, step_shapes
 from pipeline.latency.memory import CellPlan, MemoryPlan, ModelShape, cache_len, device_budget, plan_grid
@@ -105,12 +106,27 @@ def _shape(model, weight_bytes: int) -> ModelShape:
     return ModelShape.from_model(model, weight_bytes)
 
 
+def uses_cuda_graphs(lat, device) -> bool:
+    """Whether the steps will be captured as CUDA graphs (compile_session's inductor +
+    "reduce-overhead" on CUDA), whose memory pool the plan must count."""
+    return why_not_compiled(lat, device) is None and device.type == "cuda" and \
+        (lat.compile_backend in ("auto", "inductor"))
+
+
+def _attention(model) -> str:
+    """Switch a grouped-query model to the attention path that reads each KV head once (what its
+    CachedModel will do anyway: idempotent) and say which path its steps will run."""
+    use_gqa_attention(hf_model(model))
+    return attention_path(hf_model(model))
+
+
 def plain_phase(model, lat, device, contexts: list[int] | None = None) -> tuple[MemoryPlan, dict]:
     """The plain grid of a loaded variant against the memory free now."""
     weights = model_bytes(model)["all_weight_bytes"]
     budget = device_budget(device, weights_loaded=True, weight_bytes=weights)
     plan = plan_grid(_shape(model, weights), lat.batch_sizes, contexts if contexts is not None else lat.context_lengths,
-                     lat.new_tokens, budget["budget_bytes"], device.type)
+                     lat.new_tokens, budget["budget_bytes"], device.type, attention_path=_attention(model),
+                     cuda_graphs=uses_cuda_graphs(lat, device))
     return plan, budget
 
 
@@ -128,19 +144,21 @@ def speculative_phase(model, drafts: dict, lat, k_max: int, prompt_len: int, dev
     budget = device_budget(device, weights_loaded=True, weight_bytes=weights)
     kv = {spec: draft_kv_bytes_per_token(d) for spec, d in drafts.items()}
     plan = speculative_plan(_shape(model, weights), kv, prompt_len, lat.new_tokens, k_max,
-                            budget["budget_bytes"], device.type)
+                            budget["budget_bytes"], device.type, attention_path=_attention(model),
+                            cuda_graphs=uses_cuda_graphs(lat, device))
     return plan, budget
 
 
 def speculative_plan(shape: ModelShape, draft_kv: dict[str, int], context: int, new_tokens: int, k_max: int,
-                     budget_bytes: float, device_type: str) -> MemoryPlan:
+                     budget_bytes: float, device_type: str, attention_path: str = GQA,
+                     cuda_graphs: bool = False) -> MemoryPlan:
     """B = 1 at `context` with verify width k_max + 1; the largest draft cache (one alive at a
     time) is set aside first. A draft's own step activations are a fraction of the target's
     verify and sit inside plan_grid's slack."""
     length = cache_len(context, new_tokens)
     largest = max(draft_kv.values(), default=0) * length
     plan = plan_grid(shape, [1], [context], new_tokens, budget_bytes - largest, device_type,
-                     verify_width=k_max + 1)
+                     verify_width=k_max + 1, attention_path=attention_path, cuda_graphs=cuda_graphs)
     plan.budget_bytes = int(budget_bytes)
     for step in plan.steps:
         if step["action"] == "run":

@@ -4,10 +4,19 @@
     bw = measure_bandwidth(torch.device("cpu"))        # {"gbps": ..., "bytes": ..., ...}
     mb = model_bytes(model)                             # weight bytes read per step, KV bytes per token
     step = bytes_per_step(mb["weight_bytes"], batch=4, context=1024,
-                          kv_bytes_per_token=mb["kv_bytes_per_token"])
+                          kv_bytes_per_token=mb["kv_bytes_per_token"],
+                          kv_passes=step_kv_passes(model, width=1, compiled=False))  # after a CachedModel
 
 SEEDS.md: a decode step reads all weights plus every sequence's KV cache, so
 bytes per step ~= W + B * K, with K = context * 2 * layers * kv_heads * head_dim * bytes_per_element.
+That holds when attention reads each KV head once (pipeline/decode/attention.py: the engine's
+"sdpa-gqa" / "sdpa-gqa-packed"). An attention that repeats K and V for its query heads
+(transformers' repeat_kv: "sdpa+repeat_kv" in compiled steps and verifies, "eager+repeat_kv"
+always) moves the cache 1 + 2 * n_rep times per step (n_rep = heads / kv_heads): it reads K and V
+once to copy them, writes n_rep copies and attention reads the n_rep copies. `kv_passes` says how
+many for a path, and bytes_per_step multiplies K by it:
+    bytes per step = W + B * K * kv_passes
+(Llama-3-8B at B = 32 x 8192 in bf16 on the repeating path: 16 + 34.6 * 9 = 327 GB against 51 GB.)
 Achieved bandwidth = bytes per step / time per step; its fraction of the measured device bandwidth
 says how far a variant is from the memory-bound limit (a W4 variant that moves 1/3 of the bytes but
 reaches a small fraction of the bandwidth spends its time dequantizing, not reading).
@@ -19,6 +28,7 @@ import time
 
 import torch
 
+from pipeline.decode.attention import EAGER_REPEAT, READS_ONCE, SDPA_REPEAT, attention_path
 from pipeline.decode.timing import synchronize
 from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
 
@@ -114,9 +124,39 @@ def _kv_element_bytes(model) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def bytes_per_step(weight_bytes: int, batch: int, context: float, kv_bytes_per_token: int) -> int:
-    """W + B * K: weights once per step, plus each sequence's cache at its current length."""
-    return int(weight_bytes + batch * context * kv_bytes_per_token)
+def bytes_per_step(weight_bytes: int, batch: int, context: float, kv_bytes_per_token: int,
+                   kv_passes: int = 1) -> int:
+    """W + B * K * kv_passes: weights once per step, plus each sequence's cache at the length
+    attention reads, as many times as the attention path moves it (kv_passes; 1 when each KV head
+    is read once)."""
+    return int(weight_bytes + batch * context * kv_bytes_per_token * kv_passes)
+
+
+def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1, compiled: bool = False) -> int:
+    """How many times one step of `width` new tokens moves the KV bytes it attends over, on
+    attention path `path` (pipeline.decode.attention.attention_path). 1 for a path that reads each
+    KV head once, for a model without grouped heads and for kernels that take GQA themselves
+    (flash_attention_2, ...). 1 + 2 * n_rep where repeat_kv runs: one read to copy, n_rep writes,
+    n_rep reads by attention. transformers' sdpa skips the copy in an eager single-token step
+    (pack_gqa) but not under dynamo (compiled) nor for width > 1."""
+    n_rep = heads // kv_heads if kv_heads else 1
+    if n_rep <= 1 or path in READS_ONCE:
+        return 1
+    if path == SDPA_REPEAT and width == 1 and not compiled:
+        return 1
+    if path in (SDPA_REPEAT, EAGER_REPEAT):
+        return 1 + 2 * n_rep
+    return 1
+
+
+def step_kv_passes(model, width: int = 1, compiled: bool = False) -> int:
+    """kv_passes for `model` as its cached steps run now (call it once a CachedModel has been made:
+    that is what switches a grouped model to the path that reads each KV head once)."""
+    cfg = model.config
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = text.num_attention_heads
+    return kv_passes(attention_path(model), heads, getattr(text, "num_key_value_heads", None) or heads,
+                     width, compiled)
 
 
 def roofline(bytes_step: int, seconds_per_step: float, device_gbps: float) -> dict:

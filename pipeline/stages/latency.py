@@ -233,3 +233,6 @@ def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
     _summarize_compile(meta)
     if phase == "plain":
         meta["kernels"][name] = doc["kernels"]
+        # The attention path the steps ran (pipeline/decode/attention.py): each KV head read once
+        # ("sdpa-gqa"), or K / V repeated per query head ("sdpa+repeat_kv").
+        meta.setdefault("attention", {})[name] = doc.get("attention_path")

@@ -12,12 +12,13 @@ import time
 
 import torch
 
+from pipeline.decode.attention import attention_path
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.compiled import CompileSession, step_shapes
 from pipeline.decode.drafts import ModelDraft
 from pipeline.decode.engine import generate
 from pipeline.latency.memory import cache_len
-from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline
+from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
 
 # Model shapes (transformers LlamaConfig fields) and each shape's default run settings.
 SHAPES = {
@@ -152,12 +153,13 @@ def plain_part(check, model, cells, args, gbps, session=None, label="plain", ref
             tpot.append(res.decode_s / (len(res.batch_tokens[0]) - 1) * 1e3)
         CachedModel.release(model)
         _note_step(check, max(tpot) / 1e3)
+        passes = step_kv_passes(model, width=1, compiled=session is not None)
         step = bytes_per_step(mb["weight_bytes"], cell.batch, cell.context + args.new_tokens / 2,
-                              mb["kv_bytes_per_token"])
+                              mb["kv_bytes_per_token"], kv_passes=passes)
         row = {"batch": cell.batch, "context": cell.context, "cache_len": cell.cache_len,
                "prefill_chunk": cell.prefill_chunk, "ttft_ms": summary(ttft), "tpot_ms": summary(tpot),
                "tokens_per_s": cell.batch * 1e3 / statistics.median(tpot), "bytes_per_step": step,
-               "warmup_s": round(warm_s, 3), "tokens": res.batch_tokens[0]}
+               "attention_path": attention_path(model), "kv_passes": passes, "warmup_s": round(warm_s, 3), "tokens": res.batch_tokens[0]}
         if gbps:
             row.update(roofline(step, statistics.median(tpot) / 1e3, gbps))
         if reference is not None and cell.batch == 1:

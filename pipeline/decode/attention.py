@@ -1,0 +1,191 @@
+"""Attention over the static cache that reads each KV head once (grouped-query models).
+
+    from pipeline.decode.attention import attention_path, use_gqa_attention
+    use_gqa_attention(model)     # CachedModel does this: sdpa / eager GQA models -> "specq_sdpa"
+    attention_path(model)        # "sdpa-gqa", "sdpa-gqa-packed", "sdpa+repeat_kv", "eager+repeat_kv", "sdpa", ...
+
+Why: a StaticLayer hands attention its whole [B, kv_heads, max_len, D] K and V, and with a static
+cache transformers (5.24) always materialises the mask of a step ([B, 1, W, max_len] bool: masking_utils
+never lets a compileable cache skip it at q_length 1, nor at W > 1 past position 0). Its "sdpa"
+function (integrations/sdpa_attention.py) passes `enable_gqa` only when there is NO mask
+(`use_gqa_in_sdpa`, on CUDA and CPU), so a step instead calls `repeat_kv`: an expand + reshape that
+copies K and V to [B, heads, max_len, D], heads / kv_heads times over, in every layer at every
+step, and SDPA then reads the copies. Per step that is 1 read + n_rep writes + n_rep reads of the
+allocated cache instead of 1 read (n_rep = heads / kv_heads; 4 for Llama-3-8B: 9x the KV bytes).
+The one exception is an eager single-token step (W = 1, not under dynamo), which it folds
+(`pack_gqa`); the compiled steps and every verify of width k + 1 copy. The "eager" function
+always calls repeat_kv.
+
+What this module does instead: it registers one attention function, "specq_sdpa", with
+transformers' AttentionInterface (and sdpa's mask function under the same name in
+AttentionMaskInterface: without it transformers would build NO mask for an unknown name, and a
+static cache's unwritten slots would be attended). For a grouped-query layer it calls SDPA on the
+KV heads as they are, in one of two layouts chosen once per device:
+
+    "gqa"     scaled_dot_product_attention(q [B, H, W, D], k [B, Hkv, S, D], mask, enable_gqa=True):
+              the kernel maps query head h to KV head h // n_rep. On CPU torch 2.14 dispatches it,
+              mask and all, to aten::_scaled_dot_product_flash_attention_for_cpu with K and V at
+              [B, Hkv, S, D] (profiler: no repeat / index_select / clone of K or V).
+    "packed"  the query heads of one KV head folded into the rows: q -> [B, Hkv, n_rep * W, D],
+              the mask's rows repeated n_rep times ([B, 1, n_rep * W, S]; a bool mask, small next
+              to K and V), then SDPA with equal head counts, so any kernel that takes a mask (CUDA's
+              memory-efficient one) reads K and V once. Row r * W + w is query head g * n_rep + r
+              at position w: the same dot products and softmax rows as the repeated layout.
+
+"gqa" is used where a fused kernel accepts GQA with a mask (CPU; on CUDA asked of torch's own
+backend checks, torch.backends.cuda.can_use_*_attention, with enable_gqa and a mask): where none
+does, SDPA would take its math kernel, which repeats K and V itself, so "packed" is used. A
+prefill from an empty cache (mask None, causal, W > 1) uses enable_gqa with is_causal, as the
+stock function already does there. Anything else the stock function handles (softcap, a position
+bias, a per-head mask, MHA layers) goes to the stock function unchanged.
+
+Only models on "sdpa" or "eager" whose attention layers are grouped (num_key_value_groups > 1) are
+switched; the switch is the model's own `set_attn_implementation`, once, and stays (the function
+is SDPA on the same inputs, so a non-cached forward of the model gives the same numbers up to float
+rounding). The config does not save it (transformers drops `_attn_implementation_internal` from
+config.json).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+NAME = "specq_sdpa"
+
+# The strings attention_path returns (meta.json: what attention a step ran).
+GQA = "sdpa-gqa"  # enable_gqa with the mask: each KV head read once
+GQA_PACKED = "sdpa-gqa-packed"  # query heads folded into rows: each KV head read once
+SDPA_REPEAT = "sdpa+repeat_kv"  # transformers' sdpa on a GQA model: compiled steps and verifies copy K/V
+EAGER_REPEAT = "eager+repeat_kv"  # transformers' eager on a GQA model: every step copies K/V
+READS_ONCE = (GQA, GQA_PACKED)
+
+# hf model -> the layout its layers use ("gqa" | "packed"), for the second call's fast path. The
+# layers carry it (an attribute dynamo reads as a constant); attention_path reads it there.
+_SWITCHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MODE_ATTR = "specq_gqa_layout"
+
+
+def specq_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs):
+    """query [B, H, W, D], key / value [B, Hkv, S, D], mask [B, 1, W, S] bool or float (or None)
+    -> (output [B, W, H, Dv], None), transformers' attention-function contract."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    unusual = (kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+               or kwargs.get("s_aux") is not None
+               or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1)))
+    if groups <= 1 or unusual:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    b, heads, w, _ = query.shape
+    kv_heads = key.shape[1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and w > 1 and causal:
+        # A prefill from position 0 (transformers skipped the mask): sdpa's is_causal is aligned to
+        # the top left, so the first W keys are the prompt's; the rest of the static cache is cut off.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key[:, :, :w], value[:, :, :w], dropout_p=dropout, scale=scaling, is_causal=True,
+            enable_gqa=True)
+    elif getattr(module, _MODE_ATTR, "gqa") == "gqa":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    else:  # "packed": [B, H, W, D] -> [B, Hkv, n_rep * W, D], row r * W + w = head g * n_rep + r at w
+        rows = groups * w
+        q = query.reshape(b, kv_heads, rows, query.shape[-1])
+        mask = attention_mask
+        if mask is not None and w > 1:  # [B, 1, W, S] -> [B, 1, n_rep * W, S] (W = 1 broadcasts as it is)
+            mask = mask[:, :, None].expand(mask.shape[0], 1, groups, w, mask.shape[-1]).reshape(
+                mask.shape[0], 1, rows, mask.shape[-1])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        out = out.reshape(b, heads, w, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make NAME known to transformers (idempotent): the attention function, and sdpa's mask."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, specq_sdpa_attention)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def _gqa_layers(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "num_key_value_groups", 1) > 1]
+
+
+def use_gqa_attention(model, layout: str | None = None) -> str:
+    """Switch a grouped-query model on "sdpa" or "eager" to NAME (once; `layout` "gqa" or "packed"
+    overrides the device's choice, for tests). Returns attention_path(model)."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == NAME and model in _SWITCHED and (layout is None or layout == _SWITCHED[model]):
+        return attention_path(model)  # every CachedModel asks: the second time costs nothing
+    layers = _gqa_layers(model)
+    if not layers or current not in ("sdpa", "eager", NAME):
+        return attention_path(model)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = getattr(model, "dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    layout = layout or gqa_layout(device, dtype, _head_dim(model), layers[0].num_key_value_groups)
+    register()
+    if current != NAME:
+        model.set_attn_implementation(NAME)
+        if getattr(model.config, "_attn_implementation", None) != NAME:  # the class refused it (logged)
+            return attention_path(model)
+    # A layer-sharing draft (layerskip) holds its target's layers, which look up their own config's name.
+    for cfg in {id(c): c for c in (getattr(layer, "config", None) for layer in layers) if c is not None}.values():
+        if getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager"):
+            cfg._attn_implementation = NAME
+    for layer in layers:
+        setattr(layer, _MODE_ATTR, layout)
+    _SWITCHED[model] = layout
+    return attention_path(model)
+
+
+def gqa_layout(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> str:
+    """"gqa" where SDPA has a fused kernel for GQA with a mask on this device, else "packed"."""
+    if device.type != "cuda":
+        return "gqa"  # CPU: the flash kernel for CPU takes both (see the module docstring)
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_efficient_attention, \
+            can_use_flash_attention
+
+        q = torch.zeros(1, 2 * groups, 2, head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)
+        mask = torch.ones(1, 1, 2, 64, device=device, dtype=torch.bool)
+        params = SDPAParams(q, kv, kv, mask, 0.0, False, True)
+        fused = any(check(params, False) for check in (can_use_flash_attention, can_use_efficient_attention,
+                                                         can_use_cudnn_attention))
+    except Exception:  # noqa: BLE001 - an older torch without the checks: the layout every kernel takes
+        return "packed"
+    return "gqa" if fused else "packed"
+
+
+def _head_dim(model) -> int:
+    cfg = model.config
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def attention_path(model) -> str:
+    """What attention a cached step of `model` runs: one of READS_ONCE (each KV head read once per
+    step), SDPA_REPEAT / EAGER_REPEAT (a grouped model whose steps copy K and V n_rep times), or the
+    implementation's own name for a model without grouped heads (nothing to repeat) or another
+    implementation (flash_attention_2, flex_attention, ...)."""
+    layers = _gqa_layers(model)
+    # The name a layer's forward looks up is its own config's: a layer-sharing draft (layerskip)
+    # holds its target's layers, and so runs what the target's config says.
+    config = getattr(layers[0], "config", None) if layers else None
+    impl = getattr(config if config is not None else model.config, "_attn_implementation", None) or "unknown"
+    if impl == NAME:
+        return GQA if getattr(layers[0], _MODE_ATTR, "gqa") == "gqa" else GQA_PACKED
+    if not layers:
+        return impl
+    return {"sdpa": SDPA_REPEAT, "eager": EAGER_REPEAT}.get(impl, impl)
