@@ -78,9 +78,18 @@ def render_table(gate: dict) -> str:
                       f"**{spec['decision']}**", "",
                   "| pair | greedy identical (dtype) | sampling p (adjusted) | decision |", "|---|---|---|---|"]
         for key, p in spec["pairs"].items():
-            lines.append(f"| {key} | {p['greedy_identical']} ({p.get('dtype') or '-'}) | {number(p['sampling_p'], 3)} "
+            lines.append(f"| {key} | {_greedy_cell(p)} ({p.get('dtype') or '-'}) | {number(p['sampling_p'], 3)} "
                          f"({number(p['sampling_p_adjusted'], 3)}) | **{p['decision']}** |")
     return "\n".join(lines) + "\n"
+
+
+def _greedy_cell(pair: dict) -> str:
+    """True / False, or how many divergences the dtype's near-ties explain (lossless.py)."""
+    n, bad = pair.get("mismatches") or 0, pair.get("unexplained_mismatches")
+    if pair.get("greedy_identical") or not n or bad is None:
+        return str(pair.get("greedy_identical"))
+    return (f"False: {n} divergences, all near-ties (tolerance {number(pair.get('tie_tolerance'), 3)})" if bad == 0
+            else f"False: {bad} of {n} divergences not near-ties")
 
 
 # ---------------------------------------------------------------- the report's section

@@ -3,10 +3,32 @@
     from pipeline.speculation.lossless import lossless_checks
     lossless_checks(model, prompts, draft, cfg, seed, texts, greedy_runs)
 
-- Greedy: every direct greedy run (acceptance.direct_check_k) must reproduce the target's own
-  greedy text token for token (float32; in bf16 a divergence is only acceptable at a near-tie).
-  (Without a greedy temperature in the config, the stage runs one plain and one k = 1 greedy
-  run per prompt for this.)
+- Greedy: every direct greedy run (acceptance.direct_check_k) is compared token for token with
+  the target's own plain greedy text. `greedy_identical` says whether all were identical.
+  In float32 they are, for a correct engine. In a reduced precision (bf16 on a GPU, or a variant
+  with `dtype: bfloat16`) they need not be: a verify over k + 1 tokens and a one-token step use
+  different matmul shapes, so the same logits come out rounded differently, and where two tokens
+  are nearly tied the argmax can flip. A flip is then not an engine error, and everything after
+  it follows a different (equally greedy) text. So every divergence is judged by a tie rule:
+
+  1. The noise: on `TIE_CALIBRATION_PROMPTS` prompts, the target's logits for the plain text are
+     computed three ways: one teacher-forced forward, the engine's one-token steps, and verify
+     forwards of width k + 1 (largest checked k). `logit_noise` is the largest absolute
+     difference between any two of them, over every position and the whole vocabulary: how far
+     the same logit moves between the shapes the engine uses, in this model and dtype.
+  2. The tolerance: two logits can move apart by at most twice that, so `tolerance` =
+     2 x logit_noise, and never less than two units of the dtype's resolution at the largest
+     logit seen (2 * eps(dtype) * 2^floor(log2 max|logit|)).
+  3. A divergence is explained when, in one teacher-forced forward over the prompt and the
+     speculative output, the plain token at the divergence and every speculative token from the
+     divergence on lie within `tolerance` of that position's largest logit: the speculative
+     run is then greedy on its own text, up to the dtype's noise. Each divergence records the
+     logit gap (plain token minus speculative token) and the largest shortfall after it.
+
+  `greedy_lossless` is true when every divergence is explained; the gate reads it (and falls back
+  to `greedy_identical` for results written before it existed). In float32 the noise is ~1e-5,
+  so only a true tie is forgiven; an engine error (a wrong accept, a stale cache position) puts
+  a token far from the argmax and fails.
 - Sampling: the first token the verify rule emits (the output's second token; the first comes
   from the prefill in both modes), speculative vs plain, on the first prompt, compared by a
   two-sample chi-square at acceptance.lossless_alpha. The target's prompt forward is run once and
@@ -18,7 +40,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from pipeline.decode.cache import CachedModel
+from pipeline.decode.cache import CachedModel, hf_model
 from pipeline.decode.drafts import Draft
 from pipeline.decode.engine import generate, speculative_step
 from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
@@ -59,24 +81,115 @@ def first_verified_tokens(model, ids: list[int], draft: Draft, sampling: Samplin
     return out
 
 
+TIE_CALIBRATION_PROMPTS = 2
+
+
+def _teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """float32 logits [n, V]: row j is the target's prediction of tokens[j] from prompt +
+    tokens[:j], in one forward without a cache (the first row is the prefill's own position)."""
+    device = next(hf_model(model).parameters()).device
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=device)
+    return hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=len(tokens)).logits[0].float()
+
+
+def _engine_logits(model, prompt: list[int], tokens: list[int], width: int) -> torch.Tensor:
+    """The same rows as _teacher_forced_logits, the way the engine computes them: a prefill of
+    the prompt, then forwards of `width` tokens on the static cache (width 1: decode steps;
+    k + 1: verify forwards), every row kept."""
+    device = next(hf_model(model).parameters()).device
+    cached = CachedModel(model, batch=1, max_len=len(prompt) + len(tokens) + 1)
+    rows = [cached.prefill(torch.tensor([list(prompt)], device=device))[0, -1:]]
+    feed = list(tokens[:-1])
+    for i in range(0, len(feed), width):
+        rows.append(cached.forward(torch.tensor([feed[i:i + width]], device=device), all_logits=True)[0])
+    return torch.cat(rows)
+
+
+def dtype_resolution(dtype: torch.dtype, largest: float) -> float:
+    """The spacing of representable numbers of `dtype` at magnitude `largest` (one ulp)."""
+    return float(torch.finfo(dtype).eps * 2.0 ** np.floor(np.log2(max(largest, 1e-30))))
+
+
+@torch.inference_mode()
+def tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
+    """How far one logit moves between the shapes the engine uses, and the tolerance it implies.
+
+    samples: (prompt ids, the target's plain greedy text); widths: the forward widths to compare
+    with the teacher-forced forward (1 = decode step, k + 1 = verify)."""
+    dtype = next(hf_model(model).parameters()).dtype
+    noise, largest = 0.0, 0.0
+    for prompt, tokens in samples:
+        if len(tokens) < 2:
+            continue
+        ways = [_teacher_forced_logits(model, prompt, tokens)]
+        ways += [_engine_logits(model, prompt, tokens, w) for w in sorted(set(widths))]
+        largest = max(largest, float(ways[0].abs().max()))
+        for a in range(len(ways)):
+            for b in range(a + 1, len(ways)):
+                noise = max(noise, float((ways[a] - ways[b]).abs().max()))
+    floor = 2 * dtype_resolution(dtype, largest)
+    return {"dtype": str(dtype).replace("torch.", ""), "logit_noise": noise, "largest_logit": largest,
+            "resolution": dtype_resolution(dtype, largest), "tolerance": max(2 * noise, floor),
+            "calibration": f"max |logit difference| over {len(samples)} plain texts between a teacher-forced "
+                           f"forward and engine forwards of width {sorted(set(widths))}; tolerance = "
+                           "max(2 x noise, 2 units of the dtype's resolution at the largest logit)"}
+
+
+@torch.inference_mode()
+def judge_divergence(model, prompt: list[int], plain: list[int], spec: list[int], at: int, tolerance: float) -> dict:
+    """Is the divergence at index `at` a near-tie? One teacher-forced forward over prompt + spec:
+    the plain token at `at` and every speculative token from `at` on must lie within `tolerance`
+    of their position's largest logit."""
+    logits = _teacher_forced_logits(model, prompt, spec)  # row j predicts spec[j]
+    rows = logits[at:]
+    top = rows.max(-1).values
+    chosen = rows.gather(-1, torch.tensor(spec[at:], device=rows.device).unsqueeze(-1)).squeeze(-1)
+    shortfall = (top - chosen).cpu()
+    gap = float(logits[at, plain[at]] - logits[at, spec[at]]) if at < len(plain) else 0.0
+    plain_short = float(top[0] - logits[at, plain[at]]) if at < len(plain) else 0.0
+    worst = int(shortfall.argmax()) if shortfall.numel() else 0
+    largest = max(float(shortfall.max()) if shortfall.numel() else 0.0, plain_short)
+    return {"gap": gap, "plain_shortfall": plain_short, "max_shortfall": largest,
+            "max_shortfall_index": at + worst, "explained": largest <= tolerance}
+
+
 def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], prompts: dict) -> list[dict]:
     out = []
     for k, by_prompt in sorted(runs.items()):
         for rows in prompts.values():
-            for pid, _ in rows:
+            for pid, ids in rows:
                 plain, spec = texts[pid], by_prompt[pid]["output"]
                 if plain != spec:
                     at = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
                     out.append({"prompt": pid, "k": k, "index": at, "plain": plain[at:at + 3],
-                                "speculative": spec[at:at + 3]})
+                                "speculative": spec[at:at + 3], "_ids": ids, "_plain": plain, "_spec": spec})
     return out
+
+
+def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs: dict) -> dict:
+    """The greedy half of the lossless check: identical, or every divergence a near-tie."""
+    mismatches = _greedy_mismatches(plain, greedy_runs, prompts)
+    rule = None
+    if mismatches:
+        samples = [(ids, plain[pid]) for rows in prompts.values() for pid, ids in rows][:TIE_CALIBRATION_PROMPTS]
+        rule = tie_tolerance(model, samples, [1] + [k + 1 for k in greedy_runs])
+        for m in mismatches:
+            ids, p, s = m.pop("_ids"), m.pop("_plain"), m.pop("_spec")
+            if m["index"] >= len(s):  # the speculative run stopped early: nothing to explain it
+                m.update({"gap": None, "max_shortfall": None, "explained": False})
+                continue
+            m.update(judge_divergence(model, ids, p, s, m["index"], rule["tolerance"]))
+    unexplained = sum(not m["explained"] for m in mismatches)
+    return {"greedy_identical": not mismatches, "greedy_lossless": unexplained == 0,
+            "divergences": len(mismatches), "unexplained": unexplained, "tie_rule": rule,
+            "mismatches": mismatches}
 
 
 def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: dict[str, list[int]],
                     greedy_runs: dict) -> dict:
     """plain: prompt id -> the target's greedy output; greedy_runs: k -> prompt id -> direct run."""
     device = next(model.parameters()).device
-    mismatches = _greedy_mismatches(plain, greedy_runs, prompts)
+    greedy = greedy_check(model, prompts, plain, greedy_runs)
     params = SamplingParams(cfg.lossless_temperature, cfg.sampling.top_k, cfg.sampling.top_p)
     ids = next(iter(prompts.values()))[0][1]
     g = torch.Generator(device).manual_seed(seed + 1)
@@ -86,11 +199,10 @@ def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: d
     spec_second = first_verified_tokens(model, ids, draft, params, g, m)
     p_value = two_sample_chi2(plain_second, spec_second)
     return {
-        "greedy_identical": not mismatches,
+        **greedy,
         "prompts": len(plain),
         "greedy_k": sorted(greedy_runs),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "mismatches": mismatches,
         "sampling": {"test": "two-sample chi-square on the first verify-emitted token (k = 1)",
                      "temperature": params.temperature, "samples": m, "p_value": p_value,
                      "alpha": cfg.lossless_alpha, "pass": p_value > cfg.lossless_alpha},

@@ -71,6 +71,8 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
     k_max, eos = cfg.k_max, tokenizer.eos_token_id
     check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
     device = next(model.parameters()).device
+    # Greedy direct runs reproduce the texts exactly only in full precision (lossless.py says why).
+    exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
     slices: dict[str, dict] = {}
     greedy_runs: dict[int, dict] = {}
     for ti, t in enumerate(cfg.temperatures):
@@ -98,7 +100,7 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
             summary.update(by_batch_blocks([scored[p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
                                            cfg.confidence, seed))
             summary["direct_check"] = direct_check(recs, {k: [direct[k][p] for p in pids] for k in check_ks},
-                                                   sampling.greedy, cfg.confidence, seed)
+                                                   sampling.greedy, cfg.confidence, seed, exact=exact)
             slices.setdefault(name, {})[key] = summary
     if "0.0" in texts and greedy_runs:
         greedy_plain = texts["0.0"]
