@@ -367,3 +367,25 @@ def test_decide():
     assert overall_decision(["go", "inconclusive"]) == "inconclusive"
     assert overall_decision(["inconclusive", "no-go"]) == "no-go"
     assert overall_decision(["go", "go"]) == "go"
+
+
+def test_a_task_the_quality_stage_could_not_score_keeps_every_variant_from_go(tmp_path):
+    """Issue 26: a known lm-eval task whose data was unreachable was skipped by quality (one
+    line, meta.json's skipped_tasks) and gate.json listed nothing missing, so a good variant came
+    out go without that slice. Now the variant is inconclusive and gate.json names the slice and
+    why; a requested slice with no results is missing too."""
+    run, config = make_fake_run(tmp_path)
+    assert gate(run, config)[2]["decision"] == "go"  # every slice scored: go
+    meta = run / "quality" / "meta.json"
+    meta.write_text(json.dumps({"stage": "quality", "input_hash": "q2", "slices": list(SLICES),
+                                "tasks": ["arc_easy"],
+                                "skipped_tasks": {"hellaswag": "its data is not reachable (ConnectionError)"}}))
+    rc, check, g = gate(run, config, force=True)
+    entry = g["variants"]["good"]
+    assert (rc, check) == (0, 3) and g["decision"] == "inconclusive" and entry["decision"] == "inconclusive"
+    assert entry["missing_slices"] == {
+        "hellaswag": "not scored: its data is not reachable (ConnectionError)",
+        "arc_easy": "requested, but the reference has no results for it"}
+    assert any("hellaswag" in m and "not reachable" in m for m in entry["missing"])
+    # Its scored cells are still decided and shown.
+    assert all(c["status"] == "pass" for c in entry["slices"].values())

@@ -27,7 +27,10 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
    over its gated cells. So a `release: false` variant never changes another variant's verdict.
 4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
    no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
-   A config with no release variant is bad input. Speculation pairs are judged apart (lossless or
+   A config with no release variant is bad input. A slice the quality stage was asked for and
+   could not score (an lm-eval task whose data is unreachable offline) is listed under the
+   variant's `missing` and `missing_slices` with the reason, and the variant is inconclusive: a
+   missing measurement never counts as a pass. Speculation pairs are judged apart (lossless or
    not): a failing pair is no-go for speculation; it does not change a variant's quality decision.
 """
 from __future__ import annotations
@@ -104,6 +107,24 @@ def item_clusters(items: dict[str, dict], ids: list[str], prompts: dict[str, str
     labels = [items[i]["cluster"] for i in ids]
     keys = [items[i]["prompt_hash"] or prompts.get(i) for i in ids]
     return stats.merge_clusters(len(ids), labels, keys)
+
+
+def unscored_slices(quality: Path, scored: list[str]) -> dict[str, str]:
+    """{slice: why} for what the quality stage was asked to score and did not: a known lm-eval
+    task whose data was not reachable (meta.json's `skipped_tasks`), or a requested slice or task
+    with no results. Each makes every variant's decision inconclusive: a release decision never
+    silently drops a slice. {} without quality/meta.json (results made elsewhere)."""
+    meta_path = quality / "meta.json"
+    if not meta_path.is_file():
+        return {}
+    meta = read_json(meta_path, "quality meta.json")
+    if not isinstance(meta, dict):
+        raise StageError(f"corrupt artifact: {meta_path} is not a JSON object")
+    out = {str(k): f"not scored: {why}" for k, why in (meta.get("skipped_tasks") or {}).items()}
+    for name in list(meta.get("slices") or []) + list(meta.get("tasks") or []):
+        if name not in scored and name not in out:
+            out[str(name)] = "requested, but the reference has no results for it"
+    return out
 
 
 # ---------------------------------------------------------------- estimates per slice
@@ -298,6 +319,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
     if not slices:
         raise StageError(f"empty artifact: {ref_dir} has no <slice>.jsonl")
     ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
+    unscored = unscored_slices(quality, slices)
     prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
 
     variants: dict[str, dict] = {}
@@ -311,6 +333,9 @@ def build_gate(run_dir: Path, cfg) -> dict:
                  "slices": {}, "missing": []}
         variants[name] = entry
         tests[name] = []
+        if unscored:
+            entry["missing_slices"] = dict(unscored)
+            entry["missing"] += [f"slice '{k}': {why}" for k, why in unscored.items()]
         vdir = quality / name
         if not vdir.is_dir():
             entry["missing"].append("quality results")

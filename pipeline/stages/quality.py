@@ -5,8 +5,10 @@
 
 The story: write the items of every slice once (pipeline/quality/items.py: generated slices, BFCL
 and HumanEval from installed packages), resolve `quality.tasks` (lm-eval tasks, groups and tags by
-name or YAML path, pipeline/quality/lm_tasks.py: run where their data is reachable, skipped with
-one line where it is not), then for the reference and each variant: load it, score every item
+name or YAML path, pipeline/quality/lm_tasks.py: an unknown name is refused before any work
+starts (`precheck`, exit 2); a known task runs where its data is reachable and is skipped with
+one line where it is not, recorded in meta.json's `skipped_tasks`, which the gate counts as
+missing), then for the reference and each variant: load it, score every item
 through lm-eval (pipeline/quality/evaluate.py), measure distribution drift against the reference
 on held-out text (pipeline/quality/distribution.py), and write its records and summary. The
 prefix evaluator's token counts go into meta.json.
@@ -38,6 +40,22 @@ from pipeline.quality import distribution, lm_tasks
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
 from pipeline.variants.schemes import load_variant
+
+
+def precheck(config, args: dict | None = None) -> None:
+    """Before any work starts (the quality stage's precheck; `python -m pipeline prepare` and
+    `evaluate` run it too, so a typo costs one line, not the hours before quality): every slice is
+    a built-in one and every `quality.tasks` entry is a task, group or tag lm-eval's index knows
+    (reading the index only, about 12 s when a name needs lm-eval's own tasks; no data is read)."""
+    qcfg = config.quality
+    for name in qcfg.slices:
+        if name not in KNOWN_SLICES:
+            raise StageError(f"unknown quality slice '{name}' (known: {', '.join(KNOWN_SLICES)})")
+    bad = lm_tasks.unknown(list(qcfg.tasks))
+    if bad:
+        entry, why = next(iter(bad.items()))
+        more = f" (and {len(bad) - 1} more: {', '.join(list(bad)[1:4])})" if len(bad) > 1 else ""
+        raise StageError(f"quality.tasks: '{entry}' is {why}{more}; fix the name or remove it")
 
 
 def run(ctx: StageContext) -> None:
