@@ -269,7 +269,9 @@ def test_duplicated_prompts_form_one_cluster(tmp_path):
     _, _, g = gate(run, config)
     cell = g["variants"]["good"]["slices"]["reasoning"]
     sizes = np.bincount(np.arange(1000) % 145)
-    assert cell["n_clusters"] == 145 and cell["design_effect"] == pytest.approx((sizes**2).sum() / 1000)
+    # The design effect is the largest cluster's size (7; sum n_g^2 / n = 6.91 holds only when
+    # every prompt has the same discordance rates: issue 26).
+    assert cell["n_clusters"] == 145 and cell["design_effect"] == sizes.max() == 7
     # The same from the records' own prompt_hash, with no data file.
     (run / "quality" / "data" / "reasoning.jsonl").unlink()
     for name in ("bf16", "good"):

@@ -13,8 +13,10 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
    variant - reference (oriented so negative = worse). Items that share a `cluster` label OR a
    prompt (lm-eval's prompt hash, else the hash of the item's prompt in quality/data) are one
    cluster, always: duplicated prompts score identically under greedy decoding.
-2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by the clusters'
-   largest possible design effect. Other scores (per-item Brier on calibration slices): t bounds
+2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by a design
+   effect that holds whatever the clusters' discordance rates (the largest cluster's size; a few
+   clusters much larger than the rest are bounded at their worst case instead:
+   stats.cluster_split), the fail side with a one-item continuity correction. Other scores (per-item Brier on calibration slices): t bounds
    from the CR1 cluster-robust SE. Non-inferiority: pass if the lower bound is above -margin, fail
    if the upper bound is below -margin, otherwise inconclusive with the items per slice that would
    settle it at `gate.power`. ECE is reported (debiased), never gated: it is not a mean and its
@@ -195,6 +197,9 @@ def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, 
         "design_effect": est.design_effect, "method": est.method,
         "p_noninferior": est.p_pass(margin), "p_inferior": est.p_fail(margin),
         "p_adjusted": list(p_adj) if p_adj else None, "status": status, "items_to_settle": settle,
+        # 0/1 cells: clusters above the design effect, bounded at their worst case (issue 26).
+        "worst_case_clusters": getattr(est, "large_clusters", 0),
+        "worst_case_share": getattr(est, "large_share", 0.0),
     }
 
 
@@ -419,6 +424,8 @@ def _method_text(gcfg, chosen: list[str]) -> str:
             f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
             f"bounds (pass) {pass_side}; upper bounds (fail) {name} within each variant; pass if "
             f"the lower bound > -margin, fail if the upper bound < -margin; 0/1 scores: Tango "
-            f"score bounds, variance times the clusters' largest design effect; other scores: t "
+            f"score bounds, variance times the largest cluster's size (larger clusters, chosen "
+            f"from the sizes alone, at their worst case), fail side with a one-item continuity "
+            f"correction; other scores: t "
             f"with CR1 cluster-robust SE (exact binomial bound when no cluster differs); items "
             f"sharing a cluster label or a prompt are one cluster; ECE reported, not gated")
