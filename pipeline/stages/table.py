@@ -28,7 +28,7 @@ STAGES: dict[str, StageSpec] = {
                   "latency", ["import:pipeline.stages.latency"], "pipeline.stages.latency:run"),
         StageSpec("marginal", ["marginal", "serving"], ["acceptance", "latency"], "marginal",
                   ["import:pipeline.stages.marginal"], "pipeline.stages.marginal:run"),
-        StageSpec("quality", ["quality", "device", "seed"], ["quantize"], "quality",
+        StageSpec("quality", ["quality", "gate", "quantize", "device", "seed"], ["quantize"], "quality",
                   ["import:pipeline.stages.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.stages.quality:run",
                   precheck="pipeline.stages.quality:precheck"),
         StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
