@@ -24,9 +24,16 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
 3. Multiplicity. A variant is go only if ALL its cells pass: an intersection-union test, whose
    false-go rate is at most alpha without adjustment, so the lower bounds are drawn at alpha.
    Only when the user picks among release variants (`gate.select_among_variants`) is the pass
-   side adjusted, across the release variants (Holm or Bonferroni on each variant's largest
-   cell p). The upper bounds (a false fail is a false no-go) are adjusted within each variant,
-   over its gated cells. So a `release: false` variant never changes another variant's verdict.
+   side adjusted, across the release variants (alpha / r). The upper bounds (a false fail is a
+   false no-go) are drawn at alpha / m over the variant's m gated cells: for "does any cell
+   fail", all a variant's decision uses, Bonferroni and Holm agree. So a `release: false`
+   variant never changes another variant's verdict.
+   Sequential looks (pipeline/gate/looks.py): a slice scored in waves (quality/meta.json's
+   `sequential`) is tested at every look its items reach, each side at its look's
+   O'Brien-Fleming-type nominal level of the alphas above; a cell is decided at the first look
+   that passes or fails it, else inconclusive at its last. gate.json records every look (n,
+   bounds, levels, status), the items spent and the planned looks. The quality stage stops
+   scoring with the same function (open_slices), so the two cannot disagree.
 4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
    no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
    A config with no release variant is bad input. A slice the quality stage was asked for and
@@ -528,13 +535,15 @@ def build_gate(run_dir: Path, cfg) -> dict:
 
 
 def _method_text(gcfg, chosen: list[str]) -> str:
-    name = {"holm": "Holm step-down", "bonferroni": "Bonferroni", "none": "no adjustment"}[gcfg.multiplicity]
-    pass_side = (f"{name} across the release variants {', '.join(chosen)} (the user picks among them)"
-                 if chosen else "unadjusted: a variant is go only if all its cells pass "
+    pass_side = (f"alpha / {len(chosen)} across the release variants {', '.join(chosen)} (the user picks among them)"
+                 if chosen and gcfg.multiplicity != "none" else "unadjusted: a variant is go only if all its cells pass "
                                 "(intersection-union test)")
+    fail_side = "unadjusted" if gcfg.multiplicity == "none" else "at alpha / m over each variant's m cells"
     return (f"paired differences variant - reference over the same items (negative = worse); "
             f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
-            f"bounds (pass) {pass_side}; upper bounds (fail) {name} within each variant; pass if "
+            f"bounds (pass) {pass_side}; upper bounds (fail) {fail_side}; group-sequential looks "
+            f"where a slice is scored in waves (Lan-DeMets O'Brien-Fleming-type spending per side, "
+            f"a cell decided at its first settling look); pass if "
             f"the lower bound > -margin, fail if the upper bound < -margin; 0/1 scores: Tango "
             f"score bounds, variance times the largest cluster's size (larger clusters, chosen "
             f"from the sizes alone, at their worst case), fail side with a one-item continuity "
