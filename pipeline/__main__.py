@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = gate_check(run_dir)
             return 0 if args.no_exit_code else rc
         names = list(STAGES) if args.command == "evaluate" else [args.command]
+        if args.command in ("evaluate", "prepare"):  # make evaluate starts with prepare: refuse
+            from pipeline.stages.quality import precheck  # unknown quality tasks before any work
+
+            precheck(cfg, {})
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)

@@ -176,3 +176,31 @@ def test_truncated_hf_draft_is_one_line(small_run, tiny_model, capsys):
     line = _one_line(capsys)
     assert f"draft hf:{draft_dir}" in line and "truncated or corrupt" in line, line
     assert not (run / "drafts" / "meta.json").exists()
+
+
+# ---------------------------------------------------------------- unknown quality tasks (issue 26)
+
+
+def test_unknown_quality_task_is_refused_before_any_work(tmp_path, capsys):
+    """`quality.tasks: [no_such_task_xyz]` used to be accepted; the quality stage then skipped it
+    with a line and the gate never knew. Now `prepare` (the first stage of `make evaluate`)
+    refuses it in one line, exit 2, before creating anything; so does the quality stage itself."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"quality": {"tasks": ["no_such_task_xyz"]}}))
+    run = tmp_path / "run"
+    assert main(["prepare", "--run", str(run), "--config", str(cfg), "--model", str(tmp_path / "nope")]) == 2
+    line = _one_line(capsys)
+    assert "quality.tasks" in line and "no_such_task_xyz" in line and "lm-eval knows" in line, line
+    assert not run.exists()
+    from pipeline.core.config import load_config
+    from pipeline.core.stage import StageError
+    from pipeline.stages.quality import precheck
+
+    with pytest.raises(StageError, match="no_such_task_xyz"):
+        precheck(load_config(cfg), {})
+    # A YAML path that defines no task is refused too.
+    with pytest.raises(StageError, match="nope.yaml"):
+        precheck(load_config(cfg, {"quality": {"tasks": [str(tmp_path / "nope.yaml")]}}), {})
+    precheck(load_config(cfg, {"quality": {"tasks": [], "slices": ["reasoning"]}}), {})
+    with pytest.raises(StageError, match="unknown quality slice 'nope'"):
+        precheck(load_config(cfg, {"quality": {"slices": ["nope"]}}), {})

@@ -43,7 +43,7 @@ def _make_run(tmp_path, tiny_model_dir, noise: float = 0.5):
         "device: cpu\n"
         "quantize:\n  reference: bf16\n  variants:\n"
         "    bf16: {scheme: none, release: false}\n    noisy: {scheme: none}\n"
-        f"quality:\n  slices: {json.dumps(SLICES)}\n  items_per_slice: 4\n  max_new_tokens: 4\n"
+        f"quality:\n  slices: {json.dumps(SLICES)}\n  items_per_slice: 4\n  wave_items: 2\n  max_new_tokens: 4\n"
         "  batch_size: 4\n  distribution_docs: 3\n  distribution_tokens: 32\n")
     return run, load_config(cfg_path)
 
@@ -65,8 +65,12 @@ def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     for slice_name in SLICES:
         ref = [json.loads(line) for line in (q / "bf16" / f"{slice_name}.jsonl").read_text().splitlines()]
         var = [json.loads(line) for line in (q / "noisy" / f"{slice_name}.jsonl").read_text().splitlines()]
-        assert [r["id"] for r in ref] == [r["id"] for r in var] == \
-            [f"{slice_name}-{i:05d}" for i in range(4)]
+        # Scored in two waves of 2 (the noisy copy cannot settle on 2 items), in the data's
+        # seeded order, the same for both models.
+        order = [json.loads(line)["id"] for line in (q / "data" / f"{slice_name}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in ref] == [r["id"] for r in var] == order
+        assert sorted(order) == [f"{slice_name}-{i:05d}" for i in range(4)]
+        assert meta["sequential"][slice_name]["looks"] == [2, 4]
         for r in ref + var:
             assert {"id", "cluster", "slice", "group", "metric", "score", "scores", "prediction",
                     "target"} <= set(r)
@@ -84,6 +88,16 @@ def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     cal = var_sum["slices"]["calibration"]
     assert cal["n"] == 4 and cal["metric"] == "acc" and 0 <= cal["ece"] <= 1 and cal["brier"] >= 0
     assert set(var_sum["slices"]) == set(SLICES)
+
+    # Interrupted after the first wave: the second look is scored alone, nothing else again.
+    lines = (q / "noisy" / "reasoning.jsonl").read_text().splitlines(keepends=True)
+    (q / "noisy" / "reasoning.jsonl").write_text("".join(lines[:2]))
+    (q / "noisy" / "meta.json").unlink()
+    capsys.readouterr()
+    run_stage(STAGES["quality"], run, cfg, {}, STAGES, force=True)
+    err = capsys.readouterr().err
+    assert "bf16 up to date" in err and "noisy: 2 items" in err and "(reasoning 2->4)" in err, err
+    assert (q / "noisy" / "reasoning.jsonl").read_text() == "".join(lines)
 
     # Unchanged inputs: the runner skips the stage; a deleted variant item is redone alone.
     capsys.readouterr()

@@ -28,7 +28,12 @@ def test_tango_matches_the_published_example():
     assert isinstance(est, S.PairedBinary) and (est.better, est.worse, est.n) == (6, 16, 161)
     assert round(est.diff, 4) == -0.0621
     lo, hi = est.ci(ALPHA)
-    assert abs(lo - -0.1240) < 5e-5 and abs(hi - -0.0054) < 5e-5, (lo, hi)
+    assert abs(lo - -0.1240) < 5e-5, lo
+    assert abs(tango.bound(6, 16, 161, ALPHA, side="upper") - -0.0054) < 5e-5
+    # The gate's upper bound (the fail side) adds one item to Tango's numerator (issue 26): it
+    # is Tango's bound for the table with one item fewer worse, better by about 1/161.
+    assert hi == pytest.approx(float(tango.bound(6, 16, 161, ALPHA, side="upper", shift=1.0)))
+    assert 0.005 < hi - -0.0054 < 0.0075
 
 
 def test_tango_constrained_mle_and_bounds_against_brute_force():

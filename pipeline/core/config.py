@@ -198,13 +198,13 @@ class SliceSettings(Section):
     max_new_tokens: int | None = None
 
 
-# Real benchmarks need longer answers than the synthetic slices' 32 tokens. CPU-sized: 20 bfcl
-# items (4 per category); 64 tokens hold 99% of BFCL's simple_python and multiple answers
-# (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
+# Real benchmarks need longer answers than the synthetic slices' 32 tokens. bfcl: its whole pool,
+# of which quality.max_items are scored (one item per cluster: pipeline/quality/waves.py); 64
+# tokens hold 99% of BFCL's simple_python and multiple answers (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
 # embedded 135M model answers in prose to all of them, so the cap only bounds the cost. HumanEval
 # bodies take a few hundred tokens (code is not a default slice: the 135M model passed 0 of 60).
 # Merged under a config's own `per_slice` entries (a config names only what it changes).
-PER_SLICE_DEFAULTS = {"bfcl": {"items": 20, "max_new_tokens": 64},
+PER_SLICE_DEFAULTS = {"bfcl": {"items": "all", "max_new_tokens": 64},
                       "code": {"items": 40, "max_new_tokens": 256}}
 
 
@@ -236,8 +236,18 @@ class QualityConfig(Section):
     per_slice: dict[str, SliceSettings] = Field(
         default_factory=lambda: {k: SliceSettings(**v) for k, v in PER_SLICE_DEFAULTS.items()})
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    # CPU-sized: 5 variants x 5 slices on a 2-core laptop; the GPU config runs 1000 per slice.
-    items_per_slice: int = 40
+    # Items of each generated slice (its pool; bfcl and code read theirs from their packages),
+    # capped by max_items. Sequential gating (pipeline/gate/looks.py): every slice is scored
+    # wave_items at a time in a fixed seeded order (pipeline/quality/waves.py), and after each
+    # wave every open (variant, slice) cell is tested at its look's O'Brien-Fleming-type level; a
+    # cell that passes or fails stops. null wave_items = one look at all items (the fixed-n gate).
+    # CPU-sized (issue 26): 240 items in waves of 40 let a byte-identical copy pass every default
+    # slice (160 items on independent ones, 200 on calibration for its Brier row, 240 on
+    # long_context's haystacks of 3); the GPU config runs up to 1000 per slice.
+    items_per_slice: int = 240
+    # The most items any slice scores (the run's budget per slice; null = its whole pool).
+    max_items: PositiveInt | None = 240
+    wave_items: PositiveInt | None = 40
     long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
     max_new_tokens: int = 32
     # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in

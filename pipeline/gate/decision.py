@@ -13,8 +13,10 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
    variant - reference (oriented so negative = worse). Items that share a `cluster` label OR a
    prompt (lm-eval's prompt hash, else the hash of the item's prompt in quality/data) are one
    cluster, always: duplicated prompts score identically under greedy decoding.
-2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by the clusters'
-   largest possible design effect. Other scores (per-item Brier on calibration slices): t bounds
+2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by a design
+   effect that holds whatever the clusters' discordance rates (the largest cluster's size; a few
+   clusters much larger than the rest are bounded at their worst case instead:
+   stats.cluster_split), the fail side with a one-item continuity correction. Other scores (per-item Brier on calibration slices): t bounds
    from the CR1 cluster-robust SE. Non-inferiority: pass if the lower bound is above -margin, fail
    if the upper bound is below -margin, otherwise inconclusive with the items per slice that would
    settle it at `gate.power`. ECE is reported (debiased), never gated: it is not a mean and its
@@ -22,12 +24,22 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
 3. Multiplicity. A variant is go only if ALL its cells pass: an intersection-union test, whose
    false-go rate is at most alpha without adjustment, so the lower bounds are drawn at alpha.
    Only when the user picks among release variants (`gate.select_among_variants`) is the pass
-   side adjusted, across the release variants (Holm or Bonferroni on each variant's largest
-   cell p). The upper bounds (a false fail is a false no-go) are adjusted within each variant,
-   over its gated cells. So a `release: false` variant never changes another variant's verdict.
+   side adjusted, across the release variants (alpha / r). The upper bounds (a false fail is a
+   false no-go) are drawn at alpha / m over the variant's m gated cells: for "does any cell
+   fail", all a variant's decision uses, Bonferroni and Holm agree. So a `release: false`
+   variant never changes another variant's verdict.
+   Sequential looks (pipeline/gate/looks.py): a slice scored in waves (quality/meta.json's
+   `sequential`) is tested at every look its items reach, each side at its look's
+   O'Brien-Fleming-type nominal level of the alphas above; a cell is decided at the first look
+   that passes or fails it, else inconclusive at its last. gate.json records every look (n,
+   bounds, levels, status), the items spent and the planned looks. The quality stage stops
+   scoring with the same function (open_slices), so the two cannot disagree.
 4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
    no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
-   A config with no release variant is bad input. Speculation pairs are judged apart (lossless or
+   A config with no release variant is bad input. A slice the quality stage was asked for and
+   could not score (an lm-eval task whose data is unreachable offline) is listed under the
+   variant's `missing` and `missing_slices` with the reason, and the variant is inconclusive: a
+   missing measurement never counts as a pass. Speculation pairs are judged apart (lossless or
    not): a failing pair is no-go for speculation; it does not change a variant's quality decision.
 """
 from __future__ import annotations
@@ -40,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.stage import StageError, progress, read_json, read_jsonl
+from pipeline.gate import looks as looks_mod
 from pipeline.stats import paired as stats, scoring_rules
 
 # gate-check's exit status per decision (2 is bad input): a contract release jobs rely on.
@@ -104,6 +117,24 @@ def item_clusters(items: dict[str, dict], ids: list[str], prompts: dict[str, str
     labels = [items[i]["cluster"] for i in ids]
     keys = [items[i]["prompt_hash"] or prompts.get(i) for i in ids]
     return stats.merge_clusters(len(ids), labels, keys)
+
+
+def unscored_slices(quality: Path, scored: list[str]) -> dict[str, str]:
+    """{slice: why} for what the quality stage was asked to score and did not: a known lm-eval
+    task whose data was not reachable (meta.json's `skipped_tasks`), or a requested slice or task
+    with no results. Each makes every variant's decision inconclusive: a release decision never
+    silently drops a slice. {} without quality/meta.json (results made elsewhere)."""
+    meta_path = quality / "meta.json"
+    if not meta_path.is_file():
+        return {}
+    meta = read_json(meta_path, "quality meta.json")
+    if not isinstance(meta, dict):
+        raise StageError(f"corrupt artifact: {meta_path} is not a JSON object")
+    out = {str(k): f"not scored: {why}" for k, why in (meta.get("skipped_tasks") or {}).items()}
+    for name in list(meta.get("slices") or []) + list(meta.get("tasks") or []):
+        if name not in scored and name not in out:
+            out[str(name)] = "requested, but the reference has no results for it"
+    return out
 
 
 # ---------------------------------------------------------------- estimates per slice
@@ -174,6 +205,9 @@ def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, 
         "design_effect": est.design_effect, "method": est.method,
         "p_noninferior": est.p_pass(margin), "p_inferior": est.p_fail(margin),
         "p_adjusted": list(p_adj) if p_adj else None, "status": status, "items_to_settle": settle,
+        # 0/1 cells: clusters above the design effect, bounded at their worst case (issue 26).
+        "worst_case_clusters": getattr(est, "large_clusters", 0),
+        "worst_case_share": getattr(est, "large_share", 0.0),
     }
 
 
@@ -269,22 +303,133 @@ def overall_decision(decisions: list[str]) -> str:
     return "go" if decisions and all(d == "go" for d in decisions) else "inconclusive"
 
 
-def pass_levels(tests: dict[str, list], release: list[str], alpha: float, gcfg) -> tuple[dict, dict]:
-    """Per variant, the one-sided alpha of its lower bounds and the adjusted p of its go. No
+def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]]:
+    """The pass side's alpha per release variant, and the variants it is adjusted across. No
     adjustment (intersection-union: go needs every cell) unless the user chooses among the
-    release variants; then Holm/Bonferroni over those variants, each tested by its largest
-    cell p (the intersection-union p)."""
-    levels = {name: alpha for name in tests}
-    adjusted = {name: None for name in tests}
-    chosen = [n for n in release if tests.get(n)] if gcfg.select_among_variants else []
-    if chosen:
-        p_go = [max(est.p_pass(m) for _, _, est, m in tests[n]) for n in chosen]
-        steps = stats.step_levels(
-            p_go, lambda i, a: all(est.lower(a) > -m for _, _, est, m in tests[chosen[i]]),
-            alpha, gcfg.multiplicity)
-        levels.update(zip(chosen, steps))
-        adjusted.update(zip(chosen, stats.adjusted_p_values(p_go, alpha, gcfg.multiplicity)[1]))
-    return levels, adjusted
+    release variants (`gate.select_among_variants`): then alpha / r over the r release variants
+    (Bonferroni; with sequential looks a step-down would need its boundaries recomputed)."""
+    chosen = list(release) if gcfg.select_among_variants else []
+    if chosen and gcfg.multiplicity != "none":
+        return alpha / len(chosen), chosen
+    return alpha, chosen
+
+
+def schedules(quality: Path) -> dict[str, dict]:
+    """slice -> {"looks": planned look sizes, "n_max": the slice's maximum} from quality/meta.json's
+    `sequential` (written by the quality stage); {} for results without it (one look at the n
+    scored: the fixed-n gate)."""
+    meta_path = quality / "meta.json"
+    if not meta_path.is_file():
+        return {}
+    meta = read_json(meta_path, "quality meta.json")
+    out = {}
+    for s, sched in ((meta.get("sequential") or {}) if isinstance(meta, dict) else {}).items():
+        try:
+            looks, n_max = [int(n) for n in sched["looks"]], int(sched["n_max"])
+        except (KeyError, TypeError, ValueError):
+            raise StageError(f"corrupt artifact: {meta_path}: sequential.{s} needs looks and n_max") from None
+        out[str(s)] = {"looks": looks, "n_max": n_max}
+    return out
+
+
+def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: dict | None, gcfg,
+                where: str) -> tuple[dict, dict, dict | None, dict]:
+    """One variant's slice at every look it reached: ({row key: {look index: estimate}},
+    {row key: margin}, the calibration errors and {group: estimate} at the last look, and the
+    slice's schedule as it happened). Without a schedule: one look over all items, whose id
+    set must equal the reference's; with one: the variant's items in file order (the waves'
+    order) must be a prefix of the planned looks, and the reference must hold them all."""
+    var = by_item(var_rows)
+    if sched is None:
+        order = pair_items(ref, var, where)
+        looks, n_max = [len(order)], len(order)
+    else:
+        order = list(dict.fromkeys(r["id"] for r in var_rows))
+        missing = [i for i in order if i not in ref]
+        if missing:
+            raise StageError(f"{where}: the variant scored items the reference did not "
+                             f"({len(missing)}, e.g. {missing[:3]}); re-run quality")
+        looks, n_max = sched["looks"], sched["n_max"]
+        if len(order) not in looks:
+            raise StageError(f"{where}: {len(order)} items scored, not a planned look ({looks}); re-run quality")
+    if len(order) < 2:
+        raise StageError(f"slice {s} has {len(order)} item(s); the gate needs at least 2")
+    done = [n for n in looks if n <= len(order)]
+    rows: dict[str, dict[int, stats.Estimate]] = defaultdict(dict)
+    margins: dict[str, float] = {}
+    reported, gests = None, {}
+    for k, n in enumerate(done):
+        if n < 2:
+            continue
+        ids = order[:n]
+        codes = item_clusters(ref, ids, prompts)
+        found, reported = slice_estimates(ref, var, ids, codes, gcfg)
+        gests = group_estimates(ref, var, ids, codes)
+        for row, est in found.items():
+            key = f"{s}:{row}" if row else s
+            rows[key][k] = est
+        if gcfg.gate_groups:
+            for g, est in gests.items():
+                rows[f"{s}/{g}"][k] = est
+    for key in rows:
+        margins[key] = _margin(gcfg, key, s)
+    return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done}
+
+
+def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, alpha: float,
+                   gcfg) -> dict[str, tuple[int, list[dict]]]:
+    """Row key -> (deciding look, per-look record): every gated row of one variant, the fail side
+    at alpha / m over its m rows (pipeline/gate/looks.py says why)."""
+    m = len(rows)
+    alpha_fail = alpha / m if (gcfg.multiplicity != "none" and m) else alpha
+    out = {}
+    for key, ests in rows.items():
+        sched = scheds[key]
+        out[key] = looks_mod.settle(ests, sched["looks"], sched["n_max"], margins[key], alpha_pass, alpha_fail)
+    return out
+
+
+def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | None = None,
+                 ref_items: dict | None = None, prompts: dict | None = None) -> tuple:
+    """Every slice of variant `name` at every look its files reach: (rows, margins, row key ->
+    its slice's schedule, (slice -> calibration errors, slice -> group estimates))."""
+    ref_dir = quality / reference
+    slices = sorted(p.stem for p in ref_dir.glob("*.jsonl"))
+    scheds = schedules(quality) if scheds is None else scheds
+    if ref_items is None:
+        ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
+    if prompts is None:
+        prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
+    vdir = quality / name
+    rows, margins, row_sched, reported, groups = {}, {}, {}, {}, {}
+    for s in slices:
+        if not (vdir / f"{s}.jsonl").is_file():
+            raise StageError(f"missing artifact: {vdir / f'{s}.jsonl'} (the reference has it)")
+        r, m, rep, info = slice_looks(ref_items[s], read_items(vdir / f"{s}.jsonl"), s, prompts[s],
+                                      scheds.get(s), gcfg, f"{name}/{s}")
+        rows.update(r)
+        margins.update(m)
+        row_sched.update({k: info for k in r})
+        reported[s], groups[s] = rep, info
+    return rows, margins, row_sched, (reported, groups)
+
+
+def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> set[str]:
+    """The slices of variant `name` with a row that no look has settled yet and a planned look
+    left: what the quality stage scores next (the same replay as the gate's, on the schedules
+    the stage will write to quality/meta.json: slice -> {"looks", "n_max"})."""
+    gcfg = cfg.gate
+    alpha = (1.0 - gcfg.confidence) / 2.0
+    release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
+    a_pass, chosen = pass_alpha(release, alpha, gcfg)
+    rows, margins, row_sched, _ = variant_rows(quality, reference, name, gcfg, scheds)
+    settled = settle_variant(rows, margins, row_sched, a_pass if name in chosen else alpha, alpha, gcfg)
+    out = set()
+    for key, (k, record) in settled.items():
+        sched = row_sched[key]
+        if record[-1]["status"] == "inconclusive" and len(sched["done"]) < len(sched["looks"]):
+            out.add(key.split(":", 1)[0].split("/", 1)[0])
+    return out
 
 
 def build_gate(run_dir: Path, cfg) -> dict:
@@ -303,68 +448,72 @@ def build_gate(run_dir: Path, cfg) -> dict:
     if not slices:
         raise StageError(f"empty artifact: {ref_dir} has no <slice>.jsonl")
     ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
+    unscored = unscored_slices(quality, slices)
     prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
+    scheds = schedules(quality)
+    a_pass, chosen = pass_alpha(release, alpha, gcfg)
 
     variants: dict[str, dict] = {}
-    tests: dict[str, list] = {}  # variant -> [(row key, slice, estimate, margin)]
-    groups: dict[tuple[str, str], dict[str, stats.Estimate]] = {}
-    reported: dict[tuple[str, str], dict] = {}
+    tests: dict[str, dict] = {}  # variant -> row key -> (estimate at its deciding look, margin, ...)
     for name, vcfg in qcfg.variants.items():
         if name == reference:
             continue
         entry = {"decision": "inconclusive", "release": vcfg.release, "scheme": vcfg.scheme,
                  "slices": {}, "missing": []}
         variants[name] = entry
-        tests[name] = []
+        tests[name] = {}
+        if unscored:
+            entry["missing_slices"] = dict(unscored)
+            entry["missing"] += [f"slice '{k}': {why}" for k, why in unscored.items()]
         vdir = quality / name
         if not vdir.is_dir():
             entry["missing"].append("quality results")
             progress(f"gate: {name} has no quality results; it cannot be go")
             continue
-        for s in slices:
-            if not (vdir / f"{s}.jsonl").is_file():
-                raise StageError(f"missing artifact: {vdir / f'{s}.jsonl'} (the reference has it)")
-            var = by_item(read_items(vdir / f"{s}.jsonl"))
-            ids = pair_items(ref_items[s], var, f"{name}/{s}")
-            if len(ids) < 2:
-                raise StageError(f"slice {s} has {len(ids)} item(s); the gate needs at least 2")
-            codes = item_clusters(ref_items[s], ids, prompts[s])
-            rows, reported[(name, s)] = slice_estimates(ref_items[s], var, ids, codes, gcfg)
-            for row, est in rows.items():
-                key = f"{s}:{row}" if row else s
-                tests[name].append((key, s, est, _margin(gcfg, key, s)))
-            groups[(name, s)] = group_estimates(ref_items[s], var, ids, codes)
-            if gcfg.gate_groups:
-                for g, est in groups[(name, s)].items():
-                    key = f"{s}/{g}"
-                    tests[name].append((key, s, est, _margin(gcfg, key, s)))
+        rows, margins, row_sched, (reported, groups) = variant_rows(quality, reference, name, gcfg, scheds,
+                                                                    ref_items, prompts)
+        alpha_pass = a_pass if name in chosen else alpha
+        settled = settle_variant(rows, margins, row_sched, alpha_pass, alpha, gcfg)
+        for key, (k, record) in settled.items():
+            tests[name][key] = (rows[key][k], margins[key], record, row_sched[key])
+        entry["_groups"], entry["_reported"] = groups, reported
         summary_path = quality / f"{name}.json"
         entry["distribution"] = (distribution_checks(read_json(summary_path, "quality summary"), gcfg)
                                  if summary_path.is_file() else {"checks": {}})
 
-    lo_alpha, go_p_adjusted = pass_levels(tests, release, alpha, gcfg)
+    p_go_adjusted = {n: None for n in tests}
+    if chosen:
+        live = [n for n in chosen if tests.get(n)]
+        p_go = [max(est.p_pass(m) for est, m, _, _ in tests[n].values()) for n in live]
+        p_go_adjusted.update(zip(live, stats.adjusted_p_values(p_go, alpha, gcfg.multiplicity)[1]))
     for name, cells in tests.items():
-        # The fail family: this variant's gated cells, upper bounds adjusted among themselves.
-        p_fail = [est.p_fail(m) for _, _, est, m in cells]
-        hi_levels = stats.step_levels(p_fail, lambda i, a: cells[i][2].upper(a) < -cells[i][3], alpha,
-                                      gcfg.multiplicity)
+        keys = list(cells)
+        p_fail = [cells[k][0].p_fail(cells[k][1]) for k in keys]
         fail_adj = stats.adjusted_p_values(p_fail, alpha, gcfg.multiplicity)[1]
-        for i, (key, s, est, margin) in enumerate(cells):
-            p_go = go_p_adjusted[name] if go_p_adjusted[name] is not None else est.p_pass(margin)
-            variants[name]["slices"][key] = _cell(est, margin, lo_alpha[name], hi_levels[i], gcfg,
-                                                  (p_go, fail_adj[i]))
-        variants[name]["alpha_pass"] = lo_alpha[name]
+        for i, key in enumerate(keys):
+            est, margin, record, sched = cells[key]
+            p_go = p_go_adjusted[name] if p_go_adjusted[name] is not None else est.p_pass(margin)
+            cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"], gcfg,
+                         (p_go, fail_adj[i]))
+            cell["looks"] = record
+            cell["items_spent"] = est.n
+            cell["planned_looks"] = sched["looks"]
+            cell["n_max"] = sched["n_max"]
+            variants[name]["slices"][key] = cell
+        variants[name]["alpha_pass"] = a_pass if name in chosen else alpha
         variants[name]["fail_family_size"] = len(cells)
-    for (name, s), gests in groups.items():
-        cell = variants[name]["slices"][s]
-        if reported.get((name, s)):
-            cell["calibration_error"] = reported[(name, s)]
-        cell["groups"] = {}
-        for g, est in gests.items():
-            gated = variants[name]["slices"].pop(f"{s}/{g}", None)
-            cell["groups"][g] = ({**gated, "gated": True} if gated else
-                                 {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, gcfg, None),
-                                  "gated": False})
+    for name, entry in variants.items():
+        groups, reported = entry.pop("_groups", {}), entry.pop("_reported", {})
+        for s, info in groups.items():
+            cell = entry["slices"][s]
+            if reported.get(s):
+                cell["calibration_error"] = reported[s]
+            cell["groups"] = {}
+            for g, est in info["groups"].items():
+                gated = entry["slices"].pop(f"{s}/{g}", None)
+                cell["groups"][g] = ({**gated, "gated": True} if gated else
+                                     {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, gcfg, None),
+                                      "gated": False})
 
     for name, entry in variants.items():
         statuses = [c["status"] for c in entry["slices"].values()]
@@ -372,7 +521,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
                      if g["gated"]]
         statuses += [c["status"] for c in entry.get("distribution", {}).get("checks", {}).values()]
         entry["decision"] = "inconclusive" if entry["missing"] else decide(statuses)
-    chosen = [n for n in release if tests[n]] if gcfg.select_among_variants else []
     return {
         "decision": overall_decision([variants[n]["decision"] for n in release]),
         "reference": reference,
@@ -384,6 +532,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         # The largest family any bound is adjusted over (kept from the single-family gate).
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),
         "families": {"pass": chosen, "fail": {n: len(c) for n, c in tests.items()}},
+        "sequential": scheds,
         "method": _method_text(gcfg, chosen),
         "variants": variants,
         "speculation": speculation(run_dir, gcfg.multiplicity),
@@ -391,14 +540,18 @@ def build_gate(run_dir: Path, cfg) -> dict:
 
 
 def _method_text(gcfg, chosen: list[str]) -> str:
-    name = {"holm": "Holm step-down", "bonferroni": "Bonferroni", "none": "no adjustment"}[gcfg.multiplicity]
-    pass_side = (f"{name} across the release variants {', '.join(chosen)} (the user picks among them)"
-                 if chosen else "unadjusted: a variant is go only if all its cells pass "
+    pass_side = (f"alpha / {len(chosen)} across the release variants {', '.join(chosen)} (the user picks among them)"
+                 if chosen and gcfg.multiplicity != "none" else "unadjusted: a variant is go only if all its cells pass "
                                 "(intersection-union test)")
+    fail_side = "unadjusted" if gcfg.multiplicity == "none" else "at alpha / m over each variant's m cells"
     return (f"paired differences variant - reference over the same items (negative = worse); "
             f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
-            f"bounds (pass) {pass_side}; upper bounds (fail) {name} within each variant; pass if "
+            f"bounds (pass) {pass_side}; upper bounds (fail) {fail_side}; group-sequential looks "
+            f"where a slice is scored in waves (Lan-DeMets O'Brien-Fleming-type spending per side, "
+            f"a cell decided at its first settling look); pass if "
             f"the lower bound > -margin, fail if the upper bound < -margin; 0/1 scores: Tango "
-            f"score bounds, variance times the clusters' largest design effect; other scores: t "
+            f"score bounds, variance times the largest cluster's size (larger clusters, chosen "
+            f"from the sizes alone, at their worst case), fail side with a one-item continuity "
+            f"correction; other scores: t "
             f"with CR1 cluster-robust SE (exact binomial bound when no cluster differs); items "
             f"sharing a cluster label or a prompt are one cluster; ECE reported, not gated")

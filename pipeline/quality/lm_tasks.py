@@ -4,8 +4,10 @@ Used by the quality stage (pipeline/stages/quality.py) and pipeline/quality/eval
 
 * An entry is a task, group or tag that lm-eval knows by name, or a path to a task YAML (or a
   directory of them), indexed with lm-eval's include_path. Its data comes from wherever lm-eval
-  finds it (the HF datasets cache, HF_DATASETS_OFFLINE, a local `dataset_path`); a task that is
-  unknown or whose data cannot be loaded is skipped with one line.
+  finds it (the HF datasets cache, HF_DATASETS_OFFLINE, a local `dataset_path`). A name the task
+  index does not know is refused before any work starts (`unknown`: one line, exit 2); a known
+  task whose data cannot be loaded is skipped with one line, and the gate counts it as missing
+  (its variants cannot be go: pipeline/gate/decision.py).
 * A group (mmlu) or tag (mgsm_direct) is one slice; each of its subtasks is a `group` of that
   slice (with its own CI in the summary). Items are spread evenly over the subtasks, each
   subtask's documents in a seeded order, so any n is a fixed random subset.
@@ -132,20 +134,38 @@ def _leaf_tasks(task_dict: dict) -> list:
     return out
 
 
+def _index(parsed: list[tuple[str, str, str | None]]):
+    """The task index the entries are looked up in, and (with lm-eval's own tasks?, paths)."""
+    paths = tuple(sorted({p for _, _, p in parsed if p}))
+    # lm-eval's own index (slow to build) only when a name is not among the local YAMLs.
+    defaults = not paths or any(name not in task_manager(False, paths).all_tasks for _, name, _ in parsed)
+    return task_manager(defaults, paths), (defaults, paths)
+
+
+def unknown(entries: list[str]) -> dict[str, str]:
+    """{entry: why} for the entries lm-eval's task index (with the local YAMLs) does not know: a
+    typo, or a YAML path that defines nothing. Reads the index only (no data is loaded); the
+    quality stage refuses these before any work starts."""
+    if not entries:
+        return {}
+    parsed = split_entries(entries)
+    with quiet():
+        manager, _ = _index(parsed)
+    return {entry: "not a task, group or tag lm-eval knows" + (f" (nothing named so in {path})" if path else "")
+            for entry, (_, name, path) in zip(entries, parsed) if name not in manager.all_tasks}
+
+
 def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSlice], dict[str, str]]:
-    """The listed tasks that can run here, and {entry: why not} for the others (one line each)."""
+    """The listed tasks that can run here, and {entry: why not} for the others (one line each).
+    An unknown name is skipped here too; the stage refuses it first (`unknown`)."""
     if not entries:
         return [], {}
     from lm_eval.tasks import get_task_dict
 
-
     if qcfg is None:
         qcfg = QualityConfig()
     parsed = split_entries(entries)
-    paths = tuple(sorted({p for _, _, p in parsed if p}))
-    # lm-eval's own index (slow to build) only when a name is not among the local YAMLs.
-    defaults = not paths or any(name not in task_manager(False, paths).all_tasks for _, name, _ in parsed)
-    manager = task_manager(defaults, paths)
+    manager, (defaults, paths) = _index(parsed)
     usable, skipped = [], {}
     for entry, (slice_name, name, path) in zip(entries, parsed):
         if name not in manager.all_tasks:

@@ -14,8 +14,11 @@ Conventions (every function here):
   its own cluster, which reduces every formula to the textbook one.
 
 Two kinds of estimate:
-- PairedBinary (both models' scores 0/1): Tango's score interval for paired proportions, its
-  variance scaled by the largest design effect the cluster sizes allow (pipeline/stats/tango.py).
+- PairedBinary (both models' scores 0/1): Tango's score interval for paired proportions
+  (pipeline/stats/tango.py), its variance scaled by a design effect that holds for any
+  discordance rates: the largest cluster size among the clusters it covers; clusters larger than
+  that (chosen from the sizes alone, `cluster_split`) enter at their worst case. The fail side
+  adds a one-item continuity correction (tango.FAIL_CORRECTION).
 - PairedMean (anything else, e.g. per-item Brier): mean difference, CR1 cluster-robust standard
   error, t with G - 1 df; when every cluster has the same difference, the exact binomial bound
   on the share of clusters that could differ (statsmodels' Clopper-Pearson).
@@ -82,6 +85,67 @@ def design_effect_bound(codes: np.ndarray) -> float:
     scores when each cluster's items always agree (the most it can), 1 with no clusters."""
     sizes = np.bincount(np.asarray(codes))
     return float((sizes.astype(float) ** 2).sum() / sizes.sum())
+
+
+@dataclass(frozen=True)
+class ClusterSplit:
+    """How a 0/1 cell's clusters enter its bound (pipeline/stats/paired.py, `cluster_split`)."""
+
+    bound: float          # the design effect drawn on the bulk: its largest cluster size
+    bulk: np.ndarray      # per cluster code: True = in the bulk (size <= bound)
+    bulk_items: int
+    large_share: float    # share of the items in clusters above `bound`, taken at their worst case
+    large_clusters: int
+
+
+def cluster_split(codes: np.ndarray, alpha: float = 0.025) -> ClusterSplit:
+    """Which clusters the Tango bound covers, and at what design effect; the rest are bounded at
+    their worst case (every item of theirs worse for the pass side, better for the fail side).
+
+    Why: sum_g n_g^2 / n bounds the variance inflation only if every cluster has the same
+    discordance rates. With unequal sizes and the damage concentrated in the big clusters the
+    true SD was 1.1-1.6x the gate's SE and false pass reached 0.13 (issue 26). What holds for
+    ANY rates: Var(S_g) <= n_g sum_i var(d_i) (Cauchy-Schwarz), so clusters of size <= s have a
+    variance at most s times the independent one, and Tango's pooled null variance is at least
+    the items' mean variance. The bulk (clusters of size <= s) is therefore drawn at design
+    effect s; clusters above s are too few to estimate their own variance (4-10 big clusters that
+    happen to be clean look exactly like clean ones), so they enter at the worst their share
+    allows. s is chosen from the cluster sizes alone, never from the scores: the one that gives
+    an identical copy (no item differing) the highest lower bound. Equal clusters keep the old
+    bound (s = their size = sum n_g^2 / n); many small clusters with a few large ones go one of
+    two honest ways: s = the largest size (every item at that design effect) or the large
+    clusters at worst case, whichever can pass sooner."""
+    codes = np.asarray(codes)
+    sizes = np.bincount(codes)
+    n = int(sizes.sum())
+    best = None
+    for s in np.unique(sizes)[::-1]:  # largest first: a tie keeps every cluster in the bulk
+        bulk = sizes <= s
+        n_bulk = int(sizes[bulk].sum())
+        share = 1.0 - n_bulk / n
+        lo = (1.0 - share) * float(tango.bound(0, 0, n_bulk, alpha, float(s))) - share
+        if best is None or lo > best[0] + 1e-12:
+            best = (lo, ClusterSplit(float(s), bulk, n_bulk, share, int((~bulk).sum())))
+    return best[1]
+
+
+def binary_p(better, worse, split: ClusterSplit, margin: float, side: str = "pass"):
+    """One-sided p of a 0/1 cell's pass (H0: diff <= -margin) or fail (H0: diff >= -margin) from
+    the bulk's counts (arrays broadcast: the simulations call it on thousands of tables). The
+    whole difference is (1 - w) diff_bulk + w diff_large with diff_large in [-1, 1], so the cell
+    passes when the bulk's lower bound clears (-margin + w) / (1 - w) and fails when its upper
+    bound (fail-side continuity correction, tango.FAIL_CORRECTION) is below (-margin - w) / (1 - w)."""
+    w, nb, deff = split.large_share, split.bulk_items, split.bound
+    better, worse = np.asarray(better, dtype=float), np.asarray(worse, dtype=float)
+    if side == "pass":
+        d0 = (-margin + w) / (1.0 - w)
+        if d0 >= 1.0:
+            return np.ones(np.broadcast(better, worse).shape)
+        return tango.p_value(better, worse, nb, d0, deff, "above")
+    d0 = (-margin - w) / (1.0 - w)
+    if d0 <= -1.0:
+        return np.ones(np.broadcast(better, worse).shape)
+    return tango.p_value(better, worse, nb, d0, deff, "below", shift=tango.FAIL_CORRECTION * deff)
 
 
 # ---------------------------------------------------------------- mean and standard error
@@ -168,24 +232,52 @@ class PairedBinary(Estimate):
 
     better: int = 0
     worse: int = 0
+    # The cluster split (cluster_split): the bulk's counts, drawn at design_effect; the share of
+    # items in larger clusters, bounded at their worst case. Defaults: every item in the bulk.
+    bulk_better: int | None = None
+    bulk_worse: int | None = None
+    bulk_n: int | None = None
+    large_share: float = 0.0
+    large_clusters: int = 0
 
-    def _args(self):
-        return self.better, self.worse, self.n
+    def __post_init__(self):
+        if self.bulk_n is None:
+            self.bulk_better, self.bulk_worse, self.bulk_n = self.better, self.worse, self.n
+
+    def _split(self) -> ClusterSplit:
+        return ClusterSplit(self.design_effect, np.ones(0, bool), self.bulk_n, self.large_share,
+                            self.large_clusters)
 
     def lower(self, alpha: float) -> float:
-        return float(tango.bound(*self._args(), alpha, self.design_effect, "lower"))
+        w = self.large_share
+        lo = tango.bound(self.bulk_better, self.bulk_worse, self.bulk_n, alpha, self.design_effect, "lower")
+        return float(max((1.0 - w) * lo - w, -1.0))
 
     def upper(self, alpha: float) -> float:
-        return float(tango.bound(*self._args(), alpha, self.design_effect, "upper"))
+        w, deff = self.large_share, self.design_effect
+        hi = tango.bound(self.bulk_better, self.bulk_worse, self.bulk_n, alpha, deff, "upper",
+                         shift=tango.FAIL_CORRECTION * deff)
+        return float(min((1.0 - w) * hi + w, 1.0))
 
     def p_pass(self, margin: float) -> float:
-        return float(tango.p_value(*self._args(), -margin, self.design_effect, "above"))
+        return float(binary_p(self.bulk_better, self.bulk_worse, self._split(), margin, "pass"))
 
     def p_fail(self, margin: float) -> float:
-        return float(tango.p_value(*self._args(), -margin, self.design_effect, "below"))
+        return float(binary_p(self.bulk_better, self.bulk_worse, self._split(), margin, "fail"))
 
     def items_needed(self, margin: float, alpha: float, power: float) -> int | None:
-        return tango.items_needed(*self._args(), -margin, alpha, power, self.design_effect)
+        """The bulk's items (Tango's formula against the shifted threshold), scaled to the
+        cell's items at the same cluster design; None when the large clusters' worst case alone
+        keeps the cell from settling on its side at any n."""
+        w = self.large_share
+        passing = self.diff > -margin
+        d0 = (-margin + w) / (1.0 - w) if passing else (-margin - w) / (1.0 - w)
+        bulk_diff = (self.bulk_better - self.bulk_worse) / self.bulk_n
+        if not -1.0 < d0 < 1.0 or (bulk_diff <= d0 if passing else bulk_diff >= d0):
+            return None
+        need = tango.items_needed(self.bulk_better, self.bulk_worse, self.bulk_n, d0, alpha, power,
+                                  self.design_effect)
+        return None if need is None else int(math.ceil(need * self.n / self.bulk_n))
 
 
 @dataclass
@@ -298,11 +390,19 @@ def paired_difference(reference: Sequence[float], variant: Sequence[float], clus
                   diff=float(d.mean()) + 0.0, n=int(n), n_clusters=g, higher_is_better=higher_is_better)
     binary = all(np.all((s == 0.0) | (s == 1.0)) for s in (ref, var)) and score_range in (None, (0.0, 1.0))
     if binary:
-        deff = design_effect_bound(codes)
+        split = cluster_split(codes)
+        deff = split.bound
         better, worse = int((d > 0).sum()), int((d < 0).sum())
+        in_bulk = split.bulk[codes]
+        bb, bw = int((d[in_bulk] > 0).sum()), int((d[in_bulk] < 0).sum())
         se = math.sqrt(deff * max((better + worse) / n - common["diff"] ** 2, 0.0) / n)
-        method = "tango score" if g == n else f"tango score, {g} clusters (design effect {deff:.2f})"
-        return PairedBinary(**common, se=se, method=method, design_effect=deff, better=better, worse=worse)
+        method = "tango score" if g == n else f"tango score, {g} clusters (design effect {deff:g}, the largest cluster)"
+        if split.large_clusters:
+            method = (f"tango score on {g - split.large_clusters} clusters (design effect {deff:g}, the largest); "
+                      f"{split.large_clusters} larger clusters ({split.large_share:.1%} of items) at their worst case")
+        return PairedBinary(**common, se=se, method=method, design_effect=deff, better=better, worse=worse,
+                            bulk_better=bb, bulk_worse=bw, bulk_n=split.bulk_items,
+                            large_share=split.large_share, large_clusters=split.large_clusters)
     if n < 2 or g < 2:
         raise ValueError("need at least two items (clusters) for a standard error")
     _, se, df = mean_se(d, None if g == n else codes)

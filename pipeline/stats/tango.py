@@ -32,6 +32,14 @@ import numpy as np
 from scipy import stats as sps
 from scipy.optimize import elementwise
 
+# The fail side (H0: diff >= d0, the upper bound) adds one effective item to the numerator
+# (design_effect items: the Rao-Scott table is the counts / design_effect). Without it, exact
+# false-fail rates at diff = -margin with lopsided mixes on independent items reached 0.051 at
+# n ~ 95 (mixes 6/1 and 5/0; nominal 0.025); with it the exact rate stays <= 0.024 for n = 20..300,
+# 400, 600, 1000 and mixes 5/0, 6/1, 10/5, 20/15 (tests/test_gate_sims.py). The pass side keeps
+# Tango's uncorrected bound (its exact rate peaks at 0.029-0.033 for single n; see the note there).
+FAIL_CORRECTION = 1.0
+
 _EDGE = 1e-12  # bounds are searched inside (-1, 1): Z is undefined at the ends themselves
 
 
@@ -50,21 +58,23 @@ def null_variance(better, worse, n, d0):
     return np.maximum(2.0 * constrained_worse_rate(better, worse, n, d0) + d0 * (1.0 - d0), 0.0)
 
 
-def score_z(better, worse, n, d0, design_effect=1.0):
+def score_z(better, worse, n, d0, design_effect=1.0, shift=0.0):
     """Tango's Z(d0), divided by sqrt(design_effect). Z = 0 where the numerator is 0 (d0 equal
-    to the observed difference, including no discordant item at d0 = 0)."""
+    to the observed difference, including no discordant item at d0 = 0). `shift` is added to the
+    numerator (better - worse - n d0): a continuity correction, in items (see FAIL_CORRECTION)."""
     better, worse, n = (np.asarray(x, dtype=float) for x in (better, worse, n))
-    num = better - worse - n * np.asarray(d0, dtype=float)
+    num = better - worse - n * np.asarray(d0, dtype=float) + np.asarray(shift, dtype=float)
     var = n * null_variance(better, worse, n, d0) * np.asarray(design_effect, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(var > 0.0, num / np.sqrt(np.where(var > 0.0, var, 1.0)), np.sign(num) * np.inf)
     return np.where(num == 0.0, 0.0, z)
 
 
-def bound(better, worse, n, alpha, design_effect=1.0, side: str = "lower"):
-    """The lower (or upper) confidence bound at one-sided `alpha`: the root of Z(d0) = +-z."""
-    better, worse, n, alpha, deff = np.broadcast_arrays(
-        *(np.asarray(x, dtype=float) for x in (better, worse, n, alpha, design_effect)))
+def bound(better, worse, n, alpha, design_effect=1.0, side: str = "lower", shift=0.0):
+    """The lower (or upper) confidence bound at one-sided `alpha`: the root of Z(d0) = +-z.
+    `shift` >= 0 on the upper side (the fail side's continuity correction) moves it up."""
+    better, worse, n, alpha, deff, shift = np.broadcast_arrays(
+        *(np.asarray(x, dtype=float) for x in (better, worse, n, alpha, design_effect, shift)))
     diff = (better - worse) / n
     q = sps.norm.isf(alpha)
     if side == "lower":
@@ -76,17 +86,17 @@ def bound(better, worse, n, alpha, design_effect=1.0, side: str = "lower"):
     at_end = diff == end
     # Z(diff) = 0 and Z runs to +-inf towards the far end, so [lo, hi] brackets the root.
     res = elementwise.find_root(
-        lambda x, b, w, m, target, d: score_z(b, w, m, x, d) - target,
+        lambda x, b, w, m, target, d, c: score_z(b, w, m, x, d, c) - target,
         (np.where(at_end, end / 2, lo), np.where(at_end, end / 2 + 1e-3, hi)),
-        args=(better, worse, n, sign * q, deff),
+        args=(better, worse, n, sign * q, deff, shift),
         tolerances={"xatol": 1e-10, "xrtol": 0.0})
     return np.where(at_end, end, res.x)
 
 
-def p_value(better, worse, n, d0, design_effect=1.0, side: str = "above"):
+def p_value(better, worse, n, d0, design_effect=1.0, side: str = "above", shift=0.0):
     """One-sided p of H0: diff <= d0 (side "above": small = diff is above d0) or H0: diff >= d0
-    (side "below"); p < alpha exactly when the matching bound excludes d0."""
-    z = score_z(better, worse, n, d0, design_effect)
+    (side "below"); p < alpha exactly when the matching bound (with the same shift) excludes d0."""
+    z = score_z(better, worse, n, d0, design_effect, shift)
     return sps.norm.sf(z) if side == "above" else sps.norm.cdf(z)
 
 

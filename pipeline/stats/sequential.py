@@ -1,0 +1,86 @@
+"""Group-sequential looks: Lan-DeMets alpha spending with the O'Brien-Fleming-type function, one
+sided, and the nominal level each look's bound is drawn at.
+
+    from pipeline.stats.sequential import boundaries, nominal_levels
+    z = boundaries([0.5, 1.0], alpha=0.025)        # [2.963, 1.969]: cross at look k if Z_k >= z[k]
+    a = nominal_levels([200, 400, 600], 600, 0.025)  # one-sided alpha of each look's bound
+
+Why: a cell is tested after every wave of items; testing each look at the full alpha would pass
+(or fail) a variant on the margin far more often than alpha. The spending function says how much
+of alpha may be used by information fraction t = n_look / n_max (Lan & DeMets 1983):
+    alpha(t) = 2 (1 - Phi(z_{1 - alpha/2} / sqrt(t)))            (O'Brien-Fleming type)
+almost nothing early, nearly all of alpha at the last look. The boundary c_k of look k is the one
+at which P(Z_1 < c_1, ..., Z_{k-1} < c_{k-1}, Z_k >= c_k) = alpha(t_k) - alpha(t_{k-1}) under H0,
+for the canonical joint law of the Z statistics (Z_k = S_k / sqrt(I_k), S a Brownian motion in
+the information I). That probability is computed by recursive numerical integration over the
+continuation region (Armitage, McPherson & Rowe 1969; Jennison & Turnbull 2000, ch. 19), and
+c_k solved by a root finder. Looks may be unequally spaced; only those that happen spend alpha.
+
+The gate draws a look's one-sided bound at nominal level 1 - Phi(c_k) (the score bound's z is
+then c_k), for the pass side and the fail side apart: each side's error stays at its alpha over
+all looks, and stopping for one side only lowers the other's chance (tests/test_sequential.py
+checks the boundaries against published values and by simulation).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from scipy import optimize
+from scipy import stats as sps
+
+_GRID = 4001  # points of the integration grid on the continuation region
+_LOW = -10.0  # the grid's lower end (the density below it is < 1e-22)
+
+
+def obf_spending(t, alpha: float):
+    """Lan-DeMets O'Brien-Fleming-type spending: alpha used by information fraction t in [0, 1]."""
+    t = np.asarray(t, dtype=float)
+    with np.errstate(divide="ignore"):
+        return np.where(t > 0, 2.0 * sps.norm.sf(sps.norm.isf(alpha / 2.0) / np.sqrt(np.maximum(t, 1e-300))), 0.0)
+
+
+def boundaries(fractions: Sequence[float], alpha: float) -> list[float]:
+    """The z boundary of each look at information fractions t_1 < ... < t_K (t_K <= 1; the last
+    look at t_K = 1 spends all of alpha)."""
+    t = np.asarray(fractions, dtype=float)
+    if t.ndim != 1 or t.size == 0 or np.any(np.diff(t) <= 0) or t[0] <= 0 or t[-1] > 1 + 1e-12:
+        raise ValueError(f"information fractions must increase in (0, 1], got {list(fractions)}")
+    spent = obf_spending(np.minimum(t, 1.0), alpha)
+    out: list[float] = []
+    grid = density = None
+    prev_t = 0.0
+    for k, tk in enumerate(t):
+        target = float(spent[k] - (spent[k - 1] if k else 0.0))
+        if k == 0:
+            c = float(sps.norm.isf(target)) if target > 0 else np.inf
+            out.append(c)
+            grid = np.linspace(_LOW, min(c, 12.0), _GRID)
+            density = sps.norm.pdf(grid)
+        else:
+            root_t, root_prev, root_dt = np.sqrt(tk), np.sqrt(prev_t), np.sqrt(tk - prev_t)
+
+            def crossing(c):  # P(continue so far, then Z_k >= c)
+                tail = sps.norm.sf((c * root_t - grid * root_prev) / root_dt)
+                return np.trapezoid(density * tail, grid)
+
+            if target <= 0:
+                c = np.inf
+            else:
+                c = float(optimize.brentq(lambda x: crossing(x) - target, -10.0, 40.0, xtol=1e-10))
+            out.append(c)
+            new_grid = np.linspace(_LOW, min(c, 12.0), _GRID)
+            kernel = sps.norm.pdf((new_grid[:, None] * root_t - grid[None, :] * root_prev) / root_dt) * root_t / root_dt
+            density = np.trapezoid(kernel * density[None, :], grid, axis=1)
+            grid = new_grid
+        prev_t = float(tk)
+    return out
+
+
+def nominal_levels(looks: Sequence[int], n_max: int, alpha: float) -> list[float]:
+    """One-sided alpha of each look's bound, for looks at `looks` items of at most `n_max`: the
+    information fraction of a look is n / n_max (the items' share; with clusters the gate's
+    design effect is the same at every look, so the share of information equals the share of
+    items). A last look at n_max spends what is left."""
+    fractions = [min(n / n_max, 1.0) for n in looks]
+    return [float(sps.norm.sf(c)) for c in boundaries(fractions, alpha)]
