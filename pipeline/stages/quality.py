@@ -47,6 +47,7 @@ from evals import sandbox
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
                                  progress, read_json, read_jsonl, sha256_file)
+from pipeline.decode.release import collect
 from pipeline.gate.decision import open_slices
 from pipeline.gate.looks import plan
 from pipeline.models.loading import load_tokenizer
@@ -157,6 +158,7 @@ def run(ctx: StageContext) -> None:
                                "seconds": time.perf_counter() - start})
             waves.finish(name, qcfg.evaluator)
             models.pop(name, None)
+            collect(device)  # the variant's memory back before the next one loads
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator)
     tasks = list(qcfg.slices) + [s.name for s in named]
