@@ -320,14 +320,15 @@ def test_acceptance_stage_frees_drafts_and_each_variant_before_the_next(tmp_path
                           ("load", "b", []), ("draft", "d1", ["b"]), ("draft", "d2", ["b"])]
 
 
-def test_prompt_lookup_pairs_plan_the_one_token_verify():
-    """A B = 1 round whose lookup offered nothing verifies the last token alone (width 1, every
-    logit): planned for model-free drafts, at B = 1 in the batched part too, so such pairs are not
-    'mixed' (and flagged) merely for lack of a graph. A model draft always offers k: not planned."""
+def test_plans_hold_no_one_token_verify_the_engine_never_runs():
+    """A round whose draft offered nothing is a decode step (width 1, last logits) at every B
+    (pipeline/decode/engine.py, pipeline/decode/batched.py), so no plan compiles a width-1
+    all-logits verify: the plans hold exactly the decode step, verify widths 2..k_max+1 and each
+    model draft's widths 1 and 2 (k_max + 3 graphs per B)."""
     from pipeline.latency.plan import batched_shapes, speculative_shapes
 
     one = ("target", 1, 1, 64, True)  # (model, batch, width, cache length, every logit)
-    assert one in speculative_shapes(64, 2, []) and one not in speculative_shapes(64, 2, ["draft x"])
-    assert one in batched_shapes({1: 64, 4: 80}, 2, []) and ("target", 4, 1, 80, True) not in batched_shapes(
-        {1: 64, 4: 80}, 2, [])
+    assert one not in speculative_shapes(64, 2, []) and one not in batched_shapes({1: 64, 4: 80}, 2, [])
+    assert ("target", 1, 1, 64, False) in speculative_shapes(64, 2, [])
+    assert len(speculative_shapes(64, 3, [])) == 1 + 3
     assert len(batched_shapes({1: 64, 4: 80}, 3, ["draft x"])) == 2 * (3 + 3)  # k_max + 3 per B

@@ -6,6 +6,11 @@
 
 draft_models/ turns a spec string ("ngram", "layerskip:8", "self:<variant>", "hf:<path>") into one
 of these; the engine (pipeline/decode/engine.py) only calls prefill, propose and accept.
+
+Host copies: the B = 1 engine keeps the committed tokens on the host as well as on the device, so
+a draft that does host work on them (prompt lookup) declares `reads_host_tokens = True` and is
+handed that copy (`propose(..., host=array)`): it then costs no device-to-host transfer. It
+returns its proposal as a slice of the device sequence, so no host-to-device copy either.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ class Draft(Protocol):
     """What the engine needs from a draft."""
 
     spec: str
+    # Optional: True when propose() takes `host`, the committed tokens as a host int64 array.
+    # reads_host_tokens: bool
 
     def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
         """input_ids: [1, T], the prompt; max_len bounds every position the round will reach
@@ -104,6 +111,8 @@ class NgramDraft:
     exactly one token). The proposal for k is the first k tokens of the proposal for any larger k.
     """
 
+    reads_host_tokens = True  # the engine hands propose() its host copy of the sequence
+
     def __init__(self, spec: str, max_n: int = 3):
         self.spec = spec
         self.max_n = max_n
@@ -111,8 +120,9 @@ class NgramDraft:
     def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
         pass  # stateless: everything it needs is the committed sequence
 
-    def lookup(self, seq: np.ndarray, k: int) -> np.ndarray:
-        """seq: [L] -> up to k tokens that followed the latest earlier match of the longest suffix."""
+    def match(self, seq: np.ndarray, k: int) -> tuple[int, int]:
+        """seq: [L] -> (start, count): seq[start:start+count] (count <= k) followed the latest
+        earlier match of the longest suffix; count = 0 when no suffix occurs earlier."""
         length = seq.shape[0]
         for n in range(min(self.max_n, length - 1), 0, -1):
             tail = seq[length - n:]
@@ -120,13 +130,21 @@ class NgramDraft:
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return seq[start: start + k]
-        return seq[:0]
+                return start, min(k, length - start)
+        return 0, 0
 
-    def propose(self, seq, k, sampling, generator):
-        # .cpu() is a CPU-GPU sync point on CUDA: the lookup is host work.
-        found = self.lookup(seq.cpu().numpy(), k) if k > 0 else np.zeros(0, dtype=np.int64)
-        return torch.as_tensor(found, dtype=torch.long).to(seq.device), None
+    def lookup(self, seq: np.ndarray, k: int) -> np.ndarray:
+        """seq: [L] -> up to k tokens that followed the latest earlier match of the longest suffix."""
+        start, count = self.match(seq, k)
+        return seq[start: start + count]
+
+    def propose(self, seq, k, sampling, generator, host: np.ndarray | None = None):
+        if k == 0:
+            return seq[:0], None
+        # The lookup is host work. Without the engine's host copy, .cpu() is a CPU-GPU sync point.
+        tokens = host if host is not None else seq.cpu().numpy()
+        start, count = self.match(tokens, k)
+        return seq[start: start + count], None  # a slice of the device sequence: nothing copied
 
     def accept(self, n: int) -> None:
         pass

@@ -14,6 +14,13 @@ The KV cache is a transformers StaticCache inside `CachedModel` (pipeline/decode
 allocated once, written in place, rolled back after a rejection by moving its write position
 (nothing is copied, nothing re-run).
 
+Host work per speculative round (B = 1): one device-to-host transfer. The accept/reject rule runs
+on the device (sampling.verify_on_device) and its outcome (n, the emitted tokens, the betas) comes
+back in one `.tolist()`; the committed sequence is kept on the host as well, so a prompt-lookup
+draft needs no transfer, and the device copy is extended from the round's device tokens, so no
+host-to-device copy either. A round that drafts nothing is a plain decode step (width 1, last
+logits: a shape the compile plan holds), recorded as drafted 0, emitted 1.
+
 Positions: `CachedModel.length` is one number for the whole batch, because transformers'
 StaticLayer writes every row at the same offset. Plain decode runs B equal-length prompts in
 lock step. Speculative decoding at B > 1 goes to pipeline/decode/batched.py, whose synchronised
@@ -24,13 +31,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pipeline.decode.batched import generate_batched
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.drafts import Draft
 from pipeline.decode.errors import EngineError
-from pipeline.decode.sampling import SamplingParams, logits_to_probs, verify_draft
+from pipeline.decode.sampling import (DeviceVerdict, SamplingParams, logits_to_probs, unpack_verdict,
+                                      verify_on_device)
 from pipeline.decode.steps import GenerationResult, cut_at_eos, decode_one_token, prefill
 from pipeline.decode.timing import Timer, synchronize
 
@@ -48,7 +57,8 @@ class RoundRecord:
     betas: list[float]  # beta_i = sum_x min(p_i, q_i) for each drafted position i = 1..drafted
     draft_s: float  # seconds drafting (device-synchronized via pipeline.decode.timing.Timer)
     verify_s: float  # seconds in the target's verify forward + the accept/reject rule
-    round_s: float  # the whole round, including bookkeeping
+    round_s: float  # from this round's start to the next round's (the last: to the loop's end), so
+    # the host bookkeeping between rounds is inside a round and the rounds add up to decode_s
     k: int = 0  # draft length requested this round (k, or fewer near max_new_tokens)
     # This round's own timer blocks (draft, verify, round): read after Timer.collect().
     measured: tuple = field(default=(), repr=False, compare=False)
@@ -58,10 +68,15 @@ class RoundRecord:
 
 
 def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
-            generator: torch.Generator | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+            generator: torch.Generator | None, vocab: int,
+            host: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """seq: [L] committed tokens -> draft tokens [k'] and q [k', V] (one-hot rows for a
-    model-free draft, which makes beta_i = p_i(d_i) and the accept test u < p_i(d_i))."""
-    tokens, q = draft.propose(seq, k, sampling, generator)
+    model-free draft, which makes beta_i = p_i(d_i) and the accept test u < p_i(d_i)).
+    host: the same L tokens on the host, for a draft that reads them there (drafts.py)."""
+    if host is not None and getattr(draft, "reads_host_tokens", False):
+        tokens, q = draft.propose(seq, k, sampling, generator, host=host)
+    else:
+        tokens, q = draft.propose(seq, k, sampling, generator)
     tokens = tokens.to(seq.device, torch.long)
     if q is None:
         q = torch.nn.functional.one_hot(tokens, vocab).to(torch.float32)  # [k', V]
@@ -80,38 +95,50 @@ def verify(target: CachedModel, last: torch.Tensor, draft_tokens: torch.Tensor,
     return logits_to_probs(logits, sampling)
 
 
-def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int,
-                     sampling: SamplingParams, generator: torch.Generator | None,
-                     timer: Timer) -> tuple[list[int], RoundRecord]:
-    """One round on seq: [L] (B = 1; the target cache holds L-1 positions, seq[-1] is not in it).
-
-    Returns (new tokens: accepted drafts + the residual/bonus token, the round's record; its
-    seconds are filled in once the timer is collected).
-    """
+def _round(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
+           generator: torch.Generator | None, timer: Timer,
+           host: np.ndarray | None) -> tuple[list[int], RoundRecord, torch.Tensor]:
+    """speculative_step, also returning the emitted tokens on the device ([>= len(new)] long: the
+    first len(new) entries are `new`), so the caller extends its device sequence without a copy
+    from the host."""
     start = target.length  # = L - 1
     with timer.measure("draft") as t_draft:
-        d, q = draft_k(draft, seq, k, sampling, generator, vocab=target.vocab)
+        d, q = draft_k(draft, seq, k, sampling, generator, target.vocab, host)
+    drafted = int(d.shape[0])
     with timer.measure("verify") as t_verify:
-        p = verify(target, seq[-1:], d, sampling)
-        verdict = verify_draft(p, q, d, sampling, generator)
+        if drafted == 0:
+            # Nothing drafted (prompt lookup found no match, or k = 0 with one token left): a plain
+            # decode step, width 1 with the last logits only, the shape every compile plan holds
+            # (a width-1 verify keeping all logits is not planned and would run eagerly).
+            nxt = decode_one_token(target, seq[-1:], sampling, generator)  # [1]
+            outcome = DeviceVerdict(nxt.new_zeros(()), nxt, torch.zeros(0, device=nxt.device))
+        else:
+            p = verify(target, seq[-1:], d, sampling)
+            outcome = verify_on_device(p, q, d, sampling, generator)
+        # The round's one CPU-GPU sync point: n, the emitted tokens and the betas in one transfer.
+        # The host needs n to move the cache positions and the tokens to look for an EOS.
+        verdict = unpack_verdict(outcome.packed().tolist(), drafted)
     n = verdict.accepted
-    # Keep [last, d_1..d_n] in the target cache; the rest of this round's k+1 writes are stale.
+    # Keep [last, d_1..d_n] in the target cache; the rest of this round's writes are stale.
     target.rollback(start + 1 + n)
     draft.accept(n)
-    new = d[:n].tolist() + [verdict.next_token]
-    return new, RoundRecord(int(d.shape[0]), n, len(new), verdict.betas, 0.0, 0.0, 0.0, k, (t_draft, t_verify))
+    new = verdict.tokens
+    record = RoundRecord(drafted, n, len(new), verdict.betas, 0.0, 0.0, 0.0, k, (t_draft, t_verify))
+    return new, record, outcome.emitted
 
 
-def _last_token_step(target: CachedModel, draft: Draft, seq: torch.Tensor, sampling: SamplingParams,
-                     generator: torch.Generator | None, timer: Timer) -> tuple[list[int], RoundRecord]:
-    """One token left before max_new_tokens: a plain step, timed like a round (the draft is still
-    asked, for k = 0, inside the draft timer, and accept(0) keeps its state consistent)."""
-    with timer.measure("draft") as t_draft:
-        draft.propose(seq, 0, sampling, generator)
-    with timer.measure("verify") as t_verify:
-        new = [int(decode_one_token(target, seq[-1:], sampling, generator)[0])]
-    draft.accept(0)
-    return new, RoundRecord(0, 0, 1, [], 0.0, 0.0, 0.0, 0, (t_draft, t_verify))
+def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int,
+                     sampling: SamplingParams, generator: torch.Generator | None,
+                     timer: Timer, host: np.ndarray | None = None) -> tuple[list[int], RoundRecord]:
+    """One round on seq: [L] (B = 1; the target cache holds L-1 positions, seq[-1] is not in it).
+    host: the same tokens on the host (optional: saves a prompt-lookup draft a device->host copy).
+
+    Returns (new tokens: accepted drafts + the residual/bonus token, the round's record; its
+    seconds are filled in once the timer is collected). A round that drafts nothing (k = 0, or a
+    draft with nothing to offer) is one plain decode step: drafted 0, emitted 1.
+    """
+    new, record, _ = _round(target, draft, seq, k, sampling, generator, timer, host)
+    return new, record
 
 
 # ---------------------------------------------------------------- the loop
@@ -132,7 +159,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     pipeline/decode/batched.py, whose rounds are BatchRoundRecords; it takes no cache_len):
     near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
     (the EOS is emitted; tokens after it, accepted or not, are not). Timer sections: "prefill" once,
-    then "decode" per plain step, or "round" (containing "draft" and "verify") per speculative round.
+    then "decode" per plain step, or "round" (containing "draft" and "verify") per speculative round;
+    a round is timed from its start to the next round's start (Timer.lap).
     """
     if max_new_tokens < 1:
         raise EngineError("max_new_tokens must be >= 1")
@@ -148,6 +176,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         raise EngineError(f"cache_len {cache_len} < prompt {t} + max_new_tokens {max_new_tokens} + 1")
     cached = CachedModel(target, batch=b, max_len=cache_len or need, exact=cache_len is not None)
     device = cached.device
+    # The prompt on the host, for the speculative loop's host copy (free when it came from the host).
+    prompt_host = input_ids[0].cpu().numpy() if speculative else None
     input_ids = input_ids.to(device)
     own = Timer(device)  # per-round figures; merged into the caller's timer at the end
 
@@ -168,20 +198,34 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         out: list[list[int]] = [[x] for x in first.tolist()]
         done = [bool(eos) and x[0] in eos for x in out]
     if speculative:
-        seq = torch.cat([input_ids[0], first])  # [L]
+        # The committed sequence, twice: on the device (what the target and a model draft read;
+        # extended on the device from the round's own tokens, no host->device copy) and on the
+        # host (what a prompt-lookup draft reads, and the EOS check; extended from the round's one
+        # device->host transfer). Both are preallocated: a round appends in place.
+        capacity = t + max_new_tokens + k + 1
+        seq_dev = torch.empty(capacity, dtype=torch.long, device=device)
+        seq_dev[:t] = input_ids[0]
+        seq_dev[t:t + 1] = first
+        seq_host = np.empty(capacity, dtype=np.int64)
+        seq_host[:t] = prompt_host
+        seq_host[t] = out[0][0]
+        length = t + 1
         while not done[0] and len(out[0]) < max_new_tokens:
-            k_round = min(k, max_new_tokens - len(out[0]) - 1)
-            with own.measure("round") as t_round:
-                if k_round > 0:
-                    new, record = speculative_step(cached, draft, seq, k_round, sampling, generator, own)
-                else:
-                    new, record = _last_token_step(cached, draft, seq, sampling, generator, own)
+            # A round's time runs from its start to the next round's start: the host bookkeeping
+            # between rounds is inside a round, and the rounds add up to the decode loop.
+            t_round = own.lap("round")
+            k_round = min(k, max_new_tokens - len(out[0]) - 1)  # 0 with one token left: a plain step
+            new, record, emitted = _round(cached, draft, seq_dev[:length], k_round, sampling, generator, own,
+                                          seq_host[:length])
             kept, hit = cut_at_eos(new, eos)
             out[0].extend(kept)
             done[0] = hit
-            seq = torch.cat([seq, torch.tensor(kept, device=device, dtype=seq.dtype)])
+            seq_dev[length:length + len(kept)] = emitted[:len(kept)]
+            seq_host[length:length + len(kept)] = kept
+            length += len(kept)
             record.emitted, record.measured = len(kept), (*record.measured, t_round)
             rounds.append(record)
+        own.end_lap("round")
     elif eos:
         last = first
         while not all(done) and len(out[0]) < max_new_tokens:

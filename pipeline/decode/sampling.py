@@ -22,7 +22,7 @@ than the 0/1 outcomes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -119,31 +119,70 @@ class Verdict:
     accepted: int  # n: the draft tokens d_1..d_n are kept
     next_token: int  # from the residual at n+1 (n < k) or the bonus from p_{k+1} (n = k)
     betas: list[float]  # beta_i for every drafted position i = 1..k
+    tokens: list[int] = field(default_factory=list)  # what the round emits: d_1..d_n, next_token
 
 
-def verify_draft(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Verdict:
-    """Apply the rule to one round. p: [k+1, V], q: [k, V], draft: [k] (k may be 0).
+@dataclass
+class DeviceVerdict:
+    """The rule's outcome while it is still on the device (nothing read back yet).
+
+    accepted: [] long, n; emitted: [k+1] long, d_1..d_n then the next token at index n (the
+    entries after n are stale and never read); betas: [k] float32.
+    """
+
+    accepted: torch.Tensor
+    emitted: torch.Tensor
+    betas: torch.Tensor
+
+    def packed(self) -> torch.Tensor:
+        """[2 + 2k] float32 = (n, emitted_0..emitted_k, beta_1..beta_k): the whole outcome in one
+        tensor, so the host reads it with one transfer. float32 holds every integer below 2^24
+        exactly (vocabularies are far smaller), and beta is float32 already."""
+        return torch.cat([self.accepted.view(1).to(torch.float32), self.emitted.to(torch.float32),
+                          self.betas.to(torch.float32)])
+
+
+def unpack_verdict(values: list[float], k: int) -> Verdict:
+    """DeviceVerdict.packed(), read back as a list (.tolist()), for a round that drafted k."""
+    n = int(values[0])
+    tokens = [int(x) for x in values[1: 2 + n]]
+    return Verdict(n, tokens[-1], [float(x) for x in values[2 + k:]], tokens)
+
+
+def verify_on_device(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator | None = None) -> DeviceVerdict:
+    """Apply the rule to one round without reading anything back to the host.
+    p: [k+1, V], q: [k, V], draft: [k] (k may be 0).
 
     Greedy (one-hot p and q): accept_prob is 1 when the argmaxes agree and 0 otherwise, the
     residual of a disagreement is the target's one-hot, so the round emits exactly the target's
-    greedy tokens.
+    greedy tokens. Random numbers are drawn in the same order as a host-side rule would: u [k],
+    then one draw from the emitted row (residual_{n+1} or p_{k+1}, chosen on the device).
     """
     k = draft.shape[0]
+    draft = draft.to(torch.long)
     if k == 0:
-        return Verdict(0, int(pick(p[0], params, generator)), [])
+        nxt = pick(p[0], params, generator)
+        return DeviceVerdict(torch.zeros((), dtype=torch.long, device=p.device), nxt.view(1), p.new_zeros(0))
     accept_prob, residual = verify_probs(p, q, draft)
     if params.greedy:
         accepted = accept_prob >= 1.0
     else:
         u = torch.rand(k, device=p.device, generator=generator)
         accepted = u < accept_prob  # u in [0, 1): accept_prob = 1 always accepts, 0 never
-    # n = number of leading accepts. `.item()` is a CPU-GPU sync point, once per round: the host
-    # must know n to move the cache position.
-    n = int(accepted.to(torch.int64).cumprod(0).sum().item())
-    if n < k:
-        nxt = pick(residual[n], params, generator)
-    else:
-        nxt = pick(p[k], params, generator)
-    beta = betas(p[:k], q).tolist()
-    return Verdict(n, int(nxt), beta)
+    n = accepted.to(torch.int64).cumprod(0).sum()  # [] number of leading accepts, on the device
+    # The emitted row without a branch on n (a branch would be a CPU-GPU sync): residual_{n+1}
+    # when n < k, else the bonus row p_{k+1}.
+    row = torch.where(n < k, residual.index_select(0, n.clamp(max=k - 1).view(1))[0], p[k])  # [V]
+    nxt = pick(row, params, generator)
+    emitted = torch.cat([draft, draft.new_zeros(1)]).index_put((n.view(1),), nxt.view(1))  # [k+1]
+    return DeviceVerdict(n, emitted, betas(p[:k], q))
+
+
+def verify_draft(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Verdict:
+    """verify_on_device, read back to the host (one transfer). p: [k+1, V], q: [k, V], draft: [k]."""
+    k = draft.shape[0]
+    # .tolist() is the CPU-GPU sync point, once per round: the host must know n to move the
+    # cache position, and the tokens to look for an EOS.
+    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), k)

@@ -10,6 +10,17 @@
 
 On CUDA, events are recorded on the current stream and read only at `collect()` (one sync for
 many blocks, so timing does not serialise the pipeline more than it must).
+
+Laps: a loop whose iterations must add up to the whole loop (the speculative engine's rounds) is
+timed from the start of one iteration to the start of the next, so the host work between two
+iterations (bookkeeping, the next iteration's setup) belongs to an iteration, never to nobody:
+
+    for ...:
+        m = t.lap("round")   # ends the previous "round" here, starts this one
+        ...
+    t.end_lap("round")       # ends the last one
+
+One clock reading (CUDA: one event) per boundary, shared by the lap it ends and the one it starts.
 """
 from __future__ import annotations
 
@@ -37,6 +48,7 @@ class Timer:
         self.enabled = enabled
         self.samples: dict[str, list[float]] = defaultdict(list)
         self._pending: list[tuple[Measurement, object, object]] = []
+        self._laps: dict[str, tuple[Measurement, object]] = {}  # name -> (open lap, its start mark)
 
     @contextlib.contextmanager
     def measure(self, name: str) -> Iterator[Measurement]:
@@ -57,6 +69,40 @@ class Timer:
             m.seconds = time.perf_counter() - t0
             self.samples[name].append(m.seconds)
 
+    def _mark(self):
+        """A point in time: a recorded CUDA event (read at collect), else perf_counter now."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _close(self, m: Measurement, start, end) -> None:
+        if self.device.type == "cuda":
+            self._pending.append((m, start, end))
+        else:
+            m.seconds = end - start
+            self.samples[m.name].append(m.seconds)
+
+    def lap(self, name: str) -> Measurement:
+        """End the open lap `name` (if any) now and start the next one; returns the new lap's
+        Measurement (its seconds are known once it ends, on CUDA at collect())."""
+        m = Measurement(name)
+        if not self.enabled:
+            return m
+        now = self._mark()
+        if name in self._laps:
+            prev, start = self._laps[name]
+            self._close(prev, start, now)
+        self._laps[name] = (m, now)
+        return m
+
+    def end_lap(self, name: str) -> None:
+        """End the open lap `name`, if any (after a loop's last iteration)."""
+        if self.enabled and name in self._laps:
+            prev, start = self._laps.pop(name)
+            self._close(prev, start, self._mark())
+
     def collect(self) -> dict[str, list[float]]:
         """Resolve pending CUDA events (a sync point) and return all samples in seconds."""
         if self._pending:
@@ -70,6 +116,7 @@ class Timer:
     def reset(self) -> None:
         self.samples.clear()
         self._pending.clear()
+        self._laps.clear()
 
 
 def synchronize(device: torch.device) -> None:

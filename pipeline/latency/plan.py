@@ -42,15 +42,12 @@ def plain_shapes(cells: list[CellPlan]) -> list[tuple]:
 
 
 def speculative_shapes(cache_len: int, k_max: int, draft_labels: list[str]) -> list[tuple]:
-    """The target's decode step and verify widths 2..k_max+1 (the shortened last rounds of a
-    generation use the narrower ones), and each model draft's widths 1 and 2. Without a model
-    draft (prompt lookup), also the 1-token verify of a round whose lookup found nothing: left
-    out, those rounds ran eagerly and every k of the pair was 'mixed' against compiled plain
-    decoding (pipeline/latency/modes.py), so flagged and never recommended."""
+    """The target's decode step (plain decoding, and a round whose draft offered nothing: the
+    engine runs that as a decode step, pipeline/decode/engine.py) and verify widths 2..k_max+1
+    (the shortened last rounds of a generation use the narrower ones), and each model draft's
+    widths 1 and 2."""
     shapes = step_shapes("target", 1, cache_len, [1]) + step_shapes("target", 1, cache_len, range(2, k_max + 2),
                                                                      all_logits=True)
-    if not draft_labels:
-        shapes += step_shapes("target", 1, cache_len, [1], all_logits=True)
     for label in draft_labels:
         shapes += step_shapes(label, 1, cache_len, [1, 2])
     return shapes
@@ -59,15 +56,11 @@ def speculative_shapes(cache_len: int, k_max: int, draft_labels: list[str]) -> l
 def batched_shapes(cache_lens: dict[int, int], k_max: int, draft_labels: list[str]) -> list[tuple]:
     """The batched part's graphs: per B at its one cache length, the target's decode step (plain
     decode, and a round where no row was offered anything), its verify widths 2..k_max+1 (shortened
-    last rounds use the narrower ones) and each model draft's widths 1 and 2. At B = 1 without a
-    model draft, also the 1-token verify of a round whose lookup offered nothing (B > 1 runs such
-    a round as a plain step)."""
+    last rounds use the narrower ones) and each model draft's widths 1 and 2."""
     shapes = []
     for b, length in sorted(cache_lens.items()):
         shapes += step_shapes("target", b, length, [1])
         shapes += step_shapes("target", b, length, range(2, k_max + 2), all_logits=True)
-        if b == 1 and not draft_labels:
-            shapes += step_shapes("target", 1, length, [1], all_logits=True)
         for label in draft_labels:
             shapes += step_shapes(label, b, length, [1, 2])
     return shapes
