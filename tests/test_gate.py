@@ -391,3 +391,16 @@ def test_a_task_the_quality_stage_could_not_score_keeps_every_variant_from_go(tm
     assert any("hellaswag" in m and "not reachable" in m for m in entry["missing"])
     # Its scored cells are still decided and shown.
     assert all(c["status"] == "pass" for c in entry["slices"].values())
+
+
+def test_a_fail_is_no_go_even_when_a_task_is_missing(tmp_path):
+    """A skipped task makes a variant inconclusive only when nothing it was gated on failed: a
+    variant that fails a scored slice is no-go (exit 1), whatever else is missing."""
+    run, config = make_fake_run(tmp_path, {"bad": {"release": True, "damage": {"reasoning": 0.3}}})
+    meta = run / "quality" / "meta.json"
+    meta.write_text(json.dumps({"stage": "quality", "input_hash": "q2", "slices": list(SLICES), "tasks": [],
+                                "skipped_tasks": {"hellaswag": "its data is not reachable (ConnectionError)"}}))
+    rc, check, g = gate(run, config, force=True)
+    entry = g["variants"]["bad"]
+    assert entry["slices"]["reasoning"]["status"] == "fail" and "hellaswag" in entry["missing_slices"]
+    assert (check, g["decision"], entry["decision"]) == (1, "no-go", "no-go")

@@ -109,6 +109,14 @@ def test_stage_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     assert "bf16 up to date" in err and "noisy: loading" in err
     assert (q / "noisy" / "reasoning.jsonl").is_file()
 
+    # A gate setting changed: the items stand (nothing to score), the variant is reloaded only for
+    # its drift (this raised a KeyError when no look scored anything).
+    kept = (q / "noisy" / "reasoning.jsonl").read_text()
+    cfg.gate.margin = 0.2
+    run_stage(STAGES["quality"], run, cfg, {}, STAGES)
+    assert (q / "noisy" / "reasoning.jsonl").read_text() == kept
+    assert json.loads((q / "noisy" / "distribution.json").read_text())["n_docs"] == 3
+
 
 def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
     """Offline (no hub), gsm8k's data cannot load: it is skipped, one line says why."""

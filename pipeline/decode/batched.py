@@ -275,30 +275,31 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
     rounds: list[BatchRoundRecord] = []
     produced = 1  # tokens each active row has emitted (equal across active rows)
     while not all(done) and produced < max_new_tokens:
+        # Timed start to start, as at B = 1 (engine.py): the host work between rounds is in.
+        own.lap("round")
         k_round = min(k, max_new_tokens - produced - 1)
         active = torch.tensor([not x for x in done], device=device)
-        with own.measure("round"):
-            with own.measure("draft"):
-                if k_round > 0:
-                    d, q, offered = drafter.propose(seqs, k_round, sampling, generator, active)
-                    width = int(offered.max().item())  # host sync: the verify width
-                    d, q = d[:, :width], q[:, :width]
-                else:
-                    width = 0
-            with own.measure("verify"):
-                if width > 0:
-                    start = cached.length  # = L - 1
-                    logits = cached.forward(torch.cat([seqs[:, -1:], d], 1), all_logits=True)  # [B, w+1, V]
-                    verdict = verify_batch(logits_to_probs(logits, sampling), q, d, offered, active, sampling,
-                                           generator)
-                    cached.rollback(start + 1 + verdict.kept)  # keep [last, d_1..d_n_min] in every row
-                    new, accepted, kept, row_betas = verdict.tokens, verdict.accepted, verdict.kept, verdict.betas
-                    drafted = offered.tolist()
-                else:  # nothing offered (or one token left): a plain step for every row
-                    new = decode_one_token(cached, seqs[:, -1], sampling, generator).unsqueeze(1)  # [B, 1]
-                    accepted, kept, row_betas, drafted = [0] * b, 0, [[] for _ in range(b)], [0] * b
+        with own.measure("draft"):
             if k_round > 0:
-                drafter.accept(kept)
+                d, q, offered = drafter.propose(seqs, k_round, sampling, generator, active)
+                width = int(offered.max().item())  # host sync: the verify width
+                d, q = d[:, :width], q[:, :width]
+            else:
+                width = 0
+        with own.measure("verify"):
+            if width > 0:
+                start = cached.length  # = L - 1
+                logits = cached.forward(torch.cat([seqs[:, -1:], d], 1), all_logits=True)  # [B, w+1, V]
+                verdict = verify_batch(logits_to_probs(logits, sampling), q, d, offered, active, sampling,
+                                       generator)
+                cached.rollback(start + 1 + verdict.kept)  # keep [last, d_1..d_n_min] in every row
+                new, accepted, kept, row_betas = verdict.tokens, verdict.accepted, verdict.kept, verdict.betas
+                drafted = offered.tolist()
+            else:  # nothing offered (or one token left): a plain step for every row
+                new = decode_one_token(cached, seqs[:, -1], sampling, generator).unsqueeze(1)  # [B, 1]
+                accepted, kept, row_betas, drafted = [0] * b, 0, [[] for _ in range(b)], [0] * b
+        if k_round > 0:
+            drafter.accept(kept)
         emitted = [0] * b
         for row, toks in enumerate(new.tolist()):
             if done[row]:
@@ -310,6 +311,7 @@ def generate_batched(target, input_ids: torch.Tensor, max_new_tokens: int, draft
         produced += kept + 1
         seqs = torch.cat([seqs, new], 1)
         rounds.append(BatchRoundRecord(k_round, drafted, accepted, kept, emitted, active.tolist(), row_betas))
+    own.end_lap("round")
     synchronize(device)
     t2 = time.perf_counter()
 

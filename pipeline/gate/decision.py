@@ -520,7 +520,9 @@ def build_gate(run_dir: Path, cfg) -> dict:
         statuses += [g["status"] for c in entry["slices"].values() for g in c.get("groups", {}).values()
                      if g["gated"]]
         statuses += [c["status"] for c in entry.get("distribution", {}).get("checks", {}).values()]
-        entry["decision"] = "inconclusive" if entry["missing"] else decide(statuses)
+        # A fail is a fail whatever else is missing; without one, a missing slice keeps it from go.
+        entry["decision"] = ("no-go" if "fail" in statuses else
+                             "inconclusive" if entry["missing"] else decide(statuses))
     return {
         "decision": overall_decision([variants[n]["decision"] for n in release]),
         "reference": reference,

@@ -19,9 +19,8 @@ plain cell; for the speculative phase the target's decode step and its verify wi
 and each model draft's widths 1 and 2 (a step, and the catch-up after a round accepted in full).
 The batched part (pipeline/latency/batched.py) runs every batch size B on one cache length L_B
 (its cells' and its closed loop's longest need) and compiles, per B, the target's decode step
-and verify widths 2..k_max+1 (at B = 1 with a model-free draft also width 1 with every logit: a
-round whose lookup found nothing verifies only the last token) and each model draft's widths 1
-and 2: at most k_max + 3 graphs per B, |B| x (k_max + 3) for the pair, known before any
+and verify widths 2..k_max+1 (a round whose draft offered nothing is a decode step) and each
+model draft's widths 1 and 2: at most k_max + 3 graphs per B, |B| x (k_max + 3) for the pair, known before any
 timing. They are compiled before the timed runs (CompileSession.warm), never inside them.
 """
 from __future__ import annotations

@@ -16,7 +16,10 @@ which the spending function assumes. When the budget holds fewer items than the 
 clusters (BFCL's 1,240 items fall in 762 clusters, one of 206 items sharing a function doc), the
 slice takes one item (a seeded choice) from each of the first `n_max` clusters instead: independent
 items, the most information per item; a cluster of 206 items could otherwise never be shown clean
-(pipeline/stats/paired.py: cluster_split) and no identical copy could pass. Otherwise whole
+(pipeline/stats/paired.py: cluster_split) and no identical copy could pass. The same when the
+clusters have unequal sizes, whatever the budget (gpu.yaml's 1,000 BFCL items would otherwise take
+whole clusters, the 76-item one among them, and an identical copy's bound would stay at -0.13):
+at most one item per cluster. Otherwise (clusters of one size: the long-context haystacks) whole
 clusters are taken in order while they fit in `n_max`.
 """
 from __future__ import annotations
@@ -44,7 +47,8 @@ def order_items(blob: bytes, seed: int, slice_name: str, n_max: int) -> tuple[by
     clusters = list(members.values())  # in order of first appearance: deterministic
     rng.shuffle(clusters)
     chosen: list[list[int]] = []
-    if len(clusters) >= n_max and any(len(c) > 1 for c in clusters):
+    sizes = {len(c) for c in clusters}
+    if max(sizes) > 1 and (len(clusters) >= n_max or len(sizes) > 1):
         chosen = [[rng.choice(c)] for c in clusters[:n_max]]
     else:
         total = 0

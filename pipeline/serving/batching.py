@@ -238,9 +238,11 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
     fixed_note = "recommended k at B = 1"
     if fixed_k == 0 or fixed_k not in {r["k"] for r in rows}:
         b1 = [r for r in rows if r["batch"] == min(by_batch)]
-        # Mixed-mode rows (like_with_like false) are out, unless every row is.
-        fixed_k = min([r for r in b1 if comparable(r)] or b1, key=lambda r: (r["ms_per_token"], r["k"]))["k"]
-        fixed_note = f"fastest k at B = {min(by_batch)} (no k is recommended there)"
+        # Mixed-mode rows (like_with_like false) are out; if every row is, plain decoding (k = 0).
+        usable = [r for r in b1 if comparable(r)]
+        fixed_k = min(usable, key=lambda r: (r["ms_per_token"], r["k"]))["k"] if usable else 0
+        fixed_note = (f"fastest k at B = {min(by_batch)} (no k is recommended there)" if usable else
+                      f"plain decoding: no k at B = {min(by_batch)} ran like with like")
     prefix = prefix_rates(acceptance_slice.get("per_position") or [], max(r["k"] for r in rows))
     accept_by_k = acceptance_slice.get("accepted_distribution") or None
     accept_by_batch = acceptance_slice.get("accepted_distribution_by_batch") or None

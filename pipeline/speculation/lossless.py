@@ -175,7 +175,9 @@ def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs:
         rule = tie_tolerance(model, samples, [1] + [k + 1 for k in greedy_runs])
         for m in mismatches:
             ids, p, s = m.pop("_ids"), m.pop("_plain"), m.pop("_spec")
-            if m["index"] >= len(s):  # the speculative run stopped early: nothing to explain it
+            if m["index"] >= min(len(s), len(p)):
+                # One output is a prefix of the other: the speculative run stopped early, or ran past
+                # the plain text's EOS or length. No near-tie explains either.
                 m.update({"gap": None, "max_shortfall": None, "explained": False})
                 continue
             m.update(judge_divergence(model, ids, p, s, m["index"], rule["tolerance"]))

@@ -16,8 +16,9 @@ open_slices, the same function the gate stage decides with) says which of its sl
 have an unsettled cell; only those get the next look, and the reference scores first whatever a
 variant needs (the union over variants). lm-eval tasks (`quality.tasks`) are scored whole in the
 first look (one look: the fixed-n gate). Every model's lines are appended look by look; a rerun
-re-uses lines scored with the same model, items and generation settings (scoring.json), so an
-interrupted stage resumes and changing only the stopping settings re-scores nothing. Each
+re-uses lines scored with the same model, items, generation settings and code (scoring.json), so
+an interrupted stage resumes and changing only the gate's settings re-scores nothing (changing
+max_items, items_per_slice or wave_items changes the item files, and re-scores). Each
 variant's distribution drift against the reference on held-out text
 (pipeline/quality/distribution.py) comes last, then the summaries. The prefix evaluator's token
 counts go into meta.json.
@@ -128,7 +129,9 @@ def run(ctx: StageContext) -> None:
         scored_with = {"variant_meta": sha256_file(vdir / "meta.json"), "data": data_hashes,
                        "tasks": {s.name: s.info() for s in named},
                        "quality": {k: v for k, v in ctx.config.section("quality").items() if k not in STOPPING_KEYS},
-                       "device": cfg.device, "seed": cfg.seed}
+                       "device": cfg.device, "seed": cfg.seed,
+                       # The stage's code: a fix in a scorer re-scores (the lines are not kept).
+                       "code": ctx.code}
         inputs = {**scored_with, "reference_meta": sha256_file(ref_dir / "meta.json"),
                   "quality": ctx.config.section("quality"), "gate": ctx.config.section("gate"),
                   "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
@@ -151,6 +154,8 @@ def run(ctx: StageContext) -> None:
             if heldout is None:
                 heldout, heldout_info = distribution.heldout_documents(
                     models[reference][1], qcfg.distribution_docs, qcfg.distribution_tokens)
+            if name not in models:  # nothing new to score (e.g. a gate setting changed): load it for drift
+                models[name] = load_variant(variant_dir(name), device)
             start = time.perf_counter()
             per_doc = distribution.per_document(ref_model, models[name][0], heldout, device, cache=ref_logp)
             atomic_write_json(ctx.out_dir / name / "distribution.json",

@@ -119,7 +119,9 @@ def cluster_split(codes: np.ndarray, alpha: float = 0.025) -> ClusterSplit:
     sizes = np.bincount(codes)
     n = int(sizes.sum())
     best = None
-    for s in np.unique(sizes)[::-1]:  # largest first: a tie keeps every cluster in the bulk
+    # Largest first: a tie keeps every cluster in the bulk. Codes with gaps (a group's items)
+    # leave empty clusters in the count; they are no candidate size.
+    for s in np.unique(sizes[sizes > 0])[::-1]:
         bulk = sizes <= s
         n_bulk = int(sizes[bulk].sum())
         share = 1.0 - n_bulk / n

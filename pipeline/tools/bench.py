@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from draft_models.registry import build_draft
     from pipeline.core.config import load_config
     from pipeline.core.device import resolve_device
-    from pipeline.core.stage import atomic_write_json, library_versions
+    from pipeline.core.stage import StageError, atomic_write_json, library_versions
     from pipeline.decode.engine import generate
     from pipeline.speculation.prompts import prompt_ids
     from pipeline.variants.schemes import load_variant
@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     drafts = args.drafts.split() or cfg.drafts
     spec = next((d for d in drafts if d.startswith("layerskip:")), "layerskip:8")
     n_layers = int(spec.split(":", 1)[1])
-    device = resolve_device(cfg.device)
+    try:
+        device = resolve_device(cfg.device)
+    except StageError as e:  # e.g. a driver too old for this torch: one line, exit 2, like the stages
+        print(f"specq: {e}", file=sys.stderr)
+        return 2
     run = Path(args.run)
     model, tok = load_variant(_model_dir(run, args.config, args.model), device=device, dtype="float32")
     ids = torch.tensor([prompt_ids(tok, PROMPT)], device=device)
