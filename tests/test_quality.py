@@ -216,8 +216,9 @@ def test_benchmarks_and_lm_eval_tasks_through_the_stage_and_gate(tmp_path, tiny_
     assert meta["task_details"]["toy_group"]["subtasks"]["toy_mc_a"]["primary"] == "acc_norm,none"
     q = run / "quality"
     bfcl_recs = [json.loads(line) for line in (q / "noisy" / "bfcl.jsonl").read_text().splitlines()]
-    assert [r["group"] for r in bfcl_recs] == ["simple_python", "multiple", "parallel", "parallel_multiple",
-                                                "irrelevance"] * 2
+    # One look takes the same seeded cluster order as waves do: two items per category, shuffled.
+    assert sorted(r["group"] for r in bfcl_recs) == sorted(["simple_python", "multiple", "parallel",
+                                                            "parallel_multiple", "irrelevance"] * 2)
     assert all(r["metric"] == "accuracy" and set(r["scores"]) == {"accuracy", "decoded"} for r in bfcl_recs)
     code_recs = [json.loads(line) for line in (q / "bf16" / "code.jsonl").read_text().splitlines()]
     assert len(code_recs) == 3 and all(r["metric"] == "pass@1" and r["status"] for r in code_recs)

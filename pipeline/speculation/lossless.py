@@ -12,10 +12,11 @@
   it follows a different (equally greedy) text. So every divergence is judged by a tie rule:
 
   1. The noise: on `TIE_CALIBRATION_PROMPTS` prompts, the target's logits for the plain text are
-     computed three ways: one teacher-forced forward, the engine's one-token steps, and verify
-     forwards of width k + 1 (largest checked k). `logit_noise` is the largest absolute
-     difference between any two of them, over every position and the whole vocabulary: how far
-     the same logit moves between the shapes the engine uses, in this model and dtype.
+     computed in several ways: one teacher-forced forward, the engine's one-token steps, and
+     verify forwards of width k + 1 (each checked k). `logit_noise` is the largest absolute
+     difference between any two of them, over every position's `TIE_TOP_TOKENS` largest logits
+     (the ones that compete for the argmax): how far a logit moves between the shapes the engine
+     uses, in this model and dtype.
   2. The tolerance: two logits can move apart by at most twice that, so `tolerance` =
      2 x logit_noise, and never less than two units of the dtype's resolution at the largest
      logit seen (2 * eps(dtype) * 2^floor(log2 max|logit|)).
@@ -82,6 +83,7 @@ def first_verified_tokens(model, ids: list[int], draft: Draft, sampling: Samplin
 
 
 TIE_CALIBRATION_PROMPTS = 2
+TIE_TOP_TOKENS = 16  # per position, the logits whose movement the noise is measured on
 
 
 def _teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -123,6 +125,9 @@ def tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: lis
             continue
         ways = [_teacher_forced_logits(model, prompt, tokens)]
         ways += [_engine_logits(model, prompt, tokens, w) for w in sorted(set(widths))]
+        # The logits that compete for the argmax: each position's TIE_TOP_TOKENS largest.
+        top = ways[0].topk(min(TIE_TOP_TOKENS, ways[0].shape[-1]), dim=-1).indices
+        ways = [w.gather(-1, top) for w in ways]
         largest = max(largest, float(ways[0].abs().max()))
         for a in range(len(ways)):
             for b in range(a + 1, len(ways)):
@@ -130,9 +135,10 @@ def tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: lis
     floor = 2 * dtype_resolution(dtype, largest)
     return {"dtype": str(dtype).replace("torch.", ""), "logit_noise": noise, "largest_logit": largest,
             "resolution": dtype_resolution(dtype, largest), "tolerance": max(2 * noise, floor),
-            "calibration": f"max |logit difference| over {len(samples)} plain texts between a teacher-forced "
-                           f"forward and engine forwards of width {sorted(set(widths))}; tolerance = "
-                           "max(2 x noise, 2 units of the dtype's resolution at the largest logit)"}
+            "calibration": f"max |logit difference| of each position's {TIE_TOP_TOKENS} largest logits, over "
+                           f"{len(samples)} plain texts, between a teacher-forced forward and engine forwards "
+                           f"of width {sorted(set(widths))}; tolerance = max(2 x noise, 2 units of the dtype's "
+                           "resolution at the largest of those logits)"}
 
 
 @torch.inference_mode()

@@ -219,17 +219,17 @@ def _slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
     wave = qcfg.wave_items
     sequential = bool(wave) and (asked is None or wave < asked)
     if name in BENCHMARKS:
-        blob = benchmark_items(name, n if sequential else asked, seed, tokenizer)
+        blob = benchmark_items(name, n, seed, tokenizer)
     else:
         blob = slice_items(name, asked, qcfg.long_context_lengths)
-    ends = None
-    if sequential:
-        blob, ends = order_items(blob, seed, name, asked or len(blob.splitlines()))
+    # One look or many, the same selection: whole clusters in a seeded order, or, where the
+    # clusters have unequal sizes, one item per cluster (pipeline/quality/waves.py says why).
+    blob, ends = order_items(blob, seed, name, asked or len(blob.splitlines()))
     n_max = len(blob.splitlines())
     if n_max < 1:
         raise StageError(f"quality: slice '{name}' has no items")
-    return blob, {"looks": plan(n_max, wave if sequential else None, ends), "n_max": n_max,
-                  "order": "seeded cluster order" if sequential else "file order"}
+    return blob, {"looks": plan(n_max, wave if sequential else None, ends if sequential else None),
+                  "n_max": n_max, "order": "seeded cluster order"}
 
 
 class Waves:
