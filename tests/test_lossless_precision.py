@@ -39,7 +39,7 @@ def _verdict(tmp_path, greedy: dict) -> str:
     """The gate's speculation verdict for one pair with this greedy check."""
     import json
 
-    from pipeline.gate.decision import speculation
+    from pipeline.gate.speculation import speculation
 
     (tmp_path / "acceptance").mkdir(exist_ok=True)
     (tmp_path / "acceptance" / "v__ngram.json").write_text(

@@ -6,6 +6,8 @@
 Reads `quality/<variant>/<slice>.jsonl` (one line per item and sample), `quality/data/<slice>.jsonl`
 (the prompts, for clustering), `quality/<variant>.json` (distribution metrics) and
 `acceptance/<pair>.json` (`lossless`), and writes `runs/<run>/gate.json` and `gate/table.md`.
+Reading and pairing the item files is pipeline/gate/items.py; the speculation pairs' verdicts,
+pipeline/gate/speculation.py; the sequential looks, pipeline/gate/looks.py.
 How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have the formulas):
 
 1. Per variant and slice, pair the variant's items with the reference's by id (the id sets must be
@@ -44,97 +46,20 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.stage import StageError, progress, read_json, read_jsonl
+from pipeline.core.stage import StageError, progress, read_json
 from pipeline.gate import looks as looks_mod
+from pipeline.gate.items import by_item, item_clusters, pair_items, prompt_hashes, read_items, unscored_slices
+from pipeline.gate.speculation import speculation
 from pipeline.stats import paired as stats, scoring_rules
 
 # gate-check's exit status per decision (2 is bad input): a contract release jobs rely on.
 EXIT_CODES = {"go": 0, "no-go": 1, "inconclusive": 3}
-
-
-# ---------------------------------------------------------------- reading quality items
-
-
-def read_items(path: Path) -> list[dict]:
-    """One slice's JSONL; a bad line is a StageError naming file and line."""
-    rows = read_jsonl(path, "quality items", validate=_quality_item)
-    if not rows:
-        raise StageError(f"empty slice: {path} has no items")
-    return rows
-
-
-def _quality_item(row) -> dict:
-    try:
-        if not isinstance(row, dict) or not math.isfinite(float(row["score"])):
-            raise ValueError
-        row["id"] = str(row["id"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError("is not a quality item with id and a finite score") from None
-    return row
-
-
-def by_item(rows: list[dict]) -> dict[str, dict]:
-    """Collapse repeated samples of one item: mean score, first cluster/prompt/group/probabilities."""
-    out: dict[str, dict] = {}
-    for r in rows:
-        it = out.setdefault(r["id"], {"scores": [], "cluster": r.get("cluster"),
-                                      "prompt_hash": r.get("prompt_hash"),
-                                      "group": r.get("group"), "metric": r.get("metric", "score"),
-                                      "option_probs": r.get("option_probs"), "label": r.get("label")})
-        it["scores"].append(float(r["score"]))
-    for it in out.values():
-        it["score"] = float(np.mean(it["scores"]))
-    return out
-
-
-def pair_items(ref: dict[str, dict], var: dict[str, dict], where: str) -> list[str]:
-    if set(ref) != set(var):
-        only_ref, only_var = sorted(set(ref) - set(var)), sorted(set(var) - set(ref))
-        raise StageError(f"{where}: the variant and the reference scored different items "
-                         f"({len(only_ref)} only in reference e.g. {only_ref[:3]}, {len(only_var)} "
-                         f"only in variant e.g. {only_var[:3]}); re-run quality")
-    return sorted(ref)
-
-
-def prompt_hashes(data_file: Path) -> dict[str, str]:
-    """id -> sha256 of the item's prompt, from the items the quality stage scored (for results
-    written before quality recorded lm-eval's prompt hash); {} when there is no such file."""
-    if not data_file.is_file():
-        return {}
-    return {str(it["id"]): hashlib.sha256(str(it.get("prompt", "")).encode()).hexdigest()
-            for it in read_jsonl(data_file, "quality items") if isinstance(it, dict) and "id" in it}
-
-
-def item_clusters(items: dict[str, dict], ids: list[str], prompts: dict[str, str]) -> np.ndarray:
-    """Cluster codes for `ids`: a shared `cluster` label or a shared prompt puts items together."""
-    labels = [items[i]["cluster"] for i in ids]
-    keys = [items[i]["prompt_hash"] or prompts.get(i) for i in ids]
-    return stats.merge_clusters(len(ids), labels, keys)
-
-
-def unscored_slices(quality: Path, scored: list[str]) -> dict[str, str]:
-    """{slice: why} for what the quality stage was asked to score and did not: a known lm-eval
-    task whose data was not reachable (meta.json's `skipped_tasks`), or a requested slice or task
-    with no results. Each makes every variant's decision inconclusive: a release decision never
-    silently drops a slice. {} without quality/meta.json (results made elsewhere)."""
-    meta_path = quality / "meta.json"
-    if not meta_path.is_file():
-        return {}
-    meta = read_json(meta_path, "quality meta.json")
-    if not isinstance(meta, dict):
-        raise StageError(f"corrupt artifact: {meta_path} is not a JSON object")
-    out = {str(k): f"not scored: {why}" for k, why in (meta.get("skipped_tasks") or {}).items()}
-    for name in list(meta.get("slices") or []) + list(meta.get("tasks") or []):
-        if name not in scored and name not in out:
-            out[str(name)] = "requested, but the reference has no results for it"
-    return out
 
 
 # ---------------------------------------------------------------- estimates per slice
@@ -211,7 +136,7 @@ def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, 
     }
 
 
-# ---------------------------------------------------------------- distribution and speculation
+# ---------------------------------------------------------------- distribution checks
 
 
 def distribution_checks(summary: dict, gcfg) -> dict:
@@ -242,47 +167,6 @@ def _bounds(ci) -> tuple[float | None, float | None]:
     except (TypeError, ValueError):
         return None, None
     return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (None, None)
-
-
-def speculation(run_dir: Path, method: str) -> dict:
-    """Per pair: greedy identical and the sampling test, with the sampling p-values adjusted for
-    the number of pairs (same multiplicity method as the quality cells)."""
-    pairs = {}
-    for path in sorted((run_dir / "acceptance").glob("*__*.json")):
-        doc = read_json(path, "acceptance result")
-        if not isinstance(doc, dict):
-            raise StageError(f"corrupt artifact: {path} is not a JSON object")
-        pairs[path.stem] = {"variant": doc.get("variant"), "draft": doc.get("draft"),
-                            "lossless": doc.get("lossless")}
-    tested = [k for k, v in pairs.items()
-              if isinstance((v["lossless"] or {}).get("sampling"), dict)
-              and v["lossless"]["sampling"].get("p_value") is not None]
-    alpha = min([pairs[k]["lossless"]["sampling"].get("alpha", 0.01) for k in tested] or [0.01])
-    rejected, p_adj = stats.adjusted_p_values([float(pairs[k]["lossless"]["sampling"]["p_value"])
-                                               for k in tested], alpha, method)
-    adj = dict(zip(tested, zip(rejected, p_adj)))
-    for key, pair in pairs.items():
-        loss = pair.pop("lossless") or {}
-        sampling = loss.get("sampling") or {}
-        # Lossless at greedy: identical, or every divergence a near-tie of the dtype
-        # (pipeline/speculation/lossless.py); results written before the tie rule have only identity.
-        greedy = loss.get("greedy_lossless", loss.get("greedy_identical"))
-        pair.update({"greedy_identical": loss.get("greedy_identical"), "greedy_lossless": greedy,
-                     "prompts": loss.get("prompts"), "dtype": loss.get("dtype"),
-                     "mismatches": len(loss.get("mismatches") or []),
-                     "unexplained_mismatches": loss.get("unexplained", len(loss.get("mismatches") or [])),
-                     "tie_tolerance": (loss.get("tie_rule") or {}).get("tolerance"),
-                     "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
-                     "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})
-        if greedy is None and key not in adj:
-            pair["decision"] = "unchecked"
-        elif greedy is False or (key in adj and adj[key][0]):
-            pair["decision"] = "no-go"
-        else:
-            pair["decision"] = "go"
-    decisions = {p["decision"] for p in pairs.values()}
-    overall = "no-go" if "no-go" in decisions else "unchecked" if "unchecked" in decisions or not pairs else "go"
-    return {"decision": overall, "pairs": pairs}
 
 
 # ---------------------------------------------------------------- decisions

@@ -1,0 +1,57 @@
+"""The gate's speculation verdicts: per (variant, draft) pair, lossless or not, judged apart from
+quality (a failing pair is no-go for speculation; it does not change a variant's decision).
+
+    from pipeline.gate.speculation import speculation
+    verdicts = speculation(run_dir, "holm")        # gate.json's `speculation`
+
+Greedy: `greedy_lossless` from acceptance/<pair>.json (identical to plain greedy, or every
+divergence a near-tie of the dtype: pipeline/speculation/lossless.py). Sampling: the chi-square
+p-values, adjusted over the pairs with the quality cells' multiplicity method.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.core.stage import StageError, read_json
+from pipeline.stats import paired as stats
+
+
+def speculation(run_dir: Path, method: str) -> dict:
+    """Per pair: greedy identical and the sampling test, with the sampling p-values adjusted for
+    the number of pairs (same multiplicity method as the quality cells)."""
+    pairs = {}
+    for path in sorted((run_dir / "acceptance").glob("*__*.json")):
+        doc = read_json(path, "acceptance result")
+        if not isinstance(doc, dict):
+            raise StageError(f"corrupt artifact: {path} is not a JSON object")
+        pairs[path.stem] = {"variant": doc.get("variant"), "draft": doc.get("draft"),
+                            "lossless": doc.get("lossless")}
+    tested = [k for k, v in pairs.items()
+              if isinstance((v["lossless"] or {}).get("sampling"), dict)
+              and v["lossless"]["sampling"].get("p_value") is not None]
+    alpha = min([pairs[k]["lossless"]["sampling"].get("alpha", 0.01) for k in tested] or [0.01])
+    rejected, p_adj = stats.adjusted_p_values([float(pairs[k]["lossless"]["sampling"]["p_value"])
+                                               for k in tested], alpha, method)
+    adj = dict(zip(tested, zip(rejected, p_adj)))
+    for key, pair in pairs.items():
+        loss = pair.pop("lossless") or {}
+        sampling = loss.get("sampling") or {}
+        # Lossless at greedy: identical, or every divergence a near-tie of the dtype
+        # (pipeline/speculation/lossless.py); results written before the tie rule have only identity.
+        greedy = loss.get("greedy_lossless", loss.get("greedy_identical"))
+        pair.update({"greedy_identical": loss.get("greedy_identical"), "greedy_lossless": greedy,
+                     "prompts": loss.get("prompts"), "dtype": loss.get("dtype"),
+                     "mismatches": len(loss.get("mismatches") or []),
+                     "unexplained_mismatches": loss.get("unexplained", len(loss.get("mismatches") or [])),
+                     "tie_tolerance": (loss.get("tie_rule") or {}).get("tolerance"),
+                     "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
+                     "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})
+        if greedy is None and key not in adj:
+            pair["decision"] = "unchecked"
+        elif greedy is False or (key in adj and adj[key][0]):
+            pair["decision"] = "no-go"
+        else:
+            pair["decision"] = "go"
+    decisions = {p["decision"] for p in pairs.values()}
+    overall = "no-go" if "no-go" in decisions else "unchecked" if "unchecked" in decisions or not pairs else "go"
+    return {"decision": overall, "pairs": pairs}
