@@ -46,6 +46,7 @@ from pipeline.decode.drafts import Draft
 from pipeline.decode.engine import generate, speculative_step
 from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
 from pipeline.decode.timing import Timer
+from pipeline.speculation.teacher_forced import last_logits
 
 
 def two_sample_chi2(a: list[int], b: list[int]) -> float:
@@ -90,8 +91,7 @@ def _teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> torch
     """float32 logits [n, V]: row j is the target's prediction of tokens[j] from prompt +
     tokens[:j], in one forward without a cache (the first row is the prefill's own position)."""
     device = next(hf_model(model).parameters()).device
-    ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=device)
-    return hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=len(tokens)).logits[0].float()
+    return last_logits(model, torch.tensor([list(prompt) + list(tokens[:-1])], device=device), len(tokens))
 
 
 def _engine_logits(model, prompt: list[int], tokens: list[int], width: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from pipeline.decode.sampling import SamplingParams, logits_to_probs
 from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows
 
 
-def _logits(model, ids: torch.Tensor, rows: int) -> torch.Tensor:
+def last_logits(model, ids: torch.Tensor, rows: int) -> torch.Tensor:
     """ids: [1, L] -> float32 logits [rows, V] of the last `rows` positions (no KV cache)."""
     out = hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=rows)
     return out.logits[0, -rows:].float()
@@ -44,11 +44,11 @@ def score_text(model, draft, prompt_ids: list[int], tokens: list[int], sampling:
     device = next(hf_model(model).parameters()).device
     seq = torch.tensor([list(prompt_ids) + list(tokens[:-1])], device=device)  # [1, T + n - 1]
     x = torch.tensor(tokens[1:], device=device)  # [n-1]: the tokens rounds emitted
-    p = logits_to_probs(_logits(model, seq, n - 1), sampling)  # [n-1, V]: row t-1 predicts x_t
+    p = logits_to_probs(last_logits(model, seq, n - 1), sampling)  # [n-1, V]: row t-1 predicts x_t
     rows = torch.arange(n - 1, device=device)
     px = p[rows, x]
     if isinstance(draft, ModelDraft):
-        q = draft.probs(_logits(draft.model, seq, n - 1), sampling)  # [n-1, V]
+        q = draft.probs(last_logits(draft.model, seq, n - 1), sampling)  # [n-1, V]
         qx = q[rows, x]
         # p_t(x_t) > 0 for an emitted token in exact arithmetic; the clamp only guards rounding.
         a = torch.clamp(qx / px.clamp_min(1e-30), max=1.0)
