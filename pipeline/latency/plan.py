@@ -77,8 +77,13 @@ def compile_session(lat, device):
     why = why_not_compiled(lat, device)
     if why is not None:
         return None, not_compiled(why)
-    backend = "inductor" if lat.compile_backend == "auto" else lat.compile_backend
+    backend = _backend(lat)
     return CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None), None
+
+
+def _backend(lat) -> str:
+    """The torch.compile backend the config asks for (auto: inductor, with CUDA graphs)."""
+    return "inductor" if lat.compile_backend == "auto" else lat.compile_backend
 
 
 def why_not_compiled(lat, device) -> str | None:
@@ -101,8 +106,7 @@ def _shape(model, weight_bytes: int) -> ModelShape:
 def uses_cuda_graphs(lat, device) -> bool:
     """Whether the steps will be captured as CUDA graphs (compile_session's inductor +
     "reduce-overhead" on CUDA), whose memory pool the plan must count."""
-    return why_not_compiled(lat, device) is None and device.type == "cuda" and \
-        (lat.compile_backend in ("auto", "inductor"))
+    return why_not_compiled(lat, device) is None and device.type == "cuda" and _backend(lat) == "inductor"
 
 
 def _attention(model) -> str:
