@@ -72,13 +72,22 @@ def serving_plot(report: dict, dpi: int) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     fig.suptitle(f"{report['variant']} / {report['draft']}: simulated server, max batch "
-                 f"{sv['workload']['max_batch']}, {sv['workload']['prompt_tokens']} prompt + "
-                 f"{sv['workload']['output_tokens']} output tokens", fontsize=10)
+                 f"{sv['workload']['max_batch']}, {lengths_phrase(sv)}", fontsize=10)
     fig.tight_layout()
     return png_bytes(fig, dpi)
 
 
 # ---------------------------------------------------------------- text
+
+
+def lengths_phrase(sv: dict) -> str:
+    """The simulated requests' lengths in a few words: fixed, or drawn from the workload (issue #28)."""
+    w = sv["workload"]
+    if sv.get("lengths") == "workload":
+        return (f"lengths drawn from workload {w.get('name')!r} (mean {number(w['prompt_tokens_mean'], 0)} prompt + "
+                f"{number(w['output_tokens_mean'], 0)} output tokens)")
+    return f"{w['prompt_tokens']} prompt + {w['output_tokens']} output tokens (fixed)"
+
 
 
 def speedup_matrix(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -210,7 +219,8 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
             json.dumps(cfg["vllm_speculative_config"]), "```", "",
             f"![speedup vs batch size]({batch_png})", "", "## What pays at a request rate (simulated)", ""]
     out += [f"- {line}" for line in crossover_lines(report)]
-    out += ["", f"Plain server capacity at full batch: {number(sv['plain_capacity_rps'], 3)} req/s. Assumptions:", ""]
+    out += ["", f"Requests: {lengths_phrase(sv)}; {sv.get('lengths_source') or 'fixed lengths'}.", "",
+            f"Plain server capacity at full batch: {number(sv['plain_capacity_rps'], 3)} req/s. Assumptions:", ""]
     out += [f"{i + 1}. {a}" for i, a in enumerate(sv["assumptions"])]
     out += ["", f"![simulated server]({serving_png})", "", "### The simulation against a measured closed loop", "",
             f"Validation: {'agrees' if sv.get('validation_agrees') else 'does NOT agree everywhere'} "
@@ -248,7 +258,8 @@ def batching_blocks(run_dir: Path, figures: dict[str, bytes]) -> list[tuple]:
                 figures[f"{suffix}-{pair}.png"] = png.read_bytes()
                 out.append(("img", f"{suffix}-{pair}.png", caption, "wide"))
         sv = m["serving"]
-        out += [("p", "Crossover: " + "; ".join(crossover_lines(m)) + "."),
+        out += [("p", f"Simulated requests: {lengths_phrase(sv)}."),
+                ("p", "Crossover: " + "; ".join(crossover_lines(m)) + "."),
                 ("p", "Model assumptions: " + " ".join(f"({i + 1}) {a}" for i, a in enumerate(sv["assumptions"]))),
                 ("p", "Check against a real closed loop (the engine, waves of B requests, plain and speculative "
                       f"interleaved): {'agrees' if sv.get('validation_agrees') else 'does NOT agree everywhere'} "

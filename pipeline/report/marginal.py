@@ -29,6 +29,7 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
     out.append(f"Device: {report.get('device') or 'unknown'}. Acceptance: slice `{p['slice']}`, "
                f"temperature {_temp_label(p['temperature'])}. All intervals are {conf}% bootstrap CIs "
                f"({report.get('ci_unit', 'timing repeats')}).")
+    out.append(workload_line(report))
     out.append("")
     out.append(f"Plain decoding of `{v}`: **{number(base, 2)} ms/token** {interval(base_ci, 2)}.")
     if rec:
@@ -117,26 +118,65 @@ def _direct_section(report: dict) -> list[str]:
     return out + [""]
 
 
-def _slice_section(report: dict) -> list[str]:
+def workload_line(report: dict) -> str:
+    """One sentence naming the workload the acceptance prompts came from (issue #28)."""
+    w = report.get("workload")
+    if not w:
+        return ("Workload: not recorded (" + (report.get("workload_note") or "acceptance artifact without a "
+                                                "workload block") + ").")
+    skipped, short, cut = w.get("skipped_too_long"), w.get("skipped_too_short"), w.get("cut")
+    extra = "".join([f", {skipped} skipped as too long" if skipped is not None else "",
+                     f", {short} skipped as too short" if short else "", f", {cut} cut" if cut else ""])
+    cats = w.get("categories") or []
+    return (f"Workload: `{w.get('name')}` ({w.get('n_prompts')} prompts in {len(cats)} categories"
+            f"{extra}; seed {w.get('seed')}; source: {w.get('source')}).")
+
+
+def category_rows(report: dict) -> list[list[str]]:
+    """One row per (category, temperature), the pooled slice "all" first: prompts, recommended k,
+    whether it is settled, E[tokens/round] and speedup at k (or at the best k when k = 0) with CIs,
+    and E at every k."""
     slices = report.get("slices") or {}
-    if not slices:
-        return []
-    out = ["## Per slice and temperature", "",
-           "Same round times, each slice's own acceptance: k can differ between, say, code and chat.",
-           "", "| slice | temperature | recommended k | E[tokens/round] at k=1..k_max | best ms/token (k) "
-           "| speedup at recommended k |", "|---|---|---:|---|---:|---:|"]
-    for s in sorted(slices, key=lambda s: (s != "all", s)):
-        for t in sorted(slices[s], key=float):
+    cats = dict(report.get("recommended_k_by_category") or {})
+    out = []
+    names = list(cats) or sorted(x for x in slices if x != "all")  # an old JSON: every slice, no verdict
+    for s in (["all"] if "all" in slices else []) + names:
+        for t in sorted(slices.get(s, {}), key=float):
             tab = slices[s][t]
-            rows = tab["rows"]
-            rec = tab["recommended_k"]
-            best = min(rows, key=lambda r: r["ms_per_token"])
-            e = ", ".join(number(r["tokens_per_round"], 2) for r in rows)
-            sp = MISSING if not rec else next(f"{number(r['speedup'], 2)}x {interval(r['speedup_ci'], 2)}"
-                                          for r in rows if r["k"] == rec)
-            out.append(f"| {s} | {_temp_label(t)} | {rec} | {e} | {number(best['ms_per_token'], 2)} "
-                       f"({best['k']}) | {sp} |")
-    return out + [""]
+            e = cats.get(s, {}).get(t)
+            if e is None:  # the pooled slice (or an old JSON): its table's own recommendation
+                e = {"k": tab["recommended_k"], "n_prompts": tab.get("prompts"), "verdict": "", "settled": None}
+                at = next((r for r in tab["rows"] if r["k"] == e["k"]), None) or min(
+                    tab["rows"], key=lambda r: r["ms_per_token"])
+                e.update(at_k=at["k"], tokens_per_round=at["tokens_per_round"],
+                         tokens_per_round_ci=at["tokens_per_round_ci"], speedup=at["speedup"],
+                         speedup_ci=at["speedup_ci"])
+            shown = "" if e["at_k"] == e["k"] else f" (best k = {e['at_k']})"
+            notes = "; ".join(x for x in (e.get("verdict"), "few prompts" if e.get("few_prompts") else "") if x)
+            settled = {True: "yes", False: "no", None: MISSING}[e.get("settled")] + (f" ({notes})" if notes else "")
+            out.append([s, _temp_label(t), str(e.get("n_prompts", MISSING)), str(e["k"]), settled,
+                        f"{number(e['tokens_per_round'], 2)} {interval(e['tokens_per_round_ci'], 2)}{shown}",
+                        f"{number(e['speedup'], 2)}x {interval(e['speedup_ci'], 2)}{shown}",
+                        ", ".join(number(r["tokens_per_round"], 2) for r in tab["rows"])])
+    return out
+
+
+CATEGORY_HEADER = ["category", "temperature", "prompts", "recommended k", "settled", "E[tokens/round] at k [CI]",
+                   "speedup at k [CI]", "E[tokens/round] at k=1..k_max"]
+
+
+def _slice_section(report: dict) -> list[str]:
+    rows = category_rows(report)
+    if not rows:
+        return []
+    out = ["## k per category", "", workload_line(report), "",
+           "Same round times, each category's own acceptance (`recommended_k_by_category`): prompt lookup can "
+           "pay where the output copies the input and not on open chat. Where the recommended k is 0 the "
+           "E[tokens/round] and speedup columns are at the best k, marked.", "",
+           "| " + " | ".join(CATEGORY_HEADER) + " |", "|---|---|---:|---:|---|---:|---:|---|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    rule = report.get("category_rule")
+    return out + (["", rule] if rule else []) + [""]
 
 
 def _position_section(report: dict) -> list[str]:

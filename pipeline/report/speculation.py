@@ -1,5 +1,6 @@
 """The report's speculation section: per (variant, draft) pair, whether speculation is lossless,
-the recommended draft length k and its speed, and each pair's figures.
+the recommended draft length k and its speed, the workload and k per category (issue #28), and
+each pair's figures.
 
     from pipeline.report.speculation import speculation_blocks
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
@@ -15,6 +16,7 @@ from pipeline.report.document import Block
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number
 from pipeline.report.inputs import json_files
+from pipeline.report.marginal import CATEGORY_HEADER, category_rows, workload_line
 
 
 def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
@@ -111,6 +113,11 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
                        "E[tokens/round] at k", "plain ms/token"], rows, classes)]
     for pair in pairs:
         out.append(("h3", pair))
+        m = marginal.get(pair)
+        if m and category_rows(m):  # issue #28: the workload, and k per category with CIs
+            out += [("p", workload_line(m) + " k per category: RULE on each category's own prompts; where k = 0 "
+                          "the figures are at the best k, and 'settled' says whether the CIs decide it."),
+                    ("table", CATEGORY_HEADER, category_rows(m), None)]
         if pair in acceptance:
             png = acceptance_plot(pair, acceptance[pair], dpi)
             if png:

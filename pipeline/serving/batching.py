@@ -7,6 +7,13 @@ For a pair with `latency/batched/<pair>.json`, `batching_report` returns the key
 JSON gets beside `recommended_k`: `recommended_k_by_batch`, `speculative_config_by_batch`,
 `by_batch` (pipeline/serving/batch_k.py) and `serving`:
 
+- Request lengths (issue #28): where the acceptance JSON names its workload, each simulated
+  request draws a (prompt, output) length pair from the workload's prompts under the run's seed
+  (pipeline/serving/lengths.py: the reference reply's length, or the target's own output in the
+  acceptance stage when the workload has none); `serving.lengths` is "workload" or "fixed"
+  (serving.prompt_tokens, serving.output_tokens, for an acceptance JSON without a workload
+  block) and `serving.lengths_source` says where they came from. The closed-loop check keeps the
+  lengths the latency stage measured at.
 - `sweep`: open-loop Poisson rates (serving.rates, or serving.rate_points rates up to
   serving.max_load x the plain server's full-batch capacity), serving.seeds runs of
   serving.requests requests per rate and policy, the same arrival times and acceptance draws for
@@ -44,8 +51,8 @@ import numpy as np
 
 from pipeline.latency.modes import comparable
 from pipeline.serving.batch_k import by_batch_section, prefix_rates
-from pipeline.serving.simulation import (ASSUMPTIONS, CostModel, Request, crossover, open_loop, plain_capacity_rps,
-                                         simulate, summarize, table_policy)
+from pipeline.serving.simulation import (LENGTHS_FIXED, CostModel, Request, assumptions, crossover, open_loop,
+                                         plain_capacity_rps, simulate, summarize, table_policy)
 from pipeline.stats.intervals import percentile_bootstrap, percentile_interval
 
 
@@ -56,8 +63,13 @@ def _policies(fixed_k: int, by_batch: dict[int, int]) -> dict[str, tuple]:
             "per-batch k": (table_policy(by_batch), table_on)}
 
 
-def sweep(costs: CostModel, policies: dict, serving, seed: int) -> dict:
-    cap = plain_capacity_rps(costs, serving.prompt_tokens, serving.output_tokens)
+def sweep(costs: CostModel, policies: dict, serving, seed: int, pairs: list | None = None) -> dict:
+    """pairs: the workload's (prompt, output) lengths each request draws from (None: fixed lengths)."""
+    if pairs:
+        mean_prompt, mean_output = np.asarray(pairs, dtype=float).mean(axis=0)
+    else:
+        mean_prompt, mean_output = serving.prompt_tokens, serving.output_tokens
+    cap = plain_capacity_rps(costs, mean_prompt, mean_output)
     rates = list(serving.rates) or [float(cap * f) for f in np.linspace(0.05, serving.max_load, serving.rate_points)]
     rows = []
     for ri, rate in enumerate(rates):
@@ -66,7 +78,7 @@ def sweep(costs: CostModel, policies: dict, serving, seed: int) -> dict:
             pooled, goodput = [], []
             for s in range(serving.seeds):
                 reqs = open_loop(rate, serving.requests, serving.prompt_tokens, serving.output_tokens,
-                                 np.random.default_rng([seed, ri, s]))
+                                 np.random.default_rng([seed, ri, s]), lengths=pairs or None)
                 done = simulate(costs, policy, reqs, np.random.default_rng([seed, ri, s, 1]), spec)
                 pooled += done
                 goodput.append(summarize(done, serving.slo_ttft_ms, serving.slo_tpot_ms)["goodput_rps"])
@@ -229,8 +241,11 @@ def _cost_sources(grid: dict, batched: dict) -> dict:
 
 
 def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: dict, serving, confidence: float,
-                    seed: int = 0) -> dict:
-    """The keys the marginal JSON gets for one pair (module docstring)."""
+                    seed: int = 0, lengths: dict | None = None) -> dict:
+    """The keys the marginal JSON gets for one pair (module docstring). lengths: what
+    pipeline/serving/lengths.py request_lengths returns for the pair (None: fixed lengths)."""
+    lengths = lengths or {"lengths": "fixed", "pairs": None, "source": None}
+    pairs = lengths.get("pairs") if lengths.get("lengths") == "workload" else None
     section = by_batch_section(acceptance_slice, batched, confidence, seed)
     rows = section["by_batch"]["rows"]
     by_batch = {int(b): k for b, k in section["recommended_k_by_batch"].items()}
@@ -250,7 +265,7 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
     costs = CostModel.from_artifacts(grid, batched, prefix, accept_by_k=accept_by_k, accept_by_batch=accept_by_batch,
                                      width_by_batch=width_by_batch)
     policies = _policies(fixed_k, by_batch)
-    result = sweep(costs, policies, serving, seed)
+    result = sweep(costs, policies, serving, seed, pairs)
     val = validate(grid, batched, prefix, serving.validation_resamples, confidence, seed, accept_by_k, accept_by_batch,
                    width_by_batch)
     section["serving"] = {
@@ -260,9 +275,20 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
                      "per-batch k": f"recommended_k_by_batch {section['recommended_k_by_batch']}"},
         "fixed_k": fixed_k,
         "slo": {"ttft_ms": serving.slo_ttft_ms, "tpot_ms": serving.slo_tpot_ms},
-        "workload": {"prompt_tokens": serving.prompt_tokens, "output_tokens": serving.output_tokens,
+        "lengths": "workload" if pairs else "fixed",
+        "lengths_source": lengths.get("source") or LENGTHS_FIXED,
+        "workload": {**({"name": lengths.get("workload"), "pairs": len(pairs),
+                         "prompt_tokens_mean": lengths["mean_prompt_tokens"],
+                         "output_tokens_mean": lengths["mean_output_tokens"],
+                         "prompt_tokens_range": [min(p for p, _ in pairs), max(p for p, _ in pairs)],
+                         "output_tokens_range": [min(o for _, o in pairs), max(o for _, o in pairs)],
+                         "without_lengths": lengths.get("without_lengths", 0),
+                         "outputs_raised_to_two": lengths.get("outputs_raised_to_two", 0)} if pairs else
+                        {"prompt_tokens": serving.prompt_tokens, "output_tokens": serving.output_tokens}),
                      "requests_per_run": serving.requests, "runs_per_rate": serving.seeds,
                      "max_batch": costs.max_batch},
+        "validation_lengths": "the closed loop's own: each wave's prompt length and the latency stage's new_tokens, "
+                              "as measured (not the workload's)",
         "acceptance": {"accept_pmf": costs.accept_pmf.tolist(),
                        "accept_pmf_by_k": {str(k): list(map(float, v)) for k, v in (accept_by_k or {}).items()},
                        "accept_pmf_by_batch": {str(b): {str(k): list(map(float, v)) for k, v in (by_k or {}).items()}
@@ -274,7 +300,7 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
                                 ("the acceptance round chain's per-round distribution at that k" if accept_by_k
                                  else "the k_max rounds' distribution clipped at k (acceptance JSON without "
                                       "accepted_distribution)")},
-        "assumptions": ASSUMPTIONS,
+        "assumptions": assumptions(lengths.get("source") if pairs else None),
         "validation": val,
         # The gated check: TPOT with each wave's rounds replayed (cost model + scheduler), family-wise
         # over the pair's rows; `validation_agrees_each_row` is the per-row rule at `confidence`.

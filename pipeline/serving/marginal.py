@@ -22,6 +22,13 @@ cost growing with k or per-round overhead is what the model leaves out.
 
 Intervals resample the acceptance prompts and the timing repeats independently (percentile).
 
+Per category (issue #28): `recommended_k_by_category` gives, for every category of the workload
+(the acceptance slices other than "all") and temperature, the recommended k by RULE on that
+slice's own table, with E(k) and speedup at it and CIs, and whether the data settle it
+(CATEGORY_RULE). `workload` names what the acceptance prompts were (the acceptance JSON's
+"workload" block without its per-prompt list; None for an artifact made before workloads, which
+ran the built-in prompts).
+
 Like with like in run mode too (issue #24): each row's speedup is plain over speculative time,
 so each row carries whether the latency stage ran both sides the same way (compiled, eager, ...;
 `like_with_like`, with both modes when false: pipeline/latency/modes.py). A flagged row is
@@ -43,6 +50,18 @@ RULE = (
     "recommended_k = 0 (do not speculate) when no k beats plain decoding. A k whose speculative and "
     "plain timings did not run the same way (compiled vs eager, a fallback kernel; like_with_like false) "
     "is never recommended."
+)
+
+
+CATEGORY_RULE = (
+    "Per category and temperature, recommended k is RULE on that category's own prompts (the same round "
+    "times). It is settled when the data decide: k > 0 (its speedup CI lies above 1 by RULE), or k = 0 "
+    "with every k's speedup CI below 1 (speculating is measurably slower). Otherwise (k = 0 because the "
+    "best k's speedup CI contains 1) the recommendation stays k = 0, since nothing shows that speculating "
+    "pays, but it is marked settled: false, verdict 'inconclusive': more prompts in that category could go "
+    "either way. A category the acceptance stage flags as having too few prompts (few_prompts) is never "
+    "settled, whatever its CI says, since a bootstrap over a handful of prompts is too narrow. The figures "
+    "are given at `at_k`: the recommended k, or the best (lowest ms/token) k when that is 0."
 )
 
 
@@ -223,6 +242,56 @@ def recommend_k(rows: list[dict]) -> int:
     return best
 
 
+def category_entry(table: dict, acc: dict) -> dict:
+    """One category's recommendation at one temperature (CATEGORY_RULE). table: marginal_table's
+    result for the slice; acc: the acceptance slice block (for its `few_prompts` flag)."""
+    rows = table["rows"]
+    rec = table["recommended_k"]
+    usable = [r for r in rows if comparable(r)]
+    best = min(usable or rows, key=lambda r: (r["ms_per_token"], r["k"]))
+    at = next(r for r in rows if r["k"] == (rec or best["k"]))
+    few = acc.get("few_prompts")
+    if rec:
+        verdict, settled, reason = "speculate", True, f"k = {rec}: speedup CI above 1"
+    elif usable and all(r["speedup_ci"][1] < 1.0 for r in usable):
+        verdict, settled, reason = "do not speculate", True, "every k's speedup CI lies below 1"
+    elif not usable:
+        verdict, settled, reason = "inconclusive", False, "no k ran like with like with plain decoding"
+    else:
+        verdict, settled = "inconclusive", False
+        reason = (f"best k = {best['k']}: speedup CI [{best['speedup_ci'][0]:.3g}, {best['speedup_ci'][1]:.3g}] "
+                  "contains 1")
+    if few:
+        settled = False
+        reason += "; too few prompts in this category for its interval to be trusted (few_prompts)"
+    out = {"k": rec, "settled": settled, "verdict": verdict, "reason": reason, "at_k": at["k"],
+           "best_k": best["k"], "tokens_per_round": at["tokens_per_round"],
+           "tokens_per_round_ci": at["tokens_per_round_ci"], "speedup": at["speedup"],
+           "speedup_ci": at["speedup_ci"], "ms_per_token": at["ms_per_token"],
+           "ms_per_token_ci": at["ms_per_token_ci"], "n_prompts": table["prompts"]}
+    for key in ("few_prompts", "min_prompts"):  # the acceptance stage's flag for a thin slice, carried
+        if key in acc:
+            out[key] = acc[key]
+    return out
+
+
+def by_category(tables: dict[str, dict[str, dict]], slices: dict, categories: list[str] | None) -> dict:
+    """{category: {temperature: category_entry}} for every acceptance slice but "all", in the
+    workload's category order where it is known (then any other slice, sorted)."""
+    names = [c for c in (categories or []) if c in tables and c != "all"]
+    names += sorted(s for s in tables if s != "all" and s not in names)
+    return {c: {t: category_entry(tables[c][t], slices[c][t]) for t in sorted(tables[c], key=float)}
+            for c in names}
+
+
+def workload_brief(acceptance: dict) -> dict | None:
+    """The acceptance JSON's "workload" block without its per-prompt list (None when absent)."""
+    w = acceptance.get("workload")
+    if not isinstance(w, dict):
+        return None
+    return {k: v for k, v in w.items() if k != "prompts"}
+
+
 # ---------------------------------------------------------------- joining the artifacts
 
 
@@ -269,6 +338,13 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> di
         **primary,
         "rule": RULE,
         "slices": tables,
+        # Issue #28: k per category, and the workload the acceptance prompts came from.
+        "recommended_k_by_category": by_category(tables, slices, (acceptance.get("workload") or {}).get("categories")),
+        "category_rule": CATEGORY_RULE,
+        "workload": workload_brief(acceptance),
+        "workload_note": (None if isinstance(acceptance.get("workload"), dict) else
+                          "the acceptance artifact has no workload block (made before issue 28): its prompts "
+                          "are the built-in ones, and the serving simulation uses fixed lengths"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
         "latency_new_tokens": latency.get("new_tokens"),

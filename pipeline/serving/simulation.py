@@ -4,6 +4,7 @@ only by measured step costs.
     from pipeline.serving.simulation import CostModel, simulate, open_loop
     costs = CostModel.from_artifacts(grid_json, batched_json, prefix)   # latency + acceptance
     done = simulate(costs, policy=lambda b: 2, requests=open_loop(rate, 200, 128, 64, rng), ...)
+    open_loop(rate, 200, 128, 64, rng, lengths=[[p, o], ...])   # lengths drawn from a workload
 
 The marginal stage runs it (pipeline/serving/batching.py): a sweep of open-loop Poisson rates up to past
 saturation, plain vs speculative at a fixed k vs the per-batch k table, and a check against the
@@ -19,6 +20,9 @@ import numpy as np
 from scipy.interpolate import RegularGridInterpolator
 
 from pipeline.serving.marginal import by_drafted_matrix
+
+LENGTHS_FIXED = ("Fixed prompt and output lengths (serving.prompt_tokens, serving.output_tokens): the acceptance "
+                 "JSON names no workload to draw them from.")
 
 ASSUMPTIONS = [
     "One model instance with iteration-level scheduling: between steps, waiting requests join the running "
@@ -40,9 +44,22 @@ ASSUMPTIONS = [
     "batch mid-way are taken to accept like rows that started together. Where the acceptance JSON has no "
     "chain at b, each row's count is drawn independently from the B = 1 distribution (stated in "
     "serving.acceptance). Near a request's end k shrinks so no row overshoots.",
-    "Fixed prompt and output lengths; open-loop Poisson arrivals; a round's tokens reach the client when "
-    "the round ends; no preemption, no memory limit, no network.",
+    LENGTHS_FIXED + " Open-loop Poisson arrivals; a round's tokens reach the client when the round ends; no "
+    "preemption, no memory limit, no network.",
 ]
+
+
+def assumptions(lengths_source: str | None = None) -> list[str]:
+    """ASSUMPTIONS with the lengths sentence of the run: fixed (None), or where the workload's
+    lengths came from (pipeline/serving/lengths.py request_lengths' `source`)."""
+    if lengths_source is None:
+        return list(ASSUMPTIONS)
+    return ASSUMPTIONS[:-1] + [
+        f"Request lengths from the workload, one pair per request: {lengths_source}; as vLLM's serving "
+        "benchmark draws ShareGPT's first turn and first reply. Lengths and acceptance are drawn independently: every "
+        "request accepts like the pooled acceptance slice, whatever its category. The closed-loop check below "
+        "keeps the lengths the latency stage measured at. Open-loop Poisson arrivals; a round's tokens reach the "
+        "client when the round ends; no preemption, no memory limit, no network."]
 
 
 def _axis(values) -> tuple[np.ndarray, bool]:
@@ -263,10 +280,18 @@ class Request:
         return (self.finish - self.first) / (self.output - 1) if self.output > 1 else float("nan")
 
 
-def open_loop(rate_per_s: float, n: int, prompt: int, output: int, rng: np.random.Generator) -> list[Request]:
-    """n requests with Poisson arrivals at `rate_per_s` (exponential gaps), times in ms."""
+def open_loop(rate_per_s: float, n: int, prompt: int, output: int, rng: np.random.Generator,
+              lengths: np.ndarray | list | None = None) -> list[Request]:
+    """n requests with Poisson arrivals at `rate_per_s` (exponential gaps), times in ms. With
+    `lengths` ([N, 2] (prompt, output) pairs) each request draws one pair, with replacement, after
+    the arrival times (so the times are the fixed-length run's under the same rng); else every
+    request has `prompt` and `output` tokens."""
     times = np.cumsum(rng.exponential(1e3 / rate_per_s, n))
-    return [Request(float(t), prompt, output) for t in times]
+    if lengths is None:
+        return [Request(float(t), prompt, output) for t in times]
+    pairs = np.asarray(lengths, dtype=int).reshape(-1, 2)
+    pick = pairs[rng.integers(0, len(pairs), n)]
+    return [Request(float(t), int(p), int(o)) for t, (p, o) in zip(times, pick)]
 
 
 def simulate(costs: CostModel, policy: Callable[[int], int], requests: list[Request], rng: np.random.Generator,
@@ -349,8 +374,10 @@ def table_policy(by_batch: dict[int, int]) -> Callable[[int], int]:
     return k_for
 
 
-def plain_capacity_rps(costs: CostModel, prompt: int, output: int) -> float:
-    """Requests/s a plain server sustains with its batch always full (prefill + decode of a full batch)."""
+def plain_capacity_rps(costs: CostModel, prompt: float, output: float) -> float:
+    """Requests/s a plain server sustains with its batch always full (prefill + decode of a full batch);
+    with lengths drawn from a workload, at its mean prompt and output lengths (the scale of the rate
+    sweep, not a bound)."""
     b = costs.max_batch
     per_batch_ms = costs.prefill(b, prompt, False) + (output - 1) * costs.plain_step(b, prompt + output / 2)
     return b * 1e3 / per_batch_ms

@@ -6,7 +6,10 @@ For every (target variant, draft) pair: join `acceptance/<pair>.json` with `late
 into the marginal-cost table and the recommended k (pipeline/serving/marginal.py); where the
 latency stage timed the pair under batching (`latency/batched/<pair>.json`), add k per batch
 size, the vLLM table and the serving simulation with its validation (pipeline/serving/batching.py);
-write `marginal/<pair>.json`, `.md`, `.png` and the batching figures (pipeline/report/).
+write `marginal/<pair>.json`, `.md`, `.png` and the batching figures (pipeline/report/). The
+JSON carries k per category (`recommended_k_by_category`) and names the acceptance workload; the
+serving simulation draws its request lengths from that workload (pipeline/serving/lengths.py), or
+keeps fixed ones for an acceptance JSON made before workloads, and says which.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, pr
 from pipeline.report.batching import batch_markdown, serving_plot, speedup_plot
 from pipeline.report.marginal import write_markdown, write_plot
 from pipeline.serving.batching import batching_report
+from pipeline.serving.lengths import request_lengths
 from pipeline.serving.marginal import pair_report
 
 
@@ -45,13 +49,22 @@ def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict) 
         return ""
     p = report["primary"]
     acc_slice = acceptance["slices"][p["slice"]][p["temperature"]]
+    lengths = request_lengths(acceptance, p["slice"], p["temperature"])
+    if lengths["lengths"] == "fixed":
+        progress(f"marginal: {pair}: serving simulation at fixed lengths ({lengths['source']})")
     report.update(batching_report(report, acc_slice, read_json(batched_path, "batched latency"),
                                   read_json(grid_path, "latency grid"), ctx.config.serving, report["confidence"],
-                                  ctx.config.seed))
+                                  ctx.config.seed, lengths))
     dpi = ctx.config.report.dpi
     atomic_write_bytes(ctx.out_dir / f"{pair}.batch.png", speedup_plot(report, dpi))
     atomic_write_bytes(ctx.out_dir / f"{pair}.serving.png", serving_plot(report, dpi))
     return batch_markdown(report, f"{pair}.batch.png", f"{pair}.serving.png")
+
+
+def _k_by_category(report: dict) -> dict | None:
+    """{category: {temperature: k}} from a marginal JSON (None for one made before categories)."""
+    cats = report.get("recommended_k_by_category")
+    return None if cats is None else {c: {t: e["k"] for t, e in temps.items()} for c, temps in cats.items()}
 
 
 def run(ctx: StageContext) -> None:
@@ -64,7 +77,7 @@ def run(ctx: StageContext) -> None:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
     confidence = ctx.config.marginal.confidence
-    recommended, by_batch = {}, {}
+    recommended, by_batch, by_category = {}, {}, {}
     for pair, acc_path in acc_files.items():
         item = ctx.item(f"{pair}.json", {"acceptance": sha256_file(acc_path),
                                           "latency": sha256_file(lat_files[pair]),
@@ -73,6 +86,7 @@ def run(ctx: StageContext) -> None:
         if item.fresh:
             recommended[pair] = item.meta.get("recommended_k")
             by_batch[pair] = item.meta.get("recommended_k_by_batch")
+            by_category[pair] = _k_by_category(item.meta)
             continue
         acc = read_json(acc_path, "acceptance artifact")
         report = pair_report(acc, read_json(lat_files[pair], "latency artifact"), confidence)
@@ -83,7 +97,11 @@ def run(ctx: StageContext) -> None:
         item.write_json(report)
         recommended[pair] = report["recommended_k"]
         by_batch[pair] = report.get("recommended_k_by_batch")
+        by_category[pair] = _k_by_category(report)
         progress(f"marginal: {pair}: recommended k = {report['recommended_k']}, by batch size "
-                 f"{report.get('recommended_k_by_batch')}")
+                 f"{report.get('recommended_k_by_batch')}, by category {by_category[pair]}")
+        if report.get("workload_note"):
+            progress(f"marginal: {pair}: {report['workload_note']}")
     ctx.meta["recommended_k"] = recommended
     ctx.meta["recommended_k_by_batch"] = by_batch
+    ctx.meta["recommended_k_by_category"] = by_category
