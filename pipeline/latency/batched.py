@@ -18,8 +18,9 @@ pair files `latency/*__*.json` sees it):
   the width is k), and the round count. The marginal stage weights it by the acceptance stage's
   width distribution at (B, k) (pipeline/serving/batch_k.py): these B prompts are not the acceptance
   prompts, and a prompt-lookup draft offers far less on some prompts than on others.
-  B rows are B distinct acceptance prompts (pipeline/speculation/prompts.py, kinds taken in turn), cut from
-  the left to the shortest one's length (the engine runs equal-length prompts).
+  B rows are B distinct prompts of the workload (pipeline/speculation/workload.py, categories taken in
+  turn; the built-in kinds when no rows are given), cut from the left to the shortest one's length
+  (the engine runs equal-length prompts).
 - `closed_loop`: at each B in latency.closed_loop_batch_sizes, `closed_loop_waves` waves of B
   requests run to completion one after another (a closed loop at concurrency B with equal output
   lengths, where static and continuous batching coincide), plain and speculative in turn in each
@@ -61,12 +62,17 @@ from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.intervals import median_ci
 
 
-def batch_prompts(tokenizer, batch: int, offset: int = 0) -> torch.Tensor:
-    """[B, T]: B distinct acceptance prompts (kinds in turn, starting at prompt `offset`), each cut
-    from the left to the shortest one's length, so every row keeps its own chat-template ending."""
-    texts = [t for i in range(max(len(v) for v in PROMPTS.values())) for kind in KINDS
-             for t in PROMPTS[kind][i:i + 1]]
-    rows = [prompt_ids(tokenizer, texts[(offset + j) % len(texts)]) for j in range(batch)]
+def batch_prompts(tokenizer, batch: int, offset: int = 0, rows: list[list[int]] | None = None) -> torch.Tensor:
+    """[B, T]: B distinct prompts (starting at prompt `offset`, from the start again past the
+    end), each cut from the left to the shortest one's length, so every row keeps its own
+    chat-template ending. `rows`: the workload's prompts as token ids, categories in turn (the
+    latency stage's; pipeline/speculation/workload.py); None = the built-in prompts, kinds in turn."""
+    if rows:
+        rows = [list(rows[(offset + j) % len(rows)]) for j in range(batch)]
+    else:
+        texts = [t for i in range(max(len(v) for v in PROMPTS.values())) for kind in KINDS
+                 for t in PROMPTS[kind][i:i + 1]]
+        rows = [prompt_ids(tokenizer, texts[(offset + j) % len(texts)]) for j in range(batch)]
     length = min(len(r) for r in rows)
     return torch.tensor([r[len(r) - length:] for r in rows], dtype=torch.long)
 
@@ -185,9 +191,9 @@ def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
 
 
 def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int,
-                     session=None, cache_len: int | None = None) -> dict:
+                     session=None, cache_len: int | None = None, rows: list[list[int]] | None = None) -> dict:
     """One wave of `batch` requests (prompts from `wave * batch` on), plain then speculative."""
-    ids = batch_prompts(tokenizer, batch, offset=wave * batch)
+    ids = batch_prompts(tokenizer, batch, offset=wave * batch, rows=rows)
     out = {}
     for mode in ("plain", "speculative"):
         before = calls_before(session)
@@ -235,26 +241,29 @@ def best_k(figures: dict[int, dict], batch: int) -> int:
     return min((k for k in figures[b] if k > 0), key=lambda k: (figures[b][k]["ms_per_token"], k))
 
 
-def batched_cache_lens(tokenizer, prompts: dict[int, torch.Tensor], lat, loop_sizes: list[int]) -> dict[int, int]:
+def batched_cache_lens(tokenizer, prompts: dict[int, torch.Tensor], lat, loop_sizes: list[int],
+                       rows: list[list[int]] | None = None) -> dict[int, int]:
     """B -> the one cache length every run at B uses: the longest of its cells' (prompt + new
     tokens + 1) and its closed-loop waves' (each wave's prompt + closed-loop tokens + 1)."""
     lens = {b: cache_len(int(ids.shape[1]), lat.new_tokens) for b, ids in prompts.items()}
     for b in loop_sizes:
-        longest = max(int(batch_prompts(tokenizer, b, offset=w * b).shape[1]) for w in range(lat.closed_loop_waves))
+        longest = max(int(batch_prompts(tokenizer, b, offset=w * b, rows=rows).shape[1])
+                      for w in range(lat.closed_loop_waves))
         lens[b] = max(lens.get(b, 0), cache_len(longest, lat.closed_loop_tokens))
     return lens
 
 
 def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list[int], lat, device,
-                 confidence: float, seed: int, session=None) -> dict:
+                 confidence: float, seed: int, session=None, rows: list[list[int]] | None = None) -> dict:
     """The latency/batched/<target>__<draft>.json document. With a compile `session` (the model and
-    a model draft attached), every (B, width) step shape compiles before any timed run."""
+    a model draft attached), every (B, width) step shape compiles before any timed run. `rows`: the
+    prompts (token ids, categories in turn; None = the built-in ones, see batch_prompts)."""
     batch_sizes = sorted(set(lat.spec_batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:
         raise StageError(f"latency.spec_batch_sizes must be batch sizes >= 1 (got {lat.spec_batch_sizes})")
-    prompts = {b: batch_prompts(tokenizer, b) for b in batch_sizes}
+    prompts = {b: batch_prompts(tokenizer, b, rows=rows) for b in batch_sizes}
     loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
-    lens = batched_cache_lens(tokenizer, prompts, lat, loop_sizes)
+    lens = batched_cache_lens(tokenizer, prompts, lat, loop_sizes, rows)
     has_model = getattr(draft, "model", None) is not None
     why_eager = why_not_compiled(lat, device) or "requested; this call was given no compile session"
     if session is not None:
@@ -279,7 +288,7 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
         for b in loop_sizes:
             for w in range(r, lat.closed_loop_waves, lat.repeats):
                 waves[b].append(closed_loop_wave(model, draft, tokenizer, b, loop_k[b], w, lat.closed_loop_tokens,
-                                                 session=session, cache_len=lens[b]))
+                                                 session=session, cache_len=lens[b], rows=rows))
     cells = batched_cells(reps, batch_sizes, ks, confidence, seed, why_eager)
     loops = [closed_loop_summary(waves[b], b, loop_k[b], lat.closed_loop_tokens, confidence, seed, why_eager)
              for b in loop_sizes]

@@ -3,9 +3,10 @@
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/default.yaml
 
 For each target variant (acceptance.targets, default the reference), each temperature and each
-prompt of every kind (slice), the target generates its text once with plain decoding
-(pipeline.decode.engine.generate; speculation is lossless, so that text is distributed as any
-speculative run's, at any k and with any draft). Then, per draft (pipeline/speculation/measure.py):
+prompt of the workload's categories (the slices; acceptance.workload: the built-in prompts,
+ShareGPT or the user's file, drawn by pipeline/speculation/workload.py), the target generates its
+text once with plain decoding (pipeline.decode.engine.generate; speculation is lossless, so that
+text is distributed as any speculative run's, at any k and with any draft). Then, per draft (pipeline/speculation/measure.py):
 
 1. One teacher-forced pass of target and draft over each text (pipeline/speculation/teacher_forced.py) gives,
    at every position, the probability that a draft token there would be accepted given the text.
@@ -20,7 +21,9 @@ speculative run's, at any k and with any draft). Then, per draft (pipeline/specu
 Writes acceptance/<variant>__<draft_slug>.json: per slice ("all" pools every prompt) and
 temperature, `per_position` (position, conditional, prefix, expected_beta, n, ci, ...),
 `expected_tokens_per_round` k -> E(k) with CIs, the drafted-count distribution per k (what the
-marginal stage weights round times by), the per-prompt records, `direct_check`; and `lossless`.
+marginal stage weights round times by), the per-prompt records, `direct_check`; `lossless`; and
+`workload` (workload_summary: its name, source, seed, categories, the prompts measured with their
+token lengths and reference output lengths, and how many were skipped as too long).
 Intervals resample prompts (pipeline/speculation/acceptance_stats.py).
 
 4. At every B from 1 to the largest of latency.spec_batch_sizes, `expected_tokens_per_round_by_batch`
@@ -41,7 +44,7 @@ from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
 from pipeline.decode.release import collect, release_caches
 from pipeline.speculation.measure import generate_texts, measure_pair
-from pipeline.speculation.prompts import acceptance_prompts
+from pipeline.speculation.workload import workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
 
 
@@ -71,7 +74,8 @@ def run(ctx: StageContext) -> None:
             t0 = time.time()
             if model is None:
                 model, tokenizer = load_variant(vdir, device=device)
-                prompts = acceptance_prompts(cfg.prompts_per_kind, tokenizer, "acceptance")
+                prompts = workload_prompts(ctx.config, tokenizer, "acceptance",
+                                           context=getattr(model.config, "max_position_embeddings", None))
                 progress(f"acceptance: {variant}: generating the texts ({sum(map(len, prompts.values()))} prompts "
                          f"x {len(cfg.temperatures)} temperatures)")
                 texts = generate_texts(model, prompts, cfg, ctx.config.seed, tokenizer.eos_token_id)
@@ -83,7 +87,8 @@ def run(ctx: StageContext) -> None:
             release_caches(getattr(draft, "model", None))
             del draft  # a layer-skip draft holds the target's layers: it goes before the next one is built
             collect(device)
-            item.write_json({"variant": variant, "draft": spec, "draft_slug": slug, **result})
+            item.write_json({"variant": variant, "draft": spec, "draft_slug": slug, **result,
+                             "workload": workload_summary(prompts)})
             timings[name] = round(time.time() - t0, 1)
             for t, v in result["slices"]["all"].items():
                 checks = ", ".join(f"k={k}: {c['derived']:.3f} vs {c['direct']:.3f}"

@@ -13,6 +13,11 @@ temperatures at k = 1..k_max, as a function of the drafted count (pipeline/laten
 And `latency/batched/<variant>__<draft_slug>.json`: speculative round time and ms/token per (batch
 size, k) and a measured closed loop (pipeline/latency/batched.py).
 
+Both pair files measure the workload's prompts (acceptance.workload; pipeline/speculation/workload.py)
+and record them under `workload`: B = 1 the first `speculative_prompts_per_kind` of each
+category's draw (the acceptance prompts' first ones), the batched cells and closed loop the
+categories' prompts taken in turn.
+
 Every figure goes through pipeline.decode.engine.generate (the computation the acceptance stage
 measured) and pipeline.decode.timing (CUDA events on GPU, a synchronized perf_counter on CPU).
 Warm-up runs are not recorded; every CI is a bootstrap over `latency.repeats` repeats (the unit of
@@ -48,7 +53,7 @@ from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.kernels import device_name
 from pipeline.report.latency import tpot_ratio_plot
-from pipeline.speculation.prompts import acceptance_prompts
+from pipeline.speculation.workload import interleave, workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
 
 
@@ -56,6 +61,13 @@ def draft_input_hash(run_dir: Path, slug: str) -> str | None:
     """The drafts stage's input hash for one draft (None before it ran): a pair's items key on it."""
     meta = run_dir / "drafts" / slug / "meta.json"
     return read_json(meta).get("input_hash") if meta.is_file() else None
+
+
+def workload_inputs(cfg) -> dict:
+    """The acceptance keys that choose the workload's prompts (pipeline/speculation/workload.py)."""
+    acc = cfg.section("acceptance")
+    return {key: acc[key] for key in ("workload", "workload_prompts", "categories", "max_prompt_tokens",
+                                      "workload_sha256", "k_max", "max_new_tokens")}
 
 
 def _resolve_dir(ctx, name: str, d: str | None) -> Path:
@@ -151,6 +163,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     temperatures, compiled where latency.compile asks (one session for the target and its drafts)."""
     cfg, lat = ctx.config, ctx.config.latency
     acc_inputs = {key: cfg.section("acceptance")[key] for key in ("temperatures", "sampling", "prompts_per_kind")}
+    acc_inputs.update(workload_inputs(cfg))
     inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
               "acceptance": acc_inputs}
     for target in targets:
@@ -158,8 +171,8 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
         if not pending:
             continue
         model, tok = load_variant(dirs[target], device=device)
-        prompts = acceptance_prompts(lat.speculative_prompts_per_kind or cfg.acceptance.prompts_per_kind, tok,
-                                     "latency")
+        prompts = workload_prompts(cfg, tok, "latency", lat.speculative_prompts_per_kind or None,
+                                   context=getattr(model.config, "max_position_embeddings", None))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         session, _ = compile_session(lat, device)
         if session is not None:
@@ -172,6 +185,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 t0 = time.time()
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
                                        device, lat.confidence, cfg.seed, ks, session=session)
+                doc["workload"] = workload_summary(prompts)
                 _record(ctx.meta, "speculative", f"{target}__{draft_slug(spec)}", doc)
                 item.write_json(doc)
                 progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
@@ -187,12 +201,19 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
     (pipeline/latency/batched.py)."""
     cfg, lat = ctx.config, ctx.config.latency
-    inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks}
+    inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
+              "workload": workload_inputs(cfg)}
     for target in targets:
         pending = _pending_pairs(ctx, dirs, target, "batched/", inputs)
         if not pending:
             continue
         model, tok = load_variant(dirs[target], device=device)
+        # B distinct prompts per cell and per closed-loop wave: every category in turn, enough of
+        # each for the largest B and every wave (fewer where a category has fewer; rows repeat then).
+        need = max([*lat.spec_batch_sizes, *(b * lat.closed_loop_waves for b in lat.closed_loop_batch_sizes)])
+        drawn = workload_prompts(cfg, tok, "latency", need, quiet=True,
+                                 context=getattr(model.config, "max_position_embeddings", None))
+        rows = [ids for _, ids in interleave(drawn)]
         for spec, item in pending.items():
             draft = build_draft(spec, model, tok, ctx.run_dir, device)
             # A session per pair: the batched shapes (B x widths) of one pair, the target's and
@@ -204,7 +225,8 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
                     session.attach(draft.model, draft_label(spec))
             try:
                 doc = batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed,
-                                   session=session)
+                                   session=session, rows=rows)
+                doc["workload"] = workload_summary(drawn)
             finally:
                 if session is not None:
                     session.close()
