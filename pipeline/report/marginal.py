@@ -108,13 +108,13 @@ def _direct_section(report: dict) -> list[str]:
         return []
     out = ["## E[tokens/round] derived vs direct runs", "",
            "Derived: from the teacher-forced pass; direct: real engine runs at that k on the same prompts. "
-           "Greedy, they must be equal (the same text); sampled, the prompt-bootstrap CI of the "
-           "difference must contain 0.", "",
+           "Greedy, they must be equal (the same text); sampled, the paired t CI (prompts) of the "
+           "difference must contain 0 (no verdict with fewer than two prompts).", "",
            "| k | derived [CI] | direct | direct - derived [CI] | agree |", "|---:|---:|---:|---:|---|"]
     for k, c in sorted(checks.items(), key=lambda kv: int(kv[0])):
         out.append(f"| {k} | {number(c['derived'], 3)} {interval(c['ci'], 3)} | {number(c['direct'], 3)} "
                    f"| {number(c['direct'] - c['derived'], 3)} {interval(c['difference_ci'], 3)} | "
-                   f"{'yes' if c['agree'] else '**no**'} |")
+                   f"{'too few prompts' if c['agree'] is None else 'yes' if c['agree'] else '**no**'} |")
     return out + [""]
 
 

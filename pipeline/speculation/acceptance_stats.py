@@ -15,15 +15,26 @@ interval is the whole range of the quantity. Every interval is clipped to that r
 contains its point estimate. A rate is also never narrower than the Wilson interval on its
 (expected) round counts: when every prompt accepted nothing, or everything, at a position, all
 resamples agree and the bootstrap alone would claim certainty that a few rounds cannot give.
+
+A slice with fewer than MIN_PROMPTS prompts says so (`few_prompts`, `min_prompts`): its bootstrap
+intervals are indicative only (summarize_slice states the rule). The direct check's sampled test
+is not a bootstrap: over the 2-8 prompts of a category a percentile bootstrap of direct - derived
+is far too narrow, so it is a paired t interval on the prompts (ratio_difference), and with fewer
+than MIN_CHECK_PROMPTS prompts there is no verdict (`agree` null).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pipeline.speculation.expected_rounds import RoundChain, TextAcceptance
-from pipeline.stats.intervals import clip_contain, percentile_interval
+from pipeline.stats.intervals import clip_contain, percentile_interval, t_interval
 
 RESAMPLES = 2000
+# The sampled direct check needs a spread of per-prompt differences: below this, no interval.
+MIN_CHECK_PROMPTS = 2
+# A slice's prompt-bootstrap intervals are trusted from this many prompts on; below, the slice says
+# `few_prompts` (the rule in summarize_slice; tests/sim_direct_check.py measured why).
+MIN_PROMPTS = 8
 
 
 def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int, RoundChain]) -> dict:
@@ -81,7 +92,15 @@ def _ratio(num: float, den: float) -> float | None:
 
 def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, seed: int = 0) -> dict:
     """The acceptance JSON's per-slice, per-temperature block (DESIGN.md keys plus CIs and the
-    per-prompt records the marginal stage resamples)."""
+    per-prompt records the marginal stage resamples).
+
+    The rule for trusting a slice: `few_prompts` is true when it has fewer than `min_prompts`
+    (MIN_PROMPTS) prompts. Its intervals are then too narrow to take at their word: a percentile
+    bootstrap over a handful of prompts sees only their spread, and on prompts as unlike as
+    copying and free text it covered the population's E(k) in well under 95% of simulated
+    slices (tests/sim_direct_check.py coverage: the table in the README). A per-category figure
+    with `few_prompts` is a point estimate with an indicative interval; give the category more
+    prompts (acceptance.prompts_per_kind, or workload_prompts) to trust it."""
     n_prompts = len(records)
     ks = list(range(1, k_max + 1))
     tokens = np.array([r["tokens"] for r in records], float)  # [P]
@@ -140,9 +159,35 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         "tokens": int(tokens.sum()),
         "mean_drafted": float(top @ np.arange(k_max + 1)),
         "prompts": n_prompts,
+        "few_prompts": n_prompts < MIN_PROMPTS, "min_prompts": MIN_PROMPTS,
         "ci_unit": "prompt (cluster bootstrap, percentile)",
         "per_prompt": records,
     }
+
+
+def ratio_difference(num_a, den_a, num_b, den_b, confidence: float,
+                     bounds: tuple[float, float] | None = None) -> tuple[float, list[float] | None]:
+    """D = sum(num_b)/sum(den_b) - sum(num_a)/sum(den_a) over n paired prompts (a: derived, b:
+    direct), and its t interval D -/+ t_{n-1} se (clipped to `bounds`, the range D can take), None
+    below MIN_CHECK_PROMPTS prompts.
+
+    se linearizes D around the pooled ratio R = (sum num_a + sum num_b) / (sum den_a + sum den_b):
+    z_i = (num_b_i - R den_b_i) - (num_a_i - R den_a_i), se = sd(z) / sqrt(n) / mean den (over
+    both). D = 0 exactly when sum z = 0, and swapping one prompt's two figures flips its z_i and
+    leaves R alone: where the two are draws of one distribution (a prompt-lookup draft: rounds
+    given the text are the rounds a run with that text takes), the z_i are symmetric about 0 and
+    the t interval keeps its level at 2-3 prompts, which linearizing each ratio around its own
+    value (or a jackknife) does not (tests/sim_direct_check.py)."""
+    num_a, den_a, num_b, den_b = (np.asarray(x, float) for x in (num_a, den_a, num_b, den_b))
+    n = num_a.size
+    r_a, r_b = _ratio(num_a.sum(), den_a.sum()) or 1.0, _ratio(num_b.sum(), den_b.sum()) or 1.0
+    diff = r_b - r_a
+    if n < MIN_CHECK_PROMPTS or den_a.sum() <= 0 or den_b.sum() <= 0:
+        return diff, None
+    pooled = (num_a.sum() + num_b.sum()) / (den_a.sum() + den_b.sum())
+    z = (num_b - pooled * den_b) - (num_a - pooled * den_a)
+    se = float(np.std(z, ddof=1) / np.sqrt(n) / ((den_a.sum() + den_b.sum()) / (2 * n)))
+    return diff, t_interval(diff, se, n - 1, confidence, bounds)
 
 
 def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: bool, confidence: float = 0.95,
@@ -150,11 +195,18 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
     """derived E(k) (from the texts) vs direct E(k) (real engine runs at k on the same prompts).
 
     direct: k -> one {"tokens", "rounds"} per record, in the same order. `ci` is the derived
-    figure's interval; `difference_ci` (direct - derived) resamples prompts for both at once.
-    Greedy in float32 (`exact`): the texts are the same, so the two must be equal. Sampled, or
-    greedy in a reduced precision (where a near-tie can flip an argmax between the teacher-forced
-    forward, a verify and a decode step, so a direct run may follow another text and accept
-    differently: pipeline/speculation/lossless.py): the difference CI must contain 0."""
+    figure's interval (the prompt bootstrap, as summarize_slice's). Greedy in float32 (`exact`):
+    the texts are the same, so the two must be equal. Sampled, or greedy in a reduced precision
+    (where a near-tie can flip an argmax between the teacher-forced forward, a verify and a decode
+    step, so a direct run may follow another text and accept differently:
+    pipeline/speculation/lossless.py): `difference_ci`, the interval of direct - derived, must
+    contain 0. It is a paired t interval on the prompts (ratio_difference: linearized ratio of
+    sums, n - 1 df), not the prompt bootstrap the check used before issue 28: a percentile
+    bootstrap over 2-8 prompts is far too narrow (tests/sim_direct_check.py, a category whose
+    output copies its prompt: it contained the true difference 0 in 69-70% of checks at 2
+    prompts, 86-88% at 3, 81-91% at 4-8; the t interval in 93-96% at 2-64). Below
+    MIN_CHECK_PROMPTS prompts there is no interval: `difference_ci` and `agree` are None ("too
+    few prompts to check"), where the old check called any single prompt agreeing."""
     n_prompts = len(records)
     tokens = np.array([r["tokens"] for r in records], float)
     w = prompt_weights(max(n_prompts, 1), seed + 7)[:, :n_prompts]
@@ -165,22 +217,23 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
         d_rounds = np.array([x["rounds"] for x in runs], float)
         derived = _ratio(tokens.sum(), rounds.sum()) or 1.0
         measured = _ratio(d_tokens.sum(), d_rounds.sum()) or 1.0
-        diff_b_ok = ((w @ rounds) > 0) & ((w @ d_rounds) > 0)
-        diff_b = (w @ d_tokens)[diff_b_ok] / (w @ d_rounds)[diff_b_ok] - (w @ tokens)[diff_b_ok] / (w @ rounds)[diff_b_ok]
-        # Too few to resample (one prompt, or under 10 defined resamples): the whole range of a
-        # difference of two values in [1, k+1].
-        whole = [-float(k), float(k)]
-        diff_ci = (percentile_interval(diff_b, confidence, measured - derived, min_replicates=10, too_few=whole)
-                   if n_prompts >= 2 else whole)
+        # Clipped to the range of a difference of two values in [1, k+1].
+        _, diff_ci = ratio_difference(tokens, rounds, d_tokens, d_rounds, confidence, (-float(k), float(k)))
         same_text = greedy and exact
-        agree = abs(measured - derived) <= 1e-9 if same_text else diff_ci[0] <= 0.0 <= diff_ci[1]
+        if same_text:
+            agree = abs(measured - derived) <= 1e-9
+        else:
+            agree = None if diff_ci is None else diff_ci[0] <= 0.0 <= diff_ci[1]
         out[str(k)] = {
             "derived": derived, "direct": measured,
             "ci": ratio_interval(w @ tokens, w @ rounds, derived, confidence, (1.0, k + 1.0), n_prompts),
-            "difference_ci": diff_ci, "agree": bool(agree),
+            "difference_ci": diff_ci, "agree": None if agree is None else bool(agree),
             "direct_rounds": int(d_rounds.sum()), "direct_tokens": int(d_tokens.sum()),
+            "prompts": n_prompts, "min_prompts": 1 if same_text else MIN_CHECK_PROMPTS,
             "test": "equal (greedy: same text)" if same_text else
-                    f"{int(confidence * 100)}% prompt-bootstrap CI of direct - derived contains 0"
+                    (f"{int(confidence * 100)}% paired t CI (prompts, n - 1 df) of direct - derived contains 0"
+                     if diff_ci is not None else
+                     f"too few prompts to check (sampled needs {MIN_CHECK_PROMPTS})")
                     + (" (greedy in a reduced precision: near-ties may change the text)" if greedy else ""),
         }
     return out

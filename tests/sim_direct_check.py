@@ -1,0 +1,378 @@
+"""The direct check of derived E(k) (issue 28 point 5), simulated through the project's own
+functions. Not a test (pytest collects test_*.py only); run it for a closing note or the README:
+
+    .venv/bin/python tests/sim_direct_check.py bias       # is the derived sampled E(k) exact for prompt lookup?
+    .venv/bin/python tests/sim_direct_check.py coverage   # does direct_check's interval cover 0 as it claims?
+
+`bias`: a toy target whose next-token distribution is a function of the whole context (a random
+bigram table plus an induction term: the token that followed the latest earlier occurrence of
+the last token gets `copy` extra logit, so a text that enters its prompt's passage keeps copying
+it, as SmolLM2 does on long_context) at T = 0.7 with an EOS token, and the real prompt-lookup
+draft (pipeline.decode.drafts.NgramDraft). Rounds are run as the engine runs them (k shortened
+near max_new_tokens, accept d with probability p(d), else resample from p with d removed, the
+bonus token after k accepts, cut at EOS); the derived figure is the project's round chain
+(pipeline.speculation.expected_rounds.round_chain) on plain-sampled texts, scored as
+pipeline/speculation/teacher_forced.py scores them. Per prompt, the mean of E[rounds | text]
+over many texts is compared with the mean rounds of many direct runs (z = difference / its
+Monte-Carlo standard error). A bias of the chain would show as |z| >> 2.
+
+`coverage`: how often `direct_check`'s sampled test says `agree` when the engine is right (the
+derived and direct figures have the same expectation), at the prompt counts the configs use, for
+the check as it was (a percentile prompt bootstrap of direct - derived, `--method bootstrap`) and
+as it is (`pipeline.speculation.acceptance_stats.direct_check`). Per-prompt data come from a bank
+of toy-engine draws (one text's chain rounds, one direct run's rounds, per draw) over a
+population of prompts that copy heavily, a little or not at all; each simulated check draws n
+prompts from the population and one text and one direct run per prompt, independently, as the
+stage does. Also: the coverage of summarize_slice's E(k) interval for the population's E(k),
+which is what its `few_prompts` flag is set from.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pipeline.decode.drafts import NgramDraft  # noqa: E402
+from pipeline.speculation.expected_rounds import TextAcceptance, round_chain  # noqa: E402
+
+EOS = 0
+
+
+class ToyTarget:
+    """p(. | context) over `vocab` tokens at temperature `temp`: bigram logits of the last token
+    plus `copy` on the token that followed the latest earlier occurrence of the last two (an
+    induction head)."""
+
+    def __init__(self, vocab: int = 64, copy: float = 6.0, temp: float = 0.7, eos_logit: float = -1.0, spread: float = 0.5,
+                 seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.vocab, self.copy, self.temp = vocab, copy, temp
+        self.bigram = rng.normal(0.0, spread, (vocab, vocab))
+        self.bigram[:, EOS] = eos_logit
+
+    def probs(self, ctx: np.ndarray) -> np.ndarray:
+        last = ctx[-1]
+        logits = self.bigram[last].copy()
+        if ctx.size >= 3:  # the latest earlier occurrence of the last two tokens
+            earlier = np.flatnonzero((ctx[:-2] == ctx[-2]) & (ctx[1:-1] == last))
+            if earlier.size:
+                logits[ctx[earlier[-1] + 2]] += self.copy
+        z = logits / self.temp
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+
+def _draw(rng, p: np.ndarray) -> int:
+    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), p.size - 1))
+
+
+def plain(target: ToyTarget, prompt: np.ndarray, n_new: int, rng) -> list[int]:
+    """The target's own sampling: x_0 (the prefill's) .. up to n_new tokens, the EOS included."""
+    seq, out = list(prompt), []
+    while len(out) < n_new:
+        x = _draw(rng, target.probs(np.asarray(seq)))
+        out.append(x)
+        seq.append(x)
+        if x == EOS:
+            break
+    return out
+
+
+def speculative(target: ToyTarget, draft: NgramDraft, prompt: np.ndarray, n_new: int, k: int, rng,
+                with_text: bool = False) -> tuple:
+    """One engine run at draft length k (pipeline/decode/engine.py's rounds, B = 1) -> (tokens
+    emitted by rounds, rounds), and the output text with `with_text`."""
+    first = _draw(rng, target.probs(np.asarray(prompt)))
+    out, rounds = [first], 0
+    done = first == EOS
+    while not done and len(out) < n_new:
+        seq = np.concatenate([prompt, out]).astype(np.int64)
+        k_round = min(k, n_new - len(out) - 1)
+        proposal = draft.lookup(seq, k_round) if k_round > 0 else seq[:0]
+        new = []
+        for d in proposal:
+            p = target.probs(np.concatenate([seq, new]).astype(np.int64))
+            if rng.random() < p[int(d)]:
+                new.append(int(d))
+                continue
+            residual = p.copy()
+            residual[int(d)] = 0.0
+            new.append(_draw(rng, residual))
+            break
+        else:  # every draft accepted (or none drafted): the bonus token
+            new.append(_draw(rng, target.probs(np.concatenate([seq, new]).astype(np.int64))))
+        rounds += 1
+        for x in new:
+            out.append(x)
+            if x == EOS:
+                done = True
+                break
+    return (len(out) - 1, rounds, out) if with_text else (len(out) - 1, rounds)
+
+
+def chain_rounds(draft: NgramDraft, prompt: np.ndarray, tokens: list[int], k_max: int, n_new: int,
+                 ks) -> dict[int, float]:
+    """E[rounds | text] at each k by the project's round chain, the text scored as
+    teacher_forced.score_text scores a prompt-lookup draft."""
+    n = len(tokens)
+    accept, beta = np.zeros((max(n - 1, 0), k_max)), np.zeros((max(n - 1, 0), k_max))
+    available = np.zeros(max(n - 1, 0), dtype=int)
+    full = np.concatenate([prompt, tokens]).astype(np.int64)
+    for s in range(1, n):
+        proposal = draft.lookup(full[: len(prompt) + s], k_max)
+        available[s - 1] = proposal.size
+        for i, d in enumerate(proposal[: n - s]):
+            accept[s - 1, i] = float(d == tokens[s + i])
+    text = TextAcceptance(accept, beta, available, n, n_new)
+    return {k: round_chain(text, k).rounds for k in ks}
+
+
+PROMPT_KINDS = ("repeats", "once", "random")
+# Slice populations: a category whose output copies its input (summarize, extract, code_edit), one
+# whose output may wander into a passage or not (long_context, doc_qa), one with little to copy
+# (chat), and the pooled slice.
+POPULATIONS = {"copying": ("repeats",), "sometimes": ("once",), "free": ("random",), "pooled": PROMPT_KINDS}
+
+
+def make_prompts(target: ToyTarget, count: int, seed: int, kinds=PROMPT_KINDS) -> list[np.ndarray]:
+    """Toy prompts, the kinds in turn: "repeats" holds one passage three times (copied from the
+    first token on), "once" a passage then four random tokens (copied once the text wanders into
+    it, or never), "random" a short random string (little to copy)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        kind = kinds[i % len(kinds)]
+        passage = rng.integers(1, target.vocab, size=int(rng.integers(8, 20)))
+        if kind == "repeats":
+            out.append(np.tile(passage, 3))
+        elif kind == "once":
+            out.append(np.concatenate([passage, rng.integers(1, target.vocab, size=4)]))
+        else:
+            out.append(rng.integers(1, target.vocab, size=int(rng.integers(3, 7))))
+    return [p.astype(np.int64) for p in out]
+
+
+def bank(target, draft, prompts, draws: int, n_new: int, ks, seed: int) -> dict:
+    """Per prompt and draw: the plain text's tokens and chain rounds at each k, and one direct
+    run's tokens and rounds at each k. Arrays [P, draws] (per k: dict k -> [P, draws])."""
+    rng = np.random.default_rng(seed)
+    k_max = max(ks)
+    P = len(prompts)
+    out = {"tokens": np.zeros((P, draws)), "rounds": {k: np.zeros((P, draws)) for k in ks},
+           "d_tokens": {k: np.zeros((P, draws)) for k in ks}, "d_rounds": {k: np.zeros((P, draws)) for k in ks}}
+    for i, prompt in enumerate(prompts):
+        for m in range(draws):
+            text = plain(target, prompt, n_new, rng)
+            out["tokens"][i, m] = len(text) - 1
+            for k, r in chain_rounds(draft, prompt, text, k_max, n_new, ks).items():
+                out["rounds"][k][i, m] = r
+            for k in ks:
+                out["d_tokens"][k][i, m], out["d_rounds"][k][i, m] = speculative(target, draft, prompt, n_new, k, rng)
+    return out
+
+
+def pooled(b: dict, ks) -> dict:
+    """One bank whose derived and direct draws per prompt are the same pool (texts' chain rounds
+    and direct runs' rounds together). For a prompt-lookup draft the chain's rounds given a text
+    are the rounds a run with that text took (`bias` checks it run by run), and the texts are
+    distributed alike (speculation is lossless), so the two are draws of one distribution; pooled,
+    the true direct - derived is exactly 0 in the simulated world, not 0 up to the bank's own
+    Monte-Carlo error."""
+    tokens = {k: np.concatenate([b["tokens"], b["d_tokens"][k]], axis=1) for k in ks}
+    rounds = {k: np.concatenate([b["rounds"][k], b["d_rounds"][k]], axis=1) for k in ks}
+    first = next(iter(ks))
+    return {"tokens": tokens[first], "tokens_by_k": tokens, "rounds": rounds, "d_tokens": tokens, "d_rounds": rounds}
+
+
+# ---------------------------------------------------------------- bias
+
+
+def run_bias(args) -> None:
+    ks = (3, 5)
+    target = ToyTarget(copy=args.copy, temp=args.temperature, seed=args.seed)
+    draft = NgramDraft("ngram", max_n=3)
+    prompts = make_prompts(target, 6, args.seed + 1)
+    t0 = time.time()
+    b = bank(target, draft, prompts, args.draws, args.max_new_tokens, ks, args.seed + 2)
+    print(f"toy target: vocab {target.vocab}, copy {args.copy}, T = {args.temperature}, max_new_tokens "
+          f"{args.max_new_tokens}, {args.draws} texts and {args.draws} direct runs per prompt and k "
+          f"({time.time() - t0:.0f} s)\n")
+    print("| prompt | k | derived E[rounds] | direct E[rounds] | direct - derived (MC se) | z | derived E(k) | direct E(k) |")
+    print("|---|---|---|---|---|---|---|---|")
+    zs = []
+    for i in range(len(prompts)):
+        for k in ks:
+            a, d = b["rounds"][k][i], b["d_rounds"][k][i]
+            se = math.sqrt(a.var(ddof=1) / a.size + d.var(ddof=1) / d.size)
+            z = (d.mean() - a.mean()) / se if se > 0 else 0.0
+            zs.append(z)
+            print(f"| {i} ({['repeats', 'once', 'random'][i % 3]}) | {k} | {a.mean():.3f} | {d.mean():.3f} | "
+                  f"{d.mean() - a.mean():+.3f} ({se:.3f}) | {z:+.2f} | {b['tokens'][i].sum() / a.sum():.3f} | "
+                  f"{b['d_tokens'][k][i].sum() / d.sum():.3f} |")
+    print(f"\nmax |z| over {len(zs)} cells: {max(abs(z) for z in zs):.2f}; "
+          f"sum of z^2 = {sum(z * z for z in zs):.1f} (chi-square, {len(zs)} df, if the chain is exact)")
+    # Run by run: the chain on a direct run's own output text gives that run's round count (for a
+    # prompt-lookup draft acceptance given the text is 0/1), so only the texts' distribution,
+    # which speculation leaves alone, could make derived and direct differ.
+    rng, same, total = np.random.default_rng(args.seed + 3), 0, 0
+    for prompt in prompts:
+        for k in ks:
+            for _ in range(50):
+                _, rounds, out = speculative(target, draft, prompt, args.max_new_tokens, k, rng, with_text=True)
+                same += chain_rounds(draft, prompt, out, max(ks), args.max_new_tokens, (k,))[k] == rounds
+                total += 1
+    print(f"run by run: the chain on a direct run's own text gave its round count in {same} of {total} runs")
+
+
+# ---------------------------------------------------------------- coverage
+
+
+def bootstrap_check(tokens, rounds, d_tokens, d_rounds, confidence: float, seed: int) -> bool:
+    """The check as it was before issue 28: a percentile prompt bootstrap of direct - derived
+    (2000 resamples); agree = the interval contains 0."""
+    from pipeline.speculation.acceptance_stats import prompt_weights
+    from pipeline.stats.intervals import percentile_interval
+
+    n = len(tokens)
+    w = prompt_weights(n, seed + 7)[:, :n]
+    ok = ((w @ rounds) > 0) & ((w @ d_rounds) > 0)
+    diff_b = (w @ d_tokens)[ok] / (w @ d_rounds)[ok] - (w @ tokens)[ok] / (w @ rounds)[ok]
+    point = d_tokens.sum() / d_rounds.sum() - tokens.sum() / rounds.sum()
+    lo, hi = percentile_interval(diff_b, confidence, point, min_replicates=10, too_few=[-9.0, 9.0])
+    return lo <= 0.0 <= hi
+
+
+def check_records(tokens, rounds, k: int) -> list[dict]:
+    """Minimal acceptance records for direct_check / summarize_slice at one k."""
+    return [{"tokens": float(t), "expected_rounds": {str(k): float(r)}} for t, r in zip(tokens, rounds)]
+
+
+def _tokens(b: dict, k: int) -> np.ndarray:
+    return b["tokens_by_k"][k] if "tokens_by_k" in b else b["tokens"]
+
+
+def coverage_table(b: dict, ns, reps: int, k: int, confidence: float, seed: int, methods=("bootstrap", "t")) -> list[dict]:
+    """For each n: the share of simulated checks that agree (the CI of direct - derived covers 0),
+    by method, the share where the check abstains (agree null) and the new interval's median width."""
+    from pipeline.speculation.acceptance_stats import direct_check
+
+    rng = np.random.default_rng(seed)
+    tok = _tokens(b, k)
+    P, draws = tok.shape
+    rows = []
+    for n in ns:
+        agree = {m: 0 for m in methods}
+        abstain = 0
+        width = []
+        for r in range(reps):
+            idx = rng.integers(0, P, size=n)  # prompts drawn from the population
+            m1, m2 = rng.integers(0, draws, size=n), rng.integers(0, draws, size=n)
+            tokens, rounds = tok[idx, m1], b["rounds"][k][idx, m1]
+            d_tokens, d_rounds = b["d_tokens"][k][idx, m2], b["d_rounds"][k][idx, m2]
+            if "bootstrap" in methods:
+                agree["bootstrap"] += bootstrap_check(tokens, rounds, d_tokens, d_rounds, confidence, r)
+            if "t" in methods:
+                out = direct_check(check_records(tokens, rounds, k),
+                                   {k: [{"tokens": t, "rounds": x} for t, x in zip(d_tokens, d_rounds)]},
+                                   greedy=False, confidence=confidence, seed=r)[str(k)]
+                if out["agree"] is None:
+                    abstain += 1
+                else:
+                    agree["t"] += bool(out["agree"])
+                    width.append(out["difference_ci"][1] - out["difference_ci"][0])
+        decided = reps - abstain
+        rows.append({"n": n, "reps": reps, "cover_bootstrap": agree.get("bootstrap", 0) / reps,
+                     "cover_t": agree["t"] / decided if "t" in methods and decided else None,
+                     "abstain": abstain / reps, "median_width_t": float(np.median(width)) if width else None})
+    return rows
+
+
+def slice_coverage(b: dict, ns, reps: int, k: int, confidence: float, seed: int) -> tuple[list[dict], float]:
+    """Coverage of summarize_slice's E(k) interval (the prompt bootstrap, ratio_interval) for the
+    population's E(k): sum of expected tokens / sum of expected rounds over the whole bank."""
+    from pipeline.speculation.acceptance_stats import prompt_weights, ratio_interval
+
+    tok = _tokens(b, k)
+    truth = tok.mean(1).sum() / b["rounds"][k].mean(1).sum()
+    rng = np.random.default_rng(seed)
+    P, draws = tok.shape
+    rows = []
+    for n in ns:
+        hit = 0
+        for r in range(reps):
+            idx, m = rng.integers(0, P, size=n), rng.integers(0, draws, size=n)
+            tokens, rounds = tok[idx, m], b["rounds"][k][idx, m]
+            w = prompt_weights(n, r)[:, :n]
+            lo, hi = ratio_interval(w @ tokens, w @ rounds, tokens.sum() / rounds.sum(), confidence,
+                                    (1.0, k + 1.0), n)
+            hit += lo <= truth <= hi
+        rows.append({"n": n, "reps": reps, "cover": hit / reps})
+    return rows, truth
+
+
+def run_coverage(args) -> None:
+    ks = (3, 5)
+    target = ToyTarget(copy=args.copy, temp=args.temperature, seed=args.seed)
+    draft = NgramDraft("ngram", max_n=3)
+    ns = [int(x) for x in args.n.split(",")]
+    se = math.sqrt(0.95 * 0.05 / args.reps)
+    banks, t0 = {}, time.time()
+    for pi, (name, kinds) in enumerate(POPULATIONS.items()):
+        prompts = make_prompts(target, args.population, args.seed + 1 + pi, kinds)
+        banks[name] = pooled(bank(target, draft, prompts, args.draws, args.max_new_tokens, ks, args.seed + 11 + pi), ks)
+    print(f"banks: {len(POPULATIONS)} populations x {args.population} toy prompts x {2 * args.draws} draws "
+          f"(texts and direct runs, pooled), max_new_tokens {args.max_new_tokens}, T = {args.temperature} "
+          f"({time.time() - t0:.0f} s)\n")
+    print("| population | E(3) | E(5) | per-prompt E(5): min - median - max | per-draw E(5) sd within a prompt (median) |")
+    print("|---|---|---|---|---|")
+    for name, b in banks.items():
+        e = {k: _tokens(b, k).mean(1).sum() / b["rounds"][k].mean(1).sum() for k in ks}
+        per = _tokens(b, 5).mean(1) / b["rounds"][5].mean(1)
+        sd = np.median((_tokens(b, 5) / np.maximum(b["rounds"][5], 1)).std(1))
+        print(f"| {name} | {e[3]:.3f} | {e[5]:.3f} | {per.min():.2f} - {np.median(per):.2f} - {per.max():.2f} | {sd:.2f} |")
+    print(f"\ndirect_check, sampled: share of {args.reps} simulated checks whose 95% CI of direct - derived "
+          f"contains 0 (the truth); Monte-Carlo se {se:.3f} at 0.95\n")
+    print("| population | prompts in the slice | k | old: percentile prompt bootstrap | new: paired t (n - 1 df) | new: median CI width |")
+    print("|---|---|---|---|---|---|")
+    for pi, (name, b) in enumerate(banks.items()):
+        for k in ks:
+            for row in coverage_table(b, ns, args.reps, k, 0.95, args.seed + 100 * pi + k):
+                t_cov = "-" if row["cover_t"] is None else f"{row['cover_t']:.3f}"
+                width = "-" if row["median_width_t"] is None else f"{row['median_width_t']:.2f}"
+                print(f"| {name} | {row['n']} | {k} | {row['cover_bootstrap']:.3f} | {t_cov} | {width} |")
+    print(f"\nsummarize_slice's E(5) interval (percentile prompt bootstrap) covering the population's E(5), "
+          f"share of {args.reps} simulated slices:\n")
+    table = {name: slice_coverage(b, ns, args.reps, 5, 0.95, args.seed + 7 + pi) for pi, (name, b) in enumerate(banks.items())}
+    print("| prompts in the slice | " + " | ".join(f"{name} (E(5) = {truth:.2f})" for name, (_, truth) in table.items()) + " |")
+    print("|---|" + "---|" * len(table))
+    for i, n in enumerate(ns):
+        print(f"| {n} | " + " | ".join(f"{rows[i]['cover']:.3f}" for rows, _ in table.values()) + " |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["bias", "coverage"])
+    ap.add_argument("--draws", type=int, default=None, help="texts and direct runs per prompt (bias 1500, coverage 120)")
+    ap.add_argument("--reps", type=int, default=600, help="simulated checks per cell (coverage)")
+    ap.add_argument("--population", type=int, default=24, help="toy prompts in the population (coverage)")
+    ap.add_argument("--n", default="2,3,4,6,8,12,16,24,32,64", help="prompts per slice (coverage)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--copy", type=float, default=6.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.draws is None:
+        args.draws = 1500 if args.mode == "bias" else 60
+    (run_bias if args.mode == "bias" else run_coverage)(args)
+
+
+if __name__ == "__main__":
+    main()
