@@ -245,7 +245,9 @@ def bootstrap_check(tokens, rounds, d_tokens, d_rounds, confidence: float, seed:
     w = prompt_weights(n, seed + 7)[:, :n]
     ok = ((w @ rounds) > 0) & ((w @ d_rounds) > 0)
     diff_b = (w @ d_tokens)[ok] / (w @ d_rounds)[ok] - (w @ tokens)[ok] / (w @ rounds)[ok]
-    point = d_tokens.sum() / d_rounds.sum() - tokens.sum() / rounds.sum()
+    # As the old check: a slice with no rounds at all (every text ended at its first token) has E = 1.
+    point = ((d_tokens.sum() / d_rounds.sum() if d_rounds.sum() > 0 else 1.0)
+             - (tokens.sum() / rounds.sum() if rounds.sum() > 0 else 1.0))
     lo, hi = percentile_interval(diff_b, confidence, point, min_replicates=10, too_few=[-9.0, 9.0])
     return lo <= 0.0 <= hi
 
@@ -311,8 +313,8 @@ def slice_coverage(b: dict, ns, reps: int, k: int, confidence: float, seed: int)
             idx, m = rng.integers(0, P, size=n), rng.integers(0, draws, size=n)
             tokens, rounds = tok[idx, m], b["rounds"][k][idx, m]
             w = prompt_weights(n, r)[:, :n]
-            lo, hi = ratio_interval(w @ tokens, w @ rounds, tokens.sum() / rounds.sum(), confidence,
-                                    (1.0, k + 1.0), n)
+            point = tokens.sum() / rounds.sum() if rounds.sum() > 0 else 1.0  # as summarize_slice
+            lo, hi = ratio_interval(w @ tokens, w @ rounds, point, confidence, (1.0, k + 1.0), n)
             hit += lo <= truth <= hi
         rows.append({"n": n, "reps": reps, "cover": hit / reps})
     return rows, truth
