@@ -78,6 +78,11 @@ def test_few_prompts_flag_is_carried_and_unsettles():
         assert e["few_prompts"] is True and e["settled"] is False and "few_prompts" in e["reason"]
     # the verdict itself is still the rule's: summarize still recommends its k
     assert rep["recommended_k_by_category"]["summarize"]["0.0"]["k"] >= 1
+    # one prompt and no flag (an acceptance JSON made before it): the CI is the timing repeats' alone
+    one = _three_categories()
+    one["summarize"] = _acc(_expected(0.9, 4), 0.9, prompts=1)
+    e = pair_report(_acceptance(one, None), _latency(4))["recommended_k_by_category"]["summarize"]["0.0"]
+    assert e["k"] >= 1 and e["settled"] is False and "one prompt" in e["reason"] and "few_prompts" not in e
 
 
 def test_workload_named_and_old_artifact_without_it():

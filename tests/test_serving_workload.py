@@ -110,7 +110,7 @@ def test_marginal_stage_simulates_the_workload_and_keeps_the_closed_loop_lengths
     sv = rep["serving"]
     assert sv["lengths"] == "workload" and "reference replies" in sv["lengths_source"]
     w = sv["workload"]
-    assert w["name"] == "sharegpt" and w["pairs"] == 5
+    assert w["name"] == "sharegpt" and w["n_prompts"] == 5
     assert w["prompt_tokens_mean"] == pytest.approx(np.mean(PROMPTS))
     assert w["output_tokens_mean"] == pytest.approx(np.mean(OUTPUTS))
     assert w["output_tokens_range"] == [4, 100]

@@ -11,6 +11,7 @@ from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number
 from pipeline.report.modes import footnote
 from pipeline.report.modes import mark as like_mark
+from pipeline.serving.marginal import category_entry
 
 
 def _temp_label(t: str) -> str:
@@ -139,18 +140,12 @@ def category_rows(report: dict) -> list[list[str]]:
     slices = report.get("slices") or {}
     cats = dict(report.get("recommended_k_by_category") or {})
     out = []
-    names = list(cats) or sorted(x for x in slices if x != "all")  # an old JSON: every slice, no verdict
+    names = list(cats) or sorted(x for x in slices if x != "all")  # a JSON made before categories: every slice
     for s in (["all"] if "all" in slices else []) + names:
         for t in sorted(slices.get(s, {}), key=float):
             tab = slices[s][t]
-            e = cats.get(s, {}).get(t)
-            if e is None:  # the pooled slice (or an old JSON): its table's own recommendation
-                e = {"k": tab["recommended_k"], "n_prompts": tab.get("prompts"), "verdict": "", "settled": None}
-                at = next((r for r in tab["rows"] if r["k"] == e["k"]), None) or min(
-                    tab["rows"], key=lambda r: r["ms_per_token"])
-                e.update(at_k=at["k"], tokens_per_round=at["tokens_per_round"],
-                         tokens_per_round_ci=at["tokens_per_round_ci"], speedup=at["speedup"],
-                         speedup_ci=at["speedup_ci"])
+            # the pooled slice (or a JSON made before categories): the same rule on its own table
+            e = cats.get(s, {}).get(t) or category_entry(tab, {})
             shown = "" if e["at_k"] == e["k"] else f" (best k = {e['at_k']})"
             notes = "; ".join(x for x in (e.get("verdict"), "few prompts" if e.get("few_prompts") else "") if x)
             settled = {True: "yes", False: "no", None: MISSING}[e.get("settled")] + (f" ({notes})" if notes else "")

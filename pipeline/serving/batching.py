@@ -277,7 +277,7 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
         "slo": {"ttft_ms": serving.slo_ttft_ms, "tpot_ms": serving.slo_tpot_ms},
         "lengths": "workload" if pairs else "fixed",
         "lengths_source": lengths.get("source") or LENGTHS_FIXED,
-        "workload": {**({"name": lengths.get("workload"), "pairs": len(pairs),
+        "workload": {**({"name": lengths.get("workload"), "n_prompts": len(pairs),
                          "prompt_tokens_mean": lengths["mean_prompt_tokens"],
                          "output_tokens_mean": lengths["mean_output_tokens"],
                          "prompt_tokens_range": [min(p for p, _ in pairs), max(p for p, _ in pairs)],

@@ -60,7 +60,8 @@ CATEGORY_RULE = (
     "best k's speedup CI contains 1) the recommendation stays k = 0, since nothing shows that speculating "
     "pays, but it is marked settled: false, verdict 'inconclusive': more prompts in that category could go "
     "either way. A category the acceptance stage flags as having too few prompts (few_prompts) is never "
-    "settled, whatever its CI says, since a bootstrap over a handful of prompts is too narrow. The figures "
+    "settled, whatever its CI says, since a bootstrap over a handful of prompts is too narrow; nor is one with "
+    "a single prompt (its CI resamples the timing repeats only). The figures "
     "are given at `at_k`: the recommended k, or the best (lowest ms/token) k when that is 0."
 )
 
@@ -264,6 +265,9 @@ def category_entry(table: dict, acc: dict) -> dict:
     if few:
         settled = False
         reason += "; too few prompts in this category for its interval to be trusted (few_prompts)"
+    elif table["prompts"] < 2:
+        settled = False
+        reason += "; one prompt: the CI covers the timing repeats only, not which prompts were drawn"
     out = {"k": rec, "settled": settled, "verdict": verdict, "reason": reason, "at_k": at["k"],
            "best_k": best["k"], "tokens_per_round": at["tokens_per_round"],
            "tokens_per_round_ci": at["tokens_per_round_ci"], "speedup": at["speedup"],

@@ -8,7 +8,8 @@ only by measured step costs.
 
 The marginal stage runs it (pipeline/serving/batching.py): a sweep of open-loop Poisson rates up to past
 saturation, plain vs speculative at a fixed k vs the per-batch k table, and a check against the
-latency stage's closed-loop measurement. ASSUMPTIONS below is printed next to the plot.
+latency stage's closed-loop measurement. ASSUMPTIONS below (with the run's lengths sentence: assumptions()) is
+printed next to the plot.
 """
 from __future__ import annotations
 
