@@ -31,9 +31,9 @@ def _three_categories(**extra) -> dict:
     summarize = _acc(_expected(0.9, 4), 0.9, prompts=8, spread=0.05)
     chat = _acc({k: 1.0 + 0.05 * k for k in range(1, 5)}, 0.05, prompts=8, spread=0.05)
     rag = _acc({1: 1.4, 2: 1.5, 3: 1.55, 4: 1.58}, 0.4, prompts=3, spread=0.3)
-    for block in (summarize, chat, rag):
-        block.update(extra)
     pooled = _acc(_expected(0.6, 4), 0.6, prompts=19, spread=0.02)
+    for block in (summarize, chat, rag, pooled):
+        block.update(extra)
     return {"all": pooled, "summarize": summarize, "chat": chat, "rag": rag}
 
 
@@ -76,6 +76,9 @@ def test_few_prompts_flag_is_carried_and_unsettles():
     for cat in ("summarize", "chat"):
         e = rep["recommended_k_by_category"][cat]["0.0"]
         assert e["few_prompts"] is True and e["settled"] is False and "few_prompts" in e["reason"]
+    # the pooled row of the report's table reads the flag from its own table
+    assert rep["slices"]["all"]["0.0"]["few_prompts"] is True
+    assert category_rows(rep)[0][4] == "no (speculate; few prompts)"
     # the verdict itself is still the rule's: summarize still recommends its k
     assert rep["recommended_k_by_category"]["summarize"]["0.0"]["k"] >= 1
     # one prompt and no flag (an acceptance JSON made before it): the CI is the timing repeats' alone

@@ -145,7 +145,7 @@ def category_rows(report: dict) -> list[list[str]]:
         for t in sorted(slices.get(s, {}), key=float):
             tab = slices[s][t]
             # the pooled slice (or a JSON made before categories): the same rule on its own table
-            e = cats.get(s, {}).get(t) or category_entry(tab, {})
+            e = cats.get(s, {}).get(t) or category_entry(tab, tab)  # the table carries the slice's few_prompts
             shown = "" if e["at_k"] == e["k"] else f" (best k = {e['at_k']})"
             notes = "; ".join(x for x in (e.get("verdict"), "few prompts" if e.get("few_prompts") else "") if x)
             settled = {True: "yes", False: "no", None: MISSING}[e.get("settled")] + (f" ({notes})" if notes else "")

@@ -317,7 +317,8 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> di
                 raise StageError(f"marginal: latency has no round times at temperature {temp_key} "
                                  f"(it has {', '.join(by_temp)}): re-run make latency")
             try:
-                tables.setdefault(slice_name, {})[temp_key] = marginal_table(acc, by_temp[temp_key], confidence)
+                table = tables.setdefault(slice_name, {})[temp_key] = marginal_table(acc, by_temp[temp_key], confidence)
+                table.update({key: acc[key] for key in ("few_prompts", "min_prompts") if key in acc})
             except (KeyError, TypeError, ValueError) as e:
                 raise StageError(f"marginal: acceptance slice {slice_name}/{temp_key} or latency at T={temp_key} "
                                  f"lacks {e} (re-run make acceptance latency)") from None
