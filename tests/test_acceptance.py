@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.speculation.prompts import KINDS
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
 from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
@@ -82,19 +83,21 @@ def test_two_sample_chi2():
 
 def test_derived_matches_direct_runs_on_the_embedded_model(embedded_model_dir):
     """The real model, fp32, 4 prompts (one per kind), 24 new tokens, k_max = 3: derived E(k) vs
-    real engine runs at k = 1, 2. Greedy: equal (same text). T = 0.7: the 95% prompt-bootstrap CI
+    real engine runs at k = 1, 2. Greedy: equal (same text). T = 0.7: the 95% paired t CI
     of direct - derived contains 0. Fixed seeds: deterministic."""
     from draft_models.registry import build_draft
     from pipeline.speculation.measure import generate_texts, measure_pair
     from pipeline.core.config import Config
     from pipeline.variants.schemes import load_variant
-    from pipeline.speculation.prompts import acceptance_prompts
+    from pipeline.speculation.workload import workload_prompts
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype="float32")
-    cfg = Config.model_validate({"acceptance": {"k_max": 3, "max_new_tokens": 24, "prompts_per_kind": 1,
-                                                "temperatures": [0.0, 0.7], "lossless_samples": 12,
-                                                "direct_check_k": [1, 2]}}).acceptance
-    prompts = acceptance_prompts(cfg.prompts_per_kind, tok, "test")
+    config = Config.model_validate({"acceptance": {"k_max": 3, "max_new_tokens": 24, "prompts_per_kind": 1,
+                                                   "temperatures": [0.0, 0.7], "lossless_samples": 12,
+                                                   "direct_check_k": [1, 2],
+                                                   "categories": ["chat", "code", "long_context", "structured"]}})
+    cfg = config.acceptance
+    prompts = workload_prompts(config, tok, "test")
     texts = generate_texts(model, prompts, cfg, 0, tok.eos_token_id)
     for spec in ("ngram", "layerskip:8"):
         draft = build_draft(spec, model, tok, None, torch.device("cpu"))
@@ -132,7 +135,7 @@ def test_acceptance_stage_end_to_end(tiny_run):
     for slug in ("ngram", "layerskip-2", "self-bf16"):
         data = json.loads((tiny_run / "acceptance" / f"bf16__{slug}.json").read_text())
         assert data["variant"] == "bf16" and data["k_max"] == k_max and data["direct_check_k"] == [1, 2]
-        assert set(data["slices"]) == {"chat", "code", "long_context", "structured", "all"}
+        assert set(data["slices"]) == {*KINDS, "all"}
         for slice_ in data["slices"].values():
             assert set(slice_) == {"0.0", "0.7"}
             for s in slice_.values():
@@ -151,10 +154,10 @@ def test_acceptance_stage_end_to_end(tiny_run):
                         lo, hi = s["expected_tokens_per_round_by_batch_ci"]["2"][k]
                         assert 1.0 <= lo <= e <= hi <= int(k) + 1
         pooled = data["slices"]["all"]["0.0"]
-        assert pooled["prompts"] == 4 and len(pooled["per_prompt"]) == 4
+        assert pooled["prompts"] == len(KINDS) and len(pooled["per_prompt"]) == len(KINDS)
         assert all(c["agree"] for t in data["slices"]["all"].values() for c in t["direct_check"].values())
         lossless = data["lossless"]
-        assert lossless["greedy_identical"] and lossless["prompts"] == 4 and lossless["sampling"]["pass"]
+        assert lossless["greedy_identical"] and lossless["prompts"] == len(KINDS) and lossless["sampling"]["pass"]
     same = json.loads((tiny_run / "acceptance" / "bf16__self-bf16.json").read_text())["slices"]["all"]["0.0"]
     assert all(p["conditional"] == pytest.approx(1.0) for p in same["per_position"])  # the sanity pair
     # Everything accepted: rounds emit k + 1 tokens except where the budget shortens them.

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline.core.config import Config
+from pipeline.speculation.prompts import KINDS
 from pipeline.latency.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
 from pipeline.decode.timing import Timer, wall_clock
 
@@ -218,7 +219,7 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
         assert pair["variant"] == "bf16" and [r["k"] for r in pair["rows"]] == [1, 2]
         assert {"draft_ms", "verify_ms", "overhead_ms", "round_ms", "tokens_per_round", "ms_per_token",
                 "tokens_per_s", "speedup"} <= set(pair["rows"][0])
-        assert set(pair["prompts"]) == {"chat", "code", "long_context", "structured"}
+        assert set(pair["prompts"]) == set(KINDS)
         assert set(pair["by_temperature"]["0.0"]["round_ms_by_drafted"]) == {"0", "1", "2"}
         batched = json.loads((run / "latency" / "batched" / f"bf16__{slug}.json").read_text())
         assert [(c["batch"], c["k"]) for c in batched["cells"]] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]

@@ -52,11 +52,12 @@ def test_correct_engine_passes_and_a_planted_error_fails(embedded_model_dir, tmp
     from pipeline.decode.drafts import NgramDraft
     from pipeline.decode.engine import generate
     from pipeline.speculation.lossless import greedy_check
-    from pipeline.speculation.prompts import acceptance_prompts
+    from pipeline.core.config import Config
+    from pipeline.speculation.workload import workload_prompts
     from pipeline.variants.schemes import load_variant
 
     model, tok = load_variant(embedded_model_dir, device="cpu", dtype=dtype)
-    every = {pid: ids for rows in acceptance_prompts(3, tok, "acceptance").values() for pid, ids in rows}
+    every = {pid: ids for rows in workload_prompts(Config(), tok, "acceptance", 3, quiet=True).values() for pid, ids in rows}
     prompts = {"all": [(pid, every[pid]) for pid in PROMPTS]}
     plain = {pid: generate(model, torch.tensor([ids]), NEW_TOKENS).tokens for pid, ids in prompts["all"]}
 
@@ -101,7 +102,7 @@ def test_a_run_that_stops_early_or_runs_on_is_never_a_near_tie(tiny_model):
 
 def test_direct_check_at_reduced_precision_tests_like_sampling():
     """Greedy in bf16: direct runs may follow another text after a near-tie, so derived and direct
-    E(k) are compared by the prompt-bootstrap CI, not for equality; in fp32 equality still holds."""
+    E(k) are compared by the paired t CI on the prompts, not for equality; in fp32 equality still holds."""
     from pipeline.speculation.acceptance_stats import direct_check
 
     rng = np.random.default_rng(0)

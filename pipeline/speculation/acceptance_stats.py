@@ -32,6 +32,8 @@ from pipeline.stats.intervals import clip_contain, percentile_interval, t_interv
 RESAMPLES = 2000
 # The sampled direct check needs a spread of per-prompt differences: below this, no interval.
 MIN_CHECK_PROMPTS = 2
+# How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
+AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
 # A slice's prompt-bootstrap intervals are trusted from this many prompts on (simulated coverage
 # of the 95% E(k) interval >= 0.90); below, the slice says `few_prompts` (summarize_slice).
 MIN_PROMPTS = 16
