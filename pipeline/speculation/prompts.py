@@ -1,4 +1,5 @@
-"""The built-in prompt set for acceptance measurement, grouped by kind (the acceptance slices).
+"""The built-in prompt set for acceptance measurement, grouped by kind: the categories of the
+`builtin` workload (pipeline/speculation/workload.py), which are the acceptance slices.
 
 Acceptance depends on what is being generated, by up to an order of magnitude between tasks, which
 is why Spec-Bench reports speculative decoding per category rather than one figure. Two families:
@@ -16,8 +17,6 @@ their prompts must not change or reorder; new kinds go after them, new prompts a
 Passages are 80-250 words, code 10-30 lines; everything here was written for this project.
 """
 from __future__ import annotations
-
-from pipeline.core.stage import StageError, progress
 
 KINDS = ("chat", "code", "long_context", "structured", "summarize", "extract", "code_edit", "doc_qa")
 
@@ -482,28 +481,3 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer.encode(text)
-
-
-def prompts_by_kind(per_kind: int) -> dict[str, list[tuple[str, str]]]:
-    """kind -> [(prompt id, text)], the first `per_kind` of each kind."""
-    out = {}
-    for kind in KINDS:
-        texts = PROMPTS[kind][:per_kind]
-        out[kind] = [(f"{kind}-{i}", t) for i, t in enumerate(texts)]
-    return out
-
-
-def acceptance_prompts(per_kind: int, tokenizer, stage: str) -> dict[str, list[tuple[str, list[int]]]]:
-    """kind -> [(prompt id, token ids)], the acceptance slices' prompts (the latency stage times
-    speculative rounds on the same ones). A kind with fewer built-in prompts than asked uses all
-    it has and says so on stderr; the artifacts record the prompt ids actually used."""
-    by_kind = prompts_by_kind(per_kind)
-    short = {kind: len(rows) for kind, rows in by_kind.items() if len(rows) < per_kind}
-    if short:
-        progress(f"{stage}: acceptance.prompts_per_kind = {per_kind}, but the built-in set has only "
-                 + ", ".join(f"{n} {kind}" for kind, n in short.items()) + " prompts: using those "
-                 "(the JSON lists the prompts used under 'prompts')")
-    prompts = {kind: [(pid, prompt_ids(tokenizer, text)) for pid, text in rows] for kind, rows in by_kind.items()}
-    if not any(prompts.values()):
-        raise StageError(f"{stage}: acceptance.prompts_per_kind must be >= 1 (no prompts to measure)")
-    return prompts
