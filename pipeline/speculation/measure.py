@@ -38,16 +38,23 @@ def sampling_of(sampling_cfg, t: float) -> SamplingParams:
     return SamplingParams(t, sampling_cfg.top_k, sampling_cfg.top_p)
 
 
-def generate_texts(model, prompts: dict, cfg, seed: int, eos) -> dict[str, dict[str, list[int]]]:
-    """temperature key -> prompt id -> the target's own output (plain decode, one per prompt)."""
+def generate_texts(model, prompts: dict, cfg, seed: int, eos, on_text=None) -> dict[str, dict[str, list[int]]]:
+    """temperature key -> prompt id -> the target's own output (plain decode, one per prompt).
+    on_text(done, total), if given, is called after each text (the stage's progress line)."""
     device = next(model.parameters()).device
     texts: dict[str, dict[str, list[int]]] = {}
+    total = len(cfg.temperatures) * sum(len(rows) for rows in prompts.values())
+    done = 0
     for ti, t in enumerate(cfg.temperatures):
         g = torch.Generator(device).manual_seed(seed * 1000 + ti)
-        texts[temp_key(t)] = {
-            pid: generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens,
-                          sampling=sampling_of(cfg.sampling, t), generator=g, eos_token_id=eos).tokens
-            for rows in prompts.values() for pid, ids in rows}
+        out = texts[temp_key(t)] = {}
+        for rows in prompts.values():
+            for pid, ids in rows:
+                out[pid] = generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens,
+                                    sampling=sampling_of(cfg.sampling, t), generator=g, eos_token_id=eos).tokens
+                done += 1
+                if on_text is not None:
+                    on_text(done, total)
     return texts
 
 

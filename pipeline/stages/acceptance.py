@@ -49,6 +49,20 @@ from pipeline.speculation.workload import workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
 
 
+def _every(seconds: float, label: str):
+    """on_text callback: a progress line with the time left, at most once every `seconds`."""
+    start = last = time.time()
+
+    def tick(done: int, total: int) -> None:
+        nonlocal last
+        now = time.time()
+        if now - last >= seconds and done < total:
+            last = now
+            left = (now - start) / done * (total - done)
+            progress(f"{label} {done}/{total}, about {left / 60:.1f} min left")
+    return tick
+
+
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
@@ -79,7 +93,8 @@ def run(ctx: StageContext) -> None:
                                            context=getattr(model.config, "max_position_embeddings", None))
                 progress(f"acceptance: {variant}: generating the texts ({sum(map(len, prompts.values()))} prompts "
                          f"x {len(cfg.temperatures)} temperatures)")
-                texts = generate_texts(model, prompts, cfg, ctx.config.seed, tokenizer.eos_token_id)
+                texts = generate_texts(model, prompts, cfg, ctx.config.seed, tokenizer.eos_token_id,
+                                       on_text=_every(30.0, f"acceptance: {variant}: texts"))
                 timings[f"{variant} texts"] = round(time.time() - t0, 1)
                 t0 = time.time()
             progress(f"acceptance: {name}")
