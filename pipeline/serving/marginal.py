@@ -20,7 +20,14 @@ a round costs one target step plus k draft steps of relative cost c = T_draft_st
 predicted ms_per_token(k) = T_plain * (1 + k c) / E(k); where it misses the measured curve, verify
 cost growing with k or per-round overhead is what the model leaves out.
 
-Intervals resample the acceptance prompts and the timing repeats independently (percentile).
+Intervals resample the acceptance prompts and the timing repeats independently (percentile),
+except E(k): a percentile bootstrap of it over a handful of prompts is far too narrow (issue 28:
+the plug-in spread, a normal quantile, no skew), so tokens_per_round_ci is the acceptance stage's
+E(k) interval (a t interval on n - 1 df on the log(E - 1) scale: acceptance_stats.ratio_t_interval)
+and each replicate of ms_per_token and speedup takes its E(k) from that interval's t distribution
+(ratio_t_draws), with the resampled timing and drafted shares. The speedup CI's coverage by
+prompts (tests/sim_direct_check.py coverage, toy records through marginal_table) is in README,
+"Derived vs direct E(k) per category".
 
 Per category (issue #28): `recommended_k_by_category` gives, for every category of the workload
 (the acceptance slices other than "all") and temperature, the recommended k by RULE on that
@@ -40,6 +47,7 @@ import numpy as np
 
 from pipeline.core.stage import StageError
 from pipeline.latency.modes import comparable, compare
+from pipeline.speculation.acceptance_stats import ratio_t_draws, ratio_t_interval
 from pipeline.stats.intervals import median_ci, percentile_interval
 
 RULE = (
@@ -60,8 +68,8 @@ CATEGORY_RULE = (
     "best k's speedup CI contains 1) the recommendation stays k = 0, since nothing shows that speculating "
     "pays, but it is marked settled: false, verdict 'inconclusive': more prompts in that category could go "
     "either way. A category the acceptance stage flags as having too few prompts (few_prompts) is never "
-    "settled, whatever its CI says, since a bootstrap over a handful of prompts is too narrow; nor is one with "
-    "a single prompt (its CI resamples the timing repeats only). The figures "
+    "settled, whatever its CI says, since an interval over so few prompts covers less than it claims; "
+    "nor is one with a single prompt (its CI resamples the timing repeats only). The figures "
     "are given at `at_k`: the recommended k, or the best (lowest ms/token) k when that is 0."
 )
 
@@ -149,6 +157,19 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         round_b = np.median(np.einsum("bkd,brd->bkr", share_b, t_round[idx]), axis=2)  # [B, K]
         ms_b = round_b / e_b
         sp_b = np.median(plain_ms[idx], axis=1)[:, None] / ms_b
+        # Small-sample calibration (issue 28): E(k)'s part of each replicate is a draw from the
+        # acceptance stage's own E(k) interval (summarize_slice: t on n - 1 df, log(E - 1) scale),
+        # one t draw per replicate shared by every k; the rounds' drafted shares and the timing
+        # stay resampled as above. A percentile bootstrap of E over a handful of prompts is too
+        # narrow (it sees the plug-in spread, a normal quantile and no skew).
+        if n_prompts >= 2:
+            t_b = rng.standard_t(n_prompts - 1, size=resamples)
+            e_c = np.stack([ratio_t_draws(tokens, rounds[:, j], e_point[j], t_b, log_above=1.0)
+                            for j in range(len(ks))], axis=1)  # [B, K]
+        else:
+            e_c = np.broadcast_to(e_point, e_b.shape)
+        ms_c = round_b / e_c
+        sp_c = np.median(plain_ms[idx], axis=1)[:, None] / ms_c
     alphas = _position_rates(acc.get("per_position") or [])
     lat_modes = {int(r["k"]): r.get("run_mode") for r in timing.get("rows", [])}
     c = _cost_ratio(by_drafted_matrix(timing.get("draft_ms_by_drafted") or {}, d_max)[0]
@@ -169,14 +190,15 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         row = {
             "k": k,
             "tokens_per_round": tokens_k,
-            "tokens_per_round_ci": ci(e_b[:, j], tokens_k),
+            "tokens_per_round_ci": ratio_t_interval(tokens, rounds[:, j], tokens_k, confidence, (1.0, k + 1.0),
+                                                    log_above=1.0),
             "round_ms": r_med,
             "round_ms_ci": ci(round_b[:, j], r_med),
             "mean_drafted": float(share[j] @ np.arange(d_max + 1)),
             "ms_per_token": ms_tok,
-            "ms_per_token_ci": ci(ms_b[:, j], ms_tok),
+            "ms_per_token_ci": ci(ms_c[:, j], ms_tok),
             "speedup": t_plain / ms_tok,
-            "speedup_ci": ci(sp_b[:, j], t_plain / ms_tok),
+            "speedup_ci": ci(sp_c[:, j], t_plain / ms_tok),
             "marginal_ms_per_token": marginal,
             # k-1 -> k lowers ms/token iff a marginal token costs less than the average one at
             # k-1. SEEDS' looser test (below plain ms/token) says the extra tokens are at least
@@ -203,6 +225,11 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         "prompts": n_prompts,
         "ci_unit": ("acceptance prompts and timing repeats, resampled independently" if n_prompts >= 2 else
                     "timing repeats only (one prompt: acceptance not resampled)"),
+        # tokens_per_round_ci is the acceptance stage's E(k) interval; ms_per_token_ci and speedup_ci
+        # draw E(k)'s part from it; round_ms_ci and baseline_ci are plain percentile intervals.
+        "ci_method": ("percentile over resampled timing repeats and prompts' drafted shares, E(k) drawn from "
+                      "its t interval (n - 1 df, log(E - 1) scale)" if n_prompts >= 2 else
+                      "percentile over resampled timing repeats"),
         "rows": rows,
         "recommended_k": recommend_k(rows),
     }

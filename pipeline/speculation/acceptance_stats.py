@@ -6,37 +6,44 @@ resample prompts.
     summary = summarize_slice([rec, ...], k_max, confidence=0.95, seed=0)
 
 Every figure is a ratio of sums over prompts (tokens / expected rounds, accepted / reached, ...),
-so a prompt, whose rounds share one text, is the unit of resampling: the intervals are percentile
-intervals of the same ratio over prompts drawn with replacement (a cluster bootstrap). It is
-written out with multinomial prompt weights because a resample can leave a ratio undefined (no
-resampled prompt reached position 6) and those resamples must be dropped, which
-scipy.stats.bootstrap cannot do. With fewer than two prompts nothing can be resampled and the
-interval is the whole range of the quantity. Every interval is clipped to that range and
-contains its point estimate. A rate is also never narrower than the Wilson interval on its
-(expected) round counts: when every prompt accepted nothing, or everything, at a position, all
-resamples agree and the bootstrap alone would claim certainty that a few rounds cannot give.
+so a prompt, whose rounds share one text, is the unit: the intervals are t intervals on the
+prompts, n - 1 df, with the ratio linearized around its point (ratio_t_interval; the direct
+check's ratio_difference is the same construction for a difference). E(k) >= 1 is skewed (most
+texts copy little, a few a lot), so its interval is built on log(E(k) - 1): wider above than
+below. Until issue 28 they were percentile prompt bootstraps (ratio_interval, kept for the
+simulation), which over a handful of prompts see only the plug-in spread with a normal quantile
+and no skew: the 95% E(k) interval covered the population's E(k) in 44-50% of simulated slices at
+2 prompts and 83-90% at 8; this one in 60-81% at 2, 92-97% at 8 (tests/sim_direct_check.py
+coverage; README, "Derived vs direct E(k) per category"). With fewer than two prompts the interval
+is the whole range of the quantity. Every interval is clipped to that range and contains its
+point estimate. A rate is also never narrower than the Wilson interval on its (expected) round
+counts: when every prompt accepted nothing, or everything, at a position, the prompts agree and
+the t interval alone would claim certainty that a few rounds cannot give.
 
-A slice with fewer than MIN_PROMPTS prompts says so (`few_prompts`, `min_prompts`): its bootstrap
-intervals are indicative only (summarize_slice states the rule). The direct check's sampled test
-is not a bootstrap: over the 2-8 prompts of a category a percentile bootstrap of direct - derived
-is far too narrow, so it is a paired t interval on the prompts (ratio_difference), and with fewer
-than MIN_CHECK_PROMPTS prompts there is no verdict (`agree` null).
+A slice with fewer than MIN_PROMPTS prompts says so (`few_prompts`, `min_prompts`): its intervals
+are indicative only (summarize_slice states the rule). The direct check's sampled test is a paired
+t interval on the prompts (ratio_difference), and with fewer than MIN_CHECK_PROMPTS prompts there
+is no verdict (`agree` null).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pipeline.speculation.expected_rounds import RoundChain, TextAcceptance
-from pipeline.stats.intervals import clip_contain, percentile_interval, t_interval
+from pipeline.stats.intervals import clip_contain, percentile_interval, t_interval, t_quantile
 
 RESAMPLES = 2000
 # The sampled direct check needs a spread of per-prompt differences: below this, no interval.
 MIN_CHECK_PROMPTS = 2
 # How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
 AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
-# A slice's prompt-bootstrap intervals are trusted from this many prompts on (simulated coverage
-# of the 95% E(k) interval >= 0.90); below, the slice says `few_prompts` (summarize_slice).
-MIN_PROMPTS = 16
+# A slice's intervals are trusted from this many prompts on: the smallest n at which the 95% E(k)
+# interval's simulated coverage is >= 0.93 in every toy population, at k = 3 and 5 (0.940-0.962 at
+# 12, 0.922-0.967 at 8: tests/sim_direct_check.py coverage); below, the slice says `few_prompts`.
+MIN_PROMPTS = 12
+# How summarize_slice's intervals are made (the slice's `ci_method`).
+CI_METHOD = ("t interval on the prompts, n - 1 df, the ratio of sums linearized around its point "
+             "(ratio_t_interval); E(k) on the log(E(k) - 1) scale; rates also at least their Wilson interval")
 
 
 def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int, RoundChain]) -> dict:
@@ -63,7 +70,8 @@ def prompt_weights(n_prompts: int, seed: int, resamples: int = RESAMPLES) -> np.
 
 def ratio_interval(num_b: np.ndarray, den_b: np.ndarray, point: float | None, confidence: float,
                    bounds: tuple[float, float], n_prompts: int) -> list[float] | None:
-    """Percentile interval of num/den over prompt resamples (undefined resamples dropped), clipped
+    """(Before issue 28 summarize_slice's; now for tests/sim_direct_check.py's comparison.)
+    Percentile interval of num/den over prompt resamples (undefined resamples dropped), clipped
     to `bounds` and widened to contain `point` (pipeline.stats.intervals.percentile_interval);
     `bounds` itself with one prompt or fewer than 10 defined resamples."""
     if point is None:
@@ -74,14 +82,63 @@ def ratio_interval(num_b: np.ndarray, den_b: np.ndarray, point: float | None, co
     return percentile_interval(num_b[ok] / den_b[ok], confidence, point, bounds, min_replicates=10, too_few=bounds)
 
 
-def rate_interval(num_b: np.ndarray, den_b: np.ndarray, hits: float, trials: float, confidence: float,
-                  n_prompts: int) -> list[float] | None:
-    """A rate's interval: the prompt bootstrap's, widened to at least the Wilson interval of
-    `hits` in `trials` rounds (the i.i.d.-rounds interval; statsmodels)."""
+def linearized_se(num, den, point: float) -> float:
+    """The standard error of sum(num)/sum(den) over n prompts, the ratio linearized around `point`:
+    z_i = num_i - point den_i, se = sd(z) / sqrt(n) / mean den (ratio_difference's construction
+    for one ratio). Needs n >= 2 and sum(den) > 0."""
+    num, den = np.asarray(num, float), np.asarray(den, float)
+    return float(np.std(num - point * den, ddof=1) / np.sqrt(num.size) / den.mean())
+
+
+def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: tuple[float, float],
+                     log_above: float | None = None) -> list[float] | None:
+    """sum(num)/sum(den) over n prompts with a t interval on n - 1 df (se: linearized_se), clipped
+    to `bounds` and containing the point; `bounds` itself with fewer than two prompts or no
+    denominator. With `log_above` = f (and point > f) the interval is built on log(ratio - f)
+    (se / (point - f) there, the delta method) and mapped back: f + (point - f) exp(-/+ t se_log),
+    wider above than below, as the spread of a ratio near its floor is (E(k) >= 1: most texts
+    copy little, a few copy a lot). E(k) uses f = 1 (summarize_slice)."""
+    if point is None:
+        return None
+    num, den = np.asarray(num, float), np.asarray(den, float)
+    n = num.size
+    if n < 2 or den.sum() <= 0:
+        return [float(bounds[0]), float(bounds[1])]
+    se = linearized_se(num, den, point)
+    if log_above is None or point <= log_above:
+        return t_interval(point, se, n - 1, confidence, bounds)
+    q = t_quantile(confidence, n - 1)
+    gap, se_log = point - log_above, se / (point - log_above)
+    with np.errstate(over="ignore"):
+        hi = log_above + gap * float(np.exp(min(q * se_log, 700.0)))
+    return clip_contain(log_above + gap * float(np.exp(-q * se_log)), hi, point, bounds)
+
+
+def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | None = None) -> np.ndarray:
+    """Replicates of the ratio distributed as ratio_t_interval's pivot: point + se t_b (or, with
+    `log_above`, f + (point - f) exp(se_log t_b)) for given t draws t_b (the marginal stage's
+    prompt part). The point itself, repeated, with fewer than two prompts or no denominator."""
+    num, den = np.asarray(num, float), np.asarray(den, float)
+    draws = np.asarray(draws, float)
+    if num.size < 2 or den.sum() <= 0:
+        return np.full(draws.shape, float(point))
+    se = linearized_se(num, den, point)
+    if log_above is None or point <= log_above:
+        return point + se * draws
+    with np.errstate(over="ignore"):
+        return log_above + (point - log_above) * np.exp(np.minimum(se / (point - log_above) * draws, 700.0))
+
+
+def rate_interval(hits_p, trials_p, confidence: float) -> list[float] | None:
+    """A rate sum(hits_p) / sum(trials_p) over prompts: its prompt t interval (ratio_t_interval),
+    widened to at least the Wilson interval of the hits in the trials, pooled (the i.i.d.-rounds
+    interval; statsmodels), which a slice where every prompt accepted nothing, or everything, at a
+    position still has."""
     from statsmodels.stats.proportion import proportion_confint
 
+    hits, trials = float(np.sum(hits_p)), float(np.sum(trials_p))
     point = _ratio(hits, trials)
-    boot = ratio_interval(num_b, den_b, point, confidence, (0.0, 1.0), n_prompts)
+    boot = ratio_t_interval(hits_p, trials_p, point, confidence, (0.0, 1.0))
     if boot is None:
         return None
     lo, hi = proportion_confint(hits, trials, alpha=1 - confidence, method="wilson")
@@ -96,14 +153,17 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
     """The acceptance JSON's per-slice, per-temperature block (DESIGN.md keys plus CIs and the
     per-prompt records the marginal stage resamples).
 
+    Intervals (`ci_method`): t intervals on the prompts (ratio_t_interval), E(k) on the
+    log(E(k) - 1) scale; `seed` is no longer used (nothing is resampled) and kept for callers.
+
     The rule for trusting a slice: `few_prompts` is true when it has fewer than `min_prompts`
-    (MIN_PROMPTS = 16) prompts. Its intervals are then too narrow to take at their word: a
-    percentile bootstrap over a handful of prompts sees only their spread, each prompt's one text
-    is one draw of a very variable E(k) (a text that copies its prompt or wanders off), and the
-    95% E(k) interval covered the population's E(k) in 44-50% of simulated slices at 2 prompts,
-    58-74% at 3, 83-90% at 8 and 90-95% from 16 on (tests/sim_direct_check.py coverage; the
-    README's table). A per-category figure with `few_prompts` is a point estimate with an
-    indicative interval; give the category more prompts (acceptance.prompts_per_kind, or
+    (MIN_PROMPTS = 12) prompts. Each prompt's one text is one draw of a very variable E(k) (a
+    text that copies its prompt or wanders off), and with few prompts a slice may hold no text of
+    the kind that moves the mean: the 95% E(k) interval covered the population's E(k) in 60-81% of
+    simulated slices at 2 prompts, 69-92% at 3, 92-97% at 8 and 94-96% at 12 (the old percentile
+    bootstrap: 44-50%, 58-74%, 83-90%, 87-94%; tests/sim_direct_check.py coverage, the README's
+    table). A per-category figure with `few_prompts` is a point estimate with an indicative
+    interval; give the category more prompts (acceptance.prompts_per_kind, or
     acceptance.workload_prompts) to trust it."""
     n_prompts = len(records)
     ks = list(range(1, k_max + 1))
@@ -114,14 +174,12 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
     accepted = np.array([r["accepted"] for r in records], float).reshape(n_prompts, k_max)
     beta_sum = np.array([r["beta_sum"] for r in records], float).reshape(n_prompts, k_max)
     hist = np.array([r["histogram"] for r in records], float).reshape(n_prompts, k_max + 1)
-    w = prompt_weights(max(n_prompts, 1), seed)[:, :n_prompts]  # [B, P]
-
     expected, expected_ci = {}, {}
     for j, k in enumerate(ks):
         e = _ratio(tokens.sum(), rounds[:, j].sum())
         expected[str(k)] = e if e is not None else 1.0  # no rounds at all: nothing to gain, 1 token/round
-        expected_ci[str(k)] = ratio_interval(w @ tokens, w @ rounds[:, j], expected[str(k)], confidence,
-                                             (1.0, k + 1.0), n_prompts)
+        expected_ci[str(k)] = ratio_t_interval(tokens, rounds[:, j], expected[str(k)], confidence, (1.0, k + 1.0),
+                                               log_above=1.0)
     per_position = []
     for i in range(k_max):
         cond = _ratio(accepted[:, i].sum(), reached[:, i].sum())
@@ -133,10 +191,8 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
             "expected_beta": _ratio(beta_sum[:, i].sum(), reached[:, i].sum()),
             "n": float(reached[:, i].sum()),  # expected full-k rounds that tested position i
             "accepted": float(accepted[:, i].sum()),
-            "ci": rate_interval(w @ accepted[:, i], w @ reached[:, i], accepted[:, i].sum(), reached[:, i].sum(),
-                                confidence, n_prompts),
-            "prefix_ci": rate_interval(w @ accepted[:, i], w @ full, accepted[:, i].sum(), full.sum(), confidence,
-                                       n_prompts),
+            "ci": rate_interval(accepted[:, i], reached[:, i], confidence),
+            "prefix_ci": rate_interval(accepted[:, i], full, confidence),
         })
     drafted = {}
     for j, k in enumerate(ks):
@@ -164,7 +220,7 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         "mean_drafted": float(top @ np.arange(k_max + 1)),
         "prompts": n_prompts,
         "few_prompts": n_prompts < MIN_PROMPTS, "min_prompts": MIN_PROMPTS,
-        "ci_unit": "prompt (cluster bootstrap, percentile)",
+        "ci_unit": "prompt", "ci_method": CI_METHOD,
         "per_prompt": records,
     }
 
@@ -199,7 +255,7 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
     """derived E(k) (from the texts) vs direct E(k) (real engine runs at k on the same prompts).
 
     direct: k -> one {"tokens", "rounds"} per record, in the same order. `ci` is the derived
-    figure's interval (the prompt bootstrap, as summarize_slice's). Greedy in float32 (`exact`):
+    figure's interval (summarize_slice's: ratio_t_interval on log(E - 1)); `seed` is unused. Greedy in float32 (`exact`):
     the texts are the same, so the two must be equal. Sampled, or greedy in a reduced precision
     (where a near-tie can flip an argmax between the teacher-forced forward, a verify and a decode
     step, so a direct run may follow another text and accept differently:
@@ -213,7 +269,6 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
     few prompts to check"), where the old check called any single prompt agreeing."""
     n_prompts = len(records)
     tokens = np.array([r["tokens"] for r in records], float)
-    w = prompt_weights(max(n_prompts, 1), seed + 7)[:, :n_prompts]
     out = {}
     for k, runs in sorted(direct.items()):
         rounds = np.array([r["expected_rounds"][str(k)] for r in records], float)
@@ -230,7 +285,7 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
             agree = None if diff_ci is None else diff_ci[0] <= 0.0 <= diff_ci[1]
         out[str(k)] = {
             "derived": derived, "direct": measured,
-            "ci": ratio_interval(w @ tokens, w @ rounds, derived, confidence, (1.0, k + 1.0), n_prompts),
+            "ci": ratio_t_interval(tokens, rounds, derived, confidence, (1.0, k + 1.0), log_above=1.0),
             "difference_ci": diff_ci, "agree": None if agree is None else bool(agree),
             "direct_rounds": int(d_rounds.sum()), "direct_tokens": int(d_tokens.sum()),
             "prompts": n_prompts, "min_prompts": 1 if same_text else MIN_CHECK_PROMPTS,
