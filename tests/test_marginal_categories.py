@@ -29,7 +29,7 @@ def _three_categories(**extra) -> dict:
     prompts that disagree (round counts x0.7, x1, x1.3). Round time 12.5 + 2 d ms, plain 10 ms
     (tests/test_marginal.py _latency), the same for every category."""
     summarize = _acc(_expected(0.9, 4), 0.9, prompts=8, spread=0.05)
-    chat = _acc({k: 1.0 + 0.05 * k for k in range(1, 5)}, 0.05, prompts=8, spread=0.05)
+    chat = _acc({k: 1.0 + 0.05 * k for k in range(1, 5)}, 0.05, prompts=8, spread=0.01)  # every prompt E >= 1
     rag = _acc({1: 1.4, 2: 1.5, 3: 1.55, 4: 1.58}, 0.4, prompts=3, spread=0.3)
     pooled = _acc(_expected(0.6, 4), 0.6, prompts=19, spread=0.02)
     for block in (summarize, chat, rag, pooled):

@@ -13,7 +13,7 @@ texts copy little, a few a lot), so its interval is built on log(E(k) - 1): wide
 below. Until issue 28 they were percentile prompt bootstraps (ratio_interval, kept for the
 simulation), which over a handful of prompts see only the plug-in spread with a normal quantile
 and no skew: the 95% E(k) interval covered the population's E(k) in 44-50% of simulated slices at
-2 prompts and 83-90% at 8; this one in 60-81% at 2, 92-97% at 8 (tests/sim_direct_check.py
+2 prompts and 83-90% at 8; this one in 60-81% at 2, 93-96% at 8 (tests/sim_direct_check.py
 coverage; README, "Derived vs direct E(k) per category"). With fewer than two prompts the interval
 is the whole range of the quantity. Every interval is clipped to that range and contains its
 point estimate. A rate is also never narrower than the Wilson interval on its (expected) round
@@ -38,8 +38,8 @@ MIN_CHECK_PROMPTS = 2
 # How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
 AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
 # A slice's intervals are trusted from this many prompts on: the smallest n at which the 95% E(k)
-# interval's simulated coverage is >= 0.93 in every toy population, at k = 3 and 5 (0.940-0.962 at
-# 12, 0.922-0.967 at 8: tests/sim_direct_check.py coverage); below, the slice says `few_prompts`.
+# interval's simulated coverage is >= 0.93 in every toy population, at k = 3 and 5 (0.940-0.963 at
+# 12, 0.927-0.961 at 8: tests/sim_direct_check.py coverage); below, the slice says `few_prompts`.
 MIN_PROMPTS = 12
 # How summarize_slice's intervals are made (the slice's `ci_method`).
 CI_METHOD = ("t interval on the prompts, n - 1 df, the ratio of sums linearized around its point "
@@ -160,7 +160,7 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
     (MIN_PROMPTS = 12) prompts. Each prompt's one text is one draw of a very variable E(k) (a
     text that copies its prompt or wanders off), and with few prompts a slice may hold no text of
     the kind that moves the mean: the 95% E(k) interval covered the population's E(k) in 60-81% of
-    simulated slices at 2 prompts, 69-92% at 3, 92-97% at 8 and 94-96% at 12 (the old percentile
+    simulated slices at 2 prompts, 69-92% at 3, 93-96% at 8 and 94-96% at 12 (the old percentile
     bootstrap: 44-50%, 58-74%, 83-90%, 87-94%; tests/sim_direct_check.py coverage, the README's
     table). A per-category figure with `few_prompts` is a point estimate with an indicative
     interval; give the category more prompts (acceptance.prompts_per_kind, or
