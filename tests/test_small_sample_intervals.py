@@ -129,10 +129,10 @@ def test_t_interval_is_the_linearized_ratio():
 
 
 def test_few_prompts_flag_from_min_prompts():
-    """A slice is flagged few_prompts below MIN_PROMPTS (12: the smallest n where the E(k)
-    interval's simulated coverage is >= 0.93 in every toy population) and not from it on."""
+    """A slice is flagged few_prompts below MIN_PROMPTS (8: the smallest n where the E(k)
+    interval's simulated coverage is >= 0.92 in every toy population) and not from it on."""
     tokens, a = draw_texts(np.random.default_rng(0), MIN_PROMPTS)
-    assert MIN_PROMPTS == 12
+    assert MIN_PROMPTS == 8
     assert summarize_slice(records(tokens[:-1], a[:-1]), K_MAX)["few_prompts"] is True
     s = summarize_slice(records(tokens, a), K_MAX)
     assert s["few_prompts"] is False and s["min_prompts"] == MIN_PROMPTS
