@@ -106,3 +106,29 @@ def test_workload_named_and_old_artifact_without_it():
     # a marginal JSON written before categories still renders its slices
     del old["recommended_k_by_category"]
     assert {r[0] for r in category_rows(old)} == {"all", "chat", "rag", "summarize"}
+
+
+@pytest.mark.parametrize("prompts,spread", [(2, 0.3), (3, 0.3), (8, 0.1)])
+def test_e_draws_and_speedup_ci_stay_feasible(prompts, spread):
+    """E(k) lies in [1, k + 1], so with round time 12.5 + 2k ms and plain 10 ms (constant timing,
+    _latency) the speedup can be at most 10 (k + 1) / (12.5 + 2k) (1.38 at k = 1) and ms/token at
+    least (12.5 + 2k) / (k + 1). Few prompts that disagree give heavy t draws on the log(E - 1)
+    scale; unclipped they reached E = 1e303 and speedup CIs like [0.69, 123] at 2 prompts."""
+    import numpy as np
+
+    from pipeline.speculation.acceptance_stats import ratio_t_draws
+
+    block = _acc(_expected(0.6, 4), 0.6, prompts=prompts, spread=spread)
+    tokens = np.array([r["tokens"] for r in block["per_prompt"]])
+    t_b = np.random.default_rng(0).standard_t(prompts - 1, size=4000)
+    for k in range(1, 5):
+        rounds = np.array([r["expected_rounds"][str(k)] for r in block["per_prompt"]])
+        e = ratio_t_draws(tokens, rounds, _expected(0.6, 4)[k], t_b, log_above=1.0, bounds=(1.0, k + 1.0))
+        assert e.min() >= 1.0 and e.max() <= k + 1.0
+    rep = pair_report(_acceptance({"all": block, "rag": block}, None), _latency(4))
+    for row in rep["slices"]["rag"]["0.0"]["rows"]:
+        k = row["k"]
+        top = 10.0 * (k + 1) / (12.5 + 2 * k)
+        assert row["speedup_ci"][1] <= top * (1 + 1e-9)
+        assert row["ms_per_token_ci"][0] >= (12.5 + 2 * k) / (k + 1) * (1 - 1e-9)
+        assert 1.0 <= row["tokens_per_round_ci"][0] <= row["tokens_per_round_ci"][1] <= k + 1.0

@@ -164,8 +164,9 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         # narrow (it sees the plug-in spread, a normal quantile and no skew).
         if n_prompts >= 2:
             t_b = rng.standard_t(n_prompts - 1, size=resamples)
-            e_c = np.stack([ratio_t_draws(tokens, rounds[:, j], e_point[j], t_b, log_above=1.0)
-                            for j in range(len(ks))], axis=1)  # [B, K]
+            e_c = np.stack([ratio_t_draws(tokens, rounds[:, j], e_point[j], t_b, log_above=1.0,
+                                          bounds=(1.0, k + 1.0))
+                            for j, k in enumerate(ks)], axis=1)  # [B, K]: feasible, in [1, k + 1]
         else:
             e_c = np.broadcast_to(e_point, e_b.shape)
         ms_c = round_b / e_c

@@ -115,19 +115,25 @@ def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: t
     return clip_contain(log_above + gap * float(np.exp(-q * se_log)), hi, point, bounds)
 
 
-def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | None = None) -> np.ndarray:
+def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | None = None,
+                  bounds: tuple[float, float] | None = None) -> np.ndarray:
     """Replicates of the ratio distributed as ratio_t_interval's pivot: point + se t_b (or, with
     `log_above`, f + (point - f) exp(se_log t_b)) for given t draws t_b (the marginal stage's
-    prompt part). The point itself, repeated, with fewer than two prompts or no denominator."""
+    prompt part), clipped to `bounds` as ratio_t_interval clips its ends (E(k) lies in [1, k + 1];
+    a heavy-tailed t draw on the log scale can otherwise reach 1e300). The point itself, repeated,
+    with fewer than two prompts or no denominator."""
     num, den = np.asarray(num, float), np.asarray(den, float)
     draws = np.asarray(draws, float)
     if num.size < 2 or den.sum() <= 0:
-        return np.full(draws.shape, float(point))
-    se = linearized_se(num, den, point)
-    if log_above is None or point <= log_above:
-        return point + se * draws
-    with np.errstate(over="ignore"):
-        return log_above + (point - log_above) * np.exp(np.minimum(se / (point - log_above) * draws, 700.0))
+        out = np.full(draws.shape, float(point))
+    else:
+        se = linearized_se(num, den, point)
+        if log_above is None or point <= log_above:
+            out = point + se * draws
+        else:
+            with np.errstate(over="ignore"):
+                out = log_above + (point - log_above) * np.exp(np.minimum(se / (point - log_above) * draws, 700.0))
+    return out if bounds is None else np.clip(out, float(bounds[0]), float(bounds[1]))
 
 
 def rate_interval(hits_p, trials_p, confidence: float) -> list[float] | None:
