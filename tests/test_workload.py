@@ -250,3 +250,50 @@ def test_user_file_digest_enters_the_config_section(tmp_path):
         "workload_sha256"] is None
     # The printed resolved config loads again.
     assert Config.model_validate({"acceptance": after}).acceptance.workload == str(path)
+
+
+def _acceptance_inputs(cfg: Config, tmp_path) -> dict:
+    """The acceptance stage's input dict for its one pair, caught at ctx.item before any work."""
+    from types import SimpleNamespace
+
+    from draft_models.registry import draft_slug
+    from pipeline.stages import acceptance
+
+    for d in ("variants/bf16", f"drafts/{draft_slug('ngram')}"):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+        (tmp_path / d / "meta.json").write_text('{"input_hash": "h"}')
+    seen = []
+
+    def item(name, inputs, is_dir=True):
+        seen.append(inputs)
+        raise KeyboardInterrupt  # stop here: nothing is loaded
+
+    ctx = SimpleNamespace(config=cfg, run_dir=tmp_path, item=item)
+    with pytest.raises(KeyboardInterrupt):
+        acceptance.run(ctx)
+    return seen[0]
+
+
+def test_prompt_limit_terms_hashed_alike_by_acceptance_and_latency(tmp_path):
+    """Review 2: the prompt-length limit reads latency.new_tokens, closed_loop_tokens and k_max as
+    well as acceptance's keys; both stages hash the same prompt_limit_inputs, so a change that can
+    move the limit (and so the prompts drawn on a short-context model) re-runs both, and one that
+    cannot re-runs neither for this reason."""
+    from pipeline.speculation.workload import prompt_limit, prompt_limit_inputs
+    from pipeline.stages.latency import workload_inputs
+
+    def both(**latency):
+        cfg = Config.model_validate({"drafts": ["ngram"], "quantize": {"reference": "bf16"},
+                                     "acceptance": {"targets": ["bf16"], "max_new_tokens": 32, "k_max": 4},
+                                     "latency": {"new_tokens": 16, **latency}})
+        return cfg, _acceptance_inputs(cfg, tmp_path)["prompt_limit"], workload_inputs(cfg)["prompt_limit"]
+
+    cfg, acc0, lat0 = both(closed_loop_tokens=40)
+    assert acc0 == lat0 == prompt_limit_inputs(cfg)
+    assert prompt_limit(cfg, 100) == 100 - 40 - 5  # the limit is these terms and the context alone
+    _, acc1, lat1 = both(closed_loop_tokens=64)
+    assert acc1 == lat1 != acc0 and acc1["generated"] == 64
+    _, acc2, lat2 = both(closed_loop_tokens=20)  # below acceptance.max_new_tokens: the limit cannot move
+    assert acc2 == lat2 and acc2["generated"] == 32
+    _, acc3, lat3 = both(closed_loop_tokens=40, k_max=7)
+    assert acc3 == lat3 and acc3["verify_width"] == 8

@@ -359,14 +359,25 @@ def load_workload(acceptance_cfg, seed: int, *, tokenizer=None, max_prompt_token
     return wl
 
 
+def prompt_limit_inputs(config) -> dict:
+    """What the prompt-length limit reads from the config (prompt_limit's terms but the model's
+    context): the acceptance and latency stages both hash exactly this dict, so whatever can move
+    the limit, and so which prompts are drawn, re-runs both together (the context is not known
+    before a model loads; it is the variant's, which both stages already hash)."""
+    acc, lat = config.acceptance, config.latency
+    return {"max_prompt_tokens": acc.max_prompt_tokens,
+            "generated": max(acc.max_new_tokens, lat.new_tokens, lat.closed_loop_tokens),
+            "verify_width": max(acc.k_max, lat.k_max or 0) + 1}
+
+
 def prompt_limit(config, context: int | None) -> int:
     """The longest prompt measured: acceptance.max_prompt_tokens, and never more than the model's
-    context less the most tokens any run generates and the largest k's verify width (k + 1)."""
-    acc, lat = config.acceptance, config.latency
-    limit = acc.max_prompt_tokens
+    context less the most tokens any run generates and the largest k's verify width (k + 1)
+    (prompt_limit_inputs)."""
+    terms = prompt_limit_inputs(config)
+    limit = terms["max_prompt_tokens"]
     if context:
-        new = max(acc.max_new_tokens, lat.new_tokens, lat.closed_loop_tokens)
-        limit = min(limit, int(context) - new - (max(acc.k_max, lat.k_max or 0) + 1))
+        limit = min(limit, int(context) - terms["generated"] - terms["verify_width"])
     return limit
 
 

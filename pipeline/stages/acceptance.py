@@ -45,7 +45,7 @@ from pipeline.core.stage import StageContext, progress, read_json
 from pipeline.decode.release import collect, release_caches
 from pipeline.speculation.acceptance_stats import AGREE_MARK
 from pipeline.speculation.measure import generate_texts, measure_pair
-from pipeline.speculation.workload import workload_prompts, workload_summary
+from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
 
 
@@ -81,7 +81,7 @@ def run(ctx: StageContext) -> None:
             name = f"{variant}__{slug}"
             inputs = {"variant": vmeta.get("input_hash"), "draft": dmeta.get("input_hash"),
                       "acceptance": ctx.config.section("acceptance"), "seed": ctx.config.seed, "device": str(device),
-                      "spec_batch_sizes": batch_sizes}
+                      "spec_batch_sizes": batch_sizes, "prompt_limit": prompt_limit_inputs(ctx.config)}
             item = ctx.item(f"{name}.json", inputs, is_dir=False)
             pairs[name] = {"variant": variant, "draft": spec, "file": f"acceptance/{name}.json"}
             if item.fresh:

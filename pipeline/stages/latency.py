@@ -53,7 +53,7 @@ from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.kernels import device_name
 from pipeline.report.latency import tpot_ratio_plot
-from pipeline.speculation.workload import interleave, workload_prompts, workload_summary
+from pipeline.speculation.workload import interleave, prompt_limit_inputs, workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
 
 
@@ -64,10 +64,13 @@ def draft_input_hash(run_dir: Path, slug: str) -> str | None:
 
 
 def workload_inputs(cfg) -> dict:
-    """The acceptance keys that choose the workload's prompts (pipeline/speculation/workload.py)."""
+    """The config keys that choose the workload's prompts (pipeline/speculation/workload.py): the
+    acceptance keys of the draw and the prompt-length limit's terms as the acceptance stage hashes
+    them (prompt_limit_inputs), so the two stages draw the same prompts and re-run together."""
     acc = cfg.section("acceptance")
-    return {key: acc[key] for key in ("workload", "workload_prompts", "categories", "max_prompt_tokens",
-                                      "workload_sha256", "k_max", "max_new_tokens")}
+    out = {key: acc[key] for key in ("workload", "workload_prompts", "categories", "workload_sha256")}
+    out["prompt_limit"] = prompt_limit_inputs(cfg)
+    return out
 
 
 def _resolve_dir(ctx, name: str, d: str | None) -> Path:
