@@ -297,3 +297,21 @@ def test_prompt_limit_terms_hashed_alike_by_acceptance_and_latency(tmp_path):
     assert acc2 == lat2 and acc2["generated"] == 32
     _, acc3, lat3 = both(closed_loop_tokens=40, k_max=7)
     assert acc3 == lat3 and acc3["verify_width"] == 8
+
+
+def test_fewer_workload_prompts_than_categories_is_refused(tmp_path):
+    """Review 3: 5 prompts over the 8 built-in categories would leave 3 with none (and the stage
+    would drop them and exit 0): refused before any work, one line, exit 2."""
+    n_cats = len(KINDS)
+    with pytest.raises(StageError, match=rf"acceptance.workload_prompts = 5 is fewer than the {n_cats} categories"
+                                         r".*raise it or set acceptance.categories"):
+        precheck(_cfg(workload_prompts=5), {})
+    precheck(_cfg(workload_prompts=n_cats), {})  # one each is enough
+    precheck(_cfg(workload_prompts=2, categories=["chat", "code"]), {})
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("acceptance:\n  workload_prompts: 3\nquality:\n  slices: [reasoning]\n")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "prepare", "--run", str(run), "--config", str(cfg)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "workload_prompts = 3 is fewer than" in proc.stderr and not run.exists()

@@ -443,6 +443,11 @@ def workload_summary(prompts: PromptSet) -> dict:
 def precheck(config, args: dict | None = None) -> None:
     """Before any work (the acceptance and latency stages' precheck; `prepare` and `evaluate` run
     it too): the workload can be read (every line of a user's file is a usable record) and every
-    listed category is one of its categories."""
+    listed category is one of its categories, each of which gets at least one prompt."""
     pool = load_pool(config.acceptance.workload)
-    category_order(pool, config.acceptance.categories)
+    cats = category_order(pool, config.acceptance.categories)
+    total = config.acceptance.workload_prompts
+    if total is not None and total < len(cats):
+        raise WorkloadError(f"acceptance.workload_prompts = {total} is fewer than the {len(cats)} categories of "
+                            f"workload {pool.name} ({', '.join(cats)}): some would get no prompt; raise it or "
+                            "set acceptance.categories")
