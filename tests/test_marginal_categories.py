@@ -132,3 +132,18 @@ def test_e_draws_and_speedup_ci_stay_feasible(prompts, spread):
         assert row["speedup_ci"][1] <= top * (1 + 1e-9)
         assert row["ms_per_token_ci"][0] >= (12.5 + 2 * k) / (k + 1) * (1 - 1e-9)
         assert 1.0 <= row["tokens_per_round_ci"][0] <= row["tokens_per_round_ci"][1] <= k + 1.0
+
+
+def test_old_acceptance_without_few_prompts_is_judged_by_its_count():
+    """Review 4: an acceptance JSON written before `few_prompts` existed: a category with fewer than
+    MIN_PROMPTS prompts is not settled even when its CI clears 1; one with MIN_PROMPTS is."""
+    from pipeline.speculation.acceptance_stats import MIN_PROMPTS
+
+    slices = _three_categories()
+    slices["summarize"] = _acc(_expected(0.9, 4), 0.9, prompts=3, spread=0.05)
+    slices["chat"] = _acc({k: 1.0 + 0.05 * k for k in range(1, 5)}, 0.05, prompts=MIN_PROMPTS, spread=0.01)
+    cats = pair_report(_acceptance(slices, None), _latency(4))["recommended_k_by_category"]
+    s = cats["summarize"]["0.0"]
+    assert s["verdict"] == "speculate" and s["speedup_ci"][0] > 1.0  # the rule alone would settle it
+    assert s["settled"] is False and f"3 prompts, fewer than {MIN_PROMPTS}" in s["reason"]
+    assert cats["chat"]["0.0"]["settled"] is True

@@ -47,7 +47,7 @@ import numpy as np
 
 from pipeline.core.stage import StageError
 from pipeline.latency.modes import comparable, compare
-from pipeline.speculation.acceptance_stats import ratio_t_draws, ratio_t_interval
+from pipeline.speculation.acceptance_stats import MIN_PROMPTS, ratio_t_draws, ratio_t_interval
 from pipeline.stats.intervals import median_ci, percentile_interval
 
 RULE = (
@@ -280,6 +280,8 @@ def category_entry(table: dict, acc: dict) -> dict:
     best = min(usable or rows, key=lambda r: (r["ms_per_token"], r["k"]))
     at = next(r for r in rows if r["k"] == (rec or best["k"]))
     few = acc.get("few_prompts")
+    if few is None:  # an acceptance JSON written before the flag: judged by its prompt count
+        few = table["prompts"] < MIN_PROMPTS
     if rec:
         verdict, settled, reason = "speculate", True, f"k = {rec}: speedup CI above 1"
     elif usable and all(r["speedup_ci"][1] < 1.0 for r in usable):
@@ -290,12 +292,14 @@ def category_entry(table: dict, acc: dict) -> dict:
         verdict, settled = "inconclusive", False
         reason = (f"best k = {best['k']}: speedup CI [{best['speedup_ci'][0]:.3g}, {best['speedup_ci'][1]:.3g}] "
                   "contains 1")
-    if few:
-        settled = False
-        reason += "; too few prompts in this category for its interval to be trusted (few_prompts)"
-    elif table["prompts"] < 2:
+    if table["prompts"] < 2:
         settled = False
         reason += "; one prompt: the CI covers the timing repeats only, not which prompts were drawn"
+    elif few:
+        settled = False
+        reason += ("; too few prompts in this category for its interval to be trusted (few_prompts)"
+                   if "few_prompts" in acc else
+                   f"; {table['prompts']} prompts, fewer than {MIN_PROMPTS}: too few for its interval to be trusted")
     out = {"k": rec, "settled": settled, "verdict": verdict, "reason": reason, "at_k": at["k"],
            "best_k": best["k"], "tokens_per_round": at["tokens_per_round"],
            "tokens_per_round_ci": at["tokens_per_round_ci"], "speedup": at["speedup"],
