@@ -315,3 +315,15 @@ def test_fewer_workload_prompts_than_categories_is_refused(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "workload_prompts = 3 is fewer than" in proc.stderr and not run.exists()
+
+
+def test_empty_batch_sizes_are_one_clear_line_before_the_batched_draw():
+    """Review 5: spec_batch_sizes and closed_loop_batch_sizes both empty used to end in a bare
+    ValueError from max([]) where the prompts for the batched cells are counted."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.latency import _batched_pairs
+
+    cfg = Config.model_validate({"latency": {"spec_batch_sizes": [], "closed_loop_batch_sizes": []}})
+    with pytest.raises(StageError, match=r"latency.spec_batch_sizes must be batch sizes >= 1 \(got \[\]\)"):
+        _batched_pairs(SimpleNamespace(config=cfg), {}, ["bf16"], [1, 2], "cpu")

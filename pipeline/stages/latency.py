@@ -204,6 +204,8 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
     (pipeline/latency/batched.py)."""
     cfg, lat = ctx.config, ctx.config.latency
+    if not lat.spec_batch_sizes or min(lat.spec_batch_sizes) < 1:  # batched_pair's check, before any model loads
+        raise StageError(f"latency.spec_batch_sizes must be batch sizes >= 1 (got {lat.spec_batch_sizes})")
     inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
               "workload": workload_inputs(cfg)}
     for target in targets:
