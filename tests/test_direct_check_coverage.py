@@ -77,3 +77,23 @@ def test_slices_say_when_they_have_few_prompts():
     assert few["few_prompts"] is True and few["min_prompts"] > 3
     many = summarize_slice([rec(i, 20.0 - i % 3) for i in range(few["min_prompts"])], 2)
     assert many["few_prompts"] is False
+
+
+def test_no_verdict_names_its_cause():
+    """Review 6: with enough prompts but no derived (or direct) rounds there is no interval either;
+    the check says why, not 'too few prompts'."""
+    from pipeline.speculation.acceptance_stats import agree_mark
+
+    zero = [{"tokens": 0.0, "expected_rounds": {"3": 0.0}} for _ in range(4)]
+    runs = {3: [{"tokens": 40, "rounds": 20} for _ in range(4)]}
+    c = direct_check(zero, runs, greedy=False)["3"]
+    assert c["agree"] is None and c["difference_ci"] is None
+    assert c["no_verdict"] == "no rounds on the derived side" == c["test"] and "too few" not in c["test"]
+    assert agree_mark(c) == " (no rounds on the derived side)"
+    recs = [{"tokens": 40.0, "expected_rounds": {"3": 20.0}} for _ in range(4)]
+    c = direct_check(recs, {3: [{"tokens": 0, "rounds": 0} for _ in range(4)]}, greedy=False)["3"]
+    assert c["no_verdict"] == "no rounds on the direct side"
+    one = direct_check(recs[:1], {3: runs[3][:1]}, greedy=False)["3"]
+    assert one["no_verdict"].startswith("too few prompts") and agree_mark(one) == f" ({one['no_verdict']})"
+    ok = direct_check(recs, {3: [{"tokens": 40, "rounds": 20 + i} for i in range(4)]}, greedy=False)["3"]
+    assert ok["agree"] is not None and ok["no_verdict"] is None and agree_mark(ok) in ("", " DISAGREE")

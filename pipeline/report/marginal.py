@@ -116,7 +116,7 @@ def _direct_section(report: dict) -> list[str]:
     for k, c in sorted(checks.items(), key=lambda kv: int(kv[0])):
         out.append(f"| {k} | {number(c['derived'], 3)} {interval(c['ci'], 3)} | {number(c['direct'], 3)} "
                    f"| {number(c['direct'] - c['derived'], 3)} {interval(c['difference_ci'], 3)} | "
-                   f"{'too few prompts' if c['agree'] is None else 'yes' if c['agree'] else '**no**'} |")
+                   f"{(c.get('no_verdict') or 'too few prompts') if c['agree'] is None else 'yes' if c['agree'] else '**no**'} |")
     return out + [""]
 
 

@@ -37,6 +37,14 @@ RESAMPLES = 2000
 MIN_CHECK_PROMPTS = 2
 # How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
 AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
+
+
+def agree_mark(check: dict) -> str:
+    """The progress line's mark for one direct_check entry: AGREE_MARK, with the entry's own reason
+    (`no_verdict`) where there is no verdict."""
+    if check.get("agree") is None and check.get("no_verdict"):
+        return f" ({check['no_verdict']})"
+    return AGREE_MARK[check.get("agree")]
 # A slice's intervals are trusted from this many prompts on: the smallest n at which the 95% E(k)
 # interval's simulated coverage is >= 0.92 (at most 3 points under nominal) in every toy
 # population, at k = 3 and 5 (0.927-0.961 at 8, 0.890-0.958 at 6; 3000 slices a cell, se 0.005:
@@ -290,16 +298,21 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
             agree = abs(measured - derived) <= 1e-9
         else:
             agree = None if diff_ci is None else diff_ci[0] <= 0.0 <= diff_ci[1]
+        no_verdict = None
+        if agree is None:  # why there is no verdict: ratio_difference's None has three causes
+            sides = [side for side, r in (("derived", rounds), ("direct", d_rounds)) if r.sum() <= 0]
+            no_verdict = (f"too few prompts to check (sampled needs {MIN_CHECK_PROMPTS})"
+                          if n_prompts < MIN_CHECK_PROMPTS else f"no rounds on the {' and '.join(sides)} side")
         out[str(k)] = {
             "derived": derived, "direct": measured,
             "ci": ratio_t_interval(tokens, rounds, derived, confidence, (1.0, k + 1.0), log_above=1.0),
             "difference_ci": diff_ci, "agree": None if agree is None else bool(agree),
             "direct_rounds": int(d_rounds.sum()), "direct_tokens": int(d_tokens.sum()),
             "prompts": n_prompts, "min_prompts": 1 if same_text else MIN_CHECK_PROMPTS,
+            "no_verdict": no_verdict,  # None when `agree` is a verdict; else why there is none
             "test": "equal (greedy: same text)" if same_text else
                     (f"{int(confidence * 100)}% paired t CI (prompts, n - 1 df) of direct - derived contains 0"
-                     if diff_ci is not None else
-                     f"too few prompts to check (sampled needs {MIN_CHECK_PROMPTS})")
+                     if diff_ci is not None else no_verdict)
                     + (" (greedy in a reduced precision: near-ties may change the text)" if greedy else ""),
         }
     return out

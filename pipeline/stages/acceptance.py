@@ -43,7 +43,7 @@ from draft_models.registry import build_draft, draft_slug
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
 from pipeline.decode.release import collect, release_caches
-from pipeline.speculation.acceptance_stats import AGREE_MARK
+from pipeline.speculation.acceptance_stats import agree_mark
 from pipeline.speculation.measure import generate_texts, measure_pair
 from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
@@ -108,7 +108,7 @@ def run(ctx: StageContext) -> None:
             timings[name] = round(time.time() - t0, 1)
             for t, v in result["slices"]["all"].items():
                 checks = ", ".join(f"k={k}: {c['derived']:.3f} vs {c['direct']:.3f}"
-                                   f"{AGREE_MARK[c['agree']]}" for k, c in v["direct_check"].items())
+                                   f"{agree_mark(c)}" for k, c in v["direct_check"].items())
                 progress(f"acceptance: {name} T={t}: E[tokens/round]@k_max="
                          f"{v['expected_tokens_per_round'][str(cfg.k_max)]:.2f}; derived vs direct {checks}")
         # Done with this variant: its memory goes back before the next one loads (pipeline/decode/release.py).

@@ -43,7 +43,7 @@ from pathlib import Path
 from draft_models.registry import build_draft
 from pipeline.core.config import Config
 from pipeline.core.device import resolve_device
-from pipeline.speculation.acceptance_stats import AGREE_MARK
+from pipeline.speculation.acceptance_stats import agree_mark
 from pipeline.speculation.measure import generate_texts, measure_pair
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.variants.schemes import load_variant
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         share = sum(copy_share(ids[p], texts["0.0"][p]) for p in pids) / len(pids)
         length = sum(len(ids[p]) for p in pids) / len(pids)
         e, ci = s["expected_tokens_per_round"], s["expected_tokens_per_round_ci"][ks[-1]]
-        check = " ".join(f"k={k}: {c['direct']:.2f}{AGREE_MARK[c['agree']]}"
+        check = " ".join(f"k={k}: {c['direct']:.2f}{agree_mark(c)}"
                          for k, c in s["direct_check"].items())
         print(f"{kind:<13}{length:>11.0f}{share:>6.2f}  " + "".join(f"{e[k]:>7.2f}" for k in ks)
               + f"  [{ci[0]:.2f}, {ci[1]:.2f}]{'':<3}{check}")
