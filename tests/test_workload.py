@@ -327,3 +327,26 @@ def test_empty_batch_sizes_are_one_clear_line_before_the_batched_draw():
     cfg = Config.model_validate({"latency": {"spec_batch_sizes": [], "closed_loop_batch_sizes": []}})
     with pytest.raises(StageError, match=r"latency.spec_batch_sizes must be batch sizes >= 1 \(got \[\]\)"):
         _batched_pairs(SimpleNamespace(config=cfg), {}, ["bf16"], [1, 2], "cpu")
+
+
+def test_user_file_bom_suffix_case_and_text_after_the_array(tmp_path):
+    """Review 7: a byte-order mark (as Windows editors write) is not 'line 1: not JSON'; '.JSON' is a
+    JSON list like '.json'; text after a .json file's closing ']' is refused with its line."""
+    rec = _conv(("human", "Why is the sky blue?"), ("gpt", "Scattering."))
+    bom_jsonl = tmp_path / "bom.jsonl"
+    bom_jsonl.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "Hello there"}).encode() + b"\n")
+    upper = tmp_path / "list.JSON"
+    upper.write_bytes(b"\xef\xbb\xbf" + json.dumps([rec], indent=1).encode())
+    for path, text in ((bom_jsonl, "Hello there"), (upper, "Why is the sky blue?")):
+        precheck(_cfg(workload=str(path)), {})
+        assert [p.text for p in load_workload(_cfg(workload=str(path)).acceptance, 0).prompts] == [text]
+    trailing = tmp_path / "t.json"
+    trailing.write_text(json.dumps([rec], indent=1) + "\n\n" + json.dumps([rec]) + "\n")
+    n = json.dumps([rec], indent=1).count("\n") + 3
+    with pytest.raises(StageError, match=rf"line {n}: text after the array's closing '\]'"):
+        precheck(_cfg(workload=str(trailing)), {})
+    empty_then = tmp_path / "e.json"
+    empty_then.write_text("[]\nx\n")
+    with pytest.raises(StageError, match=r"line 2: text after"):
+        precheck(_cfg(workload=str(empty_then)), {})
+    assert list(read_json_array("[1, 2]  \n", allow_cut=False)) == [(1, 1), (2, 1)]

@@ -123,6 +123,7 @@ def read_json_array(text: str, allow_cut: bool):
         raise ValueError("line 1: not a JSON array")
     i = space.match(text, i + 1).end()
     if text[i:i + 1] == "]":
+        _end_of_array(text, i, allow_cut)
         return
     line, counted = 1, 0  # the line number, counted incrementally (counting from 0 each time is quadratic)
     while True:
@@ -138,11 +139,21 @@ def read_json_array(text: str, allow_cut: bool):
         if text[i:i + 1] == ",":
             i = space.match(text, i + 1).end()
         elif text[i:i + 1] == "]":
+            _end_of_array(text, i, allow_cut)
             return
         elif i >= len(text) and allow_cut:
             return
         else:
             raise ValueError(f"line {text.count(chr(10), 0, i) + 1}: expected ',' or ']' between records")
+
+
+def _end_of_array(text: str, i: int, allow_cut: bool) -> None:
+    """After the array's closing ']' at i only whitespace may follow (a user's file: a second array
+    or a stray record would otherwise be dropped unseen); ShareGPT's cut file (allow_cut) is not
+    checked."""
+    j = re.compile(r"\s*").match(text, i + 1).end()
+    if not allow_cut and j < len(text):
+        raise ValueError(f"line {text.count(chr(10), 0, j) + 1}: text after the array's closing ']'")
 
 
 def first_exchange(turns, key_from: str, key_text: str) -> tuple[str, str | None]:
@@ -197,12 +208,12 @@ def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
     """The user's file as (categories in order of first appearance, category -> entries).
     WorkloadError names the first bad line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of line 1
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"acceptance.workload: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     lines = text.splitlines()
     records: list[tuple[int, object]] = []
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         try:
             records = [(n, obj) for obj, n in read_json_array(text, allow_cut=False)]
         except ValueError as e:
