@@ -37,14 +37,6 @@ RESAMPLES = 2000
 MIN_CHECK_PROMPTS = 2
 # How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
 AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
-
-
-def agree_mark(check: dict) -> str:
-    """The progress line's mark for one direct_check entry: AGREE_MARK, with the entry's own reason
-    (`no_verdict`) where there is no verdict."""
-    if check.get("agree") is None and check.get("no_verdict"):
-        return f" ({check['no_verdict']})"
-    return AGREE_MARK[check.get("agree")]
 # A slice's intervals are trusted from this many prompts on: the smallest n at which the 95% E(k)
 # interval's simulated coverage is >= 0.92 (at most 3 points under nominal) in every toy
 # population, at k = 3 and 5 (0.927-0.961 at 8, 0.890-0.958 at 6; 3000 slices a cell, se 0.005:
@@ -53,6 +45,14 @@ MIN_PROMPTS = 8
 # How summarize_slice's intervals are made (the slice's `ci_method`).
 CI_METHOD = ("t interval on the prompts, n - 1 df, the ratio of sums linearized around its point "
              "(ratio_t_interval); E(k) on the log(E(k) - 1) scale; rates also at least their Wilson interval")
+
+
+def agree_mark(check: dict) -> str:
+    """The progress line's mark for one direct_check entry: AGREE_MARK, with the entry's own reason
+    (`no_verdict`) where there is no verdict."""
+    if check.get("agree") is None and check.get("no_verdict"):
+        return f" ({check['no_verdict']})"
+    return AGREE_MARK[check.get("agree")]
 
 
 def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int, RoundChain]) -> dict:
@@ -106,21 +106,17 @@ def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: t
     denominator. With `log_above` = f (and point > f) the interval is built on log(ratio - f)
     (se / (point - f) there, the delta method) and mapped back: f + (point - f) exp(-/+ t se_log),
     wider above than below, as the spread of a ratio near its floor is (E(k) >= 1: most texts
-    copy little, a few copy a lot). E(k) uses f = 1 (summarize_slice)."""
+    copy little, a few copy a lot). E(k) uses f = 1 (summarize_slice). The ends are
+    ratio_t_draws at t = -/+ the t quantile, so the marginal stage's draws follow this interval."""
     if point is None:
         return None
     num, den = np.asarray(num, float), np.asarray(den, float)
     n = num.size
     if n < 2 or den.sum() <= 0:
         return [float(bounds[0]), float(bounds[1])]
-    se = linearized_se(num, den, point)
-    if log_above is None or point <= log_above:
-        return t_interval(point, se, n - 1, confidence, bounds)
     q = t_quantile(confidence, n - 1)
-    gap, se_log = point - log_above, se / (point - log_above)
-    with np.errstate(over="ignore"):
-        hi = log_above + gap * float(np.exp(min(q * se_log, 700.0)))
-    return clip_contain(log_above + gap * float(np.exp(-q * se_log)), hi, point, bounds)
+    lo, hi = ratio_t_draws(num, den, point, np.array([-q, q]), log_above)
+    return clip_contain(float(lo), float(hi), point, bounds)
 
 
 def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | None = None,
