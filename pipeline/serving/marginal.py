@@ -151,12 +151,8 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         if n_prompts >= 2 else np.ones((resamples, n_prompts))
     idx = rng.integers(0, plain_ms.size, (resamples, plain_ms.size))
     with np.errstate(divide="ignore", invalid="ignore"):
-        rounds_b = w @ rounds  # [B, K]
-        e_b = (w @ tokens)[:, None] / rounds_b
-        share_b = np.einsum("bp,pkd->bkd", w, drafted) / rounds_b[..., None]
+        share_b = np.einsum("bp,pkd->bkd", w, drafted) / (w @ rounds)[..., None]
         round_b = np.median(np.einsum("bkd,brd->bkr", share_b, t_round[idx]), axis=2)  # [B, K]
-        ms_b = round_b / e_b
-        sp_b = np.median(plain_ms[idx], axis=1)[:, None] / ms_b
         # Small-sample calibration (issue 28): E(k)'s part of each replicate is a draw from the
         # acceptance stage's own E(k) interval (summarize_slice: t on n - 1 df, log(E - 1) scale),
         # one t draw per replicate shared by every k; the rounds' drafted shares and the timing
@@ -168,7 +164,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
                                           bounds=(1.0, k + 1.0))
                             for j, k in enumerate(ks)], axis=1)  # [B, K]: feasible, in [1, k + 1]
         else:
-            e_c = np.broadcast_to(e_point, e_b.shape)
+            e_c = np.broadcast_to(e_point, round_b.shape)
         ms_c = round_b / e_c
         sp_c = np.median(plain_ms[idx], axis=1)[:, None] / ms_c
     alphas = _position_rates(acc.get("per_position") or [])
