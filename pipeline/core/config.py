@@ -88,6 +88,17 @@ class SamplingConfig(Section):
     top_p: float = 1.0  # 1.0 = off
 
 
+def workload_file_sha256(workload: str) -> str | None:
+    """sha256 of a user workload file's bytes; None for builtin and sharegpt, or a file that cannot
+    be read (the stage's precheck then says why in one line)."""
+    if workload in ("builtin", "sharegpt"):
+        return None
+    try:
+        return hashlib.sha256(Path(workload).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 class AcceptanceConfig(Section):
     # Target variants to pair with every draft; empty = the reference only.
     targets: list[str] = Field(default_factory=list)
@@ -148,12 +159,7 @@ class AcceptanceConfig(Section):
     def workload_sha256(self) -> str | None:
         """sha256 of a user workload file, so the stages that hash this section re-run when the
         file changes (None for builtin and sharegpt, whose text is pinned by the code / package)."""
-        if self.workload in ("builtin", "sharegpt"):
-            return None
-        try:
-            return hashlib.sha256(Path(self.workload).read_bytes()).hexdigest()
-        except OSError:
-            return None
+        return workload_file_sha256(self.workload)
 
 
 class LatencyConfig(Section):

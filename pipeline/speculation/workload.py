@@ -39,7 +39,6 @@ never cut, so every measured prompt is the text the workload holds.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import re
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.core.config import workload_file_sha256
 from pipeline.core.stage import StageError, progress
 from pipeline.speculation import prompts as builtin
 from pipeline.speculation.prompts import prompt_ids
@@ -286,23 +286,13 @@ def _pool(workload: str, digest: str | None) -> Pool:
     return Pool(workload, f"{path} (sha256 {digest})", order, entries)
 
 
-def file_digest(workload: str) -> str | None:
-    """sha256 of a user workload file (None for builtin / sharegpt, or a file that cannot be read)."""
-    if workload in ("builtin", "sharegpt"):
-        return None
-    try:
-        return hashlib.sha256(Path(workload).read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 def load_pool(workload: str) -> Pool:
     if workload == "builtin":  # read at call time: whatever KINDS and PROMPTS hold now
         return Pool("builtin", "pipeline/speculation/prompts.py", list(builtin.KINDS),
                     {kind: [Entry(t) for t in builtin.PROMPTS[kind]] for kind in builtin.KINDS}, ordered=True)
     if workload not in ("builtin", "sharegpt") and not Path(workload).is_file():
         raise WorkloadError(f"acceptance.workload: '{workload}' is not builtin, sharegpt or a file")
-    return _pool(workload, file_digest(workload))
+    return _pool(workload, workload_file_sha256(workload))
 
 
 # ------------------------------------------------------------------ drawing
