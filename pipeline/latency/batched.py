@@ -253,14 +253,21 @@ def batched_cache_lens(tokenizer, prompts: dict[int, torch.Tensor], lat, loop_si
     return lens
 
 
+def spec_batch_sizes(lat) -> list[int]:
+    """latency.spec_batch_sizes sorted and deduplicated; one line (StageError) when empty or below 1
+    (the stage asks before any model loads, batched_pair again for its other callers)."""
+    batch_sizes = sorted(set(lat.spec_batch_sizes))
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise StageError(f"latency.spec_batch_sizes must be batch sizes >= 1 (got {lat.spec_batch_sizes})")
+    return batch_sizes
+
+
 def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list[int], lat, device,
                  confidence: float, seed: int, session=None, rows: list[list[int]] | None = None) -> dict:
     """The latency/batched/<target>__<draft>.json document. With a compile `session` (the model and
     a model draft attached), every (B, width) step shape compiles before any timed run. `rows`: the
     prompts (token ids, categories in turn; None = the built-in ones, see batch_prompts)."""
-    batch_sizes = sorted(set(lat.spec_batch_sizes))
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise StageError(f"latency.spec_batch_sizes must be batch sizes >= 1 (got {lat.spec_batch_sizes})")
+    batch_sizes = spec_batch_sizes(lat)
     prompts = {b: batch_prompts(tokenizer, b, rows=rows) for b in batch_sizes}
     loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
     lens = batched_cache_lens(tokenizer, prompts, lat, loop_sizes, rows)

@@ -30,6 +30,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.modes import calls_before, compare, run_mode, steps_ran
 from pipeline.latency.plan import compile_session, plain_phase, plain_shapes, why_not_compiled
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
+from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.stats.intervals import clip_contain, median_ci, percentile_bootstrap, percentile_interval
 
@@ -159,7 +160,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
     mb = model_bytes(model)
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
         else model.config.vocab_size
-    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_pos = context_length(model)
     grid = []
     fits = [c for c in lat.context_lengths if not (max_pos and c + lat.new_tokens > max_pos)]
     for batch in lat.batch_sizes:

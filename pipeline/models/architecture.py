@@ -43,6 +43,11 @@ def text_config(config):
     return getattr(config, "get_text_config", lambda: config)()
 
 
+def context_length(model) -> int | None:
+    """The model's positions (max_position_embeddings of its decoder config), None when unstated."""
+    return getattr(text_config(model.config), "max_position_embeddings", None)
+
+
 def _blocks_of_one_class(module: torch.nn.ModuleList) -> bool:
     return len(module) > 0 and len({type(m) for m in module}) == 1
 

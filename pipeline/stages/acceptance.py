@@ -43,6 +43,7 @@ from draft_models.registry import build_draft, draft_slug
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
 from pipeline.decode.release import collect, release_caches
+from pipeline.models.architecture import context_length
 from pipeline.speculation.acceptance_stats import agree_mark
 from pipeline.speculation.measure import generate_texts, measure_pair
 from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
@@ -90,7 +91,7 @@ def run(ctx: StageContext) -> None:
             if model is None:
                 model, tokenizer = load_variant(vdir, device=device)
                 prompts = workload_prompts(ctx.config, tokenizer, "acceptance",
-                                           context=getattr(model.config, "max_position_embeddings", None))
+                                           context=context_length(model))
                 progress(f"acceptance: {variant}: generating the texts ({sum(map(len, prompts.values()))} prompts "
                          f"x {len(cfg.temperatures)} temperatures)")
                 texts = generate_texts(model, prompts, cfg, ctx.config.seed, tokenizer.eos_token_id,

@@ -46,11 +46,12 @@ from draft_models.registry import build_draft, draft_slug
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json
 from pipeline.decode.release import collect, release_caches
-from pipeline.latency.batched import batched_pair
+from pipeline.latency.batched import batched_pair, spec_batch_sizes
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.plan import compile_session, draft_label
 from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.speculative import speculative_pair
+from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name
 from pipeline.report.latency import tpot_ratio_plot
 from pipeline.speculation.workload import interleave, prompt_limit_inputs, workload_prompts, workload_summary
@@ -175,7 +176,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
             continue
         model, tok = load_variant(dirs[target], device=device)
         prompts = workload_prompts(cfg, tok, "latency", lat.speculative_prompts_per_kind or None,
-                                   context=getattr(model.config, "max_position_embeddings", None))
+                                   context=context_length(model))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         session, _ = compile_session(lat, device)
         if session is not None:
@@ -204,8 +205,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
     (pipeline/latency/batched.py)."""
     cfg, lat = ctx.config, ctx.config.latency
-    if not lat.spec_batch_sizes or min(lat.spec_batch_sizes) < 1:  # batched_pair's check, before any model loads
-        raise StageError(f"latency.spec_batch_sizes must be batch sizes >= 1 (got {lat.spec_batch_sizes})")
+    spec_batch_sizes(lat)  # batched_pair's check, before any model loads
     inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
               "workload": workload_inputs(cfg)}
     for target in targets:
@@ -217,7 +217,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         # each for the largest B and every wave (fewer where a category has fewer; rows repeat then).
         need = max([*lat.spec_batch_sizes, *(b * lat.closed_loop_waves for b in lat.closed_loop_batch_sizes)])
         drawn = workload_prompts(cfg, tok, "latency", need, quiet=True,
-                                 context=getattr(model.config, "max_position_embeddings", None))
+                                 context=context_length(model))
         rows = [ids for _, ids in interleave(drawn)]
         for spec, item in pending.items():
             draft = build_draft(spec, model, tok, ctx.run_dir, device)
