@@ -395,29 +395,39 @@ def _batched_artifacts(k_max: int = 3) -> tuple[dict, dict]:
     return grid, batched
 
 
-def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_path):
+def marginal_run(tmp_path, acceptance: dict, serving: dict):
+    """The marginal stage on a run of hand-made artifacts: `acceptance` as the layerskip pair's
+    acceptance JSON, test_marginal's latency pair at k = 1..3, _batched_artifacts; returns the
+    marginal folder."""
     import json
 
     from pipeline.__main__ import STAGES
-    from pipeline.report.batching import batching_blocks
     from pipeline.core.config import Config
     from pipeline.core.stage import run_stage
-    from tests.test_marginal import _acceptance, _latency
+    from tests.test_marginal import _latency
 
     run = tmp_path / "run"
     for name in ("acceptance", "latency"):
         (run / name).mkdir(parents=True)
         (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name}))
-    (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(_acceptance(0.8, 3)))
+    (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(acceptance))
     (run / "latency" / "bf16__layerskip-4.json").write_text(json.dumps(_latency(3)))
     grid, batched = _batched_artifacts()
     (run / "latency" / "bf16.json").write_text(json.dumps(grid))
     (run / "latency" / "batched").mkdir()
     (run / "latency" / "batched" / "bf16__layerskip-4.json").write_text(json.dumps(batched))
-    cfg = Config.model_validate({"serving": {"requests": 40, "seeds": 2, "rate_points": 5, "output_tokens": 24,
-                                             "validation_resamples": 10}})
-    run_stage(STAGES["marginal"], run, cfg, {}, STAGES)
-    out = run / "marginal"
+    run_stage(STAGES["marginal"], run, Config.model_validate({"serving": serving}), {}, STAGES)
+    return run / "marginal"
+
+
+def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_path):
+    import json
+
+    from pipeline.report.batching import batching_blocks
+    from tests.test_marginal import _acceptance
+
+    out = marginal_run(tmp_path, _acceptance(0.8, 3), {"requests": 40, "seeds": 2, "rate_points": 5,
+                                                       "output_tokens": 24, "validation_resamples": 10})
     rep = json.loads((out / "bf16__layerskip-4.json").read_text())
     rec = rep["recommended_k_by_batch"]
     assert set(rec) == {"1", "4"} and rec["1"] >= 1 and rec["4"] == 0
@@ -450,5 +460,5 @@ def test_marginal_stage_writes_k_by_batch_the_vllm_table_and_the_simulation(tmp_
     assert "## Speculation under batching" in md and "num_speculative_tokens_per_batch_size" in md
     assert "mean verify width" in md and "(cells' own)" in md  # no width keys here: the cells' round time, said
     figures: dict = {}
-    blocks = batching_blocks(run, figures)
+    blocks = batching_blocks(out.parent, figures)
     assert any(b[0] == "table" and b[1][0] == "B" for b in blocks) and len(figures) == 2

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.serving.lengths import request_lengths
 from pipeline.serving.simulation import ASSUMPTIONS, LENGTHS_FIXED, open_loop, simulate
-from tests.test_marginal import _acc, _expected, _latency
-from tests.test_serving import _batched_artifacts, _flat_costs
+from tests.test_marginal import _acc, _expected
+from tests.test_serving import _flat_costs, marginal_run
 
 PROMPTS = [10, 50, 200, 30, 80]
 OUTPUTS = [4, 100, 20, 60, 8]
@@ -84,24 +84,8 @@ def test_simulated_requests_draw_the_workloads_lengths():
 
 
 def _run_stage(tmp_path, acceptance: dict):
-    from pipeline.__main__ import STAGES
-    from pipeline.core.config import Config
-    from pipeline.core.stage import run_stage
-
-    run = tmp_path / "run"
-    for name in ("acceptance", "latency"):
-        (run / name).mkdir(parents=True)
-        (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name}))
-    (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(acceptance))
-    (run / "latency" / "bf16__layerskip-4.json").write_text(json.dumps(_latency(3)))
-    grid, batched = _batched_artifacts()
-    (run / "latency" / "bf16.json").write_text(json.dumps(grid))
-    (run / "latency" / "batched").mkdir()
-    (run / "latency" / "batched" / "bf16__layerskip-4.json").write_text(json.dumps(batched))
-    cfg = Config.model_validate({"serving": {"requests": 30, "seeds": 2, "rate_points": 3, "output_tokens": 24,
-                                             "validation_resamples": 5}})
-    run_stage(STAGES["marginal"], run, cfg, {}, STAGES)
-    out = run / "marginal"
+    out = marginal_run(tmp_path, acceptance, {"requests": 30, "seeds": 2, "rate_points": 3, "output_tokens": 24,
+                                              "validation_resamples": 5})
     return json.loads((out / "bf16__layerskip-4.json").read_text()), (out / "bf16__layerskip-4.md").read_text()
 
 
