@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, computed_field, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, computed_field, field_validator,
                       model_validator)
 
 
@@ -199,6 +199,38 @@ class LatencyConfig(Section):
         if v is not None and v < 1:
             raise ValueError("k_max must be >= 1 (or null: acceptance.k_max)")
         return v
+
+
+# The planning stages' default shares of budget.minutes; the remaining 0.15 is what prepare,
+# quantize, drafts, marginal, gate and report take (about 4.5 of 30 minutes on a 2-core CPU).
+BUDGET_SHARES = {"acceptance": 0.2, "latency": 0.3, "quality": 0.35}
+
+
+class BudgetConfig(Section):
+    """How long the run may take (issue 27; pipeline/core/budget.py). `minutes`: wall-clock minutes
+    for the whole run (null = no budget: every stage does all its config asks, the exhaustive run).
+    Each planning stage gets `shares[stage]` of it and plans its work to fit: acceptance bounds its
+    direct check, latency its repeats and which pairs it times, quality its waves (the sequential
+    gate's items). What the other stages take (prepare, quantize, drafts, marginal, gate, report)
+    is the rest. Each stage prints its estimate before it starts and records in meta.json what it
+    planned, spent and skipped."""
+    minutes: PositiveFloat | None = None
+    shares: dict[str, float] = Field(default_factory=lambda: dict(BUDGET_SHARES))
+
+    @field_validator("shares")
+    @classmethod
+    def _shares(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(v) - set(BUDGET_SHARES))
+        if unknown:
+            raise ValueError(f"unknown stage {unknown[0]!r} (stages that plan to a budget: "
+                             f"{', '.join(BUDGET_SHARES)})")
+        if any(x <= 0 for x in v.values()):
+            raise ValueError("every share must be > 0")
+        merged = {**BUDGET_SHARES, **v}
+        if sum(merged.values()) > 1 + 1e-9:
+            raise ValueError(f"shares sum to {sum(merged.values()):.2f} > 1 (with the defaults for stages "
+                             "not written)")
+        return merged
 
 
 class MarginalConfig(Section):
@@ -389,6 +421,7 @@ class Config(Section):
     quality: QualityConfig = Field(default_factory=QualityConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
 
     def section(self, name: str) -> dict:
         """The JSON-able view of one section (or a top-level scalar), as stages hash it."""

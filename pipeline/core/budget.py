@@ -1,0 +1,86 @@
+"""A stage's share of the run's time budget (config `budget`, issue 27): its clock, its estimates
+and the record of what it planned, spent and skipped.
+
+    from pipeline.core.budget import StageBudget
+    budget = StageBudget(ctx.config, "latency")
+    budget.announce("plain grids 5 x 8 cells, then 3 pairs", estimate_s=410.0)
+    if not budget.affords(next_repeat_s):
+        budget.skip("bf16__ngram repeats 4-5", "budget: 38 s left, a repeat takes 52 s")
+    ctx.meta["budget"] = budget.to_json()
+
+With `budget.minutes` unset every method still works: `seconds` is None, `left()` is infinite and
+`affords()` is always true, so a stage written against a budget runs exhaustively without one.
+A stage's seconds are `minutes x 60 x shares[stage]`, counted from when the stage object was made
+(the stage's start): a stage that ran long does not shorten the next one's share. The budget is
+wall-clock, so what a budgeted run does depends on the machine's speed; meta.json records what it
+did (the items, repeats and pairs), and the report says what was skipped.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from pipeline.core.stage import progress
+
+
+def fmt_s(seconds: float | None) -> str:
+    """'43 s', '7.5 min', '1.6 h'; '-' for None or infinity."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class StageBudget:
+    def __init__(self, config, stage: str, clock=time.monotonic):
+        self.stage = stage
+        self.clock = clock
+        self.start = clock()
+        minutes = config.budget.minutes
+        self.share = config.budget.shares.get(stage) if minutes else None
+        self.seconds = minutes * 60 * self.share if minutes and self.share else None
+        self.minutes = minutes
+        self.estimates: list[dict] = []
+        self.skipped: list[dict] = []
+
+    @property
+    def active(self) -> bool:
+        return self.seconds is not None
+
+    def spent(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - self.spent()
+
+    def affords(self, estimate_s: float) -> bool:
+        """Whether work estimated at `estimate_s` seconds still fits in the stage's share."""
+        return estimate_s <= self.left()
+
+    def announce(self, what: str, estimate_s: float | None) -> None:
+        """Print (and record) the stage's estimate for `what` before it starts, beside its budget."""
+        self.estimates.append({"what": what, "estimate_s": None if estimate_s is None else round(estimate_s, 1),
+                               "at_s": round(self.spent(), 1)})
+        budget = (f"; budget {fmt_s(self.left())} left of {fmt_s(self.seconds)}" if self.active
+                  else "; no time budget")
+        progress(f"{self.stage}: {what}: estimate {fmt_s(estimate_s)}{budget}")
+
+    def skip(self, what: str, why: str) -> None:
+        """Record (and print) work the stage chose not to do, and why."""
+        self.skipped.append({"what": what, "why": why, "at_s": round(self.spent(), 1)})
+        progress(f"{self.stage}: skipped {what}: {why}")
+
+    def eta(self, done: float, total: float) -> str:
+        """' (3.2 min left; budget 5.0 min left)': the time left at the rate so far, for a progress line."""
+        rate = self.spent() / done if done > 0 else None
+        left = rate * (total - done) if rate is not None else None
+        budget = f"; budget {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
+        return f" ({fmt_s(left)} left{budget})"
+
+    def to_json(self) -> dict:
+        return {"minutes": self.minutes, "share": self.share,
+                "seconds": None if self.seconds is None else round(self.seconds, 1),
+                "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}

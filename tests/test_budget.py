@@ -1,0 +1,57 @@
+"""The run's time budget (issue 27): the config section and a stage's clock (pipeline/core/budget.py)."""
+import math
+
+import pytest
+
+from pipeline.core.budget import StageBudget, fmt_s
+from pipeline.core.config import BUDGET_SHARES, ConfigError, load_config
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_no_budget_is_the_exhaustive_run():
+    cfg = load_config("configs/smoke.yaml", {"budget": {}})
+    b = StageBudget(cfg, "latency")
+    assert not b.active and b.seconds is None and math.isinf(b.left())
+    assert b.affords(1e12)
+    assert b.to_json()["seconds"] is None
+
+
+def test_a_stage_gets_its_share_and_counts_from_its_start():
+    cfg = load_config("configs/smoke.yaml", {"budget": {"minutes": 30, "shares": {"latency": 0.4}}})
+    assert cfg.budget.shares == {**BUDGET_SHARES, "latency": 0.4}
+    clock = Clock()
+    b = StageBudget(cfg, "latency", clock=clock)
+    assert b.seconds == pytest.approx(720.0)
+    clock.t += 600
+    assert b.left() == pytest.approx(120.0)
+    assert b.affords(119) and not b.affords(121)
+    b.skip("pair x", "does not pay")
+    b.announce("grids", 12.0)
+    doc = b.to_json()
+    assert doc["spent_s"] == 600.0 and doc["skipped"][0]["why"] == "does not pay"
+    assert doc["estimates"][0]["estimate_s"] == 12.0
+    assert "left" in b.eta(1, 2)
+
+
+@pytest.mark.parametrize("budget, says", [
+    ({"minutes": -1}, "budget.minutes"),
+    ({"minutes": 30, "shares": {"report": 0.1}}, "unknown stage 'report'"),
+    ({"minutes": 30, "shares": {"quality": 0.9}}, "> 1"),
+    ({"minutes": 30, "shares": {"quality": 0}}, "> 0"),
+])
+def test_bad_budgets_are_one_line_errors(budget, says):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/smoke.yaml", {"budget": budget})
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fmt_s():
+    assert [fmt_s(x) for x in (None, math.inf, 43, 450, 6000, 9000)] == ["-", "-", "43 s", "7.5 min", "100.0 min",
+                                                                          "2.5 h"]
