@@ -56,7 +56,7 @@ $(RUN)/drafts/meta.json: $(RUN)/variants/meta.json FORCE
 	$(PIPE) drafts $(ARGS)
 $(RUN)/acceptance/meta.json: $(RUN)/drafts/meta.json FORCE
 	$(PIPE) acceptance $(ARGS)
-$(RUN)/latency/meta.json: $(RUN)/drafts/meta.json FORCE
+$(RUN)/latency/meta.json: $(RUN)/acceptance/meta.json FORCE
 	$(PIPE) latency $(ARGS)
 $(RUN)/marginal/meta.json: $(RUN)/acceptance/meta.json $(RUN)/latency/meta.json FORCE
 	$(PIPE) marginal $(ARGS)
