@@ -75,7 +75,7 @@ def test_every_stage_on_another_architecture(tmp_path, tiny_tokenizer, capsys, a
         for p in greedy["per_position"]:
             if p["n"]:
                 assert 0.0 <= p["ci"][0] <= p["conditional"] <= p["ci"][1] <= 1.0
-        assert acc["lossless"]["greedy_identical"] is True, acc["lossless"]
+        assert acc["lossless"]["greedy_lossless"] is True, acc["lossless"]  # bf16 on a CPU with native bf16: near-ties allowed
         marginal = json.loads((run / "marginal" / f"ref__{draft}.json").read_text())
         assert marginal["recommended_k"] in (0, 1, 2)
         assert (run / "marginal" / f"ref__{draft}.png").read_bytes()[:4] == b"\x89PNG"

@@ -32,7 +32,7 @@ def test_evaluate_smoke_end_to_end(embedded_model_dir, tmp_path, capsys):
         assert len(greedy["per_position"]) == 3
         e = greedy["expected_tokens_per_round"]
         assert 1.0 <= e["1"] <= e["2"] <= e["3"] <= 4.0
-        assert acc["lossless"]["greedy_identical"] is True, acc["lossless"]
+        assert acc["lossless"]["greedy_lossless"] is True, acc["lossless"]  # bf16 on a CPU with native bf16: near-ties allowed
         marginal = json.loads((run / "marginal" / f"bf16__{draft}.json").read_text())
         assert marginal["recommended_k"] in range(0, 4)
         assert marginal["baseline_ms_per_token"] > 0

@@ -23,19 +23,24 @@ def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> li
     """One row per variant (scheme, size, memory, perplexity, calibration), then the plain-decode
     latency grid and the latency stage's TPOT-ratio figure (added to `figures` when given)."""
     out: list[Block] = [("h2", "Variants: size, memory, decode latency")]
-    rows = []
+    rows, why = [], []
     for vdir in sorted(p for p in (run_dir / "variants").glob("*") if (p / "meta.json").is_file()):
         m = read_json(vdir / "meta.json", "variant meta.json")
         calib = f"{str(m.get('calibration_sha256') or '-')[:12]} ({m.get('calibration_tokens') or '-'} tokens)"
+        if m.get("dtype_reason"):
+            why.append(f"{vdir.name}: {m['dtype_compute']}, {m['dtype_reason']}")
         rows.append([vdir.name, str(m.get("scheme")), str(m.get("bits") or "-"),
                      str(m.get("group_size") or "-"), str(m.get("library") or "-"),
+                     str(m.get("dtype_compute") or "-"),
                      nbytes(m.get("bytes_on_disk")), nbytes(m.get("bytes_in_memory")),
                      f"{number(m.get('perplexity'), 2)} / {number(m.get('reference_perplexity'), 2)}",
                      number(m.get("quantize_seconds"), 1), calib, str(m.get("device_fallback") or "-")])
     if rows:
-        out.append(("table", ["variant", "scheme", "bits", "group", "library", "on disk", "in memory",
-                              "ppl / ref ppl", "quantize s", "calibration sha256 (tokens)", "fallback"],
+        out.append(("table", ["variant", "scheme", "bits", "group", "library", "computes in", "on disk",
+                              "in memory", "ppl / ref ppl", "quantize s", "calibration sha256 (tokens)", "fallback"],
                     rows, None))
+        if why:
+            out.append(("p", "Compute dtype: " + "; ".join(why) + "."))
     else:
         out.append(("p", "No variants/<variant>/meta.json in this run."))
     lat = {n: d for n, d in json_files(run_dir / "latency", "*.json", "latency result").items()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.device import DTYPES, resolve_device, resolve_dtype
+from pipeline.core.device import DTYPES, auto_dtype, resolve_device, resolve_dtype
 from pipeline.core.stage import StageContext, StageError, atomic_write_json, library_version, progress, read_json
 from pipeline.models.architecture import architecture, float_matrix_fraction
 from pipeline.models.bytes import bytes_in_memory
@@ -66,6 +66,21 @@ def _checkpoint_fingerprint(path: str | None) -> list | None:
     root = Path(path).expanduser()
     return sorted((str(p.relative_to(root)), p.stat().st_size, int(p.stat().st_mtime))
                   for p in root.rglob("*") if p.is_file())
+
+
+def _compute_dtype(spec, scheme, device: torch.device) -> tuple[torch.dtype, str]:
+    """A variant's compute dtype and why: the config's, or for `auto` pipeline.core.device.auto_dtype
+    (bf16 for unquantized weights wherever the device computes bf16 natively). A checkpoint counts
+    as quantized when its config.json carries a quantization_config."""
+    if spec.dtype != "auto":
+        return resolve_dtype(spec.dtype, device), "set in the config"
+    quantized = bool(scheme.quantizes)
+    if spec.scheme == "checkpoint" and spec.path:
+        try:
+            quantized = "quantization_config" in json.loads((Path(spec.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            quantized = True  # the checkpoint stage reports the unreadable file itself
+    return auto_dtype(device, quantized)
 
 
 def run(ctx: StageContext) -> None:
@@ -103,7 +118,7 @@ def run(ctx: StageContext) -> None:
     for name in order:
         spec = qcfg.variants[name]
         scheme = SCHEMES[spec.scheme]
-        compute_dtype = resolve_dtype(spec.dtype, device)
+        compute_dtype, dtype_reason = _compute_dtype(spec, scheme, device)
         inputs = {
             "name": name, "variant": spec.model_dump(mode="json"), "model": ctx.upstream["prepare"].get("input_hash"),
             "device": device.type, "seed": ctx.config.seed, "sanity": sanity_sha,
@@ -111,6 +126,7 @@ def run(ctx: StageContext) -> None:
                             if scheme.calibrated else None),
             "checkpoint": _checkpoint_fingerprint(spec.path) if spec.scheme == "checkpoint" else None,
             "libraries": {scheme.library: library_version(scheme.library)},
+            "dtype_compute": str(compute_dtype),
         }
         item = ctx.item(name, inputs)
         if item.fresh:
@@ -129,7 +145,7 @@ def run(ctx: StageContext) -> None:
                 meta = {
                     "variant": name, "scheme": spec.scheme, "bits": spec.bits, "group_size": spec.group_size,
                     **extra,
-                    "dtype_compute": str(compute_dtype).removeprefix("torch."),
+                    "dtype_compute": str(compute_dtype).removeprefix("torch."), "dtype_reason": dtype_reason,
                     "dtype_storage": src_meta.get("dtype"),
                     "device": device.type, "device_fallback": extra.get("device_fallback"),
                     "release": spec.release, "weight_noise": spec.weight_noise,
