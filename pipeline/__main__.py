@@ -17,9 +17,10 @@ import re
 import sys
 from pathlib import Path
 
+from pipeline.core.budget import plan_line
 from pipeline.core.config import ConfigError, load_config
 from pipeline.core.process import set_up_process
-from pipeline.core.stage import StageError, run_stage
+from pipeline.core.stage import StageError, progress, run_stage
 from pipeline.decode.errors import EngineError
 from pipeline.stages.table import STAGES
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
             workload_precheck(cfg, {})
             precheck(cfg, {})
+            progress(f"specq: {plan_line(cfg)}")
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)

@@ -55,3 +55,13 @@ def test_bad_budgets_are_one_line_errors(budget, says):
 def test_fmt_s():
     assert [fmt_s(x) for x in (None, math.inf, 43, 450, 6000, 9000)] == ["-", "-", "43 s", "7.5 min", "100.0 min",
                                                                           "2.5 h"]
+
+
+def test_the_plan_line_splits_the_budget():
+    from pipeline.core.budget import plan_line
+
+    cfg = load_config("configs/smoke.yaml", {"budget": {"minutes": 30}})
+    line = plan_line(cfg)
+    assert line.startswith("time budget 30.0 min: acceptance 6.0 min, latency 9.0 min, quality 10.5 min")
+    assert line.endswith("report) 4.5 min")
+    assert "no time budget" in plan_line(load_config("configs/smoke.yaml", {"budget": {}}))

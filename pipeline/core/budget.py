@@ -84,3 +84,15 @@ class StageBudget:
         return {"minutes": self.minutes, "share": self.share,
                 "seconds": None if self.seconds is None else round(self.seconds, 1),
                 "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}
+
+
+def plan_line(config) -> str:
+    """The run's budget in one line, printed when a run starts (prepare / evaluate)."""
+    b = config.budget
+    if not b.minutes:
+        return ("no time budget (budget.minutes unset): every stage does all its config asks; each stage "
+                "prints its own estimate")
+    parts = [f"{stage} {fmt_s(b.minutes * 60 * share)}" for stage, share in b.shares.items()]
+    rest = b.minutes * 60 * (1 - sum(b.shares.values()))
+    return (f"time budget {fmt_s(b.minutes * 60)}: {', '.join(parts)}; the rest (prepare, quantize, drafts, "
+            f"marginal, gate, report) {fmt_s(rest)}")
