@@ -64,7 +64,7 @@ class StageBudget:
         """Print (and record) the stage's estimate for `what` before it starts, beside its budget."""
         self.estimates.append({"what": what, "estimate_s": None if estimate_s is None else round(estimate_s, 1),
                                "at_s": round(self.spent(), 1)})
-        budget = (f"; budget {fmt_s(self.left())} left of {fmt_s(self.seconds)}" if self.active
+        budget = (f"; budget {fmt_s(max(self.left(), 0.0))} left of {fmt_s(self.seconds)}" if self.active
                   else "; no time budget")
         progress(f"{self.stage}: {what}: estimate {fmt_s(estimate_s)}{budget}")
 

@@ -36,6 +36,15 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
    that passes or fails it, else inconclusive at its last. gate.json records every look (n,
    bounds, levels, status), the items spent and the planned looks. The quality stage stops
    scoring with the same function (open_slices), so the two cannot disagree.
+   The time budget (issue 27): the quality stage may stop a variant before a look its cells
+   need (the look would not fit the variant's allowance; quality/meta.json's `budget` says which
+   slices and why). Such a cell is replayed at the looks it reached, each at its planned level:
+   it is neither at its final look (its level is not raised to what the skipped looks would have
+   spent) nor missing (it has items: it is open), so it is inconclusive, with `stopped_on:
+   "budget"`, the reason, and `items_left` to the slice's maximum beside `items_to_settle`. A
+   variant with such a cell is inconclusive unless a cell fails: a fail is no-go whatever is
+   open. Stopping early for a reason that is not the data keeps each one-sided error at or
+   below nominal (pipeline/gate/looks.py).
 4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
    no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
    A config with no release variant is bad input. A slice the quality stage was asked for and
@@ -216,6 +225,47 @@ def schedules(quality: Path) -> dict[str, dict]:
     return out
 
 
+def budget_stops(quality: Path) -> dict[str, dict[str, dict]]:
+    """variant -> slice -> the quality stage's record of where scoring stopped ("stopped_on":
+    "settled" / "last look" / "budget", "why", items, looks done and skipped), from quality/
+    meta.json's `budget.variants`; {} for results without one."""
+    meta_path = quality / "meta.json"
+    if not meta_path.is_file():
+        return {}
+    meta = read_json(meta_path, "quality meta.json")
+    records = ((meta.get("budget") or {}).get("variants") or {}) if isinstance(meta, dict) else {}
+    return {str(v): dict((r or {}).get("slices") or {}) for v, r in records.items() if isinstance(r, dict)}
+
+
+def quality_budget(quality: Path) -> dict | None:
+    """The quality stage's time budget as it ran (minutes, its share, seconds, spent, skipped), or
+    None when it had none."""
+    meta_path = quality / "meta.json"
+    meta = read_json(meta_path, "quality meta.json") if meta_path.is_file() else {}
+    b = meta.get("budget") if isinstance(meta, dict) else None
+    if not isinstance(b, dict) or b.get("seconds") is None:
+        return None
+    return {k: b.get(k) for k in ("minutes", "share", "seconds", "spent_s", "skipped")}
+
+
+def stop_fields(status: str, sched: dict, record: dict | None) -> dict:
+    """Where a cell's looks ended: "data" (a look passed or failed it), "last look" (open at the
+    slice's final look), "budget" (open before it: the quality stage stopped on its time budget;
+    with the reason and the items the slice has left to its maximum), or "early" (open before
+    its final look with no budget record: results from elsewhere)."""
+    done, looks = sched["done"], sched["looks"]
+    if status != "inconclusive":
+        return {"stopped_on": "data"}
+    if len(done) >= len(looks):
+        return {"stopped_on": "last look"}
+    scored = done[-1] if done else 0
+    budget = bool(record) and record.get("stopped_on") == "budget"
+    why = (record or {}).get("why") if budget else "scoring stopped before the slice's last look"
+    return {"stopped_on": "budget" if budget else "early", "stop_reason": why,
+            "slice_items": scored, "items_left": sched["n_max"] - scored,
+            "looks_skipped": len(looks) - len(done)}
+
+
 def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: dict | None, gcfg,
                 where: str) -> tuple[dict, dict, dict | None, dict]:
     """One variant's slice at every look it reached: ({row key: {look index: estimate}},
@@ -301,7 +351,9 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
 def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> set[str]:
     """The slices of variant `name` with a row that no look has settled yet and a planned look
     left: what the quality stage scores next (the same replay as the gate's, on the schedules
-    the stage will write to quality/meta.json: slice -> {"looks", "n_max"})."""
+    the stage will write to quality/meta.json: slice -> {"looks", "n_max"}). Whether the next
+    look is affordable is the stage's question (its time budget), not this one's: a slice it
+    stops on stays in this set, and the gate reports it open on the budget."""
     gcfg = cfg.gate
     alpha = (1.0 - gcfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
@@ -335,6 +387,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
     unscored = unscored_slices(quality, slices)
     prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
     scheds = schedules(quality)
+    stops = budget_stops(quality)
     a_pass, chosen = pass_alpha(release, alpha, gcfg)
 
     variants: dict[str, dict] = {}
@@ -343,7 +396,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         if name == reference:
             continue
         entry = {"decision": "inconclusive", "release": vcfg.release, "scheme": vcfg.scheme,
-                 "slices": {}, "missing": []}
+                 "slices": {}, "missing": [], "stopped_on_budget": []}
         variants[name] = entry
         tests[name] = {}
         if unscored:
@@ -383,6 +436,8 @@ def build_gate(run_dir: Path, cfg) -> dict:
             cell["items_spent"] = est.n
             cell["planned_looks"] = sched["looks"]
             cell["n_max"] = sched["n_max"]
+            cell.update(stop_fields(cell["status"], sched,
+                                    stops.get(name, {}).get(key.split(":", 1)[0].split("/", 1)[0])))
             variants[name]["slices"][key] = cell
         variants[name]["alpha_pass"] = a_pass if name in chosen else alpha
         variants[name]["fail_family_size"] = len(cells)
@@ -404,7 +459,12 @@ def build_gate(run_dir: Path, cfg) -> dict:
         statuses += [g["status"] for c in entry["slices"].values() for g in c.get("groups", {}).values()
                      if g["gated"]]
         statuses += [c["status"] for c in entry.get("distribution", {}).get("checks", {}).values()]
+        # Cells left open because the quality stage's time budget ran out (not the data).
+        entry["stopped_on_budget"] = [k for k, c in entry["slices"].items() if c.get("stopped_on") == "budget"] + [
+            f"{k}/{g}" for k, c in entry["slices"].items() for g, gc in (c.get("groups") or {}).items()
+            if gc.get("stopped_on") == "budget"]
         # A fail is a fail whatever else is missing; without one, a missing slice keeps it from go.
+        # A cell open on the budget is inconclusive like any open cell (decide).
         entry["decision"] = ("no-go" if "fail" in statuses else
                              "inconclusive" if entry["missing"] else decide(statuses))
     return {
@@ -419,6 +479,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),
         "families": {"pass": chosen, "fail": {n: len(c) for n, c in tests.items()}},
         "sequential": scheds,
+        "quality_budget": quality_budget(quality),
         "method": _method_text(gcfg, chosen),
         "variants": variants,
         "speculation": speculation(run_dir, gcfg.multiplicity),

