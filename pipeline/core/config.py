@@ -167,7 +167,18 @@ class LatencyConfig(Section):
     context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
     new_tokens: int = 16
     warmup: int = 1
+    # The most timing repeats per cell (a plain grid cell, a B = 1 pair, a pair's batched cells).
     repeats: int = 5
+    # Repeats always done before a cell may stop early (settle), whatever its intervals say; a
+    # quantity needs 2 samples to have an interval, so 1 still does 2 unless the budget stops it.
+    min_repeats: int = 3
+    # Stop a cell's repeats early once settled: every figure the recommendation is computed from
+    # (plain TPOT / ms per token, and the round time of every drafted count or verify width that
+    # carries rounds) has a CI whose relative half-width is at most settle_rel (the rule:
+    # pipeline/latency/speculative.py, SETTLE_RULE). false: always `repeats` (the budget aside).
+    settle: bool = True
+    # The settle tolerance: CI half-width / median, for every such figure.
+    settle_rel: PositiveFloat = 0.05
     # Speculative timings use k = 1..k_list_max (default: acceptance.k_max).
     k_max: int | None = None
     # Speculative round times are timed on the acceptance prompts (the first this many of each
@@ -192,12 +203,24 @@ class LatencyConfig(Section):
     closed_loop_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
     closed_loop_waves: int = 6
     closed_loop_tokens: int = 24
+    # Screen each (target, draft) pair before timing it (pipeline/latency/screen.py): a probe of a
+    # few seconds and acceptance's upper CI bound its speedup at every k (and B); a pair whose bound
+    # is below 1 everywhere "does not pay" and is not timed (its JSON says why). Prompt lookup is
+    # never screened. false: every pair is timed.
+    screen: bool = True
 
     @field_validator("k_max")
     @classmethod
     def _k(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
             raise ValueError("k_max must be >= 1 (or null: acceptance.k_max)")
+        return v
+
+    @field_validator("min_repeats")
+    @classmethod
+    def _min_repeats(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("min_repeats must be >= 1")
         return v
 
 

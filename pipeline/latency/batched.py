@@ -30,8 +30,18 @@ pair files `latency/*__*.json` sees it):
   round time. The speculative k is the
   fastest at that B (the nearest measured B) in the warm-up repeat, or the first repeat.
 
-Every figure is a median over `latency.repeats` repeats (cells) or over waves (closed loop) with a
+Every figure is a median over the repeats (cells) or over waves (closed loop) with a
 percentile-bootstrap CI whose unit of resampling is the repeat or the wave; raw samples are kept.
+
+Repeats (issue 27): a repeat times every cell of the pair, so the pair stops as one: up to
+`latency.repeats`, earlier once settled (pipeline/latency/speculative.py SETTLE_RULE on plain
+ms/token and the round time of every verify width that carries rounds, at every B: what the
+marginal stage's batch_k weighs) or when the stage's budget cannot afford another repeat. The
+document and each cell record `repeats_done` and `stopped`. Closed-loop wave w runs after repeat
+w mod latency.repeats; the waves of repeats that did not run (the loop stopped early) run after
+the last repeat, as many as the stage's budget affords at the mean wave time so far (all of them
+without a budget; the rest recorded as skipped), so the closed loop keeps at least the waves of
+the first repeat. Each closed loop records `waves` (ran) and `waves_asked`.
 
 Like with like (issue #24): the cells and the closed loop run the same way as B = 1. Every run at
 a batch size B uses one static cache of exactly L_B positions (`cache_len`: the longest of its
@@ -47,9 +57,12 @@ keeps flagged speedups out of recommended_k_by_batch and the vLLM table.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
+from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, progress
 from pipeline.decode.batched import generate_batched
 from pipeline.decode.compiled import not_compiled
@@ -57,7 +70,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.memory import cache_len
 from pipeline.latency.modes import calls_before, compare, merge_ran, run_mode, steps_ran
 from pipeline.latency.plan import batched_shapes, draft_label, why_not_compiled
-from pipeline.latency.speculative import round_time_block
+from pipeline.latency.speculative import Repeats, round_time_block, settle_widths
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.intervals import median_ci
 
@@ -190,6 +203,23 @@ def by_width(reps: list[dict], batch_sizes: list[int], ks: list[int]) -> dict:
     return out
 
 
+def batched_widths(reps: list[dict], batch_sizes: list[int], ks: list[int], confidence: float,
+                   seed: int) -> dict[str, float]:
+    """SETTLE_RULE's figures of a pair's batched cells over the repeats so far: at every B, plain
+    ms/token and the round time of every verify width that carries rounds (round_ms_by_width)."""
+    out = {}
+    for b in batch_sizes:
+        counts = {k: {} for k in ks}
+        for rep in reps:
+            for k in ks:
+                for w, times in rep[b][k].get("by_width", {}).items():
+                    counts[k][w] = counts[k].get(w, 0) + len(times)
+        by_w = {int(w): block["samples"] for w, block in by_width(reps, [b], ks)[str(b)].items()}
+        out.update(settle_widths([rep[b][0]["ms_per_token"] for rep in reps], by_w, counts, confidence, seed,
+                                 label=f"B={b} ", unit="w"))
+    return out
+
+
 def closed_loop_wave(model, draft, tokenizer, batch: int, k: int, wave: int, new_tokens: int,
                      session=None, cache_len: int | None = None, rows: list[list[int]] | None = None) -> dict:
     """One wave of `batch` requests (prompts from `wave * batch` on), plain then speculative."""
@@ -263,10 +293,13 @@ def spec_batch_sizes(lat) -> list[int]:
 
 
 def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list[int], lat, device,
-                 confidence: float, seed: int, session=None, rows: list[list[int]] | None = None) -> dict:
+                 confidence: float, seed: int, session=None, rows: list[list[int]] | None = None, *,
+                 budget=None) -> dict:
     """The latency/batched/<target>__<draft>.json document. With a compile `session` (the model and
     a model draft attached), every (B, width) step shape compiles before any timed run. `rows`: the
-    prompts (token ids, categories in turn; None = the built-in ones, see batch_prompts)."""
+    prompts (token ids, categories in turn; None = the built-in ones, see batch_prompts). Repeats:
+    up to lat.repeats, fewer once settled (lat.settle) or when `budget` (a StageBudget; None = no
+    budget) cannot afford another; the waves of repeats not run follow (module docstring)."""
     batch_sizes = spec_batch_sizes(lat)
     prompts = {b: batch_prompts(tokenizer, b, rows=rows) for b in batch_sizes}
     loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
@@ -285,24 +318,45 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
     loop_k: dict[int, int] = {}
     waves: dict[int, list[dict]] = {b: [] for b in loop_sizes}
     reps = []
-    for r in range(lat.repeats):
-        progress(f"latency: {target} + {draft_spec}: B = {', '.join(map(str, batch_sizes))}: "
-                 f"repeat {r + 1}/{lat.repeats}")
+    wave_s: list[float] = []
+
+    def run_waves(r: int | None, todo: list[int]) -> None:
+        """Waves `todo` at every closed-loop B (after repeat r; None: after the last repeat, as
+        far as the budget affords)."""
+        for b in loop_sizes:
+            for w in todo:
+                if r is None and budget is not None and wave_s and not budget.affords(float(np.mean(wave_s))):
+                    budget.skip(f"{target} + {draft_spec}: closed-loop B={b} wave {w + 1}/{lat.closed_loop_waves}",
+                                f"budget: {fmt_s(max(budget.left(), 0.0))} left, a wave takes "
+                                f"{fmt_s(float(np.mean(wave_s)))}")
+                    continue
+                t0 = time.perf_counter()
+                waves[b].append(closed_loop_wave(model, draft, tokenizer, b, loop_k[b], w, lat.closed_loop_tokens,
+                                                 session=session, cache_len=lens[b], rows=rows))
+                wave_s.append(time.perf_counter() - t0)
+
+    loop = Repeats(lat, f"{target} + {draft_spec}: B = {', '.join(map(str, batch_sizes))}", budget,
+                   confidence=confidence, seed=seed)
+    while loop.next():
+        r = loop.done
         reps.append(batched_repeat(model, draft, prompts, ks, lat.new_tokens, **run))
         # The closed loop's k: the fastest in the warm-up (else the first repeat). Its waves are
         # spread over the repeats, so cells and closed loop see the same machine load.
         loop_k = loop_k or {b: best_k(warm or reps[0], b) for b in loop_sizes}
-        for b in loop_sizes:
-            for w in range(r, lat.closed_loop_waves, lat.repeats):
-                waves[b].append(closed_loop_wave(model, draft, tokenizer, b, loop_k[b], w, lat.closed_loop_tokens,
-                                                 session=session, cache_len=lens[b], rows=rows))
-    cells = batched_cells(reps, batch_sizes, ks, confidence, seed, why_eager)
-    loops = [closed_loop_summary(waves[b], b, loop_k[b], lat.closed_loop_tokens, confidence, seed, why_eager)
+        run_waves(r, list(range(r, lat.closed_loop_waves, lat.repeats)))
+        loop.finished(lambda: batched_widths(reps, batch_sizes, ks, confidence, seed))
+    # The waves of the repeats that did not run (stopped early): after the last repeat.
+    run_waves(None, [w for w in range(lat.closed_loop_waves) if w % lat.repeats >= loop.done])
+    record = loop.to_json()
+    cells = [{**c, "repeats_done": record["repeats_done"], "stopped": record["stopped"]}
+             for c in batched_cells(reps, batch_sizes, ks, confidence, seed, why_eager)]
+    loops = [{**closed_loop_summary(waves[b], b, loop_k[b], lat.closed_loop_tokens, confidence, seed, why_eager),
+              "waves_asked": lat.closed_loop_waves}
              for b in loop_sizes]
     return {"variant": target, "draft": draft_spec, "device": str(device), "threads": torch.get_num_threads(),
             "batch_sizes": batch_sizes, "ks": ks,
             "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
             "cache_len": {str(b): n for b, n in sorted(lens.items())},
-            "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
+            "new_tokens": lat.new_tokens, "warmup": lat.warmup, **record,
             "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops,
             "compile": session.record() if session is not None else not_compiled(why_eager)}

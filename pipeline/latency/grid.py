@@ -13,6 +13,12 @@ its `run_mode` (its steps compiled or eager, from the compile record of the shap
 used, and whether the variant runs a fallback kernel: pipeline/latency/modes.py), and, once the
 reference's grid exists, this variant's TPOT / the reference's with a CI, which says
 `like_with_like: false` and both modes when the two cells did not run the same way.
+
+Repeats per cell (issue 27): up to `repeats`, stopping once the cell's TPOT CI has a relative
+half-width of at most latency.settle_rel (from latency.min_repeats on; latency.settle, the rule of
+pipeline/latency/speculative.py SETTLE_RULE), or when the stage's budget cannot afford another
+repeat; each cell records `repeats_done`, `stopped` ("settled" | "max" | "budget") and its
+`settle_widths`, and the grid the rule.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.modes import calls_before, compare, run_mode, steps_ran
 from pipeline.latency.plan import compile_session, plain_phase, plain_shapes, why_not_compiled
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
+from pipeline.latency.speculative import Repeats, rel_half_width
 from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.stats.intervals import clip_contain, median_ci, percentile_bootstrap, percentile_interval
@@ -97,9 +104,10 @@ def _random_prompt(vocab: int, batch: int, context: int, seed: int) -> torch.Ten
 
 def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, repeats: int,
                device: torch.device, vocab: int, seed: int = 0, cache_len: int | None = None,
-               prefill_chunk: int | None = None) -> dict:
+               prefill_chunk: int | None = None, *, loop: Repeats | None = None) -> dict:
     """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one sample per repeat,
-    and every step's time.
+    and every step's time. `loop`: how many repeats (pipeline.latency.speculative.Repeats: settle on
+    TPOT, a budget); None = exactly `repeats`. The result says how many ran and why they stopped.
 
     TTFT = the prompt forward + picking the first token (engine's prefill_s; no queue here);
     TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it; the
@@ -110,8 +118,9 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
         generate(model, ids, new_tokens, **run)
     ttft, tpot, steps, cache = [], [], [], 0
     mem = PeakMemory(device)
+    loop = loop or Repeats.fixed(repeats)
     with mem.track():
-        for _ in range(repeats):
+        while loop.next():
             res = generate(model, ids, new_tokens, **run)
             n = len(res.batch_tokens[0])
             if n != new_tokens:
@@ -120,8 +129,11 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
             tpot.append(res.decode_s / (n - 1) * 1e3)
             steps.append([x * 1e3 for x in res.step_s])
             cache = res.cache_positions
+            loop.finished(lambda: {"tpot": rel_half_width(tpot, loop.confidence, loop.seed)})
+    rec = loop.to_json()
     return {"ttft_ms": ttft, "tpot_ms": tpot, "step_ms": steps, "cache_positions": cache,
-            "peak_memory_bytes": mem.peak, "peak_memory_kind": mem.kind, "memory_before_bytes": mem.before}
+            "peak_memory_bytes": mem.peak, "peak_memory_kind": mem.kind, "memory_before_bytes": mem.before,
+            **{key: rec[key] for key in ("repeats_done", "stopped", "settle_widths")}}
 
 
 def percentiles_ci(per_repeat: list[list[float]], confidence: float, seed: int) -> dict:
@@ -156,7 +168,11 @@ def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: in
 
 
 def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, seed: int,
-               confidence: float) -> dict:
+               confidence: float, *, budget=None) -> dict:
+    """The latency/<variant>.json document. Each cell's repeats: up to lat.repeats, fewer once its
+    TPOT is settled (lat.settle) or when `budget` (a StageBudget; None = no budget) cannot afford
+    another repeat."""
+    rule = Repeats(lat, name)  # the grid's settings, for the record
     mb = model_bytes(model)
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
         else model.config.vocab_size
@@ -167,7 +183,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
         for context in sorted(set(lat.context_lengths) - set(fits)):
             grid.append({"batch": batch, "context": context,
                          "skipped": f"context + new tokens exceeds the model's {max_pos} positions"})
-    plan, budget = plain_phase(model, lat, device, fits)
+    plan, memory_budget = plain_phase(model, lat, device, fits)
     for cell in plan.dropped:
         progress(f"latency: {name}: B={cell['batch']} context={cell['context']} dropped by the memory plan: "
                  f"{cell['reason']}")
@@ -189,8 +205,11 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                 session.warm(model, shapes=plain_shapes([planned]))
             before = calls_before(session)
             try:
+                loop = Repeats(lat, f"{name} B={batch} context={context}", budget, confidence=confidence,
+                               seed=seed, verbose=None)
                 raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, lat.repeats, device,
-                                 vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk)
+                                 vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk,
+                                 loop=loop)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 grid.append({**cell, "skipped": "out of device memory (the memory plan expected it to fit)"})
@@ -211,6 +230,8 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                          "inter_token_ms": {**percentiles_ci(raw["step_ms"], confidence, seed),
                                             "samples": raw["step_ms"]},
                          "tokens_per_s": batch * 1e3 / tpot["median"],
+                         "repeats_done": raw["repeats_done"], "stopped": raw["stopped"],
+                         "settle_widths": raw["settle_widths"],
                          "cache_positions": raw["cache_positions"],
                          "peak_memory_bytes": raw["peak_memory_bytes"],
                          "peak_memory_kind": raw["peak_memory_kind"],
@@ -227,7 +248,9 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
     return {"variant": name, "device": str(device), "device_name": device_name(device),
             "bandwidth_gbps": bandwidth["gbps"], "bandwidth": bandwidth, "weight_bytes": mb["weight_bytes"],
             "model_bytes": mb, "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
-            "grid": grid, "memory_plan": {**plan.to_json(), "budget": budget}, "compile": compiled,
+            **{key: v for key, v in rule.to_json().items()
+               if key in ("settle", "min_repeats", "settle_rel", "settle_rule")},
+            "grid": grid, "memory_plan": {**plan.to_json(), "budget": memory_budget}, "compile": compiled,
             "kernels": kernels, "attention_path": attention_path(model)}
 
 

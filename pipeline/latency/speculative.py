@@ -19,12 +19,43 @@ count). Every run gets a static cache of one length, the memory plan's for the l
 compiled step (latency.compile) has one shape per width for every prompt. Each row (and plain
 decoding, `plain_run_mode`) records how its steps really ran, from the compile record, and each
 speedup whether both sides ran the same way (`like_with_like`, pipeline/latency/modes.py).
+
+How many repeats (issue 27): up to `latency.repeats`, stopping early once the figures the
+recommendation is computed from are settled (SETTLE_RULE, `latency.settle`), or when the stage's
+time budget (pipeline/core/budget.py) cannot afford another repeat. The marginal stage recommends
+k from ms/token(k) = sum_d P(d|k) T(d) / E(k) and plain ms/token; E(k) and P(d|k) are the
+acceptance stage's, so what this stage's repeats decide is T(d) (`round_ms_by_drafted`) and plain
+ms/token. T_round(k) is a weighted mean of the T(d), so if every T(d) is known to within a relative
+error e, so is every T_round(k) and ms/token(k), for every slice's weights at once (the marginal
+stage weights by slice and temperature, which this stage does not see); a recommendation that
+beats the runner-up by more than about 2e cannot flip on the timing. The rule asks that of the
+median and its bootstrap CI (pipeline.stats.intervals.median_ci, the CI the JSON reports): at every
+temperature, plain ms/token and T(d) for every drafted count d that carries rounds (all but the
+rarest counts, which together hold at most SETTLE_MIN_SHARE of the timed rounds at every k) have a
+CI half-width / median <= `latency.settle_rel`. It is checked after each repeat from
+`latency.min_repeats` on; a figure with fewer than 2 samples is never settled. At 95% and up to 5
+repeats that CI is the samples' range, so the rule reads: every such figure's repeats lie within
++-settle_rel of their median, roughly. The simulation in tests/test_latency_repeats.py
+(round times per drafted count with drift and per-count noise, 400 cells whose true best k beats
+the runner-up by >= 2 settle_rel) measures how often the early-stopped recommendation is the one
+all repeats give. The same rule, on TPOT, decides a plain grid cell (pipeline/latency/grid.py) and,
+on plain ms/token and round time by verify width per B, the batched cells (pipeline/latency/batched.py).
+
+The JSON records `repeats` (the most asked), `repeats_done`, `stopped` ("settled": the rule held
+before the maximum; "max"; "budget": the budget could not afford another repeat, also in the
+stage budget's `skipped`), `settle`, `min_repeats`, `settle_rel`, `settle_rule` and
+`settle_widths` (each checked figure's CI half-width / median at the last check).
 """
 from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, progress
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.compiled import not_compiled
@@ -34,6 +65,159 @@ from pipeline.latency.plan import draft_label, speculative_phase, speculative_sh
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.intervals import median_ci
+
+
+# ---------------------------------------------------------------- how many repeats
+
+# The rarest drafted counts (verify widths) that together hold at most this share of the timed
+# rounds at every k are not asked to settle: they move no T_round(k) by more than this share of
+# their own error, and their few rounds per repeat would keep a pair running to the maximum.
+SETTLE_MIN_SHARE = 0.05
+
+SETTLE_RULE = (
+    "After each repeat from latency.min_repeats on, stop when every figure the recommendation is "
+    "computed from has a CI (median_ci, latency.confidence, over the repeats so far) whose half-width is at "
+    "most latency.settle_rel of its median: B = 1 pairs: plain ms/token and the round time of every "
+    "drafted count d, at every temperature; batched: plain ms/token and the round time of every verify "
+    f"width, at every B; plain grid: each cell's TPOT. Drafted counts (widths) that together hold at most "
+    f"{SETTLE_MIN_SHARE:g} of the timed rounds at every k are left out; a figure with fewer than 2 samples "
+    "is never settled. T_round(k) is a weighted mean of the round times by drafted count, so all of them "
+    "within settle_rel puts every T_round(k) and ms/token(k) within it too, whatever a slice's weights. "
+    "Otherwise repeats stop at latency.repeats, or when the stage's budget cannot afford another (the mean "
+    "repeat so far)."
+)
+
+
+def check_repeats(lat) -> None:
+    """One line (StageError) for repeat settings a stage cannot use."""
+    if lat.repeats < 1:
+        raise StageError("latency.repeats must be >= 1")
+    if getattr(lat, "min_repeats", 1) < 1:
+        raise StageError("latency.min_repeats must be >= 1")
+    if getattr(lat, "settle_rel", 1.0) <= 0:
+        raise StageError("latency.settle_rel must be > 0")
+
+
+def rel_half_width(samples, confidence: float, seed: int) -> float:
+    """median_ci's half-width / |median| (inf with fewer than 2 samples or a zero median)."""
+    xs = [float(x) for x in samples if x is not None]
+    if len(xs) < 2:
+        return math.inf
+    ci = median_ci(xs, confidence, seed)
+    return (ci["ci"][1] - ci["ci"][0]) / 2 / abs(ci["median"]) if ci["median"] else math.inf
+
+
+def carrying(counts_by_k: dict, min_share: float = SETTLE_MIN_SHARE) -> list[int]:
+    """The drafted counts (widths) asked to settle: counts_by_k is k -> {d: rounds at k that
+    drafted d}; at each k the rarest d that together hold at most `min_share` of its rounds are left
+    out, and what any k keeps is kept."""
+    keep = set()
+    for counts in counts_by_k.values():
+        total, dropped = sum(counts.values()), 0
+        for d, c in sorted(counts.items(), key=lambda x: (x[1], x[0])):
+            if c <= 0:
+                continue
+            if dropped + c <= min_share * total:
+                dropped += c
+            else:
+                keep.add(d)
+    return sorted(keep)
+
+
+def settle_widths(plain, by_d: dict, counts_by_k: dict, confidence: float, seed: int, label: str = "",
+                  unit: str = "d") -> dict[str, float]:
+    """name -> CI half-width / median of the figures SETTLE_RULE asks to settle: `plain` (per repeat
+    plain ms/token) and by_d[d] (per repeat mean round time of the rounds drafting d; None where a
+    repeat had none) for every d `carrying` keeps."""
+    out = {f"{label}plain": rel_half_width(plain, confidence, seed)}
+    for d in carrying(counts_by_k):
+        out[f"{label}{unit}={d}"] = rel_half_width(by_d.get(d, []), confidence, seed)
+    return out
+
+
+class Repeats:
+    """One cell's (or pair's) repeat loop: up to latency.repeats; SETTLE_RULE after each repeat from
+    latency.min_repeats on when latency.settle; and, with a `budget` (pipeline.core.budget.StageBudget),
+    no further repeat once the budget cannot afford one at the mean repeat time so far (after at
+    least one), recorded with budget.skip. Without a budget and with settle off (or a `lat` that
+    has no settle key) it does exactly latency.repeats.
+
+        loop = Repeats(lat, "bf16 + ngram", budget, confidence=0.95, seed=0)
+        while loop.next():
+            reps.append(...)
+            loop.finished(lambda: settle_widths(...))
+        doc.update(loop.to_json())
+    """
+
+    def __init__(self, lat, what: str, budget=None, *, confidence: float = 0.95, seed: int = 0,
+                 verbose: bool | None = True, clock=time.perf_counter):
+        self.max = int(lat.repeats)
+        self.settle = bool(getattr(lat, "settle", False))
+        self.min = max(int(getattr(lat, "min_repeats", self.max)), 1)
+        self.rel = float(getattr(lat, "settle_rel", 0.05))
+        self.what, self.budget, self.confidence, self.seed = what, budget, confidence, seed
+        self.verbose = verbose  # True: a line per repeat; None: only once a repeat takes >= 5 s
+        self.clock = clock
+        self.done, self.times, self.stopped, self.widths, self._t0 = 0, [], None, None, None
+
+    @classmethod
+    def fixed(cls, repeats: int) -> "Repeats":
+        """Exactly `repeats` repeats, silently (no settle, no budget)."""
+        return cls(SimpleNamespace(repeats=repeats), "", verbose=False)
+
+    def mean_s(self) -> float | None:
+        return float(np.mean(self.times)) if self.times else None
+
+    def eta(self) -> str:
+        """' (at most 2.1 min left; budget 7.5 min left)': this loop's repeats left at the mean
+        repeat time so far (at most: it may settle sooner), and the budget's."""
+        parts = []
+        if self.times:
+            parts.append(f"at most {fmt_s(self.mean_s() * (self.max - self.done))} left")
+        if self.budget is not None and self.budget.active:
+            parts.append(f"budget {fmt_s(max(self.budget.left(), 0.0))} left")
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    def next(self) -> bool:
+        """Whether to run another repeat (and start its clock)."""
+        if self.stopped:
+            return False
+        if self.done >= self.max:
+            self.stopped = "max"
+            return False
+        if self.done and self.budget is not None and not self.budget.affords(self.mean_s()):
+            self.stopped = "budget"
+            self.budget.skip(f"{self.what}: repeats {self.done + 1}-{self.max}",
+                             f"budget: {fmt_s(max(self.budget.left(), 0.0))} left, a repeat takes "
+                             f"{fmt_s(self.mean_s())}")
+            return False
+        if self.verbose or (self.verbose is None and self.times and self.times[-1] >= 5.0):
+            progress(f"latency: {self.what}: repeat {self.done + 1}/{self.max}{self.eta()}")
+        self._t0 = self.clock()
+        return True
+
+    def finished(self, widths=None) -> None:
+        """After a repeat: `widths` (a callable giving settle_widths over the repeats so far) is
+        checked when settle is on, from min_repeats on, before the maximum."""
+        self.times.append(self.clock() - self._t0)
+        self.done += 1
+        if self.settle and widths is not None and self.min <= self.done < self.max:
+            self.widths = widths()
+            if self.widths and max(self.widths.values()) <= self.rel:
+                self.stopped = "settled"
+
+    def to_json(self) -> dict:
+        stopped = self.stopped or ("max" if self.done >= self.max else None)
+        return {"repeats": self.max, "repeats_done": self.done, "stopped": stopped,
+                "settle": self.settle, "min_repeats": self.min, "settle_rel": self.rel,
+                "settle_rule": SETTLE_RULE if self.settle else
+                "off (latency.settle: false): latency.repeats repeats, unless the budget stops them",
+                "settle_widths": None if self.widths is None else
+                {key: (round(v, 5) if math.isfinite(v) else None) for key, v in self.widths.items()},
+                "repeat_s": None if not self.times else round(self.mean_s(), 3)}
+
+
+# ---------------------------------------------------------------- one pair
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],
@@ -118,12 +302,31 @@ def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, se
             "rows": rows}
 
 
+def pair_widths(reps: list[dict], ks: list[int], confidence: float, seed: int) -> dict[str, float]:
+    """SETTLE_RULE's figures of a B = 1 pair over the repeats so far (one_repeat outputs): at every
+    temperature, plain ms/token and the round time of every drafted count that carries rounds."""
+    out = {}
+    for t in reps[0]:
+        per = [rep[t] for rep in reps]
+        plain = [rep[0]["decode_s"] / max(rep[0]["tokens"], 1) * 1e3 for rep in per]
+        by_d = {int(d): b["samples"] for d, b in _by_drafted(per, max(ks), 3).items()}
+        counts = {k: {} for k in ks}
+        for rep in per:
+            for k in ks:
+                for r in rep[k]["rounds"]:
+                    counts[k][r[1]] = counts[k].get(r[1], 0) + 1
+        out.update(settle_widths(plain, by_d, counts, confidence, seed, label=f"T={t} "))
+    return out
+
+
 def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, lat, acc, device: torch.device,
-                     confidence: float, seed: int, ks: list[int], session=None) -> dict:
+                     confidence: float, seed: int, ks: list[int], session=None, *, budget=None) -> dict:
     """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). With a
-    compile `session` (pipeline.decode.compiled), this pair's step shapes compile before any timed run."""
+    compile `session` (pipeline.decode.compiled), this pair's step shapes compile before any timed run.
+    Repeats: up to lat.repeats, fewer once settled (SETTLE_RULE, lat.settle) or when `budget` (a
+    StageBudget; None = no budget) cannot afford another; the JSON says how many and why."""
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
-    plan, budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
+    plan, memory_budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
     if plan.dropped:
         raise StageError(f"latency: {target} + {draft_spec}: the speculative cell does not fit: "
                          f"{plan.dropped[0]['reason']}")
@@ -137,10 +340,11 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     for w in range(lat.warmup):
         one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + 1000 + w, length)
     reps = []
-    for r in range(lat.repeats):
-        progress(f"latency: {target} + {draft_spec}: repeat {r + 1}/{lat.repeats}")
-        reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + r,
-                               length, session=session))
+    loop = Repeats(lat, f"{target} + {draft_spec}", budget, confidence=confidence, seed=seed)
+    while loop.next():
+        reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens,
+                               seed + loop.done, length, session=session))
+        loop.finished(lambda: pair_widths(reps, ks, confidence, seed))
     if has_model:
         CachedModel.release(draft.model)  # the next pair's draft gets its own
     why_eager = why_not_compiled(lat, device) or "requested; this call was given no compile session"
@@ -148,12 +352,12 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     primary = min(by_temp, key=float)  # greedy when measured: the top-level figures (older readers)
     return {"variant": target, "draft": draft_spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
-            "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
+            "new_tokens": lat.new_tokens, "warmup": lat.warmup, **loop.to_json(),
             "timing_unit": "repeat (every prompt, temperature and k once)",
             "primary_temperature": primary,
             "plain_ms_per_token": by_temp[primary]["plain_ms_per_token"], "rows": by_temp[primary]["rows"],
             "by_temperature": by_temp, "cache_len": length,
-            "memory_plan": {**plan.to_json(), "budget": budget},
+            "memory_plan": {**plan.to_json(), "budget": memory_budget},
             "compile": session.record() if session is not None else not_compiled(
                 why_not_compiled(lat, device) or "requested; this call was given no compile session"),
             "kernels": quantized_kernels(model),
