@@ -67,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
 
             workload_precheck(cfg, {})
             precheck(cfg, {})
-            progress(f"specq: {plan_line(cfg)}")
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
+            if name == "prepare":  # the run's first stage (make evaluate runs it first), once MODEL is known good
+                progress(f"specq: {plan_line(cfg)}")
         return 0
     except (ConfigError, StageError, EngineError) as e:
         print(f"specq: {e}", file=sys.stderr)

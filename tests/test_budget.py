@@ -16,7 +16,7 @@ class Clock:
 
 
 def test_no_budget_is_the_exhaustive_run():
-    cfg = load_config("configs/smoke.yaml", {"budget": {}})
+    cfg = load_config("configs/smoke.yaml", {"budget": {"minutes": None}})
     b = StageBudget(cfg, "latency")
     assert not b.active and b.seconds is None and math.isinf(b.left())
     assert b.affords(1e12)
@@ -64,4 +64,4 @@ def test_the_plan_line_splits_the_budget():
     line = plan_line(cfg)
     assert line.startswith("time budget 30.0 min: acceptance 6.0 min, latency 9.0 min, quality 10.5 min")
     assert line.endswith("report) 4.5 min")
-    assert "no time budget" in plan_line(load_config("configs/smoke.yaml", {"budget": {}}))
+    assert "no time budget" in plan_line(load_config("configs/smoke.yaml", {"budget": {"minutes": None}}))

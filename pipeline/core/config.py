@@ -231,13 +231,14 @@ BUDGET_SHARES = {"acceptance": 0.2, "latency": 0.3, "quality": 0.35}
 
 class BudgetConfig(Section):
     """How long the run may take (issue 27; pipeline/core/budget.py). `minutes`: wall-clock minutes
-    for the whole run (null = no budget: every stage does all its config asks, the exhaustive run).
+    for the whole run, 30 by default (the default config on a 2-core CPU); null = no budget: every
+    stage does all its config asks (the exhaustive run).
     Each planning stage gets `shares[stage]` of it and plans its work to fit: acceptance bounds its
     direct check, latency its repeats and which pairs it times, quality its waves (the sequential
     gate's items). What the other stages take (prepare, quantize, drafts, marginal, gate, report)
     is the rest. Each stage prints its estimate before it starts and records in meta.json what it
     planned, spent and skipped."""
-    minutes: PositiveFloat | None = None
+    minutes: PositiveFloat | None = 30.0
     shares: dict[str, float] = Field(default_factory=lambda: dict(BUDGET_SHARES))
 
     @field_validator("shares")
