@@ -194,6 +194,7 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
     _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"},
                                            "copy": {"scheme": "none", "dir": "variants/copy"}})
     _fake_stage(run, "drafts")
+    _fake_stage(run, "acceptance")  # no pair JSON: the screen takes E(k) <= k + 1 (layerskip:2 may pay)
     cfg = Config.model_validate({
         "device": "cpu", "drafts": ["layerskip:2", "ngram"],
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}, "copy": {"scheme": "none"}}},

@@ -87,7 +87,7 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
     run = tmp_path / "run"
     save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
     for stage, extra in (("variants", {"variants": {"bf16": {"scheme": "none", "dir": "variants/bf16"}}}),
-                         ("drafts", {})):
+                         ("drafts", {}), ("acceptance", {})):
         (run / stage).mkdir(parents=True, exist_ok=True)
         (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage, **extra}))
     cfg = Config.model_validate({

@@ -274,6 +274,8 @@ def test_latency_stage_frees_each_variant_before_the_next_plan(tmp_path, tiny_to
     monkeypatch.setattr(stage, "collect", lambda device: (collect(device), spy.events.append(("free", spy.alive()))))
     run = tmp_path / "run"
     _fake_stage_dirs(run, ["a", "b"])
+    (run / "acceptance").mkdir()
+    (run / "acceptance" / "meta.json").write_text(json.dumps({"stage": "acceptance", "input_hash": "a"}))
     cfg = Config.model_validate({
         "device": "cpu", "drafts": [], "quantize": {"reference": "a", "variants": {"a": {"scheme": "none"},
                                                                                   "b": {"scheme": "none"}}},

@@ -3,6 +3,9 @@
 
     marginal/<pair>.batch.png     speedup against batch size, one line per k (CIs over repeats)
     marginal/<pair>.serving.png   TPOT, TTFT and goodput against request rate (simulated)
+
+A pair screened out under batching (`by_batch_screened`, pipeline/latency/screen.py) gets the bound
+per batch size instead (screened_batch_markdown, screened_blocks): k = 0 at every B, no simulation.
 """
 from __future__ import annotations
 
@@ -230,12 +233,40 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def screened_batch_lines(report: dict) -> list[str]:
+    """Why a pair was not timed under batching, what was skipped, and the bound at each B."""
+    rec = report["by_batch_screened"]
+    out = [f"Under batching this pair {report.get('by_batch_note') or 'was screened'} (latency.screen): "
+           f"recommended k = 0 at every batch size ({', '.join(str(b) for b in rec.get('batch_sizes') or [])}). "
+           f"Not timed: {rec.get('skipped') or 'the batched cells'}. Simulated server: "
+           f"{report.get('serving_note') or 'not simulated'}."]
+    for b, one in sorted((rec.get("by_batch") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(f"B = {b}: speedup at most " + ", ".join(f"{number(r['bound'], 2)} at k={r['k']}"
+                                                            for r in one.get("rows") or [])
+                   + f" (E_B_hi x T_plain_hi / round_lo; probe at {b} rows, cache {one['probe'].get('cache_len')}).")
+    return out
+
+
+def screened_batch_markdown(report: dict) -> str:
+    """The marginal page's batching section for a pair screened out under batching."""
+    cfg = report["speculative_config_by_batch"]
+    out = ["", "## Speculation under batching", ""]
+    for line in screened_batch_lines(report):
+        out += [line, ""]
+    out += [f"vLLM dynamic speculation (`{cfg['config_key']}`): {cfg['note']}", ""]
+    return "\n".join(out) + "\n"
+
+
 def batching_blocks(run_dir: Path, figures: dict[str, bytes]) -> list[tuple]:
     """The report stage's section: per pair, the (B, k) speedups, the vLLM table, the simulation."""
     out: list[tuple] = [("h2", "Speculation under batching and what pays at a request rate")]
     found = False
     for path in sorted((run_dir / "marginal").glob("*__*.json")):
         m = read_json(path, "marginal report")
+        if isinstance(m, dict) and m.get("by_batch_screened"):  # not timed under batching: why, and the bound
+            found = True
+            out += [("h3", path.stem), *(("p", line) for line in screened_batch_lines(m))]
+            continue
         if not isinstance(m, dict) or not m.get("by_batch"):
             continue
         found = True

@@ -1,6 +1,8 @@
 """The marginal-cost report for people: a Markdown page that reads without the JSON, and a plot
 (ms/token vs k with CI bands, the plain-decode line and the Leviathan prediction; acceptance per
 position). Called by the marginal stage; `report` is what pipeline.serving.marginal.pair_report returns.
+A pair the latency stage screened out (`screened`, pipeline/latency/screen.py) gets the bound per k
+and its terms instead of a measured table, and a plot of the bound.
 """
 from __future__ import annotations
 
@@ -18,7 +20,56 @@ def _temp_label(t: str) -> str:
     return f"{t} (greedy)" if float(t) == 0.0 else t
 
 
+SCREEN_HEADER = ["k", "E_hi(k): upper end of acceptance's CI", "T_plain_hi ms", "T_verify_lo(k+1) ms",
+                 "T_draft_lo(k) ms", "speedup at most"]
+
+
+def screen_rows(rec: dict) -> list[list[str]]:
+    """The screen's bound per k and its terms, one row per k (B = 1 record, or one batch size's)."""
+    return [[str(r["k"]), f"{number(r['e_hi'], 2)}" + ("" if r["e_hi_source"].startswith("acceptance") else " (k + 1)"),
+             number(r["t_plain_hi_ms"], 2), number(r["t_verify_lo_ms"], 2), number(r["t_draft_lo_ms"], 2),
+             f"{number(r['bound'], 2)}x"] for r in rec.get("rows") or []]
+
+
+def probe_sentence(rec: dict) -> str:
+    """How the screen's probe ran, in one sentence."""
+    p = rec.get("probe") or {}
+    return (f"Probe: {p.get('repeats')} repeats (after {p.get('warmup')} warm-up) on "
+            f"{'prompt ' + str(p['prompt_id']) if p.get('prompt_id') else str(p.get('batch')) + ' rows'} of "
+            f"{p.get('prompt_tokens')} tokens, static cache of {p.get('cache_len')} positions, "
+            f"{p.get('plain_steps')} plain steps per repeat at T = {p.get('plain_temperature')}; "
+            f"{number(p.get('seconds'), 1)} s. Bound: {rec.get('formula')}.")
+
+
+def render_screened(report: dict, png_name: str | None = None) -> str:
+    """The .md page of a pair the latency stage screened out: why it does not pay, the bound per k,
+    what the bound assumes, what was not timed; then the acceptance figures that were measured."""
+    rec = report["screened"]
+    out = [f"# Draft length k for `{report['variant']}` drafted by `{report['draft']}`", "",
+           f"Device: {report.get('device') or 'unknown'}.", workload_line(report), "",
+           f"**Recommended k = 0: do not speculate.** This pair {report['screened_note']} (latency.screen).", "",
+           f"Not timed: {rec.get('skipped') or 'the pair'}. "
+           + (report.get("recommended_k_by_category_note") or "") + ".", "",
+           "Upper bound on the speedup at each k: tokens per round at most the upper end of the acceptance "
+           "stage's CI of E(k) (slice 'all', the largest over temperatures), plain time per token at most the "
+           "probe's slowest repeat, and a round at least the probe's fastest draft of k tokens plus its fastest "
+           "verify forward of k + 1. Every k is below 1, so no k can be recommended and timing it in detail "
+           "could not change that.", "",
+           "| " + " | ".join(SCREEN_HEADER) + " |", "|---:|---:|---:|---:|---:|---:|"]
+    out += ["| " + " | ".join(r) + " |" for r in screen_rows(rec)]
+    out += ["", probe_sentence(rec), "", "What the bound assumes:", ""]
+    out += [f"{i + 1}. {a}" for i, a in enumerate(rec.get("assumes") or [])]
+    out += ["", "## Rule for the recommended k", "", report["rule"], ""]
+    out += _direct_section(report)
+    out += _position_section(report)
+    if png_name:
+        out += [f"![speedup bound vs k and acceptance per position]({png_name})", ""]
+    return "\n".join(out)
+
+
 def render_markdown(report: dict, png_name: str | None = None) -> str:
+    if report.get("screened"):
+        return render_screened(report, png_name)
     v, d = report["variant"], report["draft"]
     conf = int(round(report["confidence"] * 100))
     base, base_ci = report["baseline_ms_per_token"], report["baseline_ci"]
@@ -197,8 +248,30 @@ def write_markdown(report: dict, path: Path, png_name: str | None = None, extra:
     atomic_write_text(path, render_markdown(report, png_name) + extra)
 
 
+def _bound_axes(ax, report: dict) -> None:
+    """A screened pair's left panel: the speedup bound per k against the break-even line."""
+    rows = report["screened"].get("rows") or []
+    ks = [r["k"] for r in rows]
+    ax.plot(ks, [r["bound"] for r in rows], "o-", color="C0", label="speedup upper bound (screen)")
+    ax.axhline(1.0, color="C3", label="plain decoding (speedup 1)")
+    ax.set_ylim(0, max([1.2, *(r["bound"] * 1.1 for r in rows)]))
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup at most")
+    ax.set_title(f"{report['variant']} / {report['draft']}: does not pay, not timed", fontsize=10)
+    if ks:
+        ax.set_xticks(ks)
+    ax.legend(fontsize=8)
+
+
 def write_plot(report: dict, path: Path) -> None:
     plt = pyplot()
+    if report.get("screened"):
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        _bound_axes(ax, report)
+        _position_axes(ax2, report)
+        fig.tight_layout()
+        atomic_write_bytes(path, png_bytes(fig, dpi=110, tight=False))
+        return
     rows = report["rows"]
     ks = [r["k"] for r in rows]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -220,6 +293,13 @@ def write_plot(report: dict, path: Path) -> None:
     ax.set_title(f"{report['variant']} / {report['draft']}")
     ax.set_xticks(ks)
     ax.legend(fontsize=8)
+    _position_axes(ax2, report)
+    fig.tight_layout()
+    atomic_write_bytes(path, png_bytes(fig, dpi=110, tight=False))
+
+
+def _position_axes(ax2, report: dict) -> None:
+    """The right panel: acceptance per position with CIs."""
     pos = report.get("acceptance_per_position") or []
     if pos:
         x = [p["position"] for p in pos]
@@ -238,5 +318,3 @@ def write_plot(report: dict, path: Path) -> None:
     ax2.set_xlabel("draft position i")
     ax2.set_ylabel("acceptance")
     ax2.set_title(f"acceptance per position ({report['primary']['slice']}, T={report['primary']['temperature']})")
-    fig.tight_layout()
-    atomic_write_bytes(path, png_bytes(fig, dpi=110, tight=False))

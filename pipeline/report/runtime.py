@@ -52,7 +52,7 @@ def runtime_blocks(run_dir: Path) -> list[tuple]:
     rows, plan_rows = [], []
     for name, doc in docs.items():
         rows.append([name, str(doc.get("device_name") or doc.get("device") or MISSING), kernel_text(doc.get("kernels")),
-                     compile_text(doc.get("compile"))])
+                     "not timed (screened: does not pay)" if doc.get("screened") else compile_text(doc.get("compile"))])
         plan = doc.get("memory_plan")
         if plan:
             cells = [s for s in plan.get("steps", []) if s["action"] == "run"]

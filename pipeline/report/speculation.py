@@ -6,7 +6,9 @@ each pair's figures.
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
 
 Reads acceptance/<pair>.json, marginal/<pair>.json (and the marginal stage's <pair>.png, used as
-it is) and latency/<pair>.json; the lossless decisions come from the gate result.
+it is) and latency/<pair>.json; the lossless decisions come from the gate result. A pair the
+latency stage screened out (pipeline/latency/screen.py) shows k = 0 with "does not pay", and a
+paragraph says what was not timed and why.
 """
 from __future__ import annotations
 
@@ -94,12 +96,16 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
     out: list[Block] = [("h2", "Speculative decoding per (variant, draft) pair")]
     if not pairs:
         return out + [("p", "No acceptance, latency or marginal results for any pair in this run.")]
-    rows, classes = [], []
+    rows, classes, screened = [], [], []
     for pair in pairs:
         m, loss = marginal.get(pair), lossless.get(pair, {})
         rec = m.get("recommended_k") if m else None
         at = next((r for r in (m or {}).get("rows", []) if r["k"] == rec), None)
-        rows.append([pair, loss.get("decision", "unchecked"), MISSING if rec is None else str(rec),
+        if m and m.get("screened"):
+            screened.append(f"{pair}: {m.get('screened_note')}; skipped: "
+                            f"{m['screened'].get('skipped') or 'its timing'}")
+        shown = MISSING if rec is None else str(rec) + (" (does not pay, not timed)" if (m or {}).get("screened") else "")
+        rows.append([pair, loss.get("decision", "unchecked"), shown,
                      f"{number(at['speedup'], 2)}x {interval(at.get('speedup_ci'), 2)}" if at else MISSING,
                      number(at["ms_per_token"], 2) if at else MISSING,
                      number(at["tokens_per_round"], 2) if at else MISSING,
@@ -111,9 +117,17 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
                   "speculation whatever its speed. It does not change the variant's quality decision."),
             ("table", ["pair", "lossless", "recommended k", "speedup at k [CI]", "ms/token at k",
                        "E[tokens/round] at k", "plain ms/token"], rows, classes)]
+    if screened:  # issue 27: pairs screened out before timing
+        out.append(("p", "Screened before timing (latency.screen): an upper bound on the speedup at every k, "
+                         "from the upper end of acceptance's E(k) CI times the slowest probed plain step over the "
+                         "fastest probed draft + verify, is below 1, so no k can be recommended and the pair was "
+                         "not timed (plain ms/token there is the probe's). " + " ".join(f"{x}." for x in screened)))
     for pair in pairs:
         out.append(("h3", pair))
         m = marginal.get(pair)
+        if m and m.get("screened"):
+            out.append(("p", f"This pair {m['screened_note']}. "
+                             + (m.get("recommended_k_by_category_note") or "") + "."))
         if m and category_rows(m):  # issue #28: the workload, and k per category with CIs
             out += [("p", workload_line(m) + " k per category: RULE on each category's own prompts; where k = 0 "
                           "the figures are at the best k, and 'settled' says whether the CIs decide it."),
@@ -128,7 +142,8 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
                                                                       latency.get(pair), dpi)
         if png:
             figures[f"speed-{pair}.png"] = png
-            out.append(("img", f"speed-{pair}.png", "ms/token vs k with CIs (marginal report)"))
+            out.append(("img", f"speed-{pair}.png", "speedup upper bound vs k (screened, not timed)"
+                        if (m or {}).get("screened") else "ms/token vs k with CIs (marginal report)"))
         else:
             out.append(("p", "No timing for this pair."))
     return out

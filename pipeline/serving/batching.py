@@ -50,7 +50,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.latency.modes import comparable
-from pipeline.serving.batch_k import by_batch_section, prefix_rates
+from pipeline.latency.screen import screened_note
+from pipeline.serving.batch_k import by_batch_section, prefix_rates, speculative_config
 from pipeline.serving.simulation import (LENGTHS_FIXED, CostModel, Request, assumptions, crossover, open_loop,
                                          plain_capacity_rps, simulate, summarize, table_policy)
 from pipeline.stats.intervals import percentile_bootstrap, percentile_interval
@@ -314,3 +315,22 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
                                                              if "unconditional" in v),
     }
     return section
+
+
+SERVING_SCREENED = ("not simulated: the pair was screened under batching (no (B, k) can pay), so every batch size "
+                    "decodes plainly (k = 0) and each policy of the simulated server would be plain decoding")
+
+
+def screened_batching(batched: dict) -> dict:
+    """The marginal JSON's batching keys for a pair whose batched cells the latency stage screened
+    out (pipeline/latency/screen.py): k = 0 at every batch size, the vLLM table that says to leave
+    speculation off, the screen record (`by_batch_screened`) and no simulation (`serving` None,
+    `serving_note` says why)."""
+    rec = batched["screened"]
+    sizes = sorted(int(b) for b in (rec.get("batch_sizes") or batched.get("batch_sizes") or []))
+    table = speculative_config({b: 0 for b in sizes})
+    table["note"] = (f"Screened: {screened_note(rec)}; leave speculative decoding off for this draft "
+                     "(no speculative_config).")
+    return {"recommended_k_by_batch": {str(b): 0 for b in sizes}, "speculative_config_by_batch": table,
+            "by_batch": None, "by_batch_screened": rec, "by_batch_note": screened_note(rec),
+            "serving": None, "serving_note": SERVING_SCREENED}

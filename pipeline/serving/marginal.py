@@ -47,6 +47,7 @@ import numpy as np
 
 from pipeline.core.stage import StageError
 from pipeline.latency.modes import comparable, compare
+from pipeline.latency.screen import screened_note
 from pipeline.speculation.acceptance_stats import MIN_PROMPTS, ratio_t_draws, ratio_t_interval
 from pipeline.stats.intervals import median_ci, percentile_interval
 
@@ -327,9 +328,57 @@ def workload_brief(acceptance: dict) -> dict | None:
 # ---------------------------------------------------------------- joining the artifacts
 
 
+def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
+    """The marginal artifact of a pair the latency stage screened out (pipeline/latency/screen.py):
+    nothing timed, so no table: recommended_k 0, the screen's record under `screened`, its sentence
+    under `screened_note`, the acceptance figures that were measured, and k per category not given
+    (the bound is on the pooled slice; `categories_not_ruled_out` names any category whose own E CI
+    it does not rule out)."""
+    rec = latency["screened"]
+    slices = acceptance.get("slices") or {}
+    primary_slice = "all" if "all" in slices else (sorted(slices)[0] if slices else "all")
+    temps = slices.get(primary_slice) or {}
+    primary_temp = (min(temps, key=float) if temps else latency.get("primary_temperature")) or "0.0"
+    acc_primary = temps.get(primary_temp) or {}
+    plain = [float(x) for x in (rec.get("probe") or {}).get("plain_ms") or []]
+    cats = rec.get("categories_not_ruled_out") or []
+    return {
+        "variant": latency.get("variant", acceptance.get("variant")),
+        "draft": latency.get("draft", acceptance.get("draft")),
+        "device": latency.get("device"),
+        "confidence": confidence,
+        "primary": {"slice": primary_slice, "temperature": primary_temp},
+        "baseline_ms_per_token": float(np.median(plain)) if plain else None,
+        "baseline_ci": [min(plain), max(plain)] if plain else None,
+        "baseline_source": "the screen's probe (plain decode steps on one prompt; the range of its repeats), "
+                           "not a timed grid",
+        "rows": [],
+        "recommended_k": 0,
+        "rule": RULE,
+        "screened": rec,
+        "screened_note": screened_note(rec),
+        "slices": {},
+        "recommended_k_by_category": None,
+        "recommended_k_by_category_note": (
+            "k per category: not given, the pair was screened on the pooled slice 'all'" +
+            (f" (the bound does not rule out {', '.join(cats)} on their own acceptance CI)" if cats else "")),
+        "category_rule": CATEGORY_RULE,
+        "workload": workload_brief(acceptance),
+        "workload_note": (None if isinstance(acceptance.get("workload"), dict) else
+                          "the acceptance artifact has no workload block (made before issue 28)"),
+        "acceptance_per_position": acc_primary.get("per_position", []),
+        "direct_check": acc_primary.get("direct_check", {}),
+        "latency_new_tokens": latency.get("new_tokens"),
+        "latency_rows": [],
+    }
+
+
 def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
     """The whole marginal artifact for one pair: the primary table (slice "all", greedy when
-    measured) at the top level, and one table per slice and temperature under "slices"."""
+    measured) at the top level, and one table per slice and temperature under "slices". A pair
+    the latency stage screened out (`screened`): screened_report."""
+    if isinstance(latency, dict) and latency.get("screened"):
+        return screened_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
     try:
         by_temp = latency["by_temperature"]
         slices = acceptance["slices"]

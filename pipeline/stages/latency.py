@@ -23,6 +23,15 @@ measured) and pipeline.decode.timing (CUDA events on GPU, a synchronized perf_co
 Warm-up runs are not recorded; every CI is a bootstrap over `latency.repeats` repeats (the unit of
 resampling), and the raw per-repeat (and per-step) samples are kept in the JSON.
 
+Screening (issue 27; latency.screen, pipeline/latency/screen.py): before a pair is timed, a probe
+of a few seconds and the acceptance stage's upper CI bound its speedup at every k (and, for the
+batched cells, at every B); a pair whose bound is below 1 everywhere "does not pay" and is not
+timed: its JSON is still written (the stage is complete and resumes) with `screened` (the record:
+verdict, the bound per k and its terms, the probe's samples, what it assumes and what was skipped)
+and empty `rows` / `by_temperature` (batched: empty `cells`); a timed pair carries its record
+under `screen`. Prompt lookup is never screened. meta.json's `screened` has each pair's verdict. A
+screened pair is re-screened when its acceptance JSON changes and timed once latency.screen is off.
+
 Before any cell runs, a memory plan (pipeline/latency/plan.py) drops the cells that cannot fit
 (one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
 cells so each runs on a cache of exactly its length, freed before the next. With latency.compile
@@ -44,16 +53,21 @@ import torch
 
 from draft_models.registry import build_draft, draft_slug
 from pipeline.core.device import resolve_device
-from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json
+from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
+                                 sha256_file)
 from pipeline.decode.release import collect, release_caches
-from pipeline.latency.batched import batched_pair, spec_batch_sizes
+from pipeline.latency.batched import batch_prompts, batched_cache_lens, batched_pair, spec_batch_sizes
 from pipeline.latency.grid import add_reference_ratios, plain_grid
+from pipeline.latency.memory import cache_len
 from pipeline.latency.plan import compile_session, draft_label
 from pipeline.latency.roofline import measure_bandwidth
+from pipeline.latency.screen import (DOES_NOT_PAY, progress_line, screen_batched, screen_pair, skipped_b1,
+                                     skipped_batched, summary)
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
-from pipeline.models.kernels import device_name
+from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.report.latency import tpot_ratio_plot
+from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import interleave, prompt_limit_inputs, workload_prompts, workload_summary
 from pipeline.variants.schemes import load_variant
 
@@ -72,6 +86,12 @@ def workload_inputs(cfg) -> dict:
     out = {key: acc[key] for key in ("workload", "workload_prompts", "categories", "workload_sha256")}
     out["prompt_limit"] = prompt_limit_inputs(cfg)
     return out
+
+
+def timing_inputs(cfg) -> dict:
+    """The latency section as the stage's items key on it: without `screen`, which decides whether a
+    pair is timed, not how (turning it off times the screened pairs only, nothing else)."""
+    return {k: v for k, v in cfg.section("latency").items() if k != "screen"}
 
 
 def _resolve_dir(ctx, name: str, d: str | None) -> Path:
@@ -118,7 +138,7 @@ def run(ctx: StageContext) -> None:
 def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device) -> None:
     """Every variant's plain decode grid, then each one's TPOT against the reference's."""
     cfg, lat = ctx.config, ctx.config.latency
-    common = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed}
+    common = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed}
     bandwidth: dict | None = None
     for name, d in dirs.items():
         item = ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
@@ -149,17 +169,81 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device) -> None:
 
 
 def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder: str, inputs: dict) -> dict:
-    """draft spec -> the item of (target, draft) under `folder` that is not yet current."""
+    """draft spec -> the item of (target, draft) under `folder` that is not yet current. A screened
+    item (not timed) is current only while latency.screen is on and its acceptance JSON is the one
+    it was screened against; a current item's screen goes into meta.json."""
     target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
+    phase = "batched" if folder else "speculative"
     pending = {}
     for spec in ctx.config.drafts:
         slug = draft_slug(spec)
+        # latency.screen is not an input of a pair's timing: turning it off times the screened pairs only.
         item = ctx.item(f"{folder}{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec,
                                                              "draft_meta": draft_input_hash(ctx.run_dir, slug)},
                         is_dir=False)
+        screened = item.meta.get("screened") if item.fresh else None
+        if screened and (not ctx.config.latency.screen
+                         or (screened.get("acceptance") or {}).get("sha256") != _acceptance_sha(ctx, target, spec)):
+            item.fresh = False
         if not item.fresh:
             pending[spec] = item
+        elif screened or item.meta.get("screen"):
+            _note_screen(ctx, target, spec, phase, screened or item.meta["screen"])
     return pending
+
+
+def _acceptance_path(ctx: StageContext, target: str, spec: str) -> Path:
+    return ctx.run_dir / "acceptance" / f"{target}__{draft_slug(spec)}.json"
+
+
+def _acceptance_sha(ctx: StageContext, target: str, spec: str) -> str | None:
+    path = _acceptance_path(ctx, target, spec)
+    return sha256_file(path) if path.is_file() else None
+
+
+def _acceptance_of(ctx: StageContext, target: str, spec: str) -> tuple[dict | None, dict]:
+    """The pair's acceptance JSON (None when the acceptance stage wrote none: the bound then takes
+    k + 1 tokens per round) and what the screen record says about it."""
+    path = _acceptance_path(ctx, target, spec)
+    if not path.is_file():
+        return None, {"file": None, "sha256": None, "note": "no acceptance JSON: E_hi(k) = k + 1"}
+    return read_json(path, "acceptance artifact"), {"file": str(path.relative_to(ctx.run_dir)),
+                                                    "sha256": sha256_file(path), "slice": "all"}
+
+
+def _note_screen(ctx: StageContext, target: str, spec: str, phase: str, rec: dict) -> None:
+    """meta.json's `screened`: pair -> {"speculative" / "batched": the screen's verdict and bound}."""
+    ctx.meta.setdefault("screened", {}).setdefault(f"{target}__{draft_slug(spec)}", {})[phase] = summary(rec)
+
+
+def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts: dict, ks: list[int], device,
+               item) -> dict:
+    """The B = 1 screen of one pair (pipeline/latency/screen.py); writes the pair's JSON, not timed,
+    when it does not pay. Returns the record."""
+    cfg, lat = ctx.config, ctx.config.latency
+    acceptance, source = _acceptance_of(ctx, target, spec)
+    rows = [(pid, ids) for kind_rows in prompts.values() for pid, ids in kind_rows]
+    pid, ids = min(rows, key=lambda r: (len(r[1]), r[0]))  # the shortest prompt: the cheapest prefill
+    longest = max(len(r[1]) for r in rows)
+    rec = screen_pair(model, draft, ids, ks, acceptance, cfg.acceptance, device, cache_len(longest, lat.new_tokens),
+                      seed=cfg.seed, prompt_id=pid)
+    rec["acceptance"] = source
+    progress(progress_line(target, spec, rec))
+    _note_screen(ctx, target, spec, "speculative", rec)
+    if rec["verdict"] == DOES_NOT_PAY:
+        rec["skipped"] = skipped_b1(ks, prompts, cfg.acceptance.temperatures)
+        has_model = getattr(draft, "model", None) is not None
+        item.write_json({
+            "variant": target, "draft": spec, "device": str(device), "device_name": device_name(device),
+            "prompts": {kind: [p for p, _ in kind_rows] for kind, kind_rows in prompts.items()},
+            "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats, "repeats_done": 0,
+            "stopped": "screened", "timing_unit": None,
+            "primary_temperature": temp_key(min(cfg.acceptance.temperatures)),
+            "plain_ms_per_token": None, "rows": [], "by_temperature": {},
+            "cache_len": cache_len(longest, lat.new_tokens), "memory_plan": None, "compile": None,
+            "kernels": quantized_kernels(model), "draft_kernels": quantized_kernels(draft.model) if has_model else None,
+            "screened": rec, "workload": workload_summary(prompts)})
+    return rec
 
 
 def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device) -> None:
@@ -168,7 +252,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     cfg, lat = ctx.config, ctx.config.latency
     acc_inputs = {key: cfg.section("acceptance")[key] for key in ("temperatures", "sampling", "prompts_per_kind")}
     acc_inputs.update(workload_inputs(cfg))
-    inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
+    inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "acceptance": acc_inputs}
     for target in targets:
         pending = _pending_pairs(ctx, dirs, target, "", inputs)
@@ -178,6 +262,12 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
         prompts = workload_prompts(cfg, tok, "latency", lat.speculative_prompts_per_kind or None,
                                    context=context_length(model))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
+        screens = {}
+        if lat.screen:  # eagerly, before a compile session is attached (pipeline/latency/screen.py)
+            for spec in list(pending):
+                screens[spec] = _screen_b1(ctx, target, spec, model, drafts[spec], prompts, ks, device, pending[spec])
+                if screens[spec]["verdict"] == DOES_NOT_PAY:
+                    del pending[spec]
         session, _ = compile_session(lat, device)
         if session is not None:
             session.attach(model, "target")
@@ -190,6 +280,8 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
                                        device, lat.confidence, cfg.seed, ks, session=session)
                 doc["workload"] = workload_summary(prompts)
+                if spec in screens:
+                    doc["screen"] = screens[spec]
                 _record(ctx.meta, "speculative", f"{target}__{draft_slug(spec)}", doc)
                 item.write_json(doc)
                 progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
@@ -206,7 +298,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     (pipeline/latency/batched.py)."""
     cfg, lat = ctx.config, ctx.config.latency
     spec_batch_sizes(lat)  # batched_pair's check, before any model loads
-    inputs = {"latency": cfg.section("latency"), "device": str(device), "seed": cfg.seed, "ks": ks,
+    inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "workload": workload_inputs(cfg)}
     for target in targets:
         pending = _pending_pairs(ctx, dirs, target, "batched/", inputs)
@@ -221,6 +313,14 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         rows = [ids for _, ids in interleave(drawn)]
         for spec, item in pending.items():
             draft = build_draft(spec, model, tok, ctx.run_dir, device)
+            screen = None
+            if lat.screen:  # eagerly, before this pair's compile session (pipeline/latency/screen.py)
+                screen = _screen_batched(ctx, target, spec, model, draft, tok, rows, ks, device, item, drawn)
+                if screen["verdict"] == DOES_NOT_PAY:
+                    release_caches(model, getattr(draft, "model", None))
+                    del draft
+                    collect(device)
+                    continue
             # A session per pair: the batched shapes (B x widths) of one pair, the target's and
             # this draft's, are all it holds; closing it drops the graphs before the next draft.
             session, _ = compile_session(lat, device)
@@ -232,6 +332,8 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
                 doc = batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed,
                                    session=session, rows=rows)
                 doc["workload"] = workload_summary(drawn)
+                if screen is not None:
+                    doc["screen"] = screen
             finally:
                 if session is not None:
                     session.close()
@@ -244,6 +346,33 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
             collect(device)  # before the next draft is built
         del model
         collect(device)  # before the next target loads
+
+
+def _screen_batched(ctx: StageContext, target: str, spec: str, model, draft, tok, rows: list, ks: list[int],
+                    device, item, drawn) -> dict:
+    """The batched screen of one pair at the cells' own B rows and cache lengths; writes the
+    pair's batched JSON, not timed, when it does not pay. Returns the record."""
+    cfg, lat = ctx.config, ctx.config.latency
+    batch_sizes = spec_batch_sizes(lat)
+    prompts = {b: batch_prompts(tok, b, rows=rows) for b in batch_sizes}
+    loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
+    lens = batched_cache_lens(tok, prompts, lat, loop_sizes, rows)
+    acceptance, source = _acceptance_of(ctx, target, spec)
+    rec = screen_batched(model, draft, prompts, lens, ks, acceptance, cfg.acceptance, device, seed=cfg.seed)
+    rec["acceptance"] = source
+    progress(progress_line(target, spec, rec, " (batched)"))
+    _note_screen(ctx, target, spec, "batched", rec)
+    if rec["verdict"] == DOES_NOT_PAY:
+        rec["skipped"] = skipped_batched(ks, batch_sizes, loop_sizes)
+        item.write_json({
+            "variant": target, "draft": spec, "device": str(device), "threads": torch.get_num_threads(),
+            "batch_sizes": batch_sizes, "ks": ks,
+            "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
+            "cache_len": {str(b): n for b, n in sorted(lens.items())}, "new_tokens": lat.new_tokens,
+            "warmup": lat.warmup, "repeats": lat.repeats, "repeats_done": 0, "stopped": "screened",
+            "cells": [], "round_ms_by_width": {}, "closed_loop": [], "compile": None,
+            "screened": rec, "workload": workload_summary(drawn)})
+    return rec
 
 
 def _summarize_compile(meta: dict) -> None:

@@ -10,15 +10,20 @@ write `marginal/<pair>.json`, `.md`, `.png` and the batching figures (pipeline/r
 JSON carries k per category (`recommended_k_by_category`) and names the acceptance workload; the
 serving simulation draws its request lengths from that workload (pipeline/serving/lengths.py), or
 keeps fixed ones for an acceptance JSON made before workloads, and says which.
+
+A pair the latency stage screened out (`screened` in its latency JSON, pipeline/latency/screen.py)
+gets recommended_k 0 and the screen's record and sentence (serving/marginal.py screened_report);
+screened under batching, k = 0 at every batch size and no simulation (serving/batching.py
+screened_batching). Its .md page and plot show the bound per k instead of a measured table.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, progress, read_json, sha256_file
-from pipeline.report.batching import batch_markdown, serving_plot, speedup_plot
+from pipeline.report.batching import batch_markdown, screened_batch_markdown, serving_plot, speedup_plot
 from pipeline.report.marginal import write_markdown, write_plot
-from pipeline.serving.batching import batching_report
+from pipeline.serving.batching import batching_report, screened_batching
 from pipeline.serving.lengths import request_lengths
 from pipeline.serving.marginal import pair_report
 
@@ -47,12 +52,16 @@ def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict) 
         report["speculative_config_by_batch"] = None
         report["by_batch_note"] = f"no {batched_path.relative_to(ctx.run_dir)} (re-run make latency)"
         return ""
+    batched = read_json(batched_path, "batched latency")
+    if isinstance(batched, dict) and batched.get("screened"):  # not timed under batching: k = 0 at every B
+        report.update(screened_batching(batched))
+        return screened_batch_markdown(report)
     p = report["primary"]
     acc_slice = acceptance["slices"][p["slice"]][p["temperature"]]
     lengths = request_lengths(acceptance, p["slice"], p["temperature"])
     if lengths["lengths"] == "fixed":
         progress(f"marginal: {pair}: serving simulation at fixed lengths ({lengths['source']})")
-    report.update(batching_report(report, acc_slice, read_json(batched_path, "batched latency"),
+    report.update(batching_report(report, acc_slice, batched,
                                   read_json(grid_path, "latency grid"), ctx.config.serving, report["confidence"],
                                   ctx.config.seed, lengths))
     dpi = ctx.config.report.dpi
@@ -98,6 +107,8 @@ def run(ctx: StageContext) -> None:
         recommended[pair] = report["recommended_k"]
         by_batch[pair] = report.get("recommended_k_by_batch")
         by_category[pair] = _k_by_category(report)
+        if report.get("screened"):
+            progress(f"marginal: {pair}: {report['screened_note']}: recommended k = 0")
         progress(f"marginal: {pair}: recommended k = {report['recommended_k']}, by batch size "
                  f"{report.get('recommended_k_by_batch')}, by category {by_category[pair]}")
         if report.get("workload_note"):

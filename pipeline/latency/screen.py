@@ -1,0 +1,332 @@
+"""Screening a (target, draft) pair before it is timed in detail (issue 27): an upper bound on its
+speedup at every k, from acceptance's upper CI and a probe of a few seconds.
+
+    from pipeline.latency.screen import screen_pair, screen_batched
+    rec = screen_pair(model, draft, prompt_ids, ks, acceptance_json, acc_cfg, device, cache_len)
+    rec["verdict"]      # "does not pay" (the bound is below 1 at every k) or "may pay"
+
+The bound. A timed pair's speedup at k is plain ms/token over speculative ms/token, and speculative
+ms/token is round time over tokens per round. A round of a model draft proposes k tokens (k
+forwards of the draft) and verifies them in one target forward of width k + 1, so it costs at
+least T_draft(k) + T_verify(k + 1), and it emits E(k) tokens on average. Hence
+
+    upper_speedup(k) = E_hi(k) x T_plain_hi / (T_verify_lo(k + 1) + T_draft_lo(k))
+
+with every term taken in the direction that keeps a pair timed:
+- E_hi(k): the upper end of the acceptance stage's CI of E(k) on slice "all" (every prompt of the
+  workload), the largest over the measured temperatures; k + 1 (the most a round can emit) where
+  the acceptance JSON has no CI at k. Under batching, E_B_hi(k) from
+  `expected_tokens_per_round_by_batch_ci` (B = 1: `expected_tokens_per_round_ci`).
+- T_plain_hi: the largest, over the probe's repeats, of plain ms/token measured exactly as the
+  timed runs measure it (engine.generate without a draft, decode time / decoded tokens, on the
+  static cache length the timed runs use), sampled at the hottest configured temperature (a sampled
+  step costs at least a greedy one).
+- T_verify_lo(k + 1): the smallest, over repeats, of one target forward over k + 1 positions with
+  all logits plus the probabilities (greedy, the cheapest); not the accept rule, the host transfer
+  or the round's bookkeeping, which a real round adds.
+- T_draft_lo(k): the smallest, over repeats, of the draft's own propose() of k tokens (greedy).
+A probe is PROBE_REPEATS repeats (after PROBE_WARMUP); when its bound says "does not pay", a second
+probe runs and the two are pooled (max and min over both), so one burst of load on the machine
+during the round-part measurements cannot screen a pair on its own.
+
+A pair "does not pay" when upper_speedup(k) < 1 at every k: then no k can be recommended (the
+marginal stage recommends k only where the speedup CI lies above 1), so its detailed timing cannot
+change the recommendation, and the latency stage writes the pair's JSON with `screened` instead
+of timing it. The bound is on the pooled slice: a category whose own E CI is higher is listed in
+`categories_not_ruled_out` (its k is not measured either).
+
+Drafts that propose without a model forward (prompt lookup: `draft.model` is None) are never
+screened and not probed: a round that drafts nothing is a plain decode step, so a round costs at
+least a plain step and the bound is E_hi(k) x T_plain_hi / T_plain_lo >= 1.
+
+The probe runs eagerly (before any compile session is attached). With latency.compile the bound
+assumes compilation speeds the target's and the draft's steps alike; the record says so.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline.decode.batched import batched_draft
+from pipeline.decode.cache import CachedModel
+from pipeline.decode.engine import generate
+from pipeline.decode.errors import EngineError
+from pipeline.decode.sampling import SamplingParams, logits_to_probs
+from pipeline.decode.steps import prefill
+from pipeline.decode.timing import Timer, synchronize
+from pipeline.speculation.measure import sampling_of
+
+PROBE_REPEATS = 3  # timed repeats of every probe measurement (plus PROBE_WARMUP untimed)
+PROBE_WARMUP = 1
+PLAIN_STEPS = 8  # plain decode steps per plain-probe run (after the first token): a repeat is their mean
+DOES_NOT_PAY, MAY_PAY = "does not pay", "may pay"
+FORMULA = "upper_speedup(k) = E_hi(k) x T_plain_hi / (T_verify_lo(k+1) + T_draft_lo(k))"
+ASSUMES = [
+    "a round costs at least the draft's k-token proposal plus one target forward of width k + 1 "
+    "(the accept rule, host transfer and bookkeeping only add to it)",
+    "tokens per round are at most the upper end of the acceptance CI of E(k) on the pooled slice 'all' "
+    "(largest over temperatures; k + 1 where there is no CI), so the bound holds at the CI's level, not surely",
+    "plain ms/token is at most the largest probe repeat (engine.generate without a draft, hottest temperature, "
+    "the timed runs' static cache length); the round's parts at least the smallest probe repeat (greedy); a "
+    "pair is screened only when a second probe, pooled with the first, agrees",
+    "the probe runs eagerly: with latency.compile, compilation is assumed to speed target and draft steps alike",
+]
+MODEL_FREE = ("the draft proposes without a model forward (prompt lookup): a round that drafts nothing is a "
+              "plain decode step, so a round costs at least a plain step and the bound E_hi(k) x T_plain_hi / "
+              "T_plain_lo is at least 1; never screened, not probed")
+
+
+# ---------------------------------------------------------------- acceptance's upper end
+
+
+def e_upper(acceptance: dict | None, ks: list[int], batch: int = 1, slice_name: str = "all") -> dict[int, dict]:
+    """k -> {"e_hi", "by_temperature": {t: hi}, "source"}: the upper CI end of E_B(k) on the slice,
+    the largest over temperatures; k + 1 where the acceptance JSON has no CI at k."""
+    temps = ((acceptance or {}).get("slices") or {}).get(slice_name) or {}
+    out = {}
+    for k in ks:
+        by_t = {}
+        for t, block in temps.items():
+            if batch == 1:
+                ci = (block.get("expected_tokens_per_round_ci") or {}).get(str(k))
+            else:
+                ci = ((block.get("expected_tokens_per_round_by_batch_ci") or {}).get(str(batch)) or {}).get(str(k))
+            by_t[t] = float(ci[1]) if ci and ci[1] is not None else None
+        found = [v for v in by_t.values() if v is not None]
+        if found and len(found) == len(by_t):
+            out[k] = {"e_hi": max(found), "by_temperature": by_t, "source": f"acceptance CI, slice {slice_name}"}
+        else:
+            out[k] = {"e_hi": float(k + 1), "by_temperature": by_t,
+                      "source": "k + 1, the most a round can emit (no acceptance CI at this k"
+                                + (f" for B = {batch}" if batch > 1 else "") + ")"}
+    return out
+
+
+# ---------------------------------------------------------------- the probe
+
+
+@torch.inference_mode()
+def probe_costs(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, plain_sampling: SamplingParams,
+                repeats: int = PROBE_REPEATS, warmup: int = PROBE_WARMUP, seed: int = 0) -> dict:
+    """Probe timings (ms) for one model draft at ids [B, T] on a static cache of `cache_len`
+    positions (raised to what the probe itself needs where a tiny config asks fewer): `plain_ms`
+    per repeat (plain ms/token as the timed runs measure it), `verify_ms[k + 1]` and `draft_ms[k]`
+    per repeat, and the `cache_len` used. B > 1 drafts through the batched engine's form of the draft."""
+    device = next(model.parameters()).device
+    b, t = ids.shape
+    cache_len = max(cache_len, t + PLAIN_STEPS + 2, t + max(ks) + 2)
+    ids = ids.to(device)
+    greedy = SamplingParams(0.0)
+    drafter = None
+    active = torch.ones(b, dtype=torch.bool, device=device)
+    out = {"cache_len": cache_len, "plain_ms": [], "verify_ms": {str(k + 1): [] for k in ks},
+           "draft_ms": {str(k): [] for k in ks}}
+    for r in range(warmup + repeats):
+        keep = r >= warmup
+        g = torch.Generator(device).manual_seed(seed * 7919 + r)
+        res = generate(model, ids, PLAIN_STEPS + 1, sampling=plain_sampling, generator=g, cache_len=cache_len)
+        if keep:
+            out["plain_ms"].append(res.decode_s / PLAIN_STEPS * 1e3)
+        target = CachedModel(model, batch=b, max_len=cache_len, exact=True)
+        first = prefill(target, ids, greedy, None)  # [B]
+        if drafter is None:  # the batched engine's form at B > 1 (EngineError for a draft without one)
+            drafter = draft if b == 1 else batched_draft(draft, b, target.vocab)
+        drafter.prefill(ids, cache_len, exact=True)
+        seqs = torch.cat([ids, first.unsqueeze(1)], 1)  # [B, T + 1]
+        timer = Timer(device)
+        marks = []
+        for k in ks:
+            with timer.measure("draft") as m_draft:
+                if b == 1:
+                    d, _ = drafter.propose(seqs[0], k, greedy, None)
+                    d = d.view(1, -1)
+                else:
+                    d, _, _ = drafter.propose(seqs, k, greedy, None, active)
+            _rewind(drafter, ids, cache_len, t)
+            with timer.measure("verify") as m_verify:
+                logits = target.forward(torch.cat([seqs[:, -1:], d.to(device)], 1), all_logits=True)
+                logits_to_probs(logits, greedy)
+            target.rollback(t)
+            marks.append((k, m_draft, m_verify))
+        timer.collect()
+        if keep:
+            for k, m_draft, m_verify in marks:
+                out["draft_ms"][str(k)].append(m_draft.seconds * 1e3)
+                out["verify_ms"][str(k + 1)].append(m_verify.seconds * 1e3)
+    synchronize(device)
+    return out
+
+
+def _rewind(drafter, ids: torch.Tensor, cache_len: int, t: int) -> None:
+    """The draft's cache back to the prompt (T positions), untimed: a rollback where the draft
+    keeps a CachedModel, else a fresh prefill."""
+    cached = getattr(drafter, "cached", None)
+    if isinstance(cached, CachedModel):
+        cached.rollback(min(cached.length, t))
+    else:
+        drafter.prefill(ids, cache_len, exact=True)
+
+
+# ---------------------------------------------------------------- the bound
+
+
+def bound_rows(upper: dict[int, dict], probe: dict, ks: list[int]) -> list[dict]:
+    """Per k: the bound and its terms (ms), from e_upper(...) and probe_costs(...)."""
+    t_plain_hi = float(max(probe["plain_ms"]))
+    rows = []
+    for k in ks:
+        verify_lo = float(min(probe["verify_ms"][str(k + 1)]))
+        draft_lo = float(min(probe["draft_ms"][str(k)]))
+        e_hi = upper[k]["e_hi"]
+        rows.append({"k": k, "e_hi": e_hi, "e_hi_by_temperature": upper[k]["by_temperature"],
+                     "e_hi_source": upper[k]["source"], "t_plain_hi_ms": t_plain_hi,
+                     "t_verify_lo_ms": verify_lo, "t_draft_lo_ms": draft_lo, "round_lo_ms": verify_lo + draft_lo,
+                     "bound": e_hi * t_plain_hi / max(verify_lo + draft_lo, 1e-12)})
+    return rows
+
+
+def verdict_of(rows: list[dict]) -> tuple[str, float, dict]:
+    """(verdict, the largest bound, the row it is at)."""
+    top = max(rows, key=lambda r: (r["bound"], -r["k"]))
+    return (DOES_NOT_PAY if top["bound"] < 1.0 else MAY_PAY), float(top["bound"]), top
+
+
+def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[dict], batch: int = 1) -> list[str]:
+    """The acceptance slices other than "all" whose own E CI would put the bound at or above 1 at
+    some k (same probe): categories the pooled screen does not rule out on their own."""
+    rounds = {r["k"]: r for r in rows}
+    out = []
+    for name in sorted(((acceptance or {}).get("slices") or {})):
+        if name == "all":
+            continue
+        upper = e_upper(acceptance, ks, batch, name)
+        if any(upper[k]["e_hi"] * rounds[k]["t_plain_hi_ms"] / max(rounds[k]["round_lo_ms"], 1e-12) >= 1.0
+               for k in ks):
+            out.append(name)
+    return out
+
+
+def _model_free_record(batch_sizes: list[int] | None = None) -> dict:
+    rec = {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
+           "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
+    if batch_sizes is not None:
+        rec.update(batch_sizes=batch_sizes, at_batch=None, by_batch={})
+    return rec
+
+
+def pool(a: dict, b: dict) -> dict:
+    """Two probes' samples together (min and max then run over both)."""
+    return {"cache_len": a["cache_len"], "plain_ms": a["plain_ms"] + b["plain_ms"],
+            **{key: {w: a[key][w] + b[key][w] for w in a[key]} for key in ("verify_ms", "draft_ms")}}
+
+
+def _one_batch(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, acceptance: dict | None,
+               acc_cfg, seed: int, prompt_id: str | None = None) -> dict:
+    """The bound at one batch size (ids: [B, T]). A pair is only screened when a second probe,
+    its samples pooled with the first's, still puts the bound below 1 everywhere: a burst of load
+    during one probe's round-part measurements would otherwise screen a pair that pays."""
+    b = int(ids.shape[0])
+    hottest = max(acc_cfg.temperatures, default=0.0)
+    plain_sampling = sampling_of(acc_cfg.sampling, hottest)
+    upper = e_upper(acceptance, ks, b)
+    t0 = time.perf_counter()
+    probe = probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed)
+    probes = 1
+    rows = bound_rows(upper, probe, ks)
+    if verdict_of(rows)[0] == DOES_NOT_PAY:
+        probe = pool(probe, probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed + 1))
+        probes = 2
+        rows = bound_rows(upper, probe, ks)
+    seconds = time.perf_counter() - t0
+    verdict, top, at = verdict_of(rows)
+    return {"batch": b, "verdict": verdict, "max_bound": top, "at_k": at["k"], "rows": rows,
+            "categories_not_ruled_out": categories_not_ruled_out(acceptance, ks, rows, b),
+            "probe": {"prompt_id": prompt_id, "prompt_tokens": int(ids.shape[1]), "batch": b,
+                      "probes": probes, "repeats": PROBE_REPEATS * probes, "warmup": PROBE_WARMUP,
+                      "plain_steps": PLAIN_STEPS, "plain_temperature": hottest, "seconds": round(seconds, 3),
+                      **probe}}
+
+
+def screen_pair(model, draft, prompt_ids: list[int], ks: list[int], acceptance: dict | None, acc_cfg, device,
+                cache_len: int, seed: int = 0, prompt_id: str | None = None) -> dict:
+    """The B = 1 screen of one pair (module docstring): the record the latency JSON carries, under
+    `screened` when it does not pay, else under `screen`."""
+    if getattr(draft, "model", None) is None:
+        return _model_free_record()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    one = _one_batch(model, draft, ids, ks, cache_len, acceptance, acc_cfg, seed, prompt_id)
+    return {**one, "model_free": False, "reason": reason(one), "formula": FORMULA, "assumes": ASSUMES}
+
+
+def screen_batched(model, draft, prompts: dict[int, torch.Tensor], cache_lens: dict[int, int], ks: list[int],
+                   acceptance: dict | None, acc_cfg, device, seed: int = 0) -> dict:
+    """The screen of one pair's batched cells: the same bound at every B of `prompts` (B -> [B, T],
+    the cells' own rows) with E_B_hi and a probe at B rows on the cells' cache length. Does not
+    pay when the bound is below 1 at every (B, k)."""
+    batch_sizes = sorted(prompts)
+    if getattr(draft, "model", None) is None:
+        return _model_free_record(batch_sizes)
+    by_batch = {}
+    for b in batch_sizes:
+        try:
+            by_batch[str(b)] = _one_batch(model, draft, prompts[b], ks, cache_lens[b], acceptance, acc_cfg, seed)
+        except EngineError as e:  # a draft with no batched form: batched_pair will say so too
+            return {"verdict": MAY_PAY, "model_free": False, "reason": f"not screened: {e}", "max_bound": None,
+                    "at_k": None, "at_batch": None, "batch_sizes": batch_sizes, "by_batch": by_batch,
+                    "formula": FORMULA, "assumes": ASSUMES}
+    top = max(by_batch.values(), key=lambda x: (x["max_bound"], -x["batch"]))
+    verdict = DOES_NOT_PAY if all(x["verdict"] == DOES_NOT_PAY for x in by_batch.values()) else MAY_PAY
+    rec = {"verdict": verdict, "model_free": False, "max_bound": top["max_bound"], "at_k": top["at_k"],
+           "at_batch": top["batch"], "batch_sizes": batch_sizes, "by_batch": by_batch,
+           "categories_not_ruled_out": sorted({c for x in by_batch.values() for c in x["categories_not_ruled_out"]}),
+           "formula": FORMULA.replace("E_hi", "E_B_hi") + " at each batch size B", "assumes": ASSUMES}
+    rec["reason"] = reason(rec)
+    return rec
+
+
+def reason(rec: dict) -> str:
+    """'speedup at most 0.62 at k=1' (and B) in words, or the model-free line."""
+    if rec.get("model_free"):
+        return MODEL_FREE
+    if rec.get("max_bound") is None:
+        return rec.get("reason") or "not screened"
+    where = f"k={rec['at_k']}" + (f", B={rec['at_batch']}" if rec.get("at_batch") else "")
+    return f"speedup at most {rec['max_bound']:.2f} at {where}"
+
+
+def progress_line(target: str, spec: str, rec: dict, what: str = "") -> str:
+    """The stage's one line per screened pair."""
+    head = f"latency: {target} + {spec}{what}"
+    if rec.get("model_free"):
+        return f"{head}: not screened (drafts without a model forward), timing"
+    if rec["verdict"] == DOES_NOT_PAY:
+        return f"{head}: does not pay ({reason(rec)}), not timed"
+    return f"{head}: may pay ({reason(rec)}), timing"
+
+
+def summary(rec: dict) -> dict:
+    """The stage meta.json's few keys of a screen record."""
+    return {"verdict": rec["verdict"], "max_bound": rec.get("max_bound"), "at_k": rec.get("at_k"),
+            **({"at_batch": rec.get("at_batch")} if "batch_sizes" in rec else {}),
+            "model_free": rec.get("model_free", False), "reason": reason(rec)}
+
+
+def skipped_b1(ks: list[int], prompts: dict, temperatures: list[float]) -> str:
+    """What a screened pair's B = 1 timing would have run."""
+    n = sum(len(rows) for rows in prompts.values())
+    return (f"B = 1 round times at k = {ks[0]}..{ks[-1]} and plain decoding on {n} prompts x "
+            f"{len(temperatures)} temperatures, every latency repeat")
+
+
+def skipped_batched(ks: list[int], batch_sizes: list[int], loop_sizes: list[int]) -> str:
+    """What a screened pair's batched timing would have run."""
+    out = f"(B, k) cells at B = {', '.join(map(str, batch_sizes))} and k = {ks[0]}..{ks[-1]}"
+    return out + (f", the closed loop at B = {', '.join(map(str, loop_sizes))}" if loop_sizes else "")
+
+
+def screened_note(rec: dict) -> str:
+    """The sentence the marginal page and the report give a screened pair."""
+    where = "any (B, k)" if "batch_sizes" in rec else "any k"
+    return (f"does not pay: speedup at most {rec['max_bound']:.2f} at {where} (bound from acceptance's upper CI "
+            "and probe timings), not timed")
