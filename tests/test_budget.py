@@ -65,3 +65,22 @@ def test_the_plan_line_splits_the_budget():
     assert line.startswith("time budget 30.0 min: acceptance 6.0 min, latency 9.0 min, quality 10.5 min")
     assert line.endswith("report) 4.5 min")
     assert "no time budget" in plan_line(load_config("configs/smoke.yaml", {"budget": {"minutes": None}}))
+
+
+def test_a_part_of_the_budget_splits_what_is_left_and_never_exceeds_the_stage():
+    cfg = load_config("configs/smoke.yaml", {"budget": {"minutes": 10, "shares": {"latency": 0.2}}})
+    clock = Clock()
+    b = StageBudget(cfg, "latency", clock=clock)  # 120 s
+    clock.t += 20
+    first = b.part("grids", 0.5, of_items=2)  # half of 100 s over 2 pieces
+    assert first.seconds == pytest.approx(25.0) and first.affords(25) and not first.affords(26)
+    clock.t += 10
+    assert first.left() == pytest.approx(15.0)
+    whole = b.part("pairs")
+    assert whole.seconds == pytest.approx(90.0)
+    clock.t += 85
+    assert whole.left() == pytest.approx(5.0) and first.left() < 0  # whole: capped by the stage
+    first.skip("x", "y")
+    assert b.to_json()["skipped"][0]["what"] == "x"
+    none = StageBudget(load_config("configs/smoke.yaml", {"budget": {"minutes": None}}), "latency").part("p", 0.5, 3)
+    assert not none.active and math.isinf(none.left()) and none.affords(1e9)

@@ -80,10 +80,49 @@ class StageBudget:
         budget = f"; budget {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
         return f" ({fmt_s(left)} left{budget})"
 
+    def part(self, what: str, fraction: float = 1.0, of_items: int = 1) -> "Allowance":
+        """A share of what is left now for one piece of the stage's work: `fraction` of the time left,
+        split evenly over `of_items` pieces (time a piece does not use carries to the next, since
+        each asks when it starts). Its skips are recorded in this budget."""
+        return Allowance(self, what, None if not self.active else max(self.left(), 0.0) * fraction / max(of_items, 1))
+
     def to_json(self) -> dict:
         return {"minutes": self.minutes, "share": self.share,
                 "seconds": None if self.seconds is None else round(self.seconds, 1),
                 "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}
+
+
+class Allowance:
+    """A piece of a stage's budget (StageBudget.part): the same interface, its own seconds, counted
+    from when it was made; never more than the stage has left."""
+
+    def __init__(self, parent: StageBudget, what: str, seconds: float | None):
+        self.parent, self.what, self.seconds = parent, what, seconds
+        self.start = parent.clock()
+
+    @property
+    def active(self) -> bool:
+        return self.seconds is not None
+
+    def spent(self) -> float:
+        return self.parent.clock() - self.start
+
+    def left(self) -> float:
+        if self.seconds is None:
+            return math.inf
+        return min(self.seconds - self.spent(), self.parent.left())
+
+    def affords(self, estimate_s: float) -> bool:
+        return estimate_s <= self.left()
+
+    def skip(self, what: str, why: str) -> None:
+        self.parent.skip(what, why)
+
+    def eta(self, done: float, total: float) -> str:
+        rate = self.spent() / done if done > 0 else None
+        left = rate * (total - done) if rate is not None else None
+        budget = f"; allowance {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
+        return f" ({fmt_s(left)} left{budget})"
 
 
 def plan_line(config) -> str:

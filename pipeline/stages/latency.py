@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from draft_models.registry import build_draft, draft_slug
+from pipeline.core.budget import Allowance, StageBudget
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
                                  sha256_file)
@@ -130,19 +131,40 @@ def run(ctx: StageContext) -> None:
                     kernels={}, threads=torch.get_num_threads(),
                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
-    _plain_grids(ctx, dirs, device)  # latency/<variant>.json, tpot_ratio.png
-    _speculative_pairs(ctx, dirs, targets, ks, device)  # latency/<target>__<draft>.json
-    _batched_pairs(ctx, dirs, targets, ks, device)  # latency/batched/<target>__<draft>.json
+    budget = StageBudget(cfg, "latency")
+    budget.announce(f"plain grids of {len(dirs)} variants ({PHASE_SHARES['grids']:.0%} of the budget), then "
+                    f"{len(targets) * len(cfg.drafts)} pairs at B = 1 ({PHASE_SHARES['pairs']:.0%} of what is left) "
+                    "and batched (the rest); each piece's estimate follows its first repeat", None)
+    _plain_grids(ctx, dirs, device, budget)  # latency/<variant>.json, tpot_ratio.png
+    _speculative_pairs(ctx, dirs, targets, ks, device, budget)  # latency/<target>__<draft>.json
+    _batched_pairs(ctx, dirs, targets, ks, device, budget)  # latency/batched/<target>__<draft>.json
+    ctx.meta["budget"] = {**budget.to_json(), "phase_shares": PHASE_SHARES}
 
 
-def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device) -> None:
+# With a time budget (pipeline/core/budget.py): the plain grids get this share of the stage's time,
+# the B = 1 pairs this share of what is left after them, the batched pairs the rest; within a
+# phase each piece (a variant, a pair) gets an even split of what the phase has left when it
+# starts, so time one does not use carries to the next. A piece's repeats stop when its allowance
+# cannot afford another (pipeline/latency/speculative.py, Repeats); the skip is in meta.json.
+PHASE_SHARES = {"grids": 0.3, "pairs": 0.6}
+
+
+def _allowance(budget: StageBudget, phase: Allowance, what: str, pieces_left: int) -> Allowance:
+    """One piece's allowance: an even split of what its phase has left now."""
+    return Allowance(budget, what, None if not phase.active else max(phase.left(), 0.0) / max(pieces_left, 1))
+
+
+def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget) -> None:
     """Every variant's plain decode grid, then each one's TPOT against the reference's."""
     cfg, lat = ctx.config, ctx.config.latency
     common = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed}
     bandwidth: dict | None = None
+    items = {name: ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
+                                              or str(d)}, is_dir=False) for name, d in dirs.items()}
+    phase = budget.part("plain grids", PHASE_SHARES["grids"])
+    pending = [name for name, item in items.items() if not item.fresh]
     for name, d in dirs.items():
-        item = ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
-                                         or str(d)}, is_dir=False)
+        item = items[name]
         if item.fresh:
             # A resumed run keeps the bandwidth its grids were measured against in meta.json.
             ctx.meta.setdefault("bandwidth", read_json(item.path).get("bandwidth"))
@@ -151,7 +173,8 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device) -> None:
             progress("latency: measuring device bandwidth (large tensor copy)")
             bandwidth = ctx.meta["bandwidth"] = measure_bandwidth(device)
         model, _ = load_variant(d, device=device)
-        doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, lat.confidence)
+        doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, lat.confidence,
+                         budget=_allowance(budget, phase, f"{name} grid", len(pending) - pending.index(name)))
         _record(ctx.meta, "plain", name, doc)
         item.write_json(doc)
         release_caches(model)
@@ -246,7 +269,8 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
     return rec
 
 
-def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device) -> None:
+def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
+                       budget: StageBudget) -> None:
     """B = 1 round times of every (target, draft) pair on the acceptance stage's prompts and
     temperatures, compiled where latency.compile asks (one session for the target and its drafts)."""
     cfg, lat = ctx.config, ctx.config.latency
@@ -254,8 +278,10 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     acc_inputs.update(workload_inputs(cfg))
     inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "acceptance": acc_inputs}
+    phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
+    pending_by_target = {target: _pending_pairs(ctx, dirs, target, "", inputs) for target in targets}
     for target in targets:
-        pending = _pending_pairs(ctx, dirs, target, "", inputs)
+        pending = pending_by_target[target]
         if not pending:
             continue
         model, tok = load_variant(dirs[target], device=device)
@@ -277,8 +303,11 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
         try:
             for spec, item in pending.items():
                 t0 = time.time()
+                left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
+                pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
-                                       device, lat.confidence, cfg.seed, ks, session=session)
+                                       device, lat.confidence, cfg.seed, ks, session=session,
+                                       budget=_allowance(budget, phase, f"{target} + {spec}", left))
                 doc["workload"] = workload_summary(prompts)
                 if spec in screens:
                     doc["screen"] = screens[spec]
@@ -293,15 +322,18 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
         collect(device)  # before the next target's plan
 
 
-def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device) -> None:
+def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
+                   budget: StageBudget) -> None:
     """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
     (pipeline/latency/batched.py)."""
     cfg, lat = ctx.config, ctx.config.latency
     spec_batch_sizes(lat)  # batched_pair's check, before any model loads
     inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "workload": workload_inputs(cfg)}
+    phase = budget.part("batched pairs", 1.0)
+    pending_by_target = {target: _pending_pairs(ctx, dirs, target, "batched/", inputs) for target in targets}
     for target in targets:
-        pending = _pending_pairs(ctx, dirs, target, "batched/", inputs)
+        pending = pending_by_target[target]
         if not pending:
             continue
         model, tok = load_variant(dirs[target], device=device)
@@ -312,6 +344,8 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
                                  context=context_length(model))
         rows = [ids for _, ids in interleave(drawn)]
         for spec, item in pending.items():
+            left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
+            pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
             draft = build_draft(spec, model, tok, ctx.run_dir, device)
             screen = None
             if lat.screen:  # eagerly, before this pair's compile session (pipeline/latency/screen.py)
@@ -330,7 +364,8 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
                     session.attach(draft.model, draft_label(spec))
             try:
                 doc = batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed,
-                                   session=session, rows=rows)
+                                   session=session, rows=rows,
+                                   budget=_allowance(budget, phase, f"{target} + {spec} batched", left))
                 doc["workload"] = workload_summary(drawn)
                 if screen is not None:
                     doc["screen"] = screen
