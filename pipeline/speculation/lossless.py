@@ -33,16 +33,23 @@
 - Sampling: the first token the verify rule emits (the output's second token; the first comes
   from the prefill in both modes), speculative vs plain, on the first prompt, compared by a
   two-sample chi-square at acceptance.lossless_alpha. The target's prompt forward is run once and
-  rolled back for every sample (the static cache is rewound, not refilled).
+  rolled back for every sample (the static cache is rewound, not refilled), and so is a
+  model draft's.
+- What was compared: `prompts` (compared at greedy) and `prompts_skipped` (a time budget cut the
+  direct check before their greedy runs: pipeline/speculation/measure.py); with none compared the
+  greedy verdicts are None.
 """
 from __future__ import annotations
+
+import copy
+import weakref
 
 import numpy as np
 import torch
 from scipy import stats
 
 from pipeline.decode.cache import CachedModel, hf_model
-from pipeline.decode.drafts import Draft
+from pipeline.decode.drafts import Draft, ModelDraft
 from pipeline.decode.engine import generate, speculative_step
 from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
 from pipeline.decode.timing import Timer
@@ -73,11 +80,17 @@ def first_verified_tokens(model, ids: list[int], draft: Draft, sampling: Samplin
     cached = CachedModel(model, batch=1, max_len=length + k + 2)
     first_probs = logits_to_probs(cached.forward(x, all_logits=False)[:, -1], sampling)  # [1, V]
     off = Timer(device, enabled=False)
+    # A model draft's prompt is prefilled once and rolled back like the target's (its cache holds
+    # the same numbers a fresh prefill would write); other drafts are prefilled for every sample.
+    rewind = isinstance(draft, ModelDraft)
     out = []
-    for _ in range(samples):
+    for i in range(samples):
         cached.rollback(length)  # the prompt stays; this sample's round overwrites the rest
         first = pick(first_probs, sampling, generator)  # [1], as the engine's prefill picks it
-        draft.prefill(x, length + k + 2)
+        if rewind and i:
+            draft.cached.rollback(length)
+        else:
+            draft.prefill(x, length + k + 2)
         new, _ = speculative_step(cached, draft, torch.cat([x[0], first]), k, sampling, generator, off)
         out.append(new[0])
     return out
@@ -141,6 +154,21 @@ def tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: lis
                            "resolution at the largest of those logits)"}
 
 
+_TOLERANCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def shared_tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
+    """tie_tolerance, computed once per target model, texts and widths: it reads neither the
+    draft nor the speculative runs, so every draft paired with the target shares it (before
+    issue 27 each pair with a divergence recomputed it: a teacher-forced pass and one engine pass
+    per width, token by token at width 1, over two texts)."""
+    key = (tuple((tuple(p), tuple(t)) for p, t in samples), tuple(sorted(set(widths))))
+    memo = _TOLERANCES.setdefault(hf_model(model), {})
+    if key not in memo:
+        memo[key] = tie_tolerance(model, samples, widths)
+    return copy.deepcopy(memo[key])
+
+
 @torch.inference_mode()
 def judge_divergence(model, prompt: list[int], plain: list[int], spec: list[int], at: int, tolerance: float) -> dict:
     """Is the divergence at index `at` a near-tie? One teacher-forced forward over prompt + spec:
@@ -173,12 +201,18 @@ def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], promp
 
 
 def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs: dict) -> dict:
-    """The greedy half of the lossless check: identical, or every divergence a near-tie."""
-    mismatches = _greedy_mismatches(plain, greedy_runs, prompts)
+    """The greedy half of the lossless check: identical, or every divergence a near-tie. Only the
+    prompts every greedy run covers are compared (a time budget may have cut the direct check:
+    pipeline/speculation/measure.py); with none, `greedy_identical` and `greedy_lossless` are None
+    (not checked)."""
+    compared = {kind: [(pid, ids) for pid, ids in rows if pid in plain and all(pid in r for r in greedy_runs.values())]
+                for kind, rows in prompts.items()}
+    n_compared = sum(map(len, compared.values()))
+    mismatches = _greedy_mismatches(plain, greedy_runs, compared)
     rule = None
     if mismatches:
-        samples = [(ids, plain[pid]) for rows in prompts.values() for pid, ids in rows][:TIE_CALIBRATION_PROMPTS]
-        rule = tie_tolerance(model, samples, [1] + [k + 1 for k in greedy_runs])
+        samples = [(ids, plain[pid]) for rows in compared.values() for pid, ids in rows][:TIE_CALIBRATION_PROMPTS]
+        rule = shared_tie_tolerance(model, samples, [1] + [k + 1 for k in greedy_runs])
         for m in mismatches:
             ids, p, s = m.pop("_ids"), m.pop("_plain"), m.pop("_spec")
             if m["index"] >= min(len(s), len(p)):
@@ -188,16 +222,18 @@ def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs:
                 continue
             m.update(judge_divergence(model, ids, p, s, m["index"], rule["tolerance"]))
     unexplained = sum(not m["explained"] for m in mismatches)
-    return {"greedy_identical": not mismatches, "greedy_lossless": unexplained == 0,
+    checked = n_compared > 0 and bool(greedy_runs)
+    return {"greedy_identical": not mismatches if checked else None,
+            "greedy_lossless": unexplained == 0 if checked else None,
             "divergences": len(mismatches), "unexplained": unexplained, "tie_rule": rule,
-            "mismatches": mismatches}
+            "mismatches": mismatches, "prompts": n_compared,
+            "prompts_skipped": [pid for kind, rows in prompts.items() for pid, _ in rows
+                                if pid not in {p for p, _ in compared[kind]}]}
 
 
-def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: dict[str, list[int]],
-                    greedy_runs: dict) -> dict:
-    """plain: prompt id -> the target's greedy output; greedy_runs: k -> prompt id -> direct run."""
+def sampling_check(model, prompts: dict, draft: Draft, cfg, seed: int) -> dict:
+    """The sampled half: the first verify-emitted token, speculative vs plain, on the first prompt."""
     device = next(model.parameters()).device
-    greedy = greedy_check(model, prompts, plain, greedy_runs)
     params = SamplingParams(cfg.lossless_temperature, cfg.sampling.top_k, cfg.sampling.top_p)
     ids = next(iter(prompts.values()))[0][1]
     g = torch.Generator(device).manual_seed(seed + 1)
@@ -206,12 +242,22 @@ def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: d
                     generate(model, torch.tensor([ids] * m, device=device), 2, sampling=params, generator=g).tokens]
     spec_second = first_verified_tokens(model, ids, draft, params, g, m)
     p_value = two_sample_chi2(plain_second, spec_second)
+    return {"test": "two-sample chi-square on the first verify-emitted token (k = 1)",
+            "temperature": params.temperature, "samples": m, "p_value": p_value,
+            "alpha": cfg.lossless_alpha, "pass": p_value > cfg.lossless_alpha}
+
+
+def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: dict[str, list[int]],
+                    greedy_runs: dict, sampling: dict | None = None) -> dict:
+    """plain: prompt id -> the target's greedy output; greedy_runs: k -> prompt id -> direct run;
+    sampling: sampling_check's block when the caller ran it already (else it runs here, last).
+    `prompts` counts the prompts compared at greedy, `prompts_skipped` lists the others."""
+    greedy = greedy_check(model, prompts, plain, greedy_runs)
+    if sampling is None:
+        sampling = sampling_check(model, prompts, draft, cfg, seed)
     return {
         **greedy,
-        "prompts": len(plain),
         "greedy_k": sorted(greedy_runs),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "sampling": {"test": "two-sample chi-square on the first verify-emitted token (k = 1)",
-                     "temperature": params.temperature, "samples": m, "p_value": p_value,
-                     "alpha": cfg.lossless_alpha, "pass": p_value > cfg.lossless_alpha},
+        "sampling": sampling,
     }

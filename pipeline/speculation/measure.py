@@ -12,8 +12,26 @@ position, the probability that a draft token there would be accepted given the t
 chain (expected_rounds.py, which shows why this is exact) turns those into E[rounds | text] at
 every k = 1..k_max; `direct_check` runs the real engine at each k in acceptance.direct_check_k on
 the same prompts. `temp_key` is the one key by which acceptance and latency JSON name a temperature.
+
+The measurement (texts, teacher-forced passes, and the sampled lossless test the gate reads) is
+always whole. The direct runs are a check beside it, and a time budget (issue 27) may cut them
+(CheckPlan): each prompt runs through every (temperature, k) cell before the next starts, and a
+prompt starts only while its estimated cost fits in the pair's allotment, planned from the plain
+text's time for that prompt (generate_texts(seconds=...)) times the cost per text-second the cell
+has shown so far. Under a budget the prompts go round-robin over the categories
+(workload.interleave), so a cut check still spans them; without one they go category by category,
+as before, so each cell's seeded generator draws exactly what it did. The cut is recorded: in
+each direct_check entry (`prompts_run`, `prompts_skipped`, `stopped`: "budget" or null; a slice
+none of whose prompts ran has an empty direct_check), in `direct_check_plan` for the pair, and in
+`lossless` (`prompts` compared, `prompts_skipped`). A direct_check entry's `derived` is the E(k)
+of the prompts that ran (the check is paired), which is the slice's E(k) when none was skipped.
 """
 from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -23,8 +41,15 @@ from pipeline.decode.sampling import SamplingParams
 from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
 from pipeline.speculation.batch_rounds import by_batch_blocks
 from pipeline.speculation.expected_rounds import round_chain
-from pipeline.speculation.lossless import lossless_checks
+from pipeline.speculation.lossless import lossless_checks, sampling_check
 from pipeline.speculation.teacher_forced import score_text
+from pipeline.speculation.workload import interleave
+
+# Before any direct run of a pair is timed, one is planned at this many times its prompt's plain
+# text (a speculative run of the same length: fewer, wider target forwards plus the draft's work;
+# SmolLM2-135M on 2 CPU cores, 48 new tokens, k 1-2: ngram 0.8-1.1x, layerskip:8 1.2-1.8x,
+# self:w4a16-gptq 1.2-2.5x). The first prompt's runs then give each cell its own figure.
+PRIOR_DIRECT_PER_TEXT_S = 2.0
 
 
 def temp_key(t: float) -> str:
@@ -38,9 +63,12 @@ def sampling_of(sampling_cfg, t: float) -> SamplingParams:
     return SamplingParams(t, sampling_cfg.top_k, sampling_cfg.top_p)
 
 
-def generate_texts(model, prompts: dict, cfg, seed: int, eos, on_text=None) -> dict[str, dict[str, list[int]]]:
+def generate_texts(model, prompts: dict, cfg, seed: int, eos, on_text=None,
+                   seconds: dict | None = None) -> dict[str, dict[str, list[int]]]:
     """temperature key -> prompt id -> the target's own output (plain decode, one per prompt).
-    on_text(done, total), if given, is called after each text (the stage's progress line)."""
+    on_text(done, total), if given, is called after each text (the stage's progress line);
+    seconds, if given, is filled like the result with each text's wall-clock seconds (what the
+    direct check plans its runs' cost from)."""
     device = next(model.parameters()).device
     texts: dict[str, dict[str, list[int]]] = {}
     total = len(cfg.temperatures) * sum(len(rows) for rows in prompts.values())
@@ -50,73 +78,205 @@ def generate_texts(model, prompts: dict, cfg, seed: int, eos, on_text=None) -> d
         out = texts[temp_key(t)] = {}
         for rows in prompts.values():
             for pid, ids in rows:
+                t0 = time.perf_counter()
                 out[pid] = generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens,
                                     sampling=sampling_of(cfg.sampling, t), generator=g, eos_token_id=eos).tokens
+                if seconds is not None:
+                    seconds.setdefault(temp_key(t), {})[pid] = time.perf_counter() - t0
                 done += 1
                 if on_text is not None:
                     on_text(done, total)
     return texts
 
 
+def direct_run(model, draft: Draft, ids: list[int], k: int, sampling: SamplingParams, max_new_tokens: int,
+               eos, generator) -> dict:
+    """{"tokens" (emitted by rounds), "rounds", "output"} of one real run at k."""
+    device = next(model.parameters()).device
+    res = generate(model, torch.tensor([ids], device=device), max_new_tokens, draft=draft, k=k,
+                   sampling=sampling, generator=generator, eos_token_id=eos)
+    return {"tokens": len(res.tokens) - 1, "rounds": len(res.rounds), "output": res.tokens}
+
+
 def direct_runs(model, draft: Draft, prompts: dict, k: int, sampling: SamplingParams, max_new_tokens: int,
                 eos, generator) -> dict[str, dict]:
     """prompt id -> {"tokens" (emitted by rounds), "rounds", "output"} of a real run at k."""
-    device = next(model.parameters()).device
-    out = {}
-    for rows in prompts.values():
-        for pid, ids in rows:
-            res = generate(model, torch.tensor([ids], device=device), max_new_tokens, draft=draft, k=k,
-                           sampling=sampling, generator=generator, eos_token_id=eos)
-            out[pid] = {"tokens": len(res.tokens) - 1, "rounds": len(res.rounds), "output": res.tokens}
-    return out
+    return {pid: direct_run(model, draft, ids, k, sampling, max_new_tokens, eos, generator)
+            for rows in prompts.values() for pid, ids in rows}
+
+
+@dataclass
+class CheckPlan:
+    """How much of a pair's check work (its direct runs, and the greedy pair the lossless check
+    runs itself when no greedy direct run is configured) the stage lets it do.
+
+    allot(measured_s) -> the seconds the pair's checks may take, asked once its measurement
+    (teacher-forced passes, and under a budget the sampled lossless test) is done and took
+    measured_s; math.inf (the default, and the stage's without a budget) runs every prompt, cell
+    by cell as before budgets. budgeted: the stage has a time budget: the prompts go round-robin
+    over the categories, each through every cell before the next, and the sampled lossless test
+    runs before the direct check, inside the measurement the allotment is planned after. text_s:
+    temperature key -> prompt id -> seconds of that plain text (generate_texts(seconds=...)), what
+    a run's cost is planned from; without it every prompt weighs the same and the first prompt
+    runs unplanned. on_progress(done runs, total runs, spent_s, left_s or None) after each prompt
+    (budgeted) or run. `record` is filled with what was allotted, spent and run."""
+    allot: Callable[[float], float] = lambda measured_s: math.inf
+    budgeted: bool = False
+    text_s: dict | None = None
+    clock: Callable[[], float] = time.perf_counter
+    on_progress: Callable | None = None
+    record: dict = field(default_factory=dict)
+
+
+def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, list[int]]], allot_s: float,
+                 plan: CheckPlan) -> tuple[dict[str, dict[str, dict]], dict]:
+    """Every prompt of `order` through every cell (name, temperature key, run(ids) -> result).
+    allot_s infinite: cell by cell, each over every prompt (the order before budgets, so each
+    cell's generator draws what it did). Finite: prompt by prompt through every cell, while the
+    next prompt's estimated cost fits in allot_s seconds; a cell's cost per text-second is what
+    its runs so far took (else the slowest cell's so far, else PRIOR_DIRECT_PER_TEXT_S). Returns
+    (cell -> prompt id -> result, what ran)."""
+    known = plan.text_s is not None and all(key in plan.text_s for _, key, _ in cells)
+    spent, weighed = [0.0] * len(cells), [0.0] * len(cells)
+    out: dict[str, dict[str, dict]] = {name: {} for name, _, _ in cells}
+    total = len(cells) * len(order)
+    used = 0.0
+
+    def weight(j: int, pid: str) -> float:
+        return plan.text_s[cells[j][1]].get(pid, 1.0) if known else 1.0
+
+    def rate(j: int) -> float:
+        if weighed[j] > 0:
+            return spent[j] / weighed[j]
+        seen = [s / w for s, w in zip(spent, weighed) if w > 0]
+        return max(seen) if seen else PRIOR_DIRECT_PER_TEXT_S if known else 0.0
+
+    def cost(pid: str) -> float:
+        return sum(rate(j) * weight(j, pid) for j in range(len(cells)))
+
+    def one(j: int, pid: str, ids: list[int]) -> None:
+        nonlocal used
+        t0 = plan.clock()
+        out[cells[j][0]][pid] = cells[j][2](ids)
+        dt = plan.clock() - t0
+        spent[j] += dt
+        weighed[j] += weight(j, pid)
+        used += dt
+
+    ran, stopped, next_cost = [], None, None
+    if not math.isfinite(allot_s):
+        for j in range(len(cells)):
+            for i, (pid, ids) in enumerate(order):
+                one(j, pid, ids)
+                if plan.on_progress is not None:
+                    plan.on_progress(j * len(order) + i + 1, total, used, None)
+        ran = [pid for pid, _ in order] if cells else []
+    else:
+        for i, (pid, ids) in enumerate(order if cells else []):
+            next_cost = cost(pid)
+            if allot_s <= 0 or used + next_cost > allot_s:
+                stopped = "budget"
+                break
+            for j in range(len(cells)):
+                one(j, pid, ids)
+            ran.append(pid)
+            next_cost = None
+            if plan.on_progress is not None:
+                plan.on_progress((i + 1) * len(cells), total, used, sum(cost(p) for p, _ in order[i + 1:]))
+    done = set(ran)
+    skipped = [pid for pid, _ in order if pid not in done] if cells else []
+    return out, {"prompts_run": ran, "prompts_skipped": skipped, "stopped": stopped, "spent_s": used,
+                 "next_prompt_s": next_cost}
 
 
 def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
-                 batch_sizes: list[int] = ()) -> dict:
+                 batch_sizes: list[int] = (), plan: CheckPlan | None = None) -> dict:
     """The acceptance JSON for one (target, draft) pair (without the variant/draft names);
-    batch_sizes: B > 1 for `expected_tokens_per_round_by_batch` (pipeline/speculation/batch_rounds.py)."""
+    batch_sizes: B > 1 for `expected_tokens_per_round_by_batch` (pipeline/speculation/batch_rounds.py);
+    plan: how much of the direct check to run (CheckPlan; None = all of it, category by category)."""
+    plan = plan or CheckPlan()
     k_max, eos = cfg.k_max, tokenizer.eos_token_id
     check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
     device = next(model.parameters()).device
     # Greedy direct runs reproduce the texts exactly only in full precision (lossless.py says why).
     exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
-    slices: dict[str, dict] = {}
-    greedy_runs: dict[int, dict] = {}
-    for ti, t in enumerate(cfg.temperatures):
+    # The measurement: teacher-forced passes over every text, and the sampled lossless test.
+    start = plan.clock()
+    records: dict[str, dict[str, dict]] = {}
+    scored: dict[str, dict] = {}
+    for t in cfg.temperatures:
         sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
-        records: dict[str, dict] = {}
-        scored = {}
+        records[key], scored[key] = {}, {}
         for kind, rows in prompts.items():
             for pid, ids in rows:
-                text = scored[pid] = score_text(model, draft, ids, texts[key][pid], sampling, k_max,
-                                                cfg.max_new_tokens)
-                records[pid] = prompt_record(pid, kind, text, {k: round_chain(text, k) for k in range(1, k_max + 1)})
-        direct = {}
+                text = scored[key][pid] = score_text(model, draft, ids, texts[key][pid], sampling, k_max,
+                                                     cfg.max_new_tokens)
+                records[key][pid] = prompt_record(pid, kind, text,
+                                                  {k: round_chain(text, k) for k in range(1, k_max + 1)})
+    # Under a budget the sampled lossless test (which the gate reads, so it is never cut) is timed
+    # with the measurement; without one it runs last, as before budgets.
+    sampled = sampling_check(model, prompts, draft, cfg, seed) if plan.budgeted else None
+    measured_s = plan.clock() - start
+    allot_s = plan.allot(measured_s)
+
+    # The check: direct runs at each (temperature, k), each cell with its own seeded generator.
+    order = interleave(prompts) if plan.budgeted else [row for rows in prompts.values() for row in rows]
+    cells = []
+    for ti, t in enumerate(cfg.temperatures):
+        sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
         for k in check_ks:
             g = torch.Generator(device).manual_seed(seed * 1000 + 100 * k + ti + 17)
-            direct[k] = direct_runs(model, draft, prompts, k, sampling, cfg.max_new_tokens, eos, g)
-            if sampling.greedy:
-                greedy_runs[k] = direct[k]
-        groups = {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()}
-        groups["all"] = [pid for rows in prompts.values() for pid, _ in rows]
-        for name, pids in groups.items():
-            if not pids:
-                continue
-            recs = [records[p] for p in pids]
-            summary = summarize_slice(recs, k_max, cfg.confidence, seed)
-            summary.update(by_batch_blocks([scored[p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
-                                           cfg.confidence, seed))
-            summary["direct_check"] = direct_check(recs, {k: [direct[k][p] for p in pids] for k in check_ks},
-                                                   sampling.greedy, cfg.confidence, seed, exact=exact)
-            slices.setdefault(name, {})[key] = summary
+            cells.append((f"{key} k={k}", key,
+                          lambda ids, k=k, s=sampling, g=g: direct_run(model, draft, ids, k, s, cfg.max_new_tokens,
+                                                                       eos, g)))
+    runs, ran = planned_runs(cells, order, allot_s, plan)
+    done = set(ran["prompts_run"])
+    greedy_runs = {k: runs[f"{temp_key(t)} k={k}"] for t in cfg.temperatures for k in check_ks
+                   if sampling_of(cfg.sampling, t).greedy}
     if "0.0" in texts and greedy_runs:
         greedy_plain = texts["0.0"]
     else:  # no greedy temperature (or no direct k) configured: the lossless check runs its own pair
-        greedy_plain = {pid: generate(model, torch.tensor([ids], device=device), cfg.max_new_tokens,
-                                      eos_token_id=eos).tokens for rows in prompts.values() for pid, ids in rows}
-        greedy_runs = {1: direct_runs(model, draft, prompts, 1, SamplingParams(0.0), cfg.max_new_tokens, eos, None)}
+        plain_key = temp_key(cfg.temperatures[0])
+        own = [("plain", plain_key, lambda ids: {"output": generate(
+                   model, torch.tensor([ids], device=device), cfg.max_new_tokens, eos_token_id=eos).tokens}),
+               ("k=1", plain_key, lambda ids: direct_run(model, draft, ids, 1, SamplingParams(0.0),
+                                                         cfg.max_new_tokens, eos, None))]
+        pair, own_ran = planned_runs(own, order, allot_s - ran["spent_s"], plan)
+        greedy_plain = {pid: r["output"] for pid, r in pair["plain"].items()}
+        greedy_runs = {1: pair["k=1"]}
+        ran["spent_s"] += own_ran["spent_s"]
+        ran["lossless_pair"] = own_ran
+
+    slices: dict[str, dict] = {}
+    groups = {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()}
+    groups["all"] = [pid for rows in prompts.values() for pid, _ in rows]
+    for t in cfg.temperatures:
+        sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
+        for name, pids in groups.items():
+            if not pids:
+                continue
+            recs = [records[key][p] for p in pids]
+            summary = summarize_slice(recs, k_max, cfg.confidence, seed)
+            summary.update(by_batch_blocks([scored[key][p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
+                                           cfg.confidence, seed))
+            run_pids = [p for p in pids if p in done]
+            skipped = [p for p in pids if p not in done]
+            check = direct_check([records[key][p] for p in run_pids],
+                                 {k: [runs[f"{key} k={k}"][p] for p in run_pids] for k in check_ks},
+                                 sampling.greedy, cfg.confidence, seed, exact=exact) if run_pids else {}
+            for entry in check.values():
+                entry.update({"prompts_run": run_pids, "prompts_skipped": skipped,
+                              "stopped": ran["stopped"] if skipped else None})
+            summary["direct_check"] = check
+            slices.setdefault(name, {})[key] = summary
+    plan.record.update({"measured_s": measured_s, "allotted_s": allot_s if math.isfinite(allot_s) else None,
+                        "runs_per_prompt": len(cells), **ran})
     return {"k_max": k_max, "method": "teacher-forced round chain (pipeline/speculation/expected_rounds.py)",
             "direct_check_k": check_ks, "max_new_tokens": cfg.max_new_tokens,
             "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
             "slices": slices,
-            "lossless": lossless_checks(model, prompts, draft, cfg, seed, greedy_plain, greedy_runs)}
+            "direct_check_plan": {"order": "round-robin over the categories" if plan.budgeted
+                                  else "category by category",
+                                  "runs_per_prompt": len(cells), "prompts_run": ran["prompts_run"],
+                                  "prompts_skipped": ran["prompts_skipped"], "stopped": ran["stopped"]},
+            "lossless": lossless_checks(model, prompts, draft, cfg, seed, greedy_plain, greedy_runs, sampled)}
