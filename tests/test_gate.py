@@ -404,3 +404,16 @@ def test_a_fail_is_no_go_even_when_a_task_is_missing(tmp_path):
     entry = g["variants"]["bad"]
     assert entry["slices"]["reasoning"]["status"] == "fail" and "hellaswag" in entry["missing_slices"]
     assert (check, g["decision"], entry["decision"]) == (1, "no-go", "no-go")
+
+
+def test_a_greedy_check_the_budget_cut_to_nothing_is_unchecked_not_go(tmp_path):
+    run, config = make_fake_run(tmp_path)
+    path = run / "acceptance" / "good__ngram.json"
+    doc = json.loads(path.read_text())
+    doc["lossless"].update(greedy_identical=None, greedy_lossless=None, prompts=0, prompts_skipped=8, mismatches=[])
+    path.write_text(json.dumps(doc))
+    rc, check, g = gate(run, config)
+    pair = g["speculation"]["pairs"]["good__ngram"]
+    assert pair["decision"] == "unchecked" and "budget" in pair["why"]
+    assert g["speculation"]["decision"] == "unchecked"
+    assert g["speculation"]["pairs"]["bf16__ngram"]["decision"] == "go"

@@ -46,10 +46,16 @@ def speculation(run_dir: Path, method: str) -> dict:
                      "tie_tolerance": (loss.get("tie_rule") or {}).get("tolerance"),
                      "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
                      "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})
-        if greedy is None and key not in adj:
-            pair["decision"] = "unchecked"
-        elif greedy is False or (key in adj and adj[key][0]):
+        # A greedy comparison the budget cut to no prompt at all (pipeline/stages/acceptance.py) is
+        # a check that did not happen: the pair is unchecked, not go on the sampled test alone.
+        cut = greedy is None and bool(loss.get("prompts_skipped"))
+        if greedy is False or (key in adj and adj[key][0]):
             pair["decision"] = "no-go"
+        elif cut or (greedy is None and key not in adj):
+            pair["decision"] = "unchecked"
+            if cut:
+                pair["why"] = (f"the greedy comparison ran on no prompt ({loss['prompts_skipped']} skipped: "
+                               "the acceptance stage's budget); a larger budget.shares.acceptance runs it")
         else:
             pair["decision"] = "go"
     decisions = {p["decision"] for p in pairs.values()}
