@@ -57,9 +57,10 @@ def test_plain_finetune_loads_through_transformers_and_meta_says_what_it_is(tmp_
     assert sizes["model.safetensors"] == (finetune_dir / "model.safetensors").stat().st_size
     assert "tokenizer.json" in sizes and found["bytes"] == sum(sizes.values())
     assert meta["library"] == "transformers" and meta["bits"] is None and meta["decoder_float_fraction"] == 1.0
-    # The variant is the fine-tune: the same logits as transformers' own load of the directory.
+    # The variant is the fine-tune: the same logits as transformers' own load of the directory, in the
+    # dtype the variant computes in (unquantized: bf16 on a CPU with native bf16, pipeline.core.device).
     variant, _ = load_variant(run / "variants/ft", device="cpu")
-    direct = AutoModelForCausalLM.from_pretrained(finetune_dir, dtype=torch.float32).eval()
+    direct = AutoModelForCausalLM.from_pretrained(finetune_dir, dtype=getattr(torch, meta["dtype_compute"])).eval()
     assert torch.equal(logits(variant), logits(direct))
     reference, _ = load_variant(run / "variants/ref", device="cpu")
     assert not torch.allclose(logits(variant), logits(reference), atol=1e-3)
