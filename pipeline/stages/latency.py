@@ -154,13 +154,14 @@ def _allowance(budget: StageBudget, phase: Allowance, what: str, pieces_left: in
     return Allowance(budget, what, None if not phase.active else max(phase.left(), 0.0) / max(pieces_left, 1))
 
 
-def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget) -> None:
+def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget | None = None) -> None:
     """Every variant's plain decode grid, then each one's TPOT against the reference's."""
     cfg, lat = ctx.config, ctx.config.latency
     common = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed}
     bandwidth: dict | None = None
     items = {name: ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
                                               or str(d)}, is_dir=False) for name, d in dirs.items()}
+    budget = budget or StageBudget(cfg, "latency")
     phase = budget.part("plain grids", PHASE_SHARES["grids"])
     pending = [name for name, item in items.items() if not item.fresh]
     for name, d in dirs.items():
@@ -270,7 +271,7 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
 
 
 def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
-                       budget: StageBudget) -> None:
+                       budget: StageBudget | None = None) -> None:
     """B = 1 round times of every (target, draft) pair on the acceptance stage's prompts and
     temperatures, compiled where latency.compile asks (one session for the target and its drafts)."""
     cfg, lat = ctx.config, ctx.config.latency
@@ -278,6 +279,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     acc_inputs.update(workload_inputs(cfg))
     inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "acceptance": acc_inputs}
+    budget = budget or StageBudget(cfg, "latency")
     phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, "", inputs) for target in targets}
     for target in targets:
@@ -323,13 +325,14 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
 
 
 def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
-                   budget: StageBudget) -> None:
+                   budget: StageBudget | None = None) -> None:
     """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
     (pipeline/latency/batched.py)."""
     cfg, lat = ctx.config, ctx.config.latency
     spec_batch_sizes(lat)  # batched_pair's check, before any model loads
     inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "workload": workload_inputs(cfg)}
+    budget = budget or StageBudget(cfg, "latency")
     phase = budget.part("batched pairs", 1.0)
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, "batched/", inputs) for target in targets}
     for target in targets:
