@@ -194,14 +194,14 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
     _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"},
                                            "copy": {"scheme": "none", "dir": "variants/copy"}})
     _fake_stage(run, "drafts")
-    _fake_stage(run, "acceptance")  # no pair JSON: the screen takes E(k) <= k + 1 (layerskip:2 may pay)
+    _fake_stage(run, "acceptance")  # no pair JSON; screening off: this test reads the timed pairs
     cfg = Config.model_validate({
         "device": "cpu", "drafts": ["layerskip:2", "ngram"],
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}, "copy": {"scheme": "none"}}},
         "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
         "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
                     "spec_batch_sizes": [1, 2], "closed_loop_batch_sizes": [2], "closed_loop_waves": 2,
-                    "closed_loop_tokens": 3},
+                    "closed_loop_tokens": 3, "screen": False},
     })
     meta_path = run_stage(STAGES["latency"], run, cfg, {}, STAGES)
     meta = json.loads(meta_path.read_text())
