@@ -76,6 +76,7 @@ def test_a_part_of_the_budget_splits_what_is_left_and_never_exceeds_the_stage():
     assert first.seconds == pytest.approx(25.0) and first.affords(25) and not first.affords(26)
     clock.t += 10
     assert first.left() == pytest.approx(15.0)
+    assert first.piece("one of three", 3).seconds == pytest.approx(5.0)  # a phase's time left, split
     whole = b.part("pairs")
     assert whole.seconds == pytest.approx(90.0)
     clock.t += 85

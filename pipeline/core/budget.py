@@ -34,7 +34,27 @@ def fmt_s(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-class StageBudget:
+class _Clock:
+    """What a stage's budget and a piece of it share: `seconds` (None = no budget), `left()`, `spent()`."""
+    label = "budget"
+
+    @property
+    def active(self) -> bool:
+        return self.seconds is not None
+
+    def affords(self, estimate_s: float) -> bool:
+        """Whether work estimated at `estimate_s` seconds still fits."""
+        return estimate_s <= self.left()
+
+    def eta(self, done: float, total: float) -> str:
+        """' (3.2 min left; budget 5.0 min left)': the time left at the rate so far, for a progress line."""
+        rate = self.spent() / done if done > 0 else None
+        left = rate * (total - done) if rate is not None else None
+        budget = f"; {self.label} {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
+        return f" ({fmt_s(left)} left{budget})"
+
+
+class StageBudget(_Clock):
     def __init__(self, config, stage: str, clock=time.monotonic):
         self.stage = stage
         self.clock = clock
@@ -46,19 +66,11 @@ class StageBudget:
         self.estimates: list[dict] = []
         self.skipped: list[dict] = []
 
-    @property
-    def active(self) -> bool:
-        return self.seconds is not None
-
     def spent(self) -> float:
         return self.clock() - self.start
 
     def left(self) -> float:
         return math.inf if self.seconds is None else self.seconds - self.spent()
-
-    def affords(self, estimate_s: float) -> bool:
-        """Whether work estimated at `estimate_s` seconds still fits in the stage's share."""
-        return estimate_s <= self.left()
 
     def announce(self, what: str, estimate_s: float | None) -> None:
         """Print (and record) the stage's estimate for `what` before it starts, beside its budget."""
@@ -73,13 +85,6 @@ class StageBudget:
         self.skipped.append({"what": what, "why": why, "at_s": round(self.spent(), 1)})
         progress(f"{self.stage}: skipped {what}: {why}")
 
-    def eta(self, done: float, total: float) -> str:
-        """' (3.2 min left; budget 5.0 min left)': the time left at the rate so far, for a progress line."""
-        rate = self.spent() / done if done > 0 else None
-        left = rate * (total - done) if rate is not None else None
-        budget = f"; budget {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
-        return f" ({fmt_s(left)} left{budget})"
-
     def part(self, what: str, fraction: float = 1.0, of_items: int = 1) -> "Allowance":
         """A share of what is left now for one piece of the stage's work: `fraction` of the time left,
         split evenly over `of_items` pieces (time a piece does not use carries to the next, since
@@ -92,17 +97,18 @@ class StageBudget:
                 "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}
 
 
-class Allowance:
+class Allowance(_Clock):
     """A piece of a stage's budget (StageBudget.part): the same interface, its own seconds, counted
     from when it was made; never more than the stage has left."""
+    label = "allowance"
 
     def __init__(self, parent: StageBudget, what: str, seconds: float | None):
         self.parent, self.what, self.seconds = parent, what, seconds
         self.start = parent.clock()
 
-    @property
-    def active(self) -> bool:
-        return self.seconds is not None
+    def piece(self, what: str, pieces_left: int) -> "Allowance":
+        """One piece of this part: an even split of what it has left now over `pieces_left` pieces."""
+        return Allowance(self.parent, what, None if not self.active else max(self.left(), 0.0) / max(pieces_left, 1))
 
     def spent(self) -> float:
         return self.parent.clock() - self.start
@@ -112,17 +118,8 @@ class Allowance:
             return math.inf
         return min(self.seconds - self.spent(), self.parent.left())
 
-    def affords(self, estimate_s: float) -> bool:
-        return estimate_s <= self.left()
-
     def skip(self, what: str, why: str) -> None:
         self.parent.skip(what, why)
-
-    def eta(self, done: float, total: float) -> str:
-        rate = self.spent() / done if done > 0 else None
-        left = rate * (total - done) if rate is not None else None
-        budget = f"; allowance {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
-        return f" ({fmt_s(left)} left{budget})"
 
 
 def plan_line(config) -> str:

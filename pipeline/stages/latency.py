@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from draft_models.registry import build_draft, draft_slug
-from pipeline.core.budget import Allowance, StageBudget
+from pipeline.core.budget import StageBudget
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
                                  sha256_file)
@@ -149,11 +149,6 @@ def run(ctx: StageContext) -> None:
 PHASE_SHARES = {"grids": 0.3, "pairs": 0.6}
 
 
-def _allowance(budget: StageBudget, phase: Allowance, what: str, pieces_left: int) -> Allowance:
-    """One piece's allowance: an even split of what its phase has left now."""
-    return Allowance(budget, what, None if not phase.active else max(phase.left(), 0.0) / max(pieces_left, 1))
-
-
 def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget | None = None) -> None:
     """Every variant's plain decode grid, then each one's TPOT against the reference's."""
     cfg, lat = ctx.config, ctx.config.latency
@@ -175,7 +170,7 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
             bandwidth = ctx.meta["bandwidth"] = measure_bandwidth(device)
         model, _ = load_variant(d, device=device)
         doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, lat.confidence,
-                         budget=_allowance(budget, phase, f"{name} grid", len(pending) - pending.index(name)))
+                         budget=phase.piece(f"{name} grid", len(pending) - pending.index(name)))
         _record(ctx.meta, "plain", name, doc)
         item.write_json(doc)
         release_caches(model)
@@ -309,7 +304,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
                                        device, lat.confidence, cfg.seed, ks, session=session,
-                                       budget=_allowance(budget, phase, f"{target} + {spec}", left))
+                                       budget=phase.piece(f"{target} + {spec}", left))
                 doc["workload"] = workload_summary(prompts)
                 if spec in screens:
                     doc["screen"] = screens[spec]
@@ -368,7 +363,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
             try:
                 doc = batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed,
                                    session=session, rows=rows,
-                                   budget=_allowance(budget, phase, f"{target} + {spec} batched", left))
+                                   budget=phase.piece(f"{target} + {spec} batched", left))
                 doc["workload"] = workload_summary(drawn)
                 if screen is not None:
                     doc["screen"] = screen
