@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 
+from pipeline.core import budget as budget_mod
 from pipeline.core.budget import fmt_s
 from pipeline.stats.paired import merge_clusters
 
@@ -155,29 +155,18 @@ class Pace:
                                if (r := self.per_item(s)) is not None}}
 
 
-class Allowance:
+class Allowance(budget_mod.Allowance):
     """One variant's share of the quality stage's budget (a pipeline.core.budget.StageBudget):
     the stage's time left divided over the `variants_left` variants still to score (this one
     included), less `reserve_s` for its work after scoring (its distribution drift, as measured on
     the variant before). What a variant leaves unused is in the next one's `left()`; the
     reference's items for the variant's looks are the variant's cost. Without a budget it affords
-    everything."""
+    everything. (pipeline.core.budget.Allowance, with the reserve, a look of unknown cost and the
+    reason a look was not taken.)"""
 
     def __init__(self, budget, variants_left: int, reserve_s: float = 0.0):
-        self.budget = budget
-        self.start = budget.spent()
-        self.seconds = (max(budget.left() / max(variants_left, 1) - reserve_s, 0.0) if budget.active
-                        else math.inf)
-
-    @property
-    def active(self) -> bool:
-        return self.budget.active
-
-    def spent(self) -> float:
-        return self.budget.spent() - self.start
-
-    def left(self) -> float:
-        return min(self.seconds - self.spent(), self.budget.left())
+        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1) - reserve_s, 0.0)
+                         if budget.active else None)
 
     def affords(self, estimate_s: float | None) -> bool:
         """Whether a look estimated at `estimate_s` fits (an unknown estimate: while time is left)."""
@@ -191,5 +180,5 @@ class Allowance:
         return f"budget: {fmt_s(max(self.left(), 0.0))} left, the next look needs {need}"
 
     def to_json(self) -> dict:
-        return {"allowance_s": None if not math.isfinite(self.seconds) else round(self.seconds, 1),
+        return {"allowance_s": None if self.seconds is None else round(self.seconds, 1),
                 "spent_s": round(self.spent(), 1)}

@@ -243,7 +243,7 @@ def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, 
         first = waves.first_items(name)
         if sum(first.values()):
             est = waves.look_cost(reference, name, first)
-            allowance.budget.announce(
+            allowance.parent.announce(
                 f"{name}: first look, {sum(first.values())} items; allowance "
                 f"{fmt_s(allowance.seconds) if allowance.active else 'unlimited'}", est)
             if not allowance.affords(est):
@@ -259,14 +259,14 @@ def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, 
             if not allowance.affords(est):
                 why = allowance.why_not(est)
                 waves.stop(name, need, why)
-                allowance.budget.skip(f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} "
+                allowance.parent.skip(f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} "
                                       f"and after", why)
                 return
         waves.cover(reference, ref_score, need)
         waves.cover(name, score, need)
         if allowance is not None and allowance.active:
             progress(f"quality: {name}: allowance {fmt_s(max(allowance.left(), 0.0))} left of "
-                     f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.budget.left(), 0.0))} left")
+                     f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.parent.left(), 0.0))} left")
 
 
 def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list) -> tuple[dict, object]:
