@@ -28,7 +28,7 @@ pair files `latency/*__*.json` sees it):
   prompt length, TTFT (the batched prefill and first token) and TPOT; speculative waves also keep
   their rounds (tokens kept per row, k, verify width) for the simulation's replay, and their mean
   round time. The speculative k is the
-  fastest at that B (the nearest measured B) in the warm-up repeat, or the first repeat.
+  fastest at that B (the nearest measured B) in the first timed repeat.
 
 Every figure is a median over the repeats (cells) or over waves (closed loop) with a
 percentile-bootstrap CI whose unit of resampling is the repeat or the wave; raw samples are kept.
@@ -70,7 +70,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.memory import cache_len
 from pipeline.latency.modes import calls_before, compare, merge_ran, run_mode, steps_ran
 from pipeline.latency.plan import batched_shapes, draft_label, why_not_compiled
-from pipeline.latency.speculative import Repeats, round_time_block, settle_widths
+from pipeline.latency.speculative import WARMUP_TOKENS, Repeats, round_time_block, settle_widths
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.intervals import median_ci
 
@@ -312,9 +312,10 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
         made = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
         progress(f"latency: {target} + {draft_spec}: batched: compiled {made} step graphs")
     run = {"session": session, "cache_lens": lens}
-    warm = None
+    # Warm-up (untimed): every step shape of a repeat once, on WARMUP_TOKENS new tokens instead of
+    # new_tokens (the shapes are the same; pipeline/latency/speculative.py: WARMUP_UNIT).
     for _ in range(lat.warmup):
-        warm = batched_repeat(model, draft, prompts, ks, lat.new_tokens, **run)
+        batched_repeat(model, draft, prompts, ks, min(lat.new_tokens, WARMUP_TOKENS), **run)
     loop_k: dict[int, int] = {}
     waves: dict[int, list[dict]] = {b: [] for b in loop_sizes}
     reps = []
@@ -340,9 +341,9 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
     while loop.next():
         r = loop.done
         reps.append(batched_repeat(model, draft, prompts, ks, lat.new_tokens, **run))
-        # The closed loop's k: the fastest in the warm-up (else the first repeat). Its waves are
-        # spread over the repeats, so cells and closed loop see the same machine load.
-        loop_k = loop_k or {b: best_k(warm or reps[0], b) for b in loop_sizes}
+        # The closed loop's k: the fastest in the first repeat. Its waves are spread over the
+        # repeats, so cells and closed loop see the same machine load.
+        loop_k = loop_k or {b: best_k(reps[0], b) for b in loop_sizes}
         run_waves(r, list(range(r, lat.closed_loop_waves, lat.repeats)))
         loop.finished(lambda: batched_widths(reps, batch_sizes, ks, confidence, seed))
     # The waves of the repeats that did not run (stopped early): after the last repeat.
@@ -357,6 +358,7 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
             "batch_sizes": batch_sizes, "ks": ks,
             "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
             "cache_len": {str(b): n for b, n in sorted(lens.items())},
-            "new_tokens": lat.new_tokens, "warmup": lat.warmup, **record,
+            "new_tokens": lat.new_tokens, "warmup": lat.warmup,
+            "warmup_unit": f"every cell once on {min(lat.new_tokens, WARMUP_TOKENS)} new tokens", **record,
             "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops,
             "compile": session.record() if session is not None else not_compiled(why_eager)}

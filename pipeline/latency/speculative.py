@@ -247,6 +247,37 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
     return out
 
 
+# What one warm-up is (latency.warmup of them, untimed): every step shape a timed repeat uses, run
+# once. A B = 1 repeat runs every prompt at every temperature and k; its step shapes (a decode step,
+# a draft step, a verify of width k + 1, on a cache of the pair's one length) do not depend on the
+# prompt, so one run per (temperature, k) on the shortest prompt, WARMUP_TOKENS long, warms each of
+# them. (Until 2026-12-02 a warm-up was a whole untimed repeat: on a 2-core CPU about a minute per
+# pair for the n-gram draft, two for layer-skip, the largest fixed cost of a budgeted run.)
+WARMUP_TOKENS = 8
+WARMUP_UNIT = (f"one run of {WARMUP_TOKENS} tokens per (temperature, k) on the shortest prompt, "
+               "on the pair's cache length (every step shape a repeat uses, once)")
+
+
+def warm_up(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int], new_tokens: int,
+            seed: int, cache_len: int | None, times: int = 1) -> int:
+    """`times` warm-ups of a B = 1 pair (WARMUP_UNIT); returns the runs made."""
+    rows = [ids for kind_rows in prompts.values() for _, ids in kind_rows]
+    if not rows or times < 1:
+        return 0
+    device = next(model.parameters()).device
+    ids = torch.tensor([min(rows, key=len)], device=device)
+    n = min(new_tokens, WARMUP_TOKENS)
+    runs = 0
+    for w in range(times):
+        for ti, t in enumerate(temperatures):
+            g = torch.Generator(device).manual_seed((seed + 1000 + w) * 7919 + ti)
+            for k in [0, *ks]:
+                generate(model, ids, n, draft=draft if k else None, k=k, sampling=sampling_of(sampling_cfg, t),
+                         generator=g, cache_len=cache_len)
+                runs += 1
+    return runs
+
+
 def round_time_block(times_per_repeat: list[list[float]]) -> dict:
     """{"samples": per repeat the mean of its round times (None where a repeat had none),
     "rounds": how many rounds in all}: one entry of round_ms_by_drafted (here, by drafted count)
@@ -337,8 +368,8 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
         session.expect(speculative_shapes(length, max(ks), labels))
         made = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
         progress(f"latency: {target} + {draft_spec}: compiled {made} step graphs")
-    for w in range(lat.warmup):
-        one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed + 1000 + w, length)
+    warm = warm_up(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed, length,
+                   lat.warmup)
     reps = []
     loop = Repeats(lat, f"{target} + {draft_spec}", budget, confidence=confidence, seed=seed)
     while loop.next():
@@ -352,7 +383,8 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     primary = min(by_temp, key=float)  # greedy when measured: the top-level figures (older readers)
     return {"variant": target, "draft": draft_spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
-            "new_tokens": lat.new_tokens, "warmup": lat.warmup, **loop.to_json(),
+            "new_tokens": lat.new_tokens, "warmup": lat.warmup, "warmup_runs": warm, "warmup_unit": WARMUP_UNIT,
+            **loop.to_json(),
             "timing_unit": "repeat (every prompt, temperature and k once)",
             "primary_temperature": primary,
             "plain_ms_per_token": by_temp[primary]["plain_ms_per_token"], "rows": by_temp[primary]["rows"],
