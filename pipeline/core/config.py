@@ -321,6 +321,77 @@ class SandboxConfig(Section):
     workers: int = 0
 
 
+# Keyword arguments of lm-eval's VLLM model that specq sets itself (from the variant's directory,
+# the run's seed, this section's own keys); quality.vllm.engine_args may not name them.
+VLLM_OWN_ARGS = ("pretrained", "model", "tokenizer", "quantization", "load_format", "seed", "batch_size",
+                 "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_length")
+
+
+class VllmConfig(Section):
+    """quality.backend: vllm (pipeline/quality/vllm_backend.py): lm-eval's vLLM model scores every
+    variant vLLM can load, so a model larger than one GPU is spread over tensor_parallel_size GPUs."""
+    # GPUs each model is split over (vLLM's tensor parallelism).
+    tensor_parallel_size: int = 1
+    # Share of each GPU's memory one vLLM engine takes (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.9
+    # Context length the engine is built for; null = the model's own. Longer prompts are cut from
+    # the left by lm-eval, as with hf.
+    max_model_len: int | None = None
+    # Compute dtype; "auto" = vLLM's choice from the checkpoint's config (bf16 stays bf16).
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # A variant vLLM cannot load (torchao int8 weight-only, a quantization method vLLM does not
+    # read): "hf" scores it with the hf backend (its quality meta.json says which and why);
+    # "stop" refuses the run before any work.
+    fallback: Literal["hf", "stop"] = "hf"
+    # Keep the reference's engine loaded beside each variant's instead of reloading it for every
+    # look the variant needs it for; two engines then share each GPU (gpu_memory_utilization <= 0.5).
+    keep_reference: bool = False
+    # Distribution drift (KL, top-1 agreement, perplexity ratio) needs full logits, which vLLM does
+    # not return: true computes it through transformers on `device` after the engines are released
+    # (both models must fit there); false leaves it out (gate.max_kl / min_top1_agreement refused).
+    distribution: bool = False
+    # More keyword arguments for lm-eval's VLLM model and through it vLLM's LLM (enforce_eager,
+    # max_num_seqs, kv_cache_dtype, pipeline_parallel_size, ...), passed as written.
+    engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1 (GPUs each model is split over)")
+        return v
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _memory(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]: the share of each GPU's memory one vLLM engine takes")
+        return v
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _len(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("must be >= 1 (or null: the model's own context length)")
+        return v
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args(cls, v: dict) -> dict:
+        own = sorted(set(v) & set(VLLM_OWN_ARGS))
+        if own:
+            raise ValueError(f"'{own[0]}' is set by specq (the variant's directory, the run's seed or a "
+                             "key of quality.vllm itself), not through engine_args")
+        return v
+
+    @model_validator(mode="after")
+    def _two_engines(self):
+        if self.keep_reference and self.gpu_memory_utilization > 0.5:
+            raise ValueError("keep_reference puts two engines on each GPU: gpu_memory_utilization must be "
+                             f"<= 0.5, not {self.gpu_memory_utilization}")
+        return self
+
+
 class QualityConfig(Section):
     slices: list[str] = Field(
         default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args", "bfcl"]
@@ -361,6 +432,11 @@ class QualityConfig(Section):
     # lm-eval model: "prefix" computes each shared prompt prefix once and decodes greedy
     # generations batch_size at a time (pipeline/quality/prefix_lm.py); "hflm" is lm-eval's HFLM.
     evaluator: Literal["prefix", "hflm"] = "prefix"
+    # What runs the models: "hf" loads each one with transformers on `device` and scores it with
+    # `evaluator`; "vllm" scores every variant vLLM can load through lm-eval's vLLM model
+    # (settings: `vllm`; pipeline/quality/vllm_backend.py), the others as "hf" does.
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
     # Rows per forward pass (prefill and decode). On CPU a pass costs ~110 ms for the weights plus
     # ~2.3 ms per row-token, so big batches pay: 40 rows decoded tool_args in 31 steps (13 s),
     # 8 rows in 155 steps (35 s). The prefix evaluator caps a decode batch at 16k cached positions.

@@ -9,7 +9,8 @@ per-item results). All tasks of a variant go through one lm-eval call. The lm-ev
 `quality.evaluator`: `prefix` (default; pipeline.quality.prefix_lm: each shared prompt prefix
 computed once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own
 HFLM, which batches requests of a kind after sorting them by length). Both give the same scores up
-to float summation order.
+to float summation order. `model` may also be an lm-eval model built by the caller (`quality.backend:
+vllm`: lm-eval's VLLM, pipeline/quality/vllm_backend.py); it is used as it is, the rest is shared.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
     """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
     the evaluator's counters: prompt tokens requested and computed, generated tokens, ...)."""
     import lm_eval
+    from lm_eval.api.model import LM
     from lm_eval.models.huggingface import HFLM
 
     if tokenizer.pad_token_id is None:
@@ -42,7 +44,8 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
     include = tuple(sorted({p for s in named for p in s.index[1]}))
     manager = lm_tasks.task_manager(any(s.index[0] for s in named), include)
     with lm_tasks.quiet():  # HFLM warns at construction that it was handed a loaded model: expected here
-        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=qcfg.batch_size)
+        lm = model if isinstance(model, LM) else lm_class(pretrained=model, tokenizer=tokenizer,
+                                                          batch_size=qcfg.batch_size)
         res = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
             samples=lm_tasks.samples_request(named) or None,

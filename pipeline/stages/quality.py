@@ -42,6 +42,18 @@ variant's distribution drift against the reference on held-out text
 (pipeline/quality/distribution.py) comes last, then the summaries. The prefix evaluator's token
 counts go into meta.json.
 
+What runs the models (`quality.backend`): `hf` loads each with transformers on `device` (the
+reference stays loaded) and scores it with `quality.evaluator`; `vllm` scores every variant vLLM
+can load through lm-eval's vLLM model (pipeline/quality/vllm_backend.py: the arguments from the
+variant's directory, `quality.vllm`), one engine on the GPUs at a time (the reference's is
+reloaded for each look a variant needs it for, unless `keep_reference`), and a variant vLLM cannot
+load with hf (or, `vllm.fallback: stop`, not at all: refused before any work). The records are the
+same either way (evaluate.py is shared). Distribution drift needs full logits: with vllm it is
+measured (through transformers) only when `vllm.distribution` is true. What scored each model is
+in its meta.json (`backend`, `evaluator`, `vllm_version`, `vllm_args`, `backend_reason`) and in
+quality/meta.json's `backends`; the choice is in what its lines were scored with, so changing it
+re-scores.
+
 Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
   quality/data/<slice>.jsonl        the slice's items in scoring order (the shipped ones,
                                     regenerated when the config asks for more items or other
@@ -73,7 +85,7 @@ from pipeline.decode.release import collect
 from pipeline.gate.decision import open_slices
 from pipeline.gate.looks import plan
 from pipeline.models.loading import load_tokenizer
-from pipeline.quality import distribution, lm_tasks
+from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
 from pipeline.quality.waves import Allowance, Pace, order_items
@@ -84,11 +96,29 @@ def precheck(config, args: dict | None = None) -> None:
     """Before any work starts (the quality stage's precheck; `python -m pipeline prepare` and
     `evaluate` run it too, so a typo costs one line, not the hours before quality): every slice is
     a built-in one and every `quality.tasks` entry is a task, group or tag lm-eval's index knows
-    (reading the index only, about 12 s when a name needs lm-eval's own tasks; no data is read)."""
+    (reading the index only, about 12 s when a name needs lm-eval's own tasks; no data is read).
+    `backend: vllm` needs vLLM importable here; without quality.vllm.distribution it measures no
+    drift, so gate thresholds on drift are refused; with fallback: stop, a variant the config
+    already shows vLLM cannot load (torchao, a checkpoint's method) is refused."""
     qcfg = config.quality
     for name in qcfg.slices:
         if name not in KNOWN_SLICES:
             raise StageError(f"unknown quality slice '{name}' (known: {', '.join(KNOWN_SLICES)})")
+    if qcfg.backend == "vllm":
+        why = vllm_backend.unavailable()
+        if why:
+            raise StageError(why)
+        gate = config.gate
+        drift = [k for k in ("max_kl", "min_top1_agreement") if getattr(gate, k) is not None]
+        if drift and not qcfg.vllm.distribution:
+            raise StageError(f"gate.{drift[0]} needs the distribution drift, which quality.backend vllm does not "
+                             "measure unless quality.vllm.distribution is true")
+        if qcfg.vllm.fallback == "stop":
+            for vname, spec in config.quantize.variants.items():
+                why = vllm_backend.config_reason(spec)
+                if why:
+                    raise StageError(f"quality: vLLM cannot load variant '{vname}': {why} "
+                                     "(quality.vllm.fallback: stop; fallback: hf scores it with transformers)")
     bad = lm_tasks.unknown(list(qcfg.tasks))
     if bad:
         entry, why = next(iter(bad.items()))
@@ -111,6 +141,17 @@ def run(ctx: StageContext) -> None:
     def variant_dir(name: str) -> Path:
         d = Path(variants[name].get("dir") or f"variants/{name}")
         return d if d.is_absolute() else ctx.run_dir / d
+
+    # What scores each model (quality.backend; pipeline/quality/vllm_backend.py), decided before any
+    # work: a variant vLLM cannot load is scored with hf (said here) or, with fallback: stop, ends
+    # the stage in one line.
+    supported = vllm_backend.supported_methods() if qcfg.backend == "vllm" else None
+    backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, supported, name) for name in order}
+    for name, chosen in backends.items():
+        if chosen.why:
+            progress(f"quality: {name}: {chosen.why}; scored with the hf backend")
+    engines = vllm_backend.Engines(keep=reference if qcfg.vllm.keep_reference else None)
+    drift = qcfg.backend == "hf" or qcfg.vllm.distribution
 
     ref_dir = variant_dir(reference)
     ref_tokenizer = load_tokenizer(ref_dir)
@@ -135,12 +176,23 @@ def run(ctx: StageContext) -> None:
     def scorer(name: str):
         def score(configs: dict, with_named: bool):
             loaded = 0.0
-            if name not in models:
-                progress(f"quality: {name}: loading {variant_dir(name)}")
-                start = time.perf_counter()
-                models[name] = load_variant(variant_dir(name), device)
-                loaded = time.perf_counter() - start
-            model, tok = models[name]
+            if backends[name].backend == "vllm":
+                if models:  # an hf-loaded model leaves the GPUs to the engine
+                    models.clear()
+                    collect(device)
+                if name not in engines.loaded:
+                    progress(f"quality: {name}: loading {variant_dir(name)} into vLLM "
+                             f"(tensor_parallel_size {qcfg.vllm.tensor_parallel_size})")
+                lm, loaded = engines.get(name, backends[name].kwargs)
+                model, tok = lm, lm.tokenizer
+            else:
+                if name not in models:
+                    engines.release(keep=engines.keep)  # vLLM's engines hold the GPUs' memory
+                    progress(f"quality: {name}: loading {variant_dir(name)}")
+                    start = time.perf_counter()
+                    models[name] = load_variant(variant_dir(name), device)
+                    loaded = time.perf_counter() - start
+                model, tok = models[name]
             records, counters = evaluate(model, tok, configs, named if with_named else [], qcfg, cfg.seed)
             # The load is not the items' cost (Waves' pace leaves it out of seconds per item).
             return records, {**(counters or {}), **({"load_seconds": loaded} if loaded else {})}
@@ -153,7 +205,8 @@ def run(ctx: StageContext) -> None:
                   weights=_cost_weights(qcfg, data_files, prompt_tokens))
     items, inputs_of = {}, {}
     for name in order:
-        scored_with, inputs_of[name] = item_inputs(ctx, variant_dir(name), ref_dir, data_hashes, named)
+        scored_with, inputs_of[name] = item_inputs(ctx, variant_dir(name), ref_dir, data_hashes, named,
+                                                   backends[name].scored_with())
         stopped = _budget_stopped(ctx.out_dir / name / "meta.json")
         items[name] = waves.open(ctx.item(name, inputs_of[name](stopped)), scored_with)
         if items[name].fresh:
@@ -175,34 +228,44 @@ def run(ctx: StageContext) -> None:
             allowance = Allowance(budget, len(pending) - pending.index(name), reserve)
             score_in_waves(waves, reference, name, ref_score, scorer(name), cfg, allowance)
             after = budget.spent()
-            if reference not in models:
-                models[reference] = load_variant(ref_dir, device)
-            ref_model = models[reference][0]
-            if heldout is None:
-                heldout, heldout_info = distribution.heldout_documents(
-                    models[reference][1], qcfg.distribution_docs, qcfg.distribution_tokens)
-            if name not in models:  # nothing new to score (e.g. a gate setting changed): load it for drift
-                models[name] = load_variant(variant_dir(name), device)
-            start = time.perf_counter()
-            per_doc = distribution.per_document(ref_model, models[name][0], heldout, device, cache=ref_logp)
-            atomic_write_json(ctx.out_dir / name / "distribution.json",
-                              {**distribution.summarize(per_doc), **heldout_info,
-                               "seconds": time.perf_counter() - start})
+            engines.release(name)
+            if drift:  # through transformers (backend vllm: only with quality.vllm.distribution)
+                engines.release()
+                if reference not in models:
+                    models[reference] = load_variant(ref_dir, device)
+                ref_model = models[reference][0]
+                if heldout is None:
+                    heldout, heldout_info = distribution.heldout_documents(
+                        models[reference][1], qcfg.distribution_docs, qcfg.distribution_tokens)
+                if name not in models:  # nothing new to score (e.g. a gate setting changed): load it for drift
+                    models[name] = load_variant(variant_dir(name), device)
+                start = time.perf_counter()
+                per_doc = distribution.per_document(ref_model, models[name][0], heldout, device, cache=ref_logp)
+                atomic_write_json(ctx.out_dir / name / "distribution.json",
+                                  {**distribution.summarize(per_doc), **heldout_info,
+                                   "seconds": time.perf_counter() - start})
+            else:  # not measured: an earlier run's figures would not be this run's
+                (ctx.out_dir / name / "distribution.json").unlink(missing_ok=True)
             # Its item's inputs hold the budget only when a look was skipped on it (a variant that
             # ran to the end of its looks is the same under any budget).
             items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
-            waves.finish(name, qcfg.evaluator)
+            waves.finish(name, qcfg.evaluator, backends[name].record(qcfg.evaluator))
             models.pop(name, None)
             collect(device)  # the variant's memory back before the next one loads
             reserve = budget.spent() - after
+    engines.release()
     if not items[reference].fresh or waves.grew(reference):
-        waves.finish(reference, qcfg.evaluator)
+        waves.finish(reference, qcfg.evaluator, backends[reference].record(qcfg.evaluator))
     tasks = list(qcfg.slices) + [s.name for s in named]
-    budgets = {}
+    budgets, ran = {}, {}
     for name in order:
         vmeta = read_json(items[name].path / "meta.json")
         timings[name] = {k: vmeta.get(k)
                          for k in ("items", "eval_seconds", "items_per_second", "counters", "items_scored")}
+        # What scored it, from its own meta.json (a variant finished in an earlier run keeps its record).
+        ran[name] = {k: vmeta.get(k) for k in ("backend", "evaluator", "backend_reason", "vllm_version")
+                     if vmeta.get(k) is not None}
+        ran[name].setdefault("backend", "hf")
         if name != reference:
             budgets[name] = vmeta.get("budget")
         _write_summary(ctx, name, reference, tasks)
@@ -216,7 +279,11 @@ def run(ctx: StageContext) -> None:
                        for s, p in plans.items()},
         "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
                        "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size,
-                       "evaluator": qcfg.evaluator},
+                       "evaluator": _one_or_mixed([r.get("evaluator", qcfg.evaluator) for r in ran.values()])},
+        # Per model, what scored it (quality.backend: vllm, or hf and why), never what was asked.
+        "backends": ran,
+        **({"distribution_drift": "not measured: quality.backend vllm without quality.vllm.distribution"}
+           if not drift else {}),
         "data_sha256": data_hashes, "prompt_tokens": prompt_tokens, "timing": timings,
         "items": {s: len(v) for s, v in lines.items()},
         # What the stage planned, spent and skipped; per variant and slice the items scored, the
@@ -225,6 +292,11 @@ def run(ctx: StageContext) -> None:
                    "pace_s_per_item": {n: waves.pace[n].to_json()["per_item_s"] for n in order if n in waves.pace}},
         **({"sandbox": {**qcfg.sandbox.model_dump(), **sandbox.isolation()}} if "code" in qcfg.slices else {}),
     })
+
+
+def _one_or_mixed(values: list[str]) -> str:
+    """The one value they all have, or "mixed" (meta.json's `backends` then says which is which)."""
+    return values[0] if len(set(values)) == 1 else "mixed (see backends)"
 
 
 def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, cfg,
@@ -269,20 +341,29 @@ def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, 
                      f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.parent.left(), 0.0))} left")
 
 
-def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list) -> tuple[dict, object]:
+def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
+                backend: dict | None = None) -> tuple[dict, object]:
     """(what a model's lines were scored with: scoring.json's hash, so lines scored with the same
     are kept; a function of `stopped` giving its item's inputs, so what re-opens the item). The
     budget is never in the first (a larger budget continues from the items scored); it is in the
-    second when the variant stopped on it (a re-run with another budget re-opens the variant)."""
+    second when the variant stopped on it (a re-run with another budget re-opens the variant).
+    `backend` is what scores the model (vllm_backend.Choice.scored_with: the backend, its
+    arguments, the vLLM version, why hf): lines scored otherwise are not kept. With
+    quality.backend hf the `quality.vllm` settings are in neither (they change nothing scored)."""
     cfg = ctx.config
+    quality = cfg.section("quality")
+    if quality.get("backend", "hf") == "hf":
+        quality = {k: v for k, v in quality.items() if k != "vllm"}
+    scoring = {k: v for k, v in quality.items() if k not in STOPPING_KEYS}
+    if "vllm" in scoring:
+        scoring["vllm"] = {k: v for k, v in scoring["vllm"].items() if k not in VLLM_STOPPING_KEYS}
     scored_with = {"variant_meta": sha256_file(vdir / "meta.json"), "data": data_hashes,
-                   "tasks": {s.name: s.info() for s in named},
-                   "quality": {k: v for k, v in cfg.section("quality").items() if k not in STOPPING_KEYS},
+                   "tasks": {s.name: s.info() for s in named}, "quality": scoring,
                    "device": cfg.device, "seed": cfg.seed,
                    # The stage's code: a fix in a scorer re-scores (the lines are not kept).
-                   "code": ctx.code}
+                   "code": ctx.code, **({"backend": backend} if backend is not None else {})}
     inputs = {**scored_with, "reference_meta": sha256_file(ref_dir / "meta.json"),
-              "quality": cfg.section("quality"), "gate": cfg.section("gate"),
+              "quality": quality, "gate": cfg.section("gate"),
               "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
     stage_budget = {"minutes": cfg.budget.minutes, "share": cfg.budget.shares.get("quality")}
 
@@ -346,6 +427,9 @@ def _announce_plan(budget: StageBudget, waves: "Waves", reference: str, pending:
 # these re-uses every item already scored.
 STOPPING_KEYS = ("wave_items", "max_items", "items_per_slice", "distribution_docs",
                  "distribution_tokens", "confidence")
+# quality.vllm keys that change where engines live or what happens after scoring, never a line:
+# what falling back does is in the variant's backend (item_inputs' `backend`).
+VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback")
 
 
 def _slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
@@ -540,7 +624,8 @@ class Waves:
         where = ", ".join(f"{s} {have[s]}->{n}" for s, n in need.items() if s in files)
         progress(f"quality: {name}: {count} items in {took:.1f} s ({where or 'lm-eval tasks'})")
 
-    def finish(self, name: str, evaluator: str) -> None:
+    def finish(self, name: str, evaluator: str, ran: dict | None = None) -> None:
+        """Write `name`'s meta.json; `ran` (vllm_backend.Choice.record) says what scored it."""
         st, item = self.stats[name], self.items[name]
         old = item.meta if item.fresh else {}
         items = old.get("items", 0) + st["items"]
@@ -551,7 +636,7 @@ class Waves:
         meta = {k: v for k, v in old.items() if k != "input_hash"}
         meta.update({"variant": name, "items": items, "eval_seconds": seconds,
                      "items_per_second": round(items / seconds, 3) if seconds > 0 else None,
-                     "evaluator": evaluator, "items_scored": self.scored(name),
+                     "evaluator": evaluator, **(ran or {}), "items_scored": self.scored(name),
                      **({"counters": counters} if counters else {}),
                      **({"budget": self.budget_record(name)} if name in self.allowances else {})})
         atomic_write_json(item.path / "meta.json", {**meta, "input_hash": item.input_hash})
