@@ -1,14 +1,22 @@
 """The prefix-shared evaluator against lm-eval's HFLM on a tiny random model: the same
 log-likelihoods (float32, 1e-4 nats), greedy flags and generated texts; each distinct prefix
-computed once; sampling requests handed to HFLM."""
+computed once; sampling requests handed to HFLM. Calibration: the measured call/token ratio is
+bucketed to a power of 4 and pinned constants are used as given; the incremental stop check
+stops where the whole-text check first would."""
 from __future__ import annotations
+
+import random
+import weakref
 
 import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, common_prefix, forward_kwargs, plan_batches
+from pipeline.quality import prefix_lm
+from pipeline.quality.prefix_lm import (DECODE_KV_TOKENS, MAX_CALL_TOKENS, PrefixCachedLM, PrefixWalk, StopCheck,
+                                        bucket_call_tokens, common_prefix, decode_kv_budget, forward_kwargs,
+                                        measure_call_tokens, plan_batches)
 
 SHARED = "the quick brown fox jumps over the lazy dog. a cat sat on the mat"
 CONTEXTS = [SHARED + " and looked at", SHARED + " and", "Le chat est sur la table.",
@@ -59,7 +67,10 @@ def _gen_requests(until, max_gen_toks, contexts=CONTEXTS):
     return [Instance("generate_until", {}, (ctx, dict(kwargs)), i) for i, ctx in enumerate(contexts)]
 
 
-@pytest.mark.parametrize("until,max_gen", [(["\n"], 6), ([".", "e"], 12), ([], 9)])
+# The last case's stop strings span token boundaries in what the tiny model generates
+# ("ffff...", "????...", "...enenen", "):" "?" "en" ...): each is found only a token after it began.
+@pytest.mark.parametrize("until,max_gen", [(["\n"], 6), ([".", "e"], 12), ([], 9),
+                                           (["ff", "nen", ":?e", "???"], 16)])
 def test_greedy_generations_match_hflm(lms, until, max_gen):
     ours, ref = lms
     got = ours.generate_until(_gen_requests(until, max_gen), disable_tqdm=True)
@@ -123,3 +134,177 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([5, 6], [5, 6, 7]) == 2
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def _is_power_of_4(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
+
+
+def test_bucket_call_tokens():
+    """The nearest power of 4 on a log scale: the 2-core CPU's 46-48 lands in 64, well inside
+    (its edges are 32 and 128); no measurable token cost gives the largest ratio, no measurable
+    call cost the smallest."""
+    assert [bucket_call_tokens(r) for r in (46, 47.8, 33, 31, 3000, 0.3, 1)] == [64, 64, 64, 16, 4096, 1, 1]
+    assert bucket_call_tokens(float("nan")) == bucket_call_tokens(float("inf")) == MAX_CALL_TOKENS
+    assert bucket_call_tokens(1e12) == MAX_CALL_TOKENS
+    assert bucket_call_tokens(0.0) == bucket_call_tokens(-3) == 1
+
+
+@pytest.mark.parametrize("call_s,token_s,want_n,want", [(0.11, 0.0023, 64, 64), (0.012, 1e-6, 16384, 16384),
+                                                        (0.01, 1e-9, MAX_CALL_TOKENS, MAX_CALL_TOKENS)])
+def test_measure_call_tokens_on_a_model_clock(monkeypatch, call_s, token_s, want_n, want):
+    """On a clock where a call costs call_s + token_s per token, the ladder climbs until n tokens
+    cost twice a 1-token call (or its cap) and recovers the ratio exactly."""
+    now = [0.0]
+    monkeypatch.setattr(prefix_lm.time, "perf_counter", lambda: now[0])
+
+    def forward(rows, width):
+        assert width <= prefix_lm.CALIBRATION_WIDTH
+        now[0] += call_s + token_s * rows * width
+
+    m = measure_call_tokens(forward)
+    assert m["tokens"] == want_n
+    assert m["call_s"] == pytest.approx(call_s) and m["token_s"] == pytest.approx(token_s)
+    assert m["ratio"] == pytest.approx(call_s / token_s)
+    assert bucket_call_tokens(m["ratio"]) == want
+
+
+def test_calibration_on_a_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
+    """Measured on the model itself: a power-of-4 call_tokens consistent with the measured ratio,
+    the K/V bytes of a position from the cache (2 x layers x kv heads x head dim x 4 bytes), a
+    power-of-2 decode budget within the CPU's; recorded in stats once: a second evaluator of the
+    same model reuses the measurement without measuring or recording it again."""
+    monkeypatch.setattr(prefix_lm, "_CALIBRATED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(prefix_lm, "MEASURE_ON_CPU", True)
+    lm = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3)
+    cal = lm.calibrate()
+    assert cal["call_tokens_source"] == "measured"
+    assert _is_power_of_4(cal["call_tokens"]) and cal["call_tokens"] <= MAX_CALL_TOKENS
+    assert cal["call_tokens"] == bucket_call_tokens(cal["call_tokens_measured"])
+    assert cal["call_ms"] > 0 and cal["token_ns"] > 0 and cal["calibration_seconds"] < 30
+    c = tiny_model.config
+    assert cal["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * (
+        c.hidden_size // c.num_attention_heads) * 4
+    d = cal["decode_kv_tokens"]
+    assert d & (d - 1) == 0 and d <= DECODE_KV_TOKENS
+    assert {k: lm.stats[k] for k in cal} == cal
+    assert set(prefix_lm.CALIBRATION_CONSTANTS) | {"calibration_seconds"} == set(cal)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr(prefix_lm, "measure_call_tokens", no_measuring)
+    again = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3)
+    assert again.calibrate() == cal
+    assert "call_tokens" not in again.stats
+
+
+def test_a_cpu_plan_uses_the_fixed_ratio_and_records_the_measured_one(tiny_model, tiny_tokenizer, monkeypatch):
+    """By default a CPU's measured ratio is recorded but not used (it moves with load): the plan
+    takes CPU_CALL_TOKENS, whatever the measurement said."""
+    monkeypatch.setattr(prefix_lm, "_CALIBRATED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(prefix_lm, "measure_call_tokens",
+                        lambda *a, **k: {"ratio": 0.3, "call_s": 0.01, "token_s": 0.03, "tokens": 16})
+    cal = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3).calibrate()
+    assert cal["call_tokens"] == prefix_lm.CPU_CALL_TOKENS and cal["call_tokens_measured"] == 0.3
+    assert cal["call_tokens_source"].startswith("CPU_CALL_TOKENS")
+
+
+def test_pinned_constants_steer_the_plan(tiny_model, tiny_tokenizer, monkeypatch):
+    """Pinned constants are used as given, nothing is measured, and they are what the planner
+    gets: with a call worth 1 token, requests with little in common get calls of their own (4
+    batches here), with one worth MAX_CALL_TOKENS all go in one; both score like HFLM."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("pinned constants must not be measured")
+
+    monkeypatch.setattr(prefix_lm, "measure_call_tokens", no_measuring)
+    seen = []
+    real_plan = prefix_lm.plan_batches
+
+    def spy(seqs, need, max_rows, call_tokens=prefix_lm.CPU_CALL_TOKENS):
+        seen.append(call_tokens)
+        return real_plan(seqs, need, max_rows, call_tokens)
+
+    monkeypatch.setattr(prefix_lm, "plan_batches", spy)
+    ref = HFLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3)
+    reqs = _ll_requests(ref)
+    want = ref._loglikelihood_tokens(reqs, disable_tqdm=True)
+    calls = {}
+    for pinned in (1, MAX_CALL_TOKENS):
+        lm = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=len(reqs),
+                            call_tokens=pinned, decode_kv_tokens=2048)
+        assert lm.calibrate() == {"call_tokens": pinned, "decode_kv_tokens": 2048}
+        got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+        assert [g[1] for g in got] == [w[1] for w in want]
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
+        assert seen[-1] == pinned and lm.stats["call_tokens"] == pinned
+        calls[pinned] = lm.stats["prefill_calls"]
+    assert calls[1] > calls[MAX_CALL_TOKENS]
+    with pytest.raises(ValueError):
+        PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, call_tokens=0)
+
+
+def test_decode_kv_budget():
+    """CUDA: 1/8 of free memory over a position's K/V bytes, a power of 2; CPU: the fixed speed
+    limit, lowered only where the RAM would not hold it."""
+    assert decode_kv_budget("cuda", 131072, 80 * 10 ** 9) == 65536       # Llama-8B-like bf16 cache
+    assert decode_kv_budget("cuda", 23040, 120 * 10 ** 9) == 524288      # SmolLM2-135M bf16 on an H200
+    assert decode_kv_budget("cpu", 46080, 20 * 10 ** 9) == DECODE_KV_TOKENS
+    assert decode_kv_budget("cpu", 46080, 10 ** 9) == 2048
+    assert decode_kv_budget("cpu", 46080, None) == DECODE_KV_TOKENS
+    assert decode_kv_budget("cuda", 10 ** 6, 10 ** 6) == prefix_lm.MIN_DECODE_KV_TOKENS
+
+
+# ------------------------------------------------------------------ stop strings
+
+
+def _first_hit(check, toks):
+    """The first length at which `check(prefix)` says done, growing the row a token at a time."""
+    return next((t for t in range(1, len(toks) + 1) if check(toks[:t])), None)
+
+
+def test_stop_check_stops_where_the_whole_text_check_would(tiny_tokenizer):
+    """StopCheck decodes only a row's tail: on random rows (special tokens and lone bytes
+    included) and on crafted ones where a stop string spans token boundaries, is spelled one
+    byte-token at a time, or comes from a special token, it first says done at the same token
+    as the whole-text check (the evaluator's former test), and its row's final text is the same."""
+    tok = tiny_tokenizer
+    rng = random.Random(0)
+    vocab = len(tok)
+
+    def whole(until, stop_ids, max_gen):
+        def check(toks):
+            text = tok.decode(toks, skip_special_tokens=False)
+            return len(toks) >= max_gen or toks[-1] in stop_ids or any(s and s in text for s in until)
+        return check
+
+    def spelled(text):  # one token per character: a stop string spread over as many tokens as it can be
+        return [i for ch in text for i in tok.encode(ch)]
+
+    cases = []
+    for _ in range(300):
+        toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        text = tok.decode(toks, skip_special_tokens=False)
+        a = rng.randrange(len(text)) if text else 0
+        until = [text[a:a + rng.randint(1, 12)], rng.choice(["\n", "the", "<|im_end|>", ""])]
+        cases.append((toks, until, set(), 64))
+    prose = "the quick brown fox jumps over the lazy dog.\n\nLe chat est sur la table. caf\u00e9\n"
+    for until in (["fox jumps"], ["\n\n"], ["\u00e9\n"], ["zzz"], ["e l", "dog."], ["<|im_end|>"]):
+        for toks in (tok.encode(prose), spelled(prose),
+                     tok.encode("a cat sat") + [tok.convert_tokens_to_ids("<|im_end|>")] + tok.encode(" x")):
+            cases.append((toks, until, set(), 80))
+    cases.append((tok.encode(prose), ["\n"], {tok.encode(" fox")[0]}, 80))  # a stop id first
+    cases.append((spelled(prose), ["\n"], set(), 5))                          # the cap first
+    hits = 0
+    for toks, until, stop_ids, max_gen in cases:
+        stop = StopCheck(tok, until, stop_ids, max_gen)
+        first = _first_hit(lambda t: stop([t])[0], toks)
+        assert first == _first_hit(whole(until, stop_ids, max_gen), toks), (toks, until)
+        hits += first is not None
+        # Batched: several rows at once give what each gives alone.
+        rows = [toks[:t] for t in range(1, len(toks) + 1)]
+        assert stop(rows) == [stop([r])[0] for r in rows]
+    assert hits > 250

@@ -13,14 +13,25 @@ How it works:
     head (the prefix all its members share) and a tail per member. Whether the next request joins
     the current batch (a shorter head, more padded tail tokens) or starts a new one (one more
     forward call) is decided by a cost model of a forward pass: a fixed cost per call plus a cost
-    per token (`CALL_COST`, `TOKEN_COST`: on the 2-core CPU one call of 1 token took 119 ms and
-    each further token about 2.3 ms; the ratio is what matters).
+    per token. Only their ratio steers the plan: a call is worth `call_tokens` row-tokens.
+  * Calibration (`PrefixCachedLM.calibrate`, at first use, a few seconds): the ratio is measured on
+    the model and device at hand, since it spans orders of magnitude (on the 2-core CPU a call of
+    SmolLM2-135M costs about 48 tokens, `CALL_COST` / `TOKEN_COST`; on a GPU, thousands, and the
+    CPU's ratio made MMLU run about two forwards per question there). The measured ratio is
+    rounded to a power of 4 (see `bucket_call_tokens`: the plan, hence each batch's composition
+    and float rounding, must not change with timing noise between runs), measured once per loaded
+    model and reused by later evaluators of the same model object, and can be pinned
+    (`PrefixCachedLM(call_tokens=..., decode_kv_tokens=...)`). The decode batches' KV budget comes
+    from free memory (`decode_kv_budget`). The constants go into `stats` (quality meta.json's
+    counters).
   * `PrefixWalk` keeps one batch-1 KV cache: a head is computed from the longest prefix it shares
     with the previous head, then the tails run as one left-padded batch on copies of its cache.
     Only the logits that are needed leave the model (`logits_to_keep`).
   * Greedy `generate_until` decodes the prefilled rows together, `batch_size` rows at a time
     (batches of several heads are merged by left-padding their caches); a row leaves the batch
     when its text contains a stop sequence, it emits an EOS token, or it reaches `max_gen_toks`.
+    Each step moves the step's tokens to the host once for the whole batch, and the stop strings
+    are looked for in the decoded tail of each row only (`StopCheck`), confirmed on the whole text.
 Tokenization, truncation, stop handling and post-processing are HFLM's own (tok_encode,
 normalize_gen_kwargs, handle_stop_sequences, postprocess_generated_text), so scores match HFLM's
 up to floating-point summation order (tests/test_prefix_lm.py compares the two). Sampling
@@ -32,8 +43,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,14 +57,27 @@ from tqdm import tqdm
 
 from pipeline.decode.cache import cache_kwarg
 
-# Cost of a forward pass ~ CALL_COST + TOKEN_COST * rows * width (seconds, 2-core CPU, SmolLM2-135M
-# in float32). Only the ratio (one call ~ 50 tokens) steers the plan.
+# Cost of a forward pass ~ CALL_COST + TOKEN_COST * rows * width, as measured on the 2-core CPU
+# (seconds, SmolLM2-135M in float32: one call of 1 token took 119 ms, each further token about
+# 2.3 ms; pipeline/tools/estimate.py reads TOKEN_COST). Only the ratio steers the plan:
+# plan_batches works in tokens, a call being worth `call_tokens` of them. CPU_CALL_TOKENS is its
+# default; PrefixCachedLM measures its own (calibrate).
 CALL_COST = 0.11
 TOKEN_COST = 0.0023
-# A decode batch holds at most this many cached positions (rows x padded length): every step
-# reads the whole cache, so 40 rows of a 1k-token haystack decoded slower together than in
-# batches of ~16.
+CPU_CALL_TOKENS = round(CALL_COST / TOKEN_COST)  # 48
+# The largest ratio calibration reports (4^8): a batch of quality.batch_size rows of a few hundred
+# tokens is far below it, so beyond it every join is worth it anyway.
+MAX_CALL_TOKENS = 4 ** 8
+# Calibration forwards run rows of at most this many tokens, so attention (quadratic in the row's
+# length) stays a small part of what is timed, as in the plan's tails.
+CALIBRATION_WIDTH = 256
+# A decode batch holds at most this many cached positions (rows x padded length). On the CPU it
+# is a speed limit, not a memory one: every step reads the whole cache, so 40 rows of a 1k-token
+# haystack decoded slower together than in batches of ~16. On CUDA the limit is memory:
+# decode_kv_budget gives the decode caches DECODE_KV_SHARE of the free memory.
 DECODE_KV_TOKENS = 16384
+DECODE_KV_SHARE = 1 / 8
+MIN_DECODE_KV_TOKENS = 1024
 
 
 def common_prefix(a, b) -> int:
@@ -135,16 +161,20 @@ def _kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _batch_cost(head: int, lengths: list[int]) -> float:
+def _batch_cost(head: int, lengths: list[int], call_tokens: int) -> int:
+    """A batch's cost in tokens: the head's call (when there is a head) and the tails' call of
+    rows x padded width. Integers, so the plan's comparisons have no rounding to flip."""
     width = max(n - head for n in lengths)
-    return (CALL_COST + TOKEN_COST * head if head else 0.0) + CALL_COST + TOKEN_COST * len(lengths) * width
+    return (call_tokens + head if head else 0) + call_tokens + len(lengths) * width
 
 
-def plan_batches(seqs: list[list[int]], need: list[int], max_rows: int) -> list[tuple[int, list[int]]]:
+def plan_batches(seqs: list[list[int]], need: list[int], max_rows: int,
+                 call_tokens: int = CPU_CALL_TOKENS) -> list[tuple[int, list[int]]]:
     """Cut requests into (head length, member indices) batches, in lexicographic order of `seqs`.
     Every member starts with the same `head` tokens and keeps at least `need[i]` tokens in its
     tail (the positions whose logits are read). Greedy: the next request joins the current batch
-    when that costs less (by the cost model above) than giving it a batch of its own."""
+    when that costs less (by the cost model above, a call being worth `call_tokens` tokens) than
+    giving it a batch of its own."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     batches: list[tuple[int, list[int]]] = []
     members: list[int] = []
@@ -154,8 +184,8 @@ def plan_batches(seqs: list[list[int]], need: list[int], max_rows: int) -> list[
         if members:
             joined = min(head, own, common_prefix(seqs[members[-1]], seqs[i]))
             lengths = [len(seqs[j]) for j in members]
-            if len(members) < max_rows and _batch_cost(joined, lengths + [len(seqs[i])]) <= \
-                    _batch_cost(head, lengths) + _batch_cost(own, [len(seqs[i])]):
+            if len(members) < max_rows and _batch_cost(joined, lengths + [len(seqs[i])], call_tokens) <= \
+                    _batch_cost(head, lengths, call_tokens) + _batch_cost(own, [len(seqs[i])], call_tokens):
                 members.append(i)
                 head = joined
                 continue
@@ -217,15 +247,17 @@ class PrefixWalk:
         width = max(map(len, tails))
         if not 1 <= keep <= width:  # rows whose tail is shorter than `keep` read pads there
             raise ValueError(f"cannot read {keep} logits from tails of at most {width} tokens")
-        ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(rows, h + width, dtype=torch.long, device=self.device)
+        # Built on the host and moved in one copy each, not one small copy per row.
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, h + width, dtype=torch.long)
         mask[:, :h] = 1
-        positions = torch.full((rows, width), h, dtype=torch.long, device=self.device)
+        positions = torch.full((rows, width), h, dtype=torch.long)
         for r, tail in enumerate(tails):
             pad = width - len(tail)
             ids[r, pad:] = torch.tensor(tail, dtype=torch.long)
             mask[r, h + pad:] = 1
             positions[r, pad:] = torch.arange(h, h + len(tail))
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
         kv = [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.kv] if h else None
         cache = _cache(kv)
         logits = self._forward(ids, positions, cache, keep, mask).float()
@@ -252,12 +284,196 @@ def merge_rows(parts: list[Rows]) -> Rows:
     return Rows(kv, mask, torch.cat([p.position for p in parts]), [i for p in parts for i in p.ids])
 
 
+# ------------------------------------------------------------------ calibration
+
+
+def bucket_call_tokens(ratio: float) -> int:
+    """The power of 4 nearest `ratio` on a log scale, within [1, MAX_CALL_TOKENS].
+
+    Why a bucket: the ratio decides which requests share a batch, and a batch's composition
+    changes the float rounding of its rows (a kernel's result depends on the number of rows and
+    the padding), so a ratio that moved with timing noise would let two runs of the same model
+    score an item differently. Why powers of 4: a bucket spans a factor of 2 either side of its
+    value, so a ratio measured in the middle of one needs a 40-100% timing error to leave it (the
+    2-core CPU's 46-48 sits in 64's, whose edges are 32 and 128), while the plan barely cares:
+    a ratio off by 2x moves few joins, and those only where either choice costs about the same.
+    A ratio near an edge can still flip between runs; pin it (`call_tokens=`) where that matters."""
+    if math.isnan(ratio) or math.isinf(ratio):  # no measurable per-token cost
+        return MAX_CALL_TOKENS
+    if ratio <= 1:  # the call's own cost is lost in the tokens'
+        return 1
+    return int(min(MAX_CALL_TOKENS, 4 ** round(math.log(ratio, 4))))
+
+
+def _floor_pow2(x: float) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def decode_kv_budget(device_type: str, kv_bytes_per_token: int, free_bytes: int | None) -> int:
+    """Cached positions (rows x padded length) one decode batch may hold.
+
+    CUDA: DECODE_KV_SHARE of the free memory (the driver's free memory plus what torch's allocator
+    holds unused) over the model's KV bytes per position. Up to three copies of a batch's cache
+    live at once (the prefilled parts, the merged batch, the decode buffers with room for
+    max_gen_toks), so 1/8 leaves most of the free memory to activations and the other model.
+    CPU (and other devices): DECODE_KV_TOKENS, the measured speed optimum of the 2-core CPU (per
+    step the attention reads every cached position, compute-bound, so batches beyond it decoded
+    slower), lowered only where the available RAM would not hold it at the same share (a large
+    model on a small machine: SmolLM2-135M's float32 cache takes 45 KiB a position, 16k positions
+    720 MiB). Rounded down to a power of 2, since free memory differs from run to run and the
+    budget decides batches (see bucket_call_tokens)."""
+    fit = _floor_pow2(free_bytes * DECODE_KV_SHARE / max(kv_bytes_per_token, 1)) if free_bytes else None
+    if device_type == "cuda" and fit:
+        return max(MIN_DECODE_KV_TOKENS, fit)
+    return max(MIN_DECODE_KV_TOKENS, min(DECODE_KV_TOKENS, fit)) if fit else DECODE_KV_TOKENS
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        import psutil  # accelerate's dependency
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def measure_call_tokens(forward, sync=lambda: None, reps: int = 5, max_tokens: int = MAX_CALL_TOKENS,
+                        time_limit: float = 10.0) -> dict:
+    """How many row-tokens one forward call is worth on this model and device.
+
+    `forward(rows, width)` runs one prefill call of rows x width new tokens (as the plan's tail
+    batches do); `sync()` waits for the device. A call of 1 token (t1) is timed against calls of
+    n = 16, 64, 256, ... tokens, in rows of at most CALIBRATION_WIDTH, until n tokens take at
+    least twice t1 (the tokens' own cost is then as large as the call's, so it is measured above
+    the noise; on a GPU small calls cost the same whatever their size, and the ratio that matters
+    is where that stops), n reaches `max_tokens`, or `time_limit` seconds have gone by. Then
+    `reps` interleaved pairs (t1, tn) at that n, each the fastest of its kind (other work on the
+    machine only ever adds time): token = (tn - t1) / (n - 1), call = t1 - token. Returns the raw
+    ratio call / token, call and token in seconds, and n.
+
+    On a CPU shared with other processes no estimator saves it: with the cores busy elsewhere a
+    multi-threaded GEMM waits for its descheduled threads, so tokens slow down far more than the
+    call overhead. On the 2-core CPU (idle: call 119 ms, token 2.3 ms, ratio 48) under loads of 3
+    to 5, with torch's 2 threads: tokens of 80-220 ms, calls of 45-330 ms, ratios 0.2 to 5; with
+    1 thread, ratio 10. Pin call_tokens where runs on a shared machine must agree."""
+    def timed(rows: int, width: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        forward(rows, width)
+        sync()
+        return time.perf_counter() - t0
+
+    def shape(n: int) -> tuple[int, int]:
+        width = min(n, CALIBRATION_WIDTH)
+        return max(1, n // width), width
+
+    start = time.perf_counter()
+    timed(1, 1)  # warm-up
+    t1 = min(timed(1, 1), timed(1, 1))
+    n, good = 16, None
+    while True:
+        try:
+            timed(*shape(n))  # warm-up at this shape
+            tn = timed(*shape(n))
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            break
+        good = n
+        if tn >= 2 * t1 or 4 * n > max_tokens or time.perf_counter() - start > time_limit:
+            break
+        n *= 4
+    if good is None:
+        raise RuntimeError("calibration: no forward of 16 tokens fits")
+    rows, width = shape(good)
+    ones, many = [], []
+    for k in range(reps):
+        ones.append(timed(1, 1))
+        many.append(timed(rows, width))
+        if k >= 1 and time.perf_counter() - start > time_limit:
+            break
+    t1, tn = min(ones), min(many)
+    tokens = rows * width
+    token = (tn - t1) / (tokens - 1)
+    call = t1 - token
+    ratio = call / token if token > 0 else math.inf
+    return {"ratio": ratio, "call_s": call, "token_s": token, "tokens": tokens}
+
+
+# A model's measured constants, kept for later evaluators of the same loaded model (the quality
+# stage builds one per wave): one measurement per model and run, and the same plan in every wave.
+_CALIBRATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The keys of `stats` that are constants, not counts (summing them over evaluators means nothing;
+# calibration_seconds, a count, is not among them).
+CALIBRATION_CONSTANTS = ("call_tokens", "call_tokens_measured", "call_tokens_source", "call_ms", "token_ns",
+                         "kv_bytes_per_token", "decode_kv_tokens")
+# Whether the plan uses the ratio measured on a CPU. It does not by default: on a shared CPU the
+# measurement moved 10-200x with other processes' load (2026-12-02: 0.2 to 4.8 under load against
+# ~48 idle), past what the power-of-4 bucket absorbs, and a plan that changes between the
+# reference's evaluator and a variant's changes batch compositions, hence bf16 rounding, on items
+# the two should score alike. A CPU plan uses CPU_CALL_TOKENS (measured idle on the 2-core CPU);
+# the measured ratio is still recorded beside it. CUDA always uses its measurement.
+MEASURE_ON_CPU = False
+
+
+# ------------------------------------------------------------------ stop strings
+
+
+class StopCheck:
+    """Which greedy rows are done after their latest token: `max_gen` tokens, a stop id (EOS),
+    or a stop string in the text decoded with special tokens (what the evaluator always checked).
+
+    Incremental: a stop string that was not in a row's text before its latest token and is now
+    must overlap that token's text, so only a tail of the row is decoded, all live rows in one
+    batch_decode: the last (longest stop string in UTF-8 bytes + 2) tokens. Every token adds at
+    least one byte of text, so a stop string spread over as many tokens as it has bytes (a "\\n\\n"
+    emitted as two "\\n", or a byte-fallback character) still lies inside the tail; the 2 spare
+    tokens absorb what decoding a tail alone changes at its start (a partial UTF-8 character,
+    the leading space a SentencePiece decoder drops). lm-eval's HFLM looks back only
+    len(tokens of the stop string) + 2 tokens (MultiTokenEOSCriteria), so this sees at least what
+    it sees. A hit in the tail is confirmed on the whole text, so a row never stops on a string
+    its text lacks. What a row returns is unchanged by where it stops: the caller cuts the whole
+    decoded text at the first stop string (postprocess_generated_text), as HFLM does, and a row
+    that decoded further (a miss) is cut at the same place."""
+
+    def __init__(self, tokenizer, until: list[str], stop_ids: set[int], max_gen: int):
+        self.tokenizer, self.stop_ids, self.max_gen = tokenizer, stop_ids, max_gen
+        self.until = [s for s in until if s]
+        self.window = max((len(s.encode("utf-8")) for s in self.until), default=0) + 2
+
+    def contains(self, toks: list[int]) -> bool:
+        """The whole-text test."""
+        text = self.tokenizer.decode(toks, skip_special_tokens=False)
+        return any(s in text for s in self.until)
+
+    def __call__(self, rows: list[list[int]]) -> list[bool]:
+        done = [len(t) >= self.max_gen or t[-1] in self.stop_ids for t in rows]
+        look = [j for j, d in enumerate(done) if not d] if self.until else []
+        if look:
+            tails = self.tokenizer.batch_decode([rows[j][-self.window:] for j in look], skip_special_tokens=False)
+            for j, text in zip(look, tails):
+                if any(s in text for s in self.until):
+                    done[j] = self.contains(rows[j])
+        return done
+
+
+# ------------------------------------------------------------------ the lm-eval model
+
+
 class PrefixCachedLM(HFLM):
     """HFLM with prefix-shared, batched prefill and batched greedy decoding (module docstring).
     `stats` counts prompt tokens requested and computed, forward calls, generated tokens, decode
-    steps and the seconds spent in prefill and decode."""
+    steps and the seconds spent in prefill and decode; the evaluator that measured the model's
+    cost constants (calibrate) adds them (CALIBRATION_CONSTANTS) and calibration_seconds once: a
+    later evaluator of the same model reuses them without adding them again, so the per-wave
+    counters the quality stage sums per variant hold one copy.
 
-    def __init__(self, pretrained, tokenizer, batch_size: int = 8, **kwargs):
+    `call_tokens` (a forward call's cost in tokens) and `decode_kv_tokens` (a decode batch's
+    cached positions) pin the constants calibrate would otherwise measure."""
+
+    def __init__(self, pretrained, tokenizer, batch_size: int = 8, call_tokens: int | None = None,
+                 decode_kv_tokens: int | None = None, **kwargs):
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
         self._bs = max(1, int(batch_size))
         self.stats = {"prompt_tokens": 0, "computed_tokens": 0, "prefill_calls": 0, "generated_tokens": 0,
@@ -267,6 +483,11 @@ class PrefixCachedLM(HFLM):
         self._stop_ids = {i for i in [self.eot_token_id, *gen_eos] if i is not None}
         self.supported = self._plain_kv_cache()
         self._fwd = forward_kwargs(self.model)
+        self._pinned = {k: int(v) for k, v in (("call_tokens", call_tokens), ("decode_kv_tokens", decode_kv_tokens))
+                        if v is not None}
+        if any(v < 1 for v in self._pinned.values()):
+            raise ValueError(f"call_tokens and decode_kv_tokens must be >= 1, not {self._pinned}")
+        self.calibration: dict | None = None
 
     def _plain_kv_cache(self) -> bool:
         """Only caches made of plain per-layer K/V tensors can be cut and batched as done here."""
@@ -287,6 +508,60 @@ class PrefixCachedLM(HFLM):
         self.stats["prefill_seconds"] += prefill_s
         self.stats["decode_seconds"] += decode_s
 
+    # ------------------------------------------------------------------ calibration
+
+    def calibrate(self) -> dict:
+        """This evaluator's constants: `call_tokens` (bucketed, what the plan uses) and
+        `decode_kv_tokens`, pinned ones as given; the rest measured on the model (a few seconds,
+        once per loaded model: later evaluators of the same model object reuse it), with what
+        they came from: the raw ratio, a call's ms, a token's ns, KV bytes per position and the
+        seconds calibration took."""
+        if self.calibration is not None:
+            return self.calibration
+        measured = None
+        if len(self._pinned) < 2:
+            measured = _CALIBRATED.get(self.model)
+            fresh = measured is None
+            if fresh:
+                measured = self._measure()
+                _CALIBRATED[self.model] = measured
+        else:
+            fresh = True
+        self.calibration = {**(measured or {}), **self._pinned}
+        if fresh:
+            self.stats.update(self.calibration)
+        return self.calibration
+
+    def _measure(self) -> dict:
+        start = time.perf_counter()
+        vocab = int(getattr(self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config")
+                            else self.model.config, "vocab_size", 0) or self.tokenizer.vocab_size)
+        kv_bytes: list[int] = []
+
+        def forward(rows: int, width: int) -> None:
+            # Fixed token ids: what is timed must not depend on anything that varies.
+            tail = [(17 + 31 * j) % vocab for j in range(width)]
+            walk = PrefixWalk(self.model, self.device, self._fwd)
+            _, state = walk.branch([], [tail] * rows, keep=1)
+            if not kv_bytes:
+                kv_bytes.append(sum(k.nbytes + v.nbytes for k, v in state.kv) // (rows * width))
+
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        with torch.inference_mode(), gqa_attention(self.device):
+            m = measure_call_tokens(forward, sync)
+            if not kv_bytes:
+                forward(1, 16)
+        free = _free_memory(self.device)
+        use_measured = self.device.type == "cuda" or MEASURE_ON_CPU
+        return {"call_tokens": bucket_call_tokens(m["ratio"]) if use_measured else CPU_CALL_TOKENS,
+                "call_tokens_measured": round(min(m["ratio"], 1e9), 1),
+                "call_tokens_source": "measured" if use_measured else
+                "CPU_CALL_TOKENS (a CPU's measurement moves with load; prefix_lm.MEASURE_ON_CPU)",
+                "call_ms": round(m["call_s"] * 1e3, 3), "token_ns": round(m["token_s"] * 1e9, 3),
+                "kv_bytes_per_token": kv_bytes[0],
+                "decode_kv_tokens": decode_kv_budget(self.device.type, kv_bytes[0], free),
+                "calibration_seconds": round(time.perf_counter() - start, 3)}
+
     # ------------------------------------------------------------------ log-likelihood
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -298,24 +573,30 @@ class PrefixCachedLM(HFLM):
                 raise ValueError("a log-likelihood request needs a non-empty context and continuation")
             inputs.append((ctx + cont)[-(self.max_length + 1):][:-1])
             need.append(len(cont))
+        call_tokens = self.calibrate()["call_tokens"]
         res: list = [None] * len(requests)
         walk = PrefixWalk(self.model, self.device, self._fwd)
         start = time.perf_counter()
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests (prefix-shared)")
         with torch.inference_mode(), gqa_attention(self.device):
-            for head, members in plan_batches(inputs, need, self._bs):
+            for head, members in plan_batches(inputs, need, self._bs, call_tokens):
                 keep = max(need[i] for i in members)
                 logits, _ = walk.branch(inputs[members[0]][:head], [inputs[i][head:] for i in members], keep)
+                sums, greedy = [], []
                 for row, i in enumerate(members):
-                    request_str, _, cont = requests[i]
+                    cont = requests[i][2]
                     logp = F.log_softmax(logits[row, keep - len(cont):], dim=-1)
                     target = torch.tensor(cont, dtype=torch.long, device=logp.device)
-                    answer = (float(logp.gather(1, target[:, None]).sum()),
-                              bool((logp.argmax(-1) == target).all()))
+                    sums.append(logp.gather(1, target[:, None]).sum())
+                    greedy.append((logp.argmax(-1) == target).all())
+                # One transfer to the host per batch, not two per row.
+                values = torch.stack([torch.stack(sums), torch.stack(greedy).to(sums[0].dtype)]).tolist()
+                for row, i in enumerate(members):
+                    answer = (values[0][row], bool(values[1][row]))
                     res[i] = answer
-                    if request_str is not None:
-                        self.cache_hook.add_partial("loglikelihood", request_str, answer)
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
                 bar.update(len(members))
         bar.close()
         self._account(walk, time.perf_counter() - start)
@@ -340,6 +621,10 @@ class PrefixCachedLM(HFLM):
         if fallback:
             for i, text in zip(fallback, super().generate_until([requests[i] for i in fallback], disable_tqdm)):
                 res[i] = text
+        if not groups:
+            return res
+        cal = self.calibrate()
+        call_tokens, kv_budget = cal["call_tokens"], cal["decode_kv_tokens"]
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         bar = tqdm(total=len(requests) - len(fallback), disable=disable_tqdm or self.rank != 0,
                    desc="Running generate_until requests (prefix-shared)")
@@ -350,6 +635,7 @@ class PrefixCachedLM(HFLM):
                 kwargs = normalize_gen_kwargs(requests[idx[0]].args[1], self.max_gen_toks)
                 until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
                 max_gen = kwargs.pop("max_gen_toks")
+                stop = StopCheck(self.tokenizer, until, self._stop_ids, max_gen)
                 enc = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
                        for i in idx]
                 pool: list[Rows] = []
@@ -358,7 +644,7 @@ class PrefixCachedLM(HFLM):
                 def flush():
                     nonlocal decode_s
                     t0 = time.perf_counter()
-                    for i, toks in self._decode(merge_rows(pool), first, until, max_gen).items():
+                    for i, toks in self._decode(merge_rows(pool), first, stop).items():
                         text = postprocess_generated_text(self.tok_decode(toks), stop=until, think_end_token=None)
                         res[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -367,10 +653,10 @@ class PrefixCachedLM(HFLM):
                     pool.clear()
                     first.clear()
 
-                for head, members in plan_batches(enc, [1] * len(enc), self._bs):
+                for head, members in plan_batches(enc, [1] * len(enc), self._bs, call_tokens):
                     rows_after = sum(len(p.ids) for p in pool) + len(members)
                     width_after = max([p.mask.shape[1] for p in pool] + [max(len(enc[m]) for m in members)])
-                    if pool and (rows_after > self._bs or rows_after * width_after > DECODE_KV_TOKENS):
+                    if pool and (rows_after > self._bs or rows_after * width_after > kv_budget):
                         flush()
                     t0 = time.perf_counter()
                     logits, rows = walk.branch(enc[members[0]][:head], [enc[m][head:] for m in members], keep=1)
@@ -384,24 +670,21 @@ class PrefixCachedLM(HFLM):
         self._account(walk, prefill_s, decode_s)
         return res
 
-    def _finished(self, toks: list[int], until: list[str], max_gen: int) -> bool:
-        if len(toks) >= max_gen or toks[-1] in self._stop_ids:
-            return True
-        text = self.tokenizer.decode(toks, skip_special_tokens=False)
-        return any(s and s in text for s in until)
-
-    def _decode(self, rows: Rows, first: dict[int, int], until: list[str], max_gen: int) -> dict[int, list[int]]:
-        """Greedy continuation of every row from its first token (already chosen at prefill)."""
+    def _decode(self, rows: Rows, first: dict[int, int], stop: StopCheck) -> dict[int, list[int]]:
+        """Greedy continuation of every row from its first token (already chosen at prefill).
+        Per step: one forward of the live rows, one transfer of their tokens to the host, one
+        batched stop check (StopCheck); finished rows leave the cache."""
         out = {i: [first[i]] for i in rows.ids}
         self.stats["generated_tokens"] += len(out)
-        live = [j for j, i in enumerate(rows.ids) if not self._finished(out[i], until, max_gen)]
+        done = stop([out[i] for i in rows.ids])
+        live = [j for j, d in enumerate(done) if not d]
         if not live:
             return out
         kv, mask, pos = rows.kv, rows.mask, rows.position
         if len(live) < len(rows.ids):  # rows done at their first token; else no extra copy
             sel = torch.tensor(live, dtype=torch.long, device=self.device)
             kv, mask, pos = [(k[sel], v[sel]) for k, v in kv], mask[sel], pos[sel]
-        cache = _decode_cache(kv, room=max_gen)
+        cache = _decode_cache(kv, room=stop.max_gen)
         alive = [rows.ids[j] for j in live]
         cur = torch.tensor([out[i][-1] for i in alive], dtype=torch.long, device=self.device)
         cache_kw, keep_arg = self._fwd
@@ -413,11 +696,11 @@ class PrefixCachedLM(HFLM):
             nxt = logits[:, -1].argmax(-1)
             self.stats["decode_steps"] += 1
             self.stats["generated_tokens"] += len(alive)
-            keep = []
-            for j, i in enumerate(alive):
-                out[i].append(int(nxt[j]))
-                if not self._finished(out[i], until, max_gen):
-                    keep.append(j)
+            for i, t in zip(alive, nxt.tolist()):  # the step's one transfer to the host
+                out[i].append(t)
+            keep = [j for j, d in enumerate(stop([out[i] for i in alive])) if not d]
+            if not keep:
+                break
             if len(keep) < len(alive):
                 sel = torch.tensor(keep, dtype=torch.long, device=self.device)
                 cache.batch_select_indices(sel)
