@@ -93,12 +93,99 @@ def test_quality_grows_linearly_in_items():
     assert seconds[1] > seconds[0]
 
 
-def test_quality_first_look_is_the_first_wave_and_tasks_whole():
+def test_quality_first_look_is_the_first_wave_of_every_slice_and_task():
     c = est.Cost(load_config(GPU), "8b", est.DEVICES["h100"])
-    assert est.quality_items(c, "long_context") == (999, 198)  # whole haystacks of 3; waves of 200
+    assert est.quality_items(c, "long_context") == (999, 201)  # whole haystacks of 3; the first end >= 200
     assert est.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
     assert est.quality_items(c, "code") == (164, 164)  # the pool is under one wave
-    assert est.quality_items(c, "mmlu") == (14042, 14042)  # lm-eval tasks: scored whole in the first look
+    # lm-eval tasks in waves too (issue 27): every document in a seeded order, capped at max_items.
+    assert est.quality_items(c, "gsm8k") == (1000, 200)
+    assert est.quality_items(c, "mmlu") == (1000, 200)
+    assert est.quality_items(c, "mgsm_direct") == (990, 209)  # task_clusters doc_id: 90 problems x 11 languages
+    # The floor holds each task's first wave for every model, not the task whole.
+    doc = est.estimate(load_config(GPU), "8b", est.DEVICES["h100"])
+    ref = next(p for p in _stage(doc, "quality")["parts"] if p["what"].startswith("bf16: load, first look"))
+    whole = sum(est.slice_cost(c, "bf16", t, 1000) for t in ("gsm8k", "mmlu"))
+    assert ref["seconds"] < whole
+
+
+@pytest.mark.parametrize("pool, cluster, asked, wave", [
+    (1000, 1, 1000, 200), (999, 3, 999, 200), (1000, 3, 1000, 200), (2750, 11, 1000, 200), (2750, 11, 200, 40),
+    (240, 3, 240, 40), (40, 3, 40, None), (164, 1, 1000, 200), (1319, 1, None, 200)])
+def test_waves_of_is_the_stages_selection_and_looks(pool, cluster, asked, wave):
+    """waves_of against the stage's own functions on a pool of equal clusters (a short last one where
+    they do not divide): pipeline/quality/waves.py order_items, then pipeline/gate/looks.py plan."""
+    from pipeline.gate.looks import plan
+    from pipeline.quality.waves import order_items
+
+    blob = "".join(json.dumps({"id": f"i{i}", "cluster": f"c{i // cluster}", "prompt": f"q{i}"}) + "\n"
+                   for i in range(pool)).encode()
+    chosen, ends = order_items(blob, 0, "s", asked or pool)
+    n = len(chosen.splitlines())
+    sequential = bool(wave) and wave < (asked or pool)
+    looks = plan(n, wave if sequential else None, ends if sequential else None)
+    got_n, got_looks, per = est.waves_of(pool, cluster, asked, wave)
+    assert (got_n, got_looks) == (n, looks)
+    assert per == n // len(ends)  # items a cluster holds in the selection
+
+
+def test_generated_slices_are_planned_as_the_stage_plans_them():
+    """The stage's own plan (pipeline/stages/quality.py: _slice_data) for the generated slices of both
+    configs, 1000 long-context items included (a short last haystack: one item per haystack)."""
+    import yaml
+
+    from pipeline.stages.quality import _slice_data
+
+    gpu = yaml.safe_load(GPU.read_text())
+    gpu["quality"]["per_slice"]["long_context"] = {"items": 1000}
+    (short,) = [load_config(GPU, {"quality": gpu["quality"]})]
+    for cfg in (load_config(DEFAULT), load_config(GPU), short):
+        c = est.Cost(cfg, "tiny", est.DEVICES["h100"])
+        for name in cfg.quality.slices:
+            if name in ("bfcl", "code"):
+                continue
+            _, stage_plan = _slice_data(name, cfg.quality, cfg.seed, None)
+            n, looks, _ = est.quality_plan(c, name)
+            assert (n, looks) == (stage_plan["n_max"], stage_plan["looks"]), name
+    assert est.quality_plan(est.Cost(short, "tiny", est.DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
+
+
+def test_a_warm_up_is_short_runs_not_a_repeat():
+    """Since 2026-12-02 (pipeline/latency/speculative.py WARMUP_UNIT, pipeline/latency/batched.py) a
+    B = 1 pair warms up on one run of min(new_tokens, 8) tokens per temperature and k (plain included)
+    on the shortest prompt, a batched pair on every cell once at that length; a plain grid cell still
+    on whole runs. Each warm-up adds exactly that to the pair's part (hand sum, 1e-9 relative)."""
+    cfg = load_config(GPU)
+    h100 = est.DEVICES["h100"]
+
+    def parts(warmup: int) -> dict:
+        c = est.Cost(with_section(cfg, "latency", warmup=warmup), "8b", h100)
+        return {w: s for w, s, _ in est.latency(c).parts}, c
+
+    (p0, c), (p2, _) = parts(0), parts(2)
+    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
+    temps, new = len(cfg.acceptance.temperatures), min(lat.new_tokens, 8)
+    shortest = min(est.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None))
+    one = temps * (c.generate("bf16", 1, shortest, new, eager=False)
+                   + sum(c.speculate("bf16", "ngram", 1, shortest, new, k, False) for k in ks))
+    key = next(w for w in p0 if w.startswith("bf16 + ngram: B = 1"))
+    assert p2[key] - p0[key] == pytest.approx(2 * one, rel=1e-9)
+    row = min(est.prompt_lengths(c, "latency", 1))
+    cells = sum(c.generate("bf16", b, row, new, eager=False)
+                + sum(c.speculate("bf16", "ngram", b, row, new, k, False) for k in ks) for b in lat.spec_batch_sizes)
+    key = next(w for w in p0 if w.startswith("bf16 + ngram: batched"))
+    assert p2[key] - p0[key] == pytest.approx(2 * cells, rel=1e-9)
+    # A plain grid cell: whole runs of new_tokens (pipeline/latency/grid.py), a repeat's time each.
+    key = next(w for w in p0 if w.startswith("bf16: grid of"))
+    assert p2[key] - p0[key] == pytest.approx(2 * p0["bf16: grid repeats 2-10"] / (lat.repeats - 1), rel=1e-9)
+
+
+def test_gpu_yaml_on_an_h100_is_at_most_two_hours():
+    """Issue 27's target: configs/gpu.yaml, an 8B model, one H100, under its own 120-minute budget."""
+    doc = est.estimate(load_config(GPU), "8b", est.DEVICES["h100"])
+    assert doc["budget_minutes"] == 120
+    assert doc["total"]["budgeted_s"] <= 2 * 3600
+    assert _stage(doc, "latency")["floor_s"] <= _stage(doc, "latency")["cap_s"]
 
 
 def test_budget_caps_each_planning_stage_at_its_share():

@@ -73,7 +73,11 @@ def test_structures_are_resolved_from_local_yamls(task_files, capsys, monkeypatc
     assert sum("skipping lm-eval task" in ln for ln in capsys.readouterr().err.splitlines()) == 1
     group = by_name["toy_group"]
     assert [leaf.name for leaf in group.leaves] == ["toy_mc_a", "toy_mc_b"]
-    assert [len(leaf.doc_ids) for leaf in group.leaves] == [4, 4]  # 8 items spread over 2 subtasks
+    # 8 items of 12 clusters (a document and its twin in the other subtask, task_clusters doc_id):
+    # fewer items than clusters, so one item per cluster (pipeline/quality/waves.py: order_items).
+    assert sum(len(leaf.doc_ids) for leaf in group.leaves) == group.n_max == 8
+    assert len({d for leaf in group.leaves for d in leaf.doc_ids}) == 8
+    assert [json.loads(x)["id"] for x in group.rows.splitlines()] == lm_tasks.order(group)
     assert all(leaf.metric == "acc_norm" for leaf in group.leaves)  # the task's own headline
     assert group.cluster_by == "doc_id"
     filt = by_name["toy_filters"].leaves[0]
@@ -130,7 +134,9 @@ def test_tasks_run_through_the_quality_evaluator(task_files, tiny_model, tiny_to
     records, counters = evaluate(tiny_model, tiny_tokenizer, {}, named, qcfg, seed=0)
     assert not skipped and set(records) == {"toy_group", "toy_filters"}
     group = records["toy_group"]
-    assert len(group) == 8 and len({r["id"] for r in group}) == 8
+    # 8 items asked of clusters of 6 (a story's 3 documents, the same in both subtasks: one
+    # prompt, so one cluster): whole clusters while they fit, 6 items (waves.order_items).
+    assert len(group) == 6 and len({r["id"] for r in group}) == 6
     assert {r["group"] for r in group} == {"toy_mc_a", "toy_mc_b"}
     assert all(r["metric"] == "acc_norm" and r["score"] == r["scores"]["acc_norm"] for r in group)
     assert set(group[0]["scores"]) == {"acc", "acc_norm"}
@@ -141,9 +147,9 @@ def test_tasks_run_through_the_quality_evaluator(task_files, tiny_model, tiny_to
                 same_story = int(a["id"][-5:]) // 3 == int(b["id"][-5:]) // 3
                 assert (a["cluster"] == b["cluster"]) == same_story
     summary = summarize_slice(group, 0.95)
-    assert set(summary["groups"]) == {"toy_mc_a", "toy_mc_b"} and summary["n"] == 8
+    assert set(summary["groups"]) == {"toy_mc_a", "toy_mc_b"} and summary["n"] == 6
     filt = records["toy_filters"]
-    assert len(filt) == 8  # one record per document, not one per filter
+    assert len(filt) == 6  # one record per document, not one per filter (two stories of 3)
     assert set(filt[0]["scores"]) == {"exact_match,strict", "exact_match,flexible"}
     assert all(r["metric"] == "exact_match,strict" for r in filt)  # the task's first filter
     assert counters["prompt_tokens"] > 0

@@ -211,7 +211,10 @@ def test_benchmarks_and_lm_eval_tasks_through_the_stage_and_gate(tmp_path, tiny_
         "  sandbox: {seconds: 5, workers: 2}\n  distribution_docs: 2\n  distribution_tokens: 16\n")
     cfg = load_config(cfg_path)
     meta = json.loads(run_stage(STAGES["quality"], run, cfg, {}, STAGES).read_text())
-    assert meta["items"] == {"bfcl": 10, "code": 3} and meta["tasks"] == ["toy_group"]
+    # The lm-eval group is planned like a slice: 4 of its documents in a seeded cluster order (4
+    # stories, each 3 documents in both subtasks: one per cluster), one look (under wave_items).
+    assert meta["items"] == {"bfcl": 10, "code": 3, "toy_group": 4} and meta["tasks"] == ["toy_group"]
+    assert meta["sequential"]["toy_group"]["looks"] == [4]
     assert meta["sandbox"]["seconds"] == 5 and "network" in meta["sandbox"]
     assert meta["task_details"]["toy_group"]["subtasks"]["toy_mc_a"]["primary"] == "acc_norm,none"
     q = run / "quality"

@@ -39,7 +39,8 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
         from pipeline.quality.prefix_lm import PrefixCachedLM as lm_class
     else:
         lm_class = HFLM
-    tasks = list(task_configs.values()) + [s.request for s in named]
+    # The named slices' subtasks that have documents to run (pipeline/quality/lm_tasks.py: requests).
+    tasks = list(task_configs.values()) + lm_tasks.requests(named)
     use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
     include = tuple(sorted({p for s in named for p in s.index[1]}))
     manager = lm_tasks.task_manager(any(s.index[0] for s in named), include)

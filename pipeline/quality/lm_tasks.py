@@ -9,8 +9,18 @@ Used by the quality stage (pipeline/stages/quality.py) and pipeline/quality/eval
   task whose data cannot be loaded is skipped with one line, and the gate counts it as missing
   (its variants cannot be go: pipeline/gate/decision.py).
 * A group (mmlu) or tag (mgsm_direct) is one slice; each of its subtasks is a `group` of that
-  slice (with its own CI in the summary). Items are spread evenly over the subtasks, each
-  subtask's documents in a seeded order, so any n is a fixed random subset.
+  slice (with its own CI in the summary).
+* Scored in waves like a built-in slice (issue 27): the slice's documents, over all its
+  subtasks, are put once in a seeded cluster order (pipeline/quality/waves.py: order_items: a
+  cluster's documents together; one document per cluster where clusters have unequal sizes) and
+  the first n_max of them are the slice: n_max = its items (`quality.per_slice`, else
+  items_per_slice; "all": every document) capped by `quality.max_items`. `NamedSlice.rows` is
+  that order (the stage writes it to quality/data/<slice>.jsonl) and `ends` where each cluster
+  ends, so the stage plans looks every `quality.wave_items` (pipeline/gate/looks.py: plan) from
+  counts alone. A look scores only the documents a model lacks (`subset`: lm-eval's `samples=`
+  per subtask; `requests`: the subtasks' Task objects, loaded once here, so a subtask with no
+  document in the look is not asked for: an empty `samples` list would make lm-eval run all of
+  its documents).
 * lm-eval logs one sample per document and filter. Every filter is scored (the record's
   `scores` has "metric,filter" keys when a task has several); one is primary: named in
   `quality.task_primary`, else the task's first filter.
@@ -20,7 +30,13 @@ Used by the quality stage (pipeline/stages/quality.py) and pipeline/quality/eval
 * Clusters come from the documents: `quality.task_clusters` names a field whose equal values are
   one cluster, or "doc_id" for subtasks that are the same documents in other languages; by
   default the first shared-passage field (context, passage, ...) whose values repeat; else
-  every document is its own cluster.
+  every document is its own cluster. Identical documents are one cluster too (as the gate puts
+  identical prompts together).
+* Few-shot examples: a task whose sampler draws them at random (gsm8k) draws them in the order
+  of the documents one lm-eval call runs, so a document's examples depend on the call. The stage
+  scores every look in calls of exactly that look's documents (pipeline/stages/quality.py:
+  Waves.cover), so every model sees the same prompt for a document; a task scored whole in one
+  call (waves off) can draw other examples than the same documents scored in waves.
 """
 from __future__ import annotations
 
@@ -30,12 +46,12 @@ import hashlib
 import io
 import json
 import logging
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.core.config import QualityConfig
 from pipeline.core.stage import StageError, progress
+from pipeline.quality.waves import order_items
 
 # Fields that hold a passage several documents are asked about (race: article, squad: context,
 # xnli/anli: premise, boolq/multirc: passage, ...).
@@ -50,21 +66,33 @@ class Leaf:
     metric: str           # primary metric
     filter: str           # primary filter
     filters: list[str]
-    doc_ids: list[int] = field(default_factory=list)
+    doc_ids: list[int] = field(default_factory=list)  # the documents to run, ascending (lm-eval's order)
+    metrics: list[str] = field(default_factory=list)  # every metric it reports (higher_is_better's keys)
 
 
 @dataclass
 class NamedSlice:
     name: str             # the slice name (what quality/<variant>/<name>.jsonl is called)
-    request: str          # what simple_evaluate is asked for
+    request: str          # what simple_evaluate is asked for (without `tasks`)
     leaves: list[Leaf]
     cluster_by: str | None
     # The task index it was found in: (lm-eval's own tasks too, local YAML directories).
     index: tuple[bool, tuple[str, ...]] = (True, ())
+    # The slice's documents in scoring order, as JSONL (id, cluster, slice, group, subtask, doc_id,
+    # prompt: the document itself, which only identical documents share), and the item counts at
+    # which each cluster ends (module docstring); empty for a slice built by hand (one call, whole).
+    rows: bytes = b""
+    ends: list[int] = field(default_factory=list)
+    # leaf name -> lm-eval's Task, loaded once (its data with it); not part of what was scored.
+    tasks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n_max(self) -> int:
+        return sum(len(leaf.doc_ids) for leaf in self.leaves)
 
     def info(self) -> dict:
         return {"request": self.request, "include_paths": list(self.index[1]), "cluster_by": self.cluster_by,
-                "items": sum(len(leaf.doc_ids) for leaf in self.leaves),
+                "items": self.n_max, "order": "seeded cluster order" if self.rows else "document order",
                 "subtasks": {leaf.name: {"items": len(leaf.doc_ids), "of": leaf.size,
                                          "primary": f"{leaf.metric},{leaf.filter}", "filters": leaf.filters}
                              for leaf in self.leaves}}
@@ -214,34 +242,106 @@ def _build(slice_name: str, name: str, index: tuple[bool, tuple[str, ...]], task
         if want_filter and want_filter not in filters:
             raise StageError(f"quality.task_primary: '{task.config.task}' has no filter '{want_filter}' "
                              f"(it has: {', '.join(filters)})")
-        leaves.append(Leaf(task.config.task, len(task.eval_docs), metric, want_filter or filters[0], filters))
-    _choose_docs(leaves, qcfg.items_for(slice_name), seed)
+        leaves.append(Leaf(task.config.task, len(task.eval_docs), metric, want_filter or filters[0], filters,
+                           metrics=list(higher)))
     cluster_by = qcfg.task_clusters.get(slice_name) or _passage_field(tasks)
     if cluster_by and cluster_by != "doc_id":
         missing = [t.config.task for t in tasks if cluster_by not in (t.eval_docs[0] if len(t.eval_docs) else {})]
         if missing:
             raise StageError(f"quality.task_clusters: documents of {', '.join(missing)} have no field '{cluster_by}'")
-    return NamedSlice(slice_name, name, leaves, cluster_by, index)
+    s = NamedSlice(slice_name, name, leaves, cluster_by, index, tasks={t.config.task: t for t in tasks})
+    n_max = min([x for x in (qcfg.items_for(slice_name), qcfg.max_items) if x is not None], default=None)
+    _choose_docs(s, n_max, seed)
+    if not s.n_max:
+        return "it has no documents to score"
+    return s
 
 
-def _choose_docs(leaves: list[Leaf], n: int | None, seed: int) -> None:
-    """n items spread over the subtasks as evenly as their sizes allow; within a subtask the
-    first of its documents in a seeded order (sorted back, so lm-eval runs them in file order)."""
-    want = {leaf.name: 0 for leaf in leaves}
-    left = sum(leaf.size for leaf in leaves) if n is None else n
-    while left > 0:
-        open_ = [leaf for leaf in leaves if want[leaf.name] < leaf.size]
-        if not open_:
-            break
-        for leaf in open_:
-            if left == 0:
-                break
-            want[leaf.name] += 1
-            left -= 1
-    for leaf in leaves:
-        order = list(range(leaf.size))
-        random.Random(f"{leaf.name}:{seed}").shuffle(order)
-        leaf.doc_ids = sorted(order[:want[leaf.name]])
+def _choose_docs(s: NamedSlice, n_max: int | None, seed: int) -> None:
+    """The slice's documents in scoring order (s.rows, s.ends) and each subtask's share of them
+    (leaf.doc_ids): every document of every subtask, put in the seeded cluster order of
+    waves.order_items (seeded by the run's seed and the slice's name, as a built-in slice's), of
+    which the first n_max (None: all) are the slice."""
+    pool = []
+    for leaf in s.leaves:
+        docs = s.tasks[leaf.name].eval_docs
+        for doc_id in range(leaf.size):
+            doc = docs[doc_id]
+            rid = _rid(leaf, doc_id)
+            pool.append({"id": rid, "cluster": _cluster(s, leaf, doc_id, doc) or rid, "slice": s.name,
+                         "group": leaf.name if len(s.leaves) > 1 else None, "subtask": leaf.name,
+                         "doc_id": doc_id, "prompt": json.dumps(doc, sort_keys=True, default=str)})
+    blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pool).encode()
+    s.rows, s.ends = order_items(blob, seed, s.name, len(pool) if n_max is None else n_max)
+    chosen: dict[str, list[int]] = {leaf.name: [] for leaf in s.leaves}
+    for line in s.rows.splitlines():
+        row = json.loads(line)
+        chosen[row["subtask"]].append(int(row["doc_id"]))
+    for leaf in s.leaves:
+        leaf.doc_ids = sorted(chosen[leaf.name])  # lm-eval runs `samples` in file order
+
+
+def _rid(leaf: Leaf, doc_id: int) -> str:
+    return f"{leaf.name}-{doc_id:05d}"
+
+
+def order(s: NamedSlice) -> list[str]:
+    """The slice's item ids in scoring order."""
+    return [json.loads(line)["id"] for line in s.rows.splitlines()]
+
+
+def subset(s: NamedSlice, ids) -> NamedSlice:
+    """The slice restricted to the items `ids` (every subtask kept, as the records' groups and
+    score names depend on the whole slice; a subtask with none of them runs nothing)."""
+    want: dict[str, set[int]] = {}
+    by_id = {_rid(leaf, d): (leaf.name, d) for leaf in s.leaves for d in leaf.doc_ids}
+    for i in ids:
+        if i not in by_id:
+            raise StageError(f"quality: '{i}' is not an item of lm-eval task '{s.name}'")
+        leaf_name, d = by_id[i]
+        want.setdefault(leaf_name, set()).add(d)
+    leaves = [replace(leaf, doc_ids=sorted(want.get(leaf.name, ()))) for leaf in s.leaves]
+    return replace(s, leaves=leaves, rows=b"", ends=[])
+
+
+def requests(named: list[NamedSlice]) -> list:
+    """simple_evaluate's tasks for the named slices: each subtask's Task object that has documents
+    to run (a slice built without them: its request by name)."""
+    out = []
+    for s in named:
+        if s.tasks:
+            out += [s.tasks[leaf.name] for leaf in s.leaves if leaf.doc_ids]
+        else:
+            out.append(s.request)
+    return out
+
+
+def cost_weight(s: NamedSlice, tokenizer, sample: int = 32) -> float:
+    """An item's prior cost relative to the built-in slices' (pipeline/stages/quality.py:
+    _cost_weights: prompt tokens plus twice the tokens it may generate): the first documents'
+    text in `tokenizer`'s tokens times one plus the few-shot examples, plus twice the task's
+    max_gen_toks (lm-eval's default 256) where it generates. Only a prior: a look that scores
+    the slice alone measures it."""
+    weights = []
+    for leaf in s.leaves:
+        task = s.tasks.get(leaf.name)
+        if task is None or not leaf.doc_ids:
+            continue
+        docs = task.eval_docs
+        texts = []
+        for d in leaf.doc_ids[:max(sample // len(s.leaves), 1)]:
+            try:
+                text = task.doc_to_text(docs[d])
+            except Exception:  # a task's own function; only a prior
+                text = None
+            texts.append(text if isinstance(text, str) else json.dumps(docs[d], default=str))
+        prompt = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts) / max(len(texts), 1)
+        shots = task.config.num_fewshot or 0
+        gen = 0
+        if task.config.output_type == "generate_until":
+            gen = int((task.config.generation_kwargs or {}).get("max_gen_toks", 256))
+        weights.append(1.0 + prompt * (1 + shots) + 2.0 * gen)
+    return round(sum(weights) / len(weights), 1) if weights else 1.0
 
 
 def _passage_field(tasks: list) -> str | None:
@@ -259,8 +359,9 @@ def _passage_field(tasks: list) -> str | None:
 
 
 def samples_request(named: list[NamedSlice]) -> dict[str, list[int]]:
-    """simple_evaluate's `samples`: the documents to run, per subtask."""
-    return {leaf.name: leaf.doc_ids for s in named for leaf in s.leaves}
+    """simple_evaluate's `samples`: the documents to run, per subtask (ascending; a subtask with
+    none is left out: lm-eval reads an empty list as "all")."""
+    return {leaf.name: list(leaf.doc_ids) for s in named for leaf in s.leaves if leaf.doc_ids}
 
 
 def _key(metric: str, filt: str, leaf: Leaf) -> str:
@@ -288,7 +389,7 @@ def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:
                       for m in smp.get("metrics", []) if _number(smp.get(m))}
             resp = primary.get("filtered_resps")
             pred = resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
-            rid = f"{leaf.name}-{doc_id:05d}"
+            rid = _rid(leaf, doc_id)
             rec = {"id": rid, "cluster": _cluster(s, leaf, doc_id, primary.get("doc")) or rid, "slice": s.name,
                    "group": leaf.name if len(s.leaves) > 1 else None, "prompt_hash": primary.get("prompt_hash"),
                    "metric": _key(leaf.metric, leaf.filter, leaf),
@@ -300,6 +401,11 @@ def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:
                                           else None) for f, smp in per_filter.items()}
             out.append(rec)
     shared = set.intersection(*(set(r["scores"]) for r in out)) if out else set()
+    # The names every subtask reports (a look may hold documents of only some of them, and its
+    # records must carry the names the whole slice's would).
+    every = [{_key(m, f, leaf) for m in leaf.metrics for f in leaf.filters} for leaf in s.leaves if leaf.metrics]
+    if every and len(every) == len(s.leaves):
+        shared &= set.intersection(*every)
     for r in out:  # one set of score names per slice (subtasks of a group may report more)
         r["scores"] = {k: v for k, v in r["scores"].items() if k in shared}
     return out

@@ -23,7 +23,8 @@ clusters have unequal sizes, whatever the budget (gpu.yaml's 1,000 BFCL items wo
 whole clusters, the 76-item one among them, and an identical copy's bound would stay at -0.13):
 at most one item per cluster. Otherwise (clusters of one size: the long-context haystacks) whole
 clusters are taken in order while they fit in `n_max`. The stage takes this selection for one
-look too, so a slice is the same sample whatever `wave_items` says.
+look too, so a slice is the same sample whatever `wave_items` says. An lm-eval task
+(`quality.tasks`, pipeline/quality/lm_tasks.py) is ordered the same way over all its documents.
 
 What that means for the decision: on a slice with unequal clusters each cluster counts once (the
 issue's "cap a cluster's weight", at one item), so the gate's estimand there is the mean

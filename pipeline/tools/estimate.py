@@ -24,7 +24,12 @@ The budget (config `budget`, pipeline/core/budget.py): each planning stage is ca
 x 60 x its share, but never below its floor, the work it does whatever the budget: acceptance's texts,
 teacher forcing and lossless check (the budget bounds the direct check); latency's plain grids with their
 compiles, warm-up and one repeat (it bounds repeats and which pairs it times); quality's first look of
-every model, which holds the lm-eval tasks whole (it bounds the later looks).
+every model: each slice's and each lm-eval task's first wave (it bounds the later looks).
+
+Warm-ups (pipeline/latency/*, since 2026-12-02): a plain grid cell warms up on whole runs of new_tokens
+(latency.warmup of them); a B = 1 pair on one run of min(new_tokens, WARMUP_TOKENS) tokens per temperature
+and k (plain included) on the shortest prompt; a batched pair on every cell once, min(new_tokens,
+WARMUP_TOKENS) tokens each (latency.warmup times).
 """
 from __future__ import annotations
 
@@ -44,7 +49,10 @@ from pipeline.decode.attention import GQA
 from pipeline.latency.memory import ModelShape, cache_len, plan_grid
 from pipeline.latency.plan import (batched_shapes, draft_label, estimated_weight_bytes, linear_parameters,
                                    speculative_shapes)
+from pipeline.gate.looks import plan as plan_looks
 from pipeline.latency.roofline import bytes_per_step, kv_passes
+from pipeline.latency.speculative import WARMUP_TOKENS
+from pipeline.quality.items import BENCHMARKS
 from pipeline.quality.prefix_lm import DECODE_KV_TOKENS, TOKEN_COST
 from pipeline.speculation.workload import workload_prompts
 from pipeline.tools.gpu_check_parts import SHAPES as GPU_CHECK_SHAPES
@@ -170,11 +178,15 @@ HAYSTACK_ITEMS = 3  # long_context: items per haystack, which they share (evals/
 QUESTION_TOKENS = 50  # evals/generate.py QUESTION_TOKENS
 # lm-eval tasks: documents (test splits), prompt tokens (guesses: gsm8k 5-shot, mmlu and mgsm_direct
 # 0-shot) and decode steps per batch (lm-eval's default max_gen_toks 256; mgsm_direct stops at a
-# newline: assumed 32). Any other task: UNKNOWN_TASK.
+# newline: assumed 32). Any other task: UNKNOWN_TASK. mgsm_direct is 250 problems in 11 languages
+# (lm-eval's mgsm/direct: bn de en es fr ja ru sw te th zh), one cluster each under task_clusters doc_id.
 TASKS = {"gsm8k": dict(docs=1319, prompt=900, steps=256), "mmlu": dict(docs=14042, prompt=110, options=4),
-         "mgsm_direct": dict(docs=2750, prompt=120, steps=32)}
+         "mgsm_direct": dict(docs=2750, prompt=120, steps=32, translations=11)}
 UNKNOWN_TASK = dict(docs=1000, prompt=500, steps=256)
-TASK_SETUP_S = 30.0  # lm-eval building one task's requests, per model (guess)
+# lm-eval loading one task (its index entry and data from the HF datasets cache), once per stage: the
+# quality stage loads each task's Task objects once (pipeline/quality/lm_tasks.py: resolve) and every look
+# of every model reuses them (guess).
+TASK_SETUP_S = 30.0
 SANDBOX_S = 0.5  # one HumanEval program in the sandbox (guess)
 MARGINAL_S_PER_PAIR, GATE_S, REPORT_S = 20.0, 10.0, 30.0  # CPU work (README: a minute, seconds)
 
@@ -374,6 +386,7 @@ def latency(c: Cost) -> Stage:
             st.notes.append(f"latency: the memory plan drops {len(plan.dropped)} of {name}'s grid cells")
     spec_lengths = prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None)
     row_len = min(prompt_lengths(c, "latency", 1))  # batched rows are cut to the shortest prompt's length
+    warm_new = min(lat.new_tokens, WARMUP_TOKENS)  # a B = 1 or batched warm-up's run (module docstring)
     temps, sizes = len(cfg.acceptance.temperatures), sorted(set(lat.spec_batch_sizes))
     loops = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
     for target in cfg.acceptance.targets or [cfg.quantize.reference]:
@@ -386,22 +399,26 @@ def latency(c: Cost) -> Stage:
             one = temps * sum(c.generate(target, 1, p, lat.new_tokens, eager=eager)
                               + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in ks)
                               for p in spec_lengths)
+            p0 = min(spec_lengths)  # a warm-up: per temperature, plain and every k once on the shortest prompt
+            warm = lat.warmup * temps * (c.generate(target, 1, p0, warm_new, eager=eager)
+                                         + sum(c.speculate(target, spec, 1, p0, warm_new, k, eager) for k in ks))
             st.add(f"{target} + {spec}: B = 1 screen, warm-up + {lat.repeats} repeats",
-                   probe + (lat.warmup + lat.repeats) * one, floor=False)
+                   probe + warm + lat.repeats * one, floor=False)
             later += (lat.repeats - 1) * one
             lens = {b: cache_len(row_len, max(lat.new_tokens, lat.closed_loop_tokens)) for b in sizes + loops}
             labels = [] if spec.startswith("ngram") else [draft_label(spec)]
             graphs = len(batched_shapes(lens, k_max, labels)) if compiled else 0
-            cell = sum(c.generate(target, b, row_len, lat.new_tokens, eager=eager)
-                       + sum(c.speculate(target, spec, b, row_len, lat.new_tokens, k, eager) for k in ks)
-                       for b in sizes)
+            def cells(new: int) -> float:  # every batched cell once: plain and every k at each B
+                return sum(c.generate(target, b, row_len, new, eager=eager)
+                           + sum(c.speculate(target, spec, b, row_len, new, k, eager) for k in ks) for b in sizes)
+            cell = cells(lat.new_tokens)
             tokens, waves = lat.closed_loop_tokens, 0.0
             for b in loops:  # each wave plain and speculative at the fastest k
                 fastest = min(c.speculate(target, spec, b, row_len, tokens, k, eager) for k in ks)
                 waves += lat.closed_loop_waves * (c.generate(target, b, row_len, tokens, eager=eager) + fastest)
             st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + {lat.repeats} repeats, "
-                   f"closed loop", probe + graphs * d.compile_s + (lat.warmup + lat.repeats) * cell + waves,
-                   floor=False)
+                   f"closed loop", probe + graphs * d.compile_s + lat.warmup * cells(warm_new) + lat.repeats * cell
+                   + waves, floor=False)
             later += (lat.repeats - 1) * cell
     if lat.settle and lat.min_repeats < lat.repeats:
         st.notes.append(f"latency: a loop that settles stops from {lat.min_repeats} of {lat.repeats} repeats on: "
@@ -416,18 +433,19 @@ def _yaml_cap(name: str) -> int:
     return int(m.group(1)) if m else 10 ** 9
 
 
-def slice_cost(c: Cost, model: str, name: str, items: int) -> float:
+def slice_cost(c: Cost, model: str, name: str, items: int, per_haystack: int = HAYSTACK_ITEMS) -> float:
     """`model` scoring `items` items of a slice or lm-eval task with the prefix evaluator: shared prefixes
     computed once; decoded in batches of at most quality.batch_size rows and DECODE_KV_TOKENS cached
-    positions, a batch decoding until its longest row stops (assumed: the cap, or the task's steps)."""
+    positions, a batch decoding until its longest row stops (assumed: the cap, or the task's steps).
+    long_context: `per_haystack` items share a haystack (3; 1 where the slice takes one item per haystack)."""
     q = c.cfg.quality
     if items <= 0:
         return 0.0
     cap = min(q.max_new_tokens_for(name), _yaml_cap(name))
     if name == "long_context":  # each haystack prefilled once, then its questions, one row at a time
         lengths = q.long_context_lengths
-        per = [lengths[i % len(lengths)] for i in range(math.ceil(items / HAYSTACK_ITEMS))]
-        return (sum(c.forward(model, 1, n, 0) + HAYSTACK_ITEMS * cap * c.decode_step(model, 1, n) for n in per)
+        per = [lengths[i % len(lengths)] for i in range(math.ceil(items / per_haystack))]
+        return (sum(c.forward(model, 1, n, 0) + per_haystack * cap * c.decode_step(model, 1, n) for n in per)
                 + c.forward(model, items, QUESTION_TOKENS, 0, calls=len(per)))
     facts = SLICES.get(name) or TASKS.get(name) or UNKNOWN_TASK
     prompt = facts["chars"] / CHARS_PER_TOKEN if "chars" in facts else facts["prompt"]
@@ -441,38 +459,66 @@ def slice_cost(c: Cost, model: str, name: str, items: int) -> float:
     return prefill + batches * steps * c.decode_step(model, rows, prompt + steps / 2) + sandbox
 
 
+def waves_of(pool: int, cluster: int, asked: int | None, wave: int | None) -> tuple[int, list[int], int]:
+    """(n_max, the planned looks, items a cluster holds in the selection) of a slice or task whose `pool`
+    items fall in clusters of `cluster`, as the stage plans it (pipeline/quality/waves.py: order_items,
+    pipeline/gate/looks.py: plan): fewer items asked than there are clusters, or clusters of unequal
+    sizes (a short last one): one item per cluster; else whole clusters while they fit."""
+    asked = pool if asked is None else asked
+    clusters = math.ceil(pool / cluster)
+    if cluster > 1 and (clusters >= asked or pool % cluster):
+        n, cluster = min(clusters, asked), 1
+    else:
+        n = min(asked, pool) // cluster * cluster
+    sequential = bool(wave) and wave < min(asked, pool)
+    looks = plan_looks(n, wave if sequential else None, range(cluster, n + 1, cluster) if sequential else None)
+    return n, looks, cluster
+
+
 def quality_items(c: Cost, name: str) -> tuple[int, int]:
     """(items scored at most, items in the first look) of a slice or lm-eval task."""
+    n, looks, _ = quality_plan(c, name)
+    return n, looks[0]
+
+
+def quality_plan(c: Cost, name: str) -> tuple[int, list[int], int]:
+    """waves_of for a slice or lm-eval task: a generated slice's pool is the items asked (long_context:
+    haystacks of HAYSTACK_ITEMS, the last one short where they do not divide); bfcl takes one item from
+    each of its clusters; an lm-eval task's pool is every document (TASKS), in clusters where
+    quality.task_clusters says doc_id and TASKS knows the translations."""
     q = c.cfg.quality
-    if name not in SLICES and name != "long_context":  # an lm-eval task: scored whole in the first look
-        asked = q.items_for(name)
-        n = min((TASKS.get(name) or UNKNOWN_TASK)["docs"], asked or 10 ** 9)
-        return n, n
-    cluster = HAYSTACK_ITEMS if name == "long_context" else 1
-    n = min(x for x in (q.items_for(name), q.max_items, SLICES.get(name, {}).get("pool"), 10 ** 9) if x is not None)
-    n = n // cluster * cluster or n  # whole haystacks while they fit
-    if q.wave_items and q.wave_items < n:
-        return n, max(q.wave_items // cluster, 1) * cluster
-    return n, n
+    asked = min([x for x in (q.items_for(name), q.max_items) if x is not None], default=None)
+    if name in SLICES or name == "long_context":
+        pool = SLICES.get(name, {}).get("pool") or asked or q.items_per_slice
+        cluster = HAYSTACK_ITEMS if name == "long_context" else 1
+        if name not in BENCHMARKS:
+            asked = pool  # generated: the pool is what was asked
+        return waves_of(pool, cluster, asked, q.wave_items)
+    facts = TASKS.get(name) or UNKNOWN_TASK
+    cluster = facts.get("translations", 1) if q.task_clusters.get(name) == "doc_id" else 1
+    return waves_of(facts["docs"], cluster, asked, q.wave_items)
 
 
 def quality(c: Cost) -> Stage:
     st, q, reference = Stage("quality"), c.cfg.quality, c.cfg.quantize.reference
     st.add("start", c.dev.start_s)
+    if q.tasks:
+        st.add(f"load {len(q.tasks)} lm-eval task(s) once", TASK_SETUP_S * len(q.tasks))
     names = list(q.slices) + list(q.tasks)
+    plans = {name: quality_plan(c, name) for name in names}
     for model in [reference] + [v for v in c.cfg.quantize.variants if v != reference]:
-        n_first = {name: quality_items(c, name) for name in names}
-        first = sum(slice_cost(c, model, name, f) for name, (_, f) in n_first.items())
-        full = sum(slice_cost(c, model, name, n) for name, (n, _) in n_first.items())
+        first = sum(slice_cost(c, model, name, looks[0], per) for name, (_, looks, per) in plans.items())
+        full = sum(slice_cost(c, model, name, n, per) for name, (n, _, per) in plans.items())
         drift = 0.0 if model == reference else sum(
             c.forward(m, q.distribution_docs, q.distribution_tokens, 0, calls=q.distribution_docs)
             for m in (model, reference))
-        st.add(f"{model}: load, first look, drift", c.load(model) + TASK_SETUP_S * len(q.tasks) + first + drift)
+        st.add(f"{model}: load, first look, drift", c.load(model) + first + drift)
         st.add(f"{model}: later looks, each slice to its maximum", full - first, floor=False)
     if q.tasks:
-        tasks = sum(slice_cost(c, reference, t, quality_items(c, t)[0]) for t in q.tasks)
-        st.notes.append(f"quality: lm-eval tasks ({', '.join(q.tasks)}) are scored whole in the first look: "
-                        f"{fmt_s(tasks)} for the reference alone, whatever the budget")
+        tasks = sum(slice_cost(c, reference, t, plans[t][1][0]) for t in q.tasks)
+        looks = ", ".join(f"{t} {plans[t][1][0]} of {plans[t][0]}" for t in q.tasks)
+        st.notes.append(f"quality: the lm-eval tasks' first looks ({looks}) take {fmt_s(tasks)} for the reference, "
+                        "whatever the budget")
     return st
 
 
