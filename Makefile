@@ -28,7 +28,7 @@ STAMP  := $(VENV)/.installed
 PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
-.PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench gpu-check \
+.PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench bench-quality gpu-check \
         clean FORCE
 all: evaluate
 
@@ -88,9 +88,17 @@ evaluate: $(RUN)/report/meta.json
 	$(PIPE) gate-check $(ARGS) --no-exit-code
 	@echo "specq: results in $(RUN)/  (report: $(RUN)/report/index.html, $(RUN)/report/report.md)"
 
-# Not a test: engine vs transformers, plain and speculative, on the embedded model.
+# Not a test: engine vs transformers (static cache; assisted generation), plain and speculative,
+# then the quality evaluator vs lm-eval's HFLM (batch_size auto), on MODEL (<run>/bench.json,
+# <run>/bench_quality.json). Extra flags: BENCH_ARGS, BENCH_QUALITY_ARGS (e.g. "--items 16").
+BENCH_ARGS         ?=
+BENCH_QUALITY_ARGS ?=
 bench: $(RUN)/model/meta.json
-	$(PY) -m pipeline.tools.bench $(ARGS)
+	$(PY) -m pipeline.tools.bench $(ARGS) $(BENCH_ARGS)
+	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)
+
+bench-quality: $(RUN)/model/meta.json
+	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)
 
 # On a GPU box (no network needed): copy bandwidth, plain decode and its roofline, speculative
 # rounds k = 1..6, compile on vs off, on a random 8B-shaped model; about 6-8 minutes on one H200.

@@ -1,21 +1,50 @@
-"""Benchmark, side by side (not a test): specq's engine against transformers on the same work.
+"""Benchmark, side by side (not a test): specq's engine against transformers' fast paths on the same work.
 
-    make bench                       # = python -m pipeline.tools.bench --run R --config C --model M --drafts D
+    make bench                       # = bench (this) then bench_quality, on the run's model
     python -m pipeline.tools.bench --run runs/smollm2-135m --config configs/default.yaml \
-        --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 3
+        --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 5 --compile auto
 
-1. Plain greedy decode: `pipeline.decode.engine.generate(model, ids, N)` vs `model.generate(ids,
-   max_new_tokens=N, do_sample=False)` (transformers' default dynamic cache).
+The baseline is what a speed-minded transformers user runs (issue 25, point 5):
+1. Plain greedy decode: `pipeline.decode.engine.generate(model, ids, N, cache_len=L)` vs
+   `model.generate(ids, max_new_tokens=N, do_sample=False, cache_implementation="static")`.
 2. Speculative greedy decode at the same draft and k: the engine with the config's first
-   `layerskip:<n>` draft (draft_models) vs transformers assisted generation with `assistant_model`
-   = a separate copy of the target truncated to its first n layers (+ final norm and LM head),
-   `num_assistant_tokens=k`, schedule "constant", `assistant_confidence_threshold=0`.
+   `layerskip:<n>` draft (draft_models) vs assisted generation, `assistant_model` = a separate copy
+   of the target truncated to its first n layers (+ final norm and LM head),
+   `num_assistant_tokens=k`, schedule "constant", `assistant_confidence_threshold=0`, the target
+   on a static cache too. transformers builds the assistant's cache itself (a DynamicCache: its
+   candidate generator sets the assistant's cache_implementation and compile_config to None);
+   bench.json records the cache classes each side's forwards actually received.
+
+Compiled or eager (`--compile`, recorded per side in bench.json with the reason):
+  * auto: compiled on CUDA, both sides: the engine's decode / verify / draft steps through
+    pipeline/decode/compiled.py (inductor + CUDA graphs, every planned shape compiled before the
+    timed runs), transformers through its automatic compile of the static-cache forward (its
+    default CompileConfig: inductor, reduce-overhead). Eager on CPU, both sides, because compiling
+    does not pay there (`CPU_EAGER`: measured on the 2-core CPU).
+  * on: compiled on any device (on CPU, transformers' CompileConfig with `_compile_all_devices`,
+    the engine's session without CUDA graphs); off: eager, both sides.
+  `--compile-backend eager|aot_eager` runs the compiled machinery without inductor (a check).
 
 Both sides run in float32 with EOS disabled, so each produces exactly N tokens, and the tokens
-must be identical (greedy speculative decoding reproduces the target's greedy output). Engine
-and transformers alternate within each repeat and the ratio is taken per repeat (paired), which
-keeps a shared machine's drift out of it. Time is end to end (prefill + N tokens), device
-synchronized, warm-up excluded. The goal (issue 5) is engine >= 1.5x transformers on both.
+must be identical (greedy speculative decoding reproduces the target's greedy output; exit 1
+otherwise). Each side's first run is untimed (it compiles where compiling, and records what ran),
+then --warmup more untimed runs, then --repeats paired repeats: engine and transformers back to
+back, the order alternating between repeats, time end to end (prefill + N tokens), device
+synchronized. Ratios are taken per repeat; the CI is over repeats (pipeline/tools/paired_ratio.py:
+t interval on the mean log ratio, and a percentile bootstrap resampling repeats). Goals: engine
+>= 1.2x on plain decoding, >= 1.5x on speculative.
+
+Roofline: the engine's decode time per token (GenerationResult.decode_s, the tokens after the
+first) against the memory-bandwidth bound of the device it ran on: the bytes a step reads
+(weights + the static cache's K/V, every slot, as many passes as the attention path makes:
+pipeline/latency/roofline.py) over the copy bandwidth measured in the same run (a large tensor
+copy before and after the decode runs; the best is the device's figure). For speculative decoding,
+the bytes of every round (the target's verify, the draft's forwards) over the tokens emitted.
+A last untimed run per side times the model forwards inside it (eager only), so the host share
+of each side is known: where the time goes.
+On a CPU shared with other jobs pass `--threads 1`: with torch's default of one thread per core,
+every multi-row matmul (a prefill, a verify) waits at OpenMP's barrier for a thread the scheduler
+has parked, and a 4-token forward of SmolLM2-135M took 3.6-5.6 s instead of 0.2-0.4 s.
 Prints a table; writes <run>/bench.json.
 """
 from __future__ import annotations
@@ -25,12 +54,116 @@ import copy
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-GOAL = 1.5
+GOALS = {"plain": 1.2, "speculative": 1.5}
 PROMPT = "Explain in a few sentences why the sky is blue, for a ten-year-old."
+# Why --compile auto runs eagerly on CPU: measured on the 2-core CPU (SmolLM2-135M, float32, 16-32
+# tokens, torch 2.14, transformers 5.24, 2026-12-02, the machine shared with other jobs):
+# inductor's C++ compile of the engine's one decode-step graph took 171 s cold (18 s from
+# inductor's on-disk cache), transformers' first compiled static-cache generate 222 s cold (90 s
+# warm); then, paired over 4 repeats, neither compiled side was consistently faster than its eager
+# run (engine 533-962 vs 498-1040 ms/token, transformers 539-777 vs 507-795).
+CPU_EAGER = ("eager: --compile auto does not compile on CPU. Measured here (2-core CPU, float32): inductor "
+             "took 171 s (cold) to compile the engine's decode step and 222 s for transformers' first "
+             "compiled static-cache generate, and over 4 paired repeats neither compiled side was "
+             "consistently faster than eager; --compile on compiles anyway")
+
+
+# ---------------------------------------------------------------- arguments and plans
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pipeline.tools.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--run", default="runs/smollm2-135m")
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafts", default="", help="drafts; the first layerskip:<n> is used (default layerskip:8)")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="more untimed runs of each side after its first (untimed, recording) run")
+    p.add_argument("--repeats", type=int, default=5, help="paired timed repeats")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--compile-backend", choices=("inductor", "eager", "aot_eager"), default="inductor")
+    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core). On a CPU shared with other jobs, 1: "
+                        "a multi-row matmul waits for every thread, and a descheduled one stalls it")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the last untimed run that times each side's model forwards")
+    args = p.parse_args(argv)
+    if args.k < 1:
+        p.error("--k must be >= 1")
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
+    if not 0 < args.confidence < 1:
+        p.error("--confidence must be in (0, 1)")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    return args
+
+
+def pick_draft(drafts: list[str]) -> tuple[str, int]:
+    """The first layerskip:<n> of the configured drafts (layerskip:8 when there is none)."""
+    spec = next((d for d in drafts if d.startswith("layerskip:")), "layerskip:8")
+    try:
+        return spec, int(spec.split(":", 1)[1])
+    except ValueError:
+        raise SystemExit(f"bench: draft {spec}: expected layerskip:<n> with an integer n") from None
+
+
+def compile_plan(device_type: str, choice: str, backend: str = "inductor") -> dict:
+    """Whether both sides compile here, how, and why (recorded in bench.json)."""
+    if choice == "off":
+        return {"compile": False, "backend": None, "reason": "eager: --compile off"}
+    if choice == "auto" and device_type != "cuda":
+        return {"compile": False, "backend": None, "reason": CPU_EAGER}
+    graphs = device_type == "cuda" and backend == "inductor"
+    return {"compile": True, "backend": backend, "cuda_graphs": graphs,
+            "engine_mode": "reduce-overhead" if graphs else None,
+            "reason": f"--compile {choice} on {device_type}: backend {backend}"
+                      + (", CUDA graphs" if graphs else ", no CUDA graphs")}
+
+
+def hf_compile_config(plan: dict, device_type: str):
+    """The CompileConfig transformers' generate gets (None: its own default, or no compile)."""
+    if not plan["compile"]:
+        return None
+    from transformers import CompileConfig
+
+    if device_type == "cuda" and plan["backend"] == "inductor":
+        return None  # transformers' default CompileConfig: what a user gets from cache_implementation="static"
+    cc = CompileConfig(backend=plan["backend"], mode="default" if plan["backend"] == "inductor" else None)
+    if device_type != "cuda":
+        cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only unless told
+    return cc
+
+
+def hf_generation_config(model, n: int, plan: dict, device_type: str, static: bool = True):
+    """Greedy, exactly n tokens (EOS off), on a static cache, compiled per `plan`."""
+    gc = copy.deepcopy(model.generation_config)
+    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, n, None
+    gc.temperature = gc.top_p = gc.top_k = None
+    gc.eos_token_id = None  # exactly n tokens, like the engine with eos_token_id=None
+    if gc.pad_token_id is None:
+        gc.pad_token_id = model.config.get_text_config().pad_token_id or 0
+    gc.cache_implementation = "static" if static else None
+    gc.compile_config = hf_compile_config(plan, device_type)
+    gc.disable_compile = not plan["compile"]
+    return gc
+
+
+def set_assistant(assistant, k: int) -> None:
+    agc = assistant.generation_config
+    agc.num_assistant_tokens = k
+    agc.num_assistant_tokens_schedule = "constant"
+    agc.assistant_confidence_threshold = 0.0
 
 
 def truncated_copy(model, n_layers: int):
@@ -51,61 +184,332 @@ def truncated_copy(model, n_layers: int):
     return draft.eval()
 
 
-def _timed(device: torch.device, fn):
-    from pipeline.decode.timing import synchronize
-
-    synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return out, time.perf_counter() - t0
+# ---------------------------------------------------------------- running the two sides
 
 
-def _hf_generate(model, ids: torch.Tensor, n: int, assistant=None, k: int = 0) -> list[int]:
-    gc = copy.deepcopy(model.generation_config)
-    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, n, None
-    gc.temperature = gc.top_p = gc.top_k = None
-    gc.eos_token_id = None  # exactly n tokens, like the engine with eos_token_id=None
-    if gc.pad_token_id is None:
-        gc.pad_token_id = model.config.get_text_config().pad_token_id or 0
-    kwargs = {}
-    if assistant is not None:
-        agc = assistant.generation_config
-        agc.num_assistant_tokens = k
-        agc.num_assistant_tokens_schedule = "constant"
-        agc.assistant_confidence_threshold = 0.0
-        kwargs["assistant_model"] = assistant
+def hf_generate(model, ids: torch.Tensor, gc, assistant=None, record: dict | None = None) -> list[int]:
+    """transformers' generate with `gc`; `record` (optional) receives the cache class it returned."""
+    kwargs = {"assistant_model": assistant} if assistant is not None else {}
+    if record is not None:
+        gc = copy.copy(gc)
+        gc.return_dict_in_generate = True
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **kwargs)
+    if record is not None:
+        cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        record["cache"] = type(cache).__name__ if cache is not None else None
+        out = out.sequences
     return out[0, ids.shape[1]:].tolist()
 
 
-def compare(name: str, engine_fn, hf_fn, device, warmup: int, repeats: int, n: int) -> dict:
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@contextmanager
+def forward_clock(modules: dict):
+    """Time every forward of each module (label -> module) and note the cache class it was handed:
+    {label: {"calls", "seconds", "caches"}}. Eager only (a compiled forward would trace the clock)."""
+    stats = {label: {"calls": 0, "seconds": 0.0, "caches": set()} for label in modules}
+
+    def wrap(label, fn):
+        def timed(*args, **kwargs):
+            s = stats[label]
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None:
+                s["caches"].add(type(cache).__name__)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                s["calls"] += 1
+                s["seconds"] += time.perf_counter() - t0
+        return timed
+
+    for label, m in modules.items():
+        m.forward = wrap(label, m.forward)  # instance attribute: shadows the class's forward
+    try:
+        yield stats
+    finally:
+        for m in modules.values():
+            m.__dict__.pop("forward", None)
+        for s in stats.values():
+            s["caches"] = sorted(s["caches"])
+
+
+def profiled(fn, modules: dict, device) -> dict:
+    """One untimed run of fn with its model forwards clocked: total, forward and host seconds."""
+    from pipeline.decode.timing import synchronize
+
+    with forward_clock(modules) as stats:
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        total = time.perf_counter() - t0
+    fwd = sum(s["seconds"] for s in stats.values())
+    return {"total_s": total, "forward_s": fwd, "host_s": total - fwd,
+            "host_share": (total - fwd) / total if total > 0 else None, "forwards": stats}
+
+
+def paired_runs(sides: dict, device, warmup: int, repeats: int, label: str) -> dict:
+    """sides: {"engine": fn, "transformers": fn}, each returning its tokens. Every side's runs:
+    `warmup` untimed, then `repeats` timed, the two sides back to back per repeat, order
+    alternating (paired_ratio.run_order). Returns the seconds and last tokens per side."""
+    from pipeline.decode.timing import synchronize
+    from pipeline.tools.paired_ratio import run_order
+
     for _ in range(warmup):
-        engine_fn()
-        hf_fn()
-    eng_s, hf_s, ratios = [], [], []
-    eng_tokens = hf_tokens = None
-    for _ in range(repeats):
-        eng_tokens, te = _timed(device, engine_fn)
-        hf_tokens, th = _timed(device, hf_fn)
-        eng_s.append(te)
-        hf_s.append(th)
-        ratios.append(th / te)
-        print(f"bench: {name}: engine {te:.2f} s, transformers {th:.2f} s ({th / te:.2f}x)", file=sys.stderr,
-              flush=True)
-    ratio = statistics.median(ratios)
+        for fn in sides.values():
+            fn()
+    seconds = {name: [] for name in sides}
+    tokens = {}
+    for r in range(repeats):
+        times = {}
+        for name in run_order(r, tuple(sides)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            tokens[name] = sides[name]()
+            synchronize(device)
+            times[name] = time.perf_counter() - t0
+            seconds[name].append(times[name])
+        e, h = times["engine"], times["transformers"]
+        print(f"bench: {label}: repeat {r + 1}/{repeats}: engine {e:.2f} s, transformers {h:.2f} s "
+              f"({h / e:.2f}x)", file=sys.stderr, flush=True)
+    return {"seconds": seconds, "tokens": tokens}
+
+
+def engine_session(plan: dict, model, shapes: list, draft_model=None):
+    """A CompileSession for the engine per `plan` (None when eager), every shape compiled now."""
+    if not plan["compile"]:
+        return None, 0.0
+    from pipeline.decode.compiled import CompileSession
+
+    session = CompileSession(backend=plan["backend"], mode=plan["engine_mode"])
+    session.attach(model, "target")
+    if draft_model is not None:
+        session.attach(draft_model, "draft")
+    session.expect(shapes)
+    t0 = time.perf_counter()
+    session.warm(model, "target")
+    if draft_model is not None:
+        session.warm(draft_model, "draft")
+    return session, time.perf_counter() - t0
+
+
+def hf_first_run(model, ids, gc, assistant, plan: dict, device_type: str, device) -> tuple[dict, object]:
+    """transformers' first run (untimed): compiles where planned and records what ran. A compile
+    that fails falls back to eager, recorded. Returns (record, the generation config to time)."""
+    from pipeline.decode.timing import synchronize
+
+    rec: dict = {}
+    modules = {"assistant": assistant} if assistant is not None else {}
+    if not plan["compile"]:
+        modules["target"] = model  # under compile a clocked target forward would change the graph
+    before = _graphs()
+    synchronize(device)
+    t0 = time.perf_counter()
+    try:
+        with forward_clock(modules) as stats:
+            hf_generate(model, ids, gc, assistant, record=rec)
+    except Exception as e:  # noqa: BLE001 - a compile failure becomes a recorded eager fallback
+        if not plan["compile"]:
+            raise
+        rec["compile_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        gc = copy.copy(gc)
+        gc.compile_config, gc.disable_compile = None, True
+        return {**rec, "ran": "eager", "reason": "compile failed; ran eagerly: " + rec["compile_error"]}, gc
+    synchronize(device)
+    made = _graphs() - before
+    rec["first_run_s"] = time.perf_counter() - t0
+    rec["graphs_compiled"] = made
+    if "assistant" in stats:
+        rec["assistant_cache"] = ", ".join(stats["assistant"]["caches"]) or None
+    if not plan["compile"]:
+        rec.update(ran="eager", reason=plan["reason"])
+    elif made > 0:
+        rec.update(ran="compiled", reason=plan["reason"],
+                   compile_config=("transformers' default CompileConfig" if gc.compile_config is None
+                                   else gc.compile_config.to_dict()))
+    else:
+        rec.update(ran="eager", reason="compile requested but transformers compiled no graph "
+                                       "(its auto-compile criteria were not met)")
+    return rec, gc
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def step_bytes(weight_bytes: int, kv_bytes_per_token: int, cache_len: int, kv_passes: int) -> int:
+    """Bytes one step reads: the weights once, every slot of the static cache (attention reads the
+    whole StaticCache: pipeline/decode/cache.py), as many passes as the attention path makes."""
+    from pipeline.latency.roofline import bytes_per_step
+
+    return bytes_per_step(weight_bytes, 1, cache_len, kv_bytes_per_token, kv_passes)
+
+
+def bound(bytes_per_token: float, gbps: float, measured_ms: float | None) -> dict:
+    """The bandwidth bound for `bytes_per_token` at `gbps`, and a measured ms/token against it."""
+    ms = bytes_per_token / (gbps * 1e9) * 1e3
+    out = {"bytes_per_token": int(bytes_per_token), "bound_ms_per_token": ms}
+    if measured_ms:
+        out.update(measured_ms_per_token=measured_ms, times_bound=measured_ms / ms,
+                   achieved_gbps=bytes_per_token / (measured_ms * 1e-3) / 1e9,
+                   bandwidth_fraction=ms / measured_ms)
+    return out
+
+
+def speculative_bytes(rounds: list[tuple[int, int]], target_verify: int, target_step: int,
+                      draft_step: int) -> tuple[int, int]:
+    """rounds: (drafted, emitted) per round. A round reads the target once (a verify, or a plain
+    step when nothing was drafted) and the draft once per drafted token. Returns (bytes, tokens)."""
+    total = sum((target_verify if d else target_step) + d * draft_step for d, _ in rounds)
+    return total, sum(e for _, e in rounds)
+
+
+def model_step_bytes(model, cache_len: int, width: int, compiled: bool) -> dict:
+    from pipeline.latency.roofline import model_bytes, step_kv_passes
+
+    mb = model_bytes(model)
+    passes = step_kv_passes(model, width, compiled)
+    return {"weight_bytes": mb["weight_bytes"], "kv_bytes_per_token": mb["kv_bytes_per_token"],
+            "cache_len": cache_len, "kv_passes": passes,
+            "step_bytes": step_bytes(mb["weight_bytes"], mb["kv_bytes_per_token"], cache_len, passes)}
+
+
+# ---------------------------------------------------------------- the two modes
+
+
+def _row(mode: str, runs: dict, n: int, goal: float, confidence: float) -> dict:
+    from pipeline.tools.paired_ratio import ratio_summary, token_check
+
+    eng, hf = runs["seconds"]["engine"], runs["seconds"]["transformers"]
+    check = token_check(runs["tokens"]["engine"], runs["tokens"]["transformers"])
     return {
-        "mode": name,
-        "engine_ms_per_token": statistics.median(eng_s) / n * 1e3,
-        "transformers_ms_per_token": statistics.median(hf_s) / n * 1e3,
-        "engine_s": eng_s, "transformers_s": hf_s, "ratios": ratios,
-        "ratio": ratio, "ratio_range": [min(ratios), max(ratios)],
-        "identical_tokens": eng_tokens == hf_tokens,
-        "first_mismatch": next((i for i, (a, b) in enumerate(zip(eng_tokens, hf_tokens)) if a != b), None),
-        "engine_tokens": eng_tokens, "transformers_tokens": hf_tokens,
-        "goal_met": ratio >= GOAL,
+        "mode": mode,
+        "engine_ms_per_token": statistics.median(eng) / n * 1e3,
+        "transformers_ms_per_token": statistics.median(hf) / n * 1e3,
+        "engine_s": eng, "transformers_s": hf,
+        **ratio_summary(hf, eng, goal, confidence),
+        "identical_tokens": check["identical"], "first_mismatch": check["first_mismatch"],
+        "engine_tokens": runs["tokens"]["engine"], "transformers_tokens": runs["tokens"]["transformers"],
     }
+
+
+def bench_plain(model, ids, n: int, plan: dict, device, args) -> tuple[dict, bool]:
+    from pipeline.decode.compiled import step_shapes
+    from pipeline.decode.engine import generate
+
+    cache_len = ids.shape[1] + n + 1
+    session, warm_s = engine_session(plan, model, step_shapes("target", 1, max(cache_len, 64), [1]))
+    results: list = []
+    try:
+        def engine():
+            res = generate(model, ids, n, cache_len=cache_len)
+            results.append(res)
+            return res.tokens
+
+        engine()  # the engine's first run: untimed, like transformers'
+        gc = hf_generation_config(model, n, plan, device.type)
+        hf_rec, gc = hf_first_run(model, ids, gc, None, plan, device.type, device)
+        before = _graphs()
+        runs = paired_runs({"engine": engine, "transformers": lambda: hf_generate(model, ids, gc)}, device,
+                           args.warmup, args.repeats, "plain")
+        hf_rec["recompiles_while_timed"] = _graphs() - before
+        timed = results[-args.repeats:]
+        row = _row("plain", runs, n, GOALS["plain"], args.confidence)
+        row["engine"] = {"ran": session.record() if session else {"ran": "eager", "reason": plan["reason"]},
+                         "compile_warm_s": warm_s, "cache_len": timed[-1].cache_positions,
+                         "decode_ms_per_token": statistics.median(r.decode_s / (n - 1) for r in timed) * 1e3,
+                         "prefill_ms": statistics.median(r.prefill_s for r in timed) * 1e3}
+        row["transformers"] = hf_rec
+        if args.profile and not plan["compile"]:
+            row["profile"] = {"engine": profiled(engine, {"target": model}, device),
+                              "transformers": profiled(lambda: hf_generate(model, ids, gc), {"target": model},
+                                                       device)}
+        compiled = bool(session) and session.record()["ran"] == "compiled"
+    finally:
+        if session is not None:
+            session.close()
+    return row, compiled
+
+
+def bench_speculative(model, draft, assistant, ids, n: int, k: int, spec: str, plan: dict, device,
+                      args) -> dict:
+    from pipeline.decode.engine import generate
+    from pipeline.latency.plan import speculative_shapes
+
+    cache_len = ids.shape[1] + n + 1
+    session, warm_s = engine_session(plan, model, speculative_shapes(max(cache_len, 64), k, ["draft"]), draft.model)
+    results: list = []
+    try:
+        def engine():
+            res = generate(model, ids, n, draft=draft, k=k, cache_len=cache_len)
+            results.append(res)
+            return res.tokens
+
+        engine()
+        set_assistant(assistant, k)
+        gc = hf_generation_config(model, n, plan, device.type)
+        hf_rec, gc = hf_first_run(model, ids, gc, assistant, plan, device.type, device)
+        before = _graphs()
+        runs = paired_runs({"engine": engine, "transformers": lambda: hf_generate(model, ids, gc, assistant)},
+                           device, args.warmup, args.repeats, f"speculative {spec} k={k}")
+        hf_rec["recompiles_while_timed"] = _graphs() - before
+        hf_rec["assistant"] = {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
+        timed = results[-args.repeats:]
+        last = timed[-1]
+        rounds = last.rounds
+        row = _row(f"speculative {spec} k={k}", runs, n, GOALS["speculative"], args.confidence)
+        row["engine"] = {
+            "ran": session.record() if session else {"ran": "eager", "reason": plan["reason"]},
+            "compile_warm_s": warm_s, "cache_len": last.cache_positions,
+            "decode_ms_per_token": statistics.median(r.decode_s / (n - 1) for r in timed) * 1e3,
+            "prefill_ms": statistics.median(r.prefill_s for r in timed) * 1e3,
+            "rounds": len(rounds), "tokens_per_round": sum(r.emitted for r in rounds) / max(len(rounds), 1),
+            "acceptance": (sum(r.accepted for r in rounds) / max(sum(r.drafted for r in rounds), 1)),
+            "round_ms": statistics.mean(r.round_s for r in rounds) * 1e3 if rounds else None,
+            "draft_ms": statistics.mean(r.draft_s for r in rounds) * 1e3 if rounds else None,
+            "verify_ms": statistics.mean(r.verify_s for r in rounds) * 1e3 if rounds else None,
+            "round_shape": [(r.drafted, r.emitted) for r in rounds],
+        }
+        row["transformers"] = hf_rec
+        if args.profile and not plan["compile"]:
+            row["profile"] = {
+                "engine": profiled(engine, {"target": model, "draft": draft.model}, device),
+                "transformers": profiled(lambda: hf_generate(model, ids, gc, assistant),
+                                         {"target": model, "assistant": assistant}, device)}
+        row["compiled"] = bool(session) and session.record()["ran"] == "compiled"
+    finally:
+        if session is not None:
+            session.close()
+    return row
+
+
+def roofline_section(model, draft, plain: dict, spec_row: dict, k: int, plain_compiled: bool,
+                     bandwidth: dict) -> dict:
+    gbps = bandwidth["gbps"]
+    target = model_step_bytes(model, plain["engine"]["cache_len"], 1, plain_compiled)
+    out = {"bandwidth": bandwidth, "plain": {**target, **bound(target["step_bytes"], gbps,
+                                                               plain["engine"]["decode_ms_per_token"])}}
+    compiled = spec_row.get("compiled", False)
+    cache_len = spec_row["engine"]["cache_len"]
+    verify = model_step_bytes(model, cache_len, k + 1, compiled)
+    step = model_step_bytes(model, cache_len, 1, compiled)
+    dstep = model_step_bytes(draft.model, draft.cached.max_len if draft.cached is not None else cache_len, 1,
+                             compiled)
+    total, tokens = speculative_bytes(spec_row["engine"]["round_shape"], verify["step_bytes"], step["step_bytes"],
+                                      dstep["step_bytes"])
+    if tokens:
+        out["speculative"] = {"target_verify": verify, "target_step": step, "draft_step": dstep,
+                              "round_bytes": total, "tokens": tokens,
+                              **bound(total / tokens, gbps, spec_row["engine"]["decode_ms_per_token"])}
+    return out
+
+
+# ---------------------------------------------------------------- entry point
 
 
 def _model_dir(run: Path, config_path: str, model: str) -> Path:
@@ -119,33 +523,53 @@ def _model_dir(run: Path, config_path: str, model: str) -> Path:
     return run / "model"
 
 
+def print_table(rows: list[dict], roof: dict) -> None:
+    from pipeline.tools.paired_ratio import format_ci
+
+    conf = int(round(rows[0]["confidence"] * 100))
+    print(f"\n{'mode':<28} {'engine ms/tok':>13} {'transformers ms/tok':>19} {'ratio':>6} {f'{conf}% CI':>14} "
+          f"{'goal':>5}  {'status':<13} tokens")
+    for r in rows:
+        same = "identical" if r["identical_tokens"] else f"DIFFER@{r['first_mismatch']}"
+        print(f"{r['mode']:<28} {r['engine_ms_per_token']:>13.2f} {r['transformers_ms_per_token']:>19.2f} "
+              f"{r['ratio']:>5.2f}x {format_ci(r['ci']):>14} {r['goal']:>4.1f}x  {r['goal_status']:<13} {same}")
+    bw = roof["bandwidth"]
+    print(f"\nroofline: copy bandwidth {bw['gbps']:.1f} GB/s (best of the copies before and after)")
+    for name in ("plain", "speculative"):
+        b = roof.get(name)
+        if not b or "measured_ms_per_token" not in b:
+            continue
+        print(f"  {name:<11} {b['bytes_per_token'] / 1e6:8.1f} MB read per token -> "
+              f"bound {b['bound_ms_per_token']:.2f} "
+              f"ms/token; engine decode {b['measured_ms_per_token']:.2f} ms/token = {b['times_bound']:.2f}x the "
+              f"bound ({100 * b['bandwidth_fraction']:.0f}% of the copy bandwidth)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.core.process import set_up_process
 
     set_up_process()
-    p = argparse.ArgumentParser(prog="python -m pipeline.tools.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--run", default="runs/smollm2-135m")
-    p.add_argument("--config", default="configs/default.yaml")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafts", default="", help="drafts; the first layerskip:<n> is used (default layerskip:8)")
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
 
+
+def _main(args: argparse.Namespace) -> int:
     from draft_models.registry import build_draft
     from pipeline.core.config import load_config
     from pipeline.core.device import resolve_device
     from pipeline.core.stage import StageError, atomic_write_json, library_versions
-    from pipeline.decode.engine import generate
+    from pipeline.latency.roofline import measure_bandwidth
     from pipeline.speculation.prompts import prompt_ids
     from pipeline.variants.schemes import load_variant
 
     cfg = load_config(args.config)
-    drafts = args.drafts.split() or cfg.drafts
-    spec = next((d for d in drafts if d.startswith("layerskip:")), "layerskip:8")
-    n_layers = int(spec.split(":", 1)[1])
+    spec, n_layers = pick_draft(args.drafts.split() or cfg.drafts)
     try:
         device = resolve_device(cfg.device)
     except StageError as e:  # e.g. a driver too old for this torch: one line, exit 2, like the stages
@@ -155,32 +579,32 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_variant(_model_dir(run, args.config, args.model), device=device, dtype="float32")
     ids = torch.tensor([prompt_ids(tok, PROMPT)], device=device)
     n, k = args.new_tokens, args.k
+    plan = compile_plan(device.type, args.compile, args.compile_backend)
     print(f"bench: {args.model} on {device} ({torch.get_num_threads()} threads), float32, greedy, "
-          f"prompt {ids.shape[1]} tokens, {n} new tokens, draft {spec}, k={k}, "
-          f"{args.repeats} repeats after {args.warmup} warm-up", file=sys.stderr)
+          f"prompt {ids.shape[1]} tokens, {n} new tokens, draft {spec}, k={k}, {args.repeats} paired repeats "
+          f"after {args.warmup} warm-up; {plan['reason']}", file=sys.stderr)
 
-    plain = compare("plain", lambda: generate(model, ids, n).tokens,
-                    lambda: _hf_generate(model, ids, n), device, args.warmup, args.repeats, n)
+    bw_before = measure_bandwidth(device)
+    plain, plain_compiled = bench_plain(model, ids, n, plan, device, args)
     draft = build_draft(spec, model, tok, run, device)
     assistant = truncated_copy(model, n_layers)
-    spec_row = compare(f"speculative {spec} k={k}", lambda: generate(model, ids, n, draft=draft, k=k).tokens,
-                       lambda: _hf_generate(model, ids, n, assistant, k), device, args.warmup,
-                       args.repeats, n)
+    spec_row = bench_speculative(model, draft, assistant, ids, n, k, spec, plan, device, args)
     spec_row["identical_to_plain"] = spec_row["engine_tokens"] == plain["engine_tokens"]
+    bw_after = measure_bandwidth(device)
+    bandwidth = max(bw_before, bw_after, key=lambda b: b["gbps"])
+    bandwidth = {**bandwidth, "before_gbps": bw_before["gbps"], "after_gbps": bw_after["gbps"]}
+    roof = roofline_section(model, draft, plain, spec_row, k, plain_compiled, bandwidth)
     rows = [plain, spec_row]
-    print(f"\n{'mode':<28} {'engine ms/tok':>14} {'transformers ms/tok':>20} {'ratio':>7} "
-          f"{'range':>13} {'tokens':>10}  goal {GOAL}x")
-    for r in rows:
-        same = "identical" if r["identical_tokens"] else f"DIFFER@{r['first_mismatch']}"
-        print(f"{r['mode']:<28} {r['engine_ms_per_token']:>14.2f} {r['transformers_ms_per_token']:>20.2f} "
-              f"{r['ratio']:>6.2f}x [{r['ratio_range'][0]:.2f}, {r['ratio_range'][1]:.2f}] {same:>10}  "
-              f"{'met' if r['goal_met'] else 'NOT met'}")
+    print_table(rows, roof)
     ok = all(r["identical_tokens"] for r in rows) and spec_row["identical_to_plain"]
     atomic_write_json(run / "bench.json", {
         "model": args.model, "device": str(device), "threads": torch.get_num_threads(), "dtype": "float32",
         "prompt_tokens": ids.shape[1], "new_tokens": n, "draft": spec, "k": k, "warmup": args.warmup,
-        "repeats": args.repeats, "goal": GOAL, "rows": rows, "tokens_identical": ok,
-        "libraries": library_versions(),
+        "repeats": args.repeats, "goals": GOALS, "compile": plan,
+        "baseline": {"plain": "model.generate(cache_implementation='static')",
+                     "speculative": "model.generate(assistant_model=<first n layers, copied>, "
+                                    "num_assistant_tokens=k, schedule constant, cache_implementation='static')"},
+        "rows": rows, "roofline": roof, "tokens_identical": ok, "libraries": library_versions(),
     })
     print(f"\nbench: tokens {'identical' if ok else 'NOT identical'} across engine and transformers; "
           f"written to {run / 'bench.json'}")

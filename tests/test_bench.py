@@ -1,0 +1,237 @@
+"""pipeline.tools.bench and pipeline.tools.paired_ratio: the logic around the timings (paired
+ratios and their intervals, the goal reading, token equality, the bandwidth bound, the compile
+plan, arguments), and both sides' greedy tokens on a tiny random Llama. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.tools import bench
+from pipeline.tools.paired_ratio import (format_ci, goal_status, paired_ratios, ratio_summary, run_order,
+                                         token_check)
+
+# ---------------------------------------------------------------- paired ratios
+
+
+def test_paired_ratios_are_baseline_over_candidate():
+    assert paired_ratios([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    with pytest.raises(ValueError):
+        paired_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        paired_ratios([], [])
+    with pytest.raises(ValueError):
+        paired_ratios([1.0, 0.0], [1.0, 1.0])
+
+
+def test_ratio_summary_geometric_mean_and_t_interval_on_logs():
+    base, cand = [2.0, 4.0, 3.0], [1.0, 1.0, 2.0]  # ratios 2, 4, 1.5
+    s = ratio_summary(base, cand, goal=1.5, confidence=0.95)
+    logs = np.log([2.0, 4.0, 1.5])
+    assert s["ratios"] == [2.0, 4.0, 1.5]
+    assert s["ratio"] == pytest.approx(math.exp(logs.mean()))
+    from scipy import stats
+
+    half = stats.t.ppf(0.975, 2) * logs.std(ddof=1) / math.sqrt(3)
+    assert s["ci"] == pytest.approx([math.exp(logs.mean() - half), math.exp(logs.mean() + half)])
+    assert s["median"] == 2.0 and s["range"] == [1.5, 4.0] and s["repeats"] == 3
+    lo, hi = s["bootstrap_ci"]
+    assert 1.5 <= lo <= s["ratio"] <= hi <= 4.0  # a mean of resampled repeats stays in their range
+    assert "repeat" in s["unit"]
+    assert s["goal_status"] == goal_status(s["ratio"], s["ci"], 1.5)
+
+
+def test_ratio_summary_equal_ratios_and_one_repeat():
+    s = ratio_summary([3.0, 6.0], [1.5, 3.0], goal=1.5)
+    assert s["ratio"] == pytest.approx(2.0)
+    assert s["ci"] == pytest.approx([2.0, 2.0]) and s["bootstrap_ci"] == pytest.approx([2.0, 2.0])
+    assert s["goal_status"] == "met"
+    one = ratio_summary([3.0], [1.0], goal=1.5)
+    assert one["ci"] is None and one["bootstrap_ci"] is None
+    assert one["goal_status"].startswith("met (one repeat")
+    assert ratio_summary([1.0], [1.0], goal=1.5)["goal_status"].startswith("not met (one repeat")
+    assert format_ci(None) == "[  n/a  ]" and format_ci([1.234, 2.0]) == "[1.23, 2.00]"
+
+
+def test_goal_status_reads_the_interval():
+    assert goal_status(1.6, [1.5, 1.7], 1.5) == "met"
+    assert goal_status(1.3, [1.2, 1.49], 1.5) == "not met"
+    assert goal_status(1.6, [1.4, 1.8], 1.5) == "inconclusive"
+    assert goal_status(1.4, [1.3, 1.6], 1.5) == "inconclusive"
+
+
+def test_run_order_alternates():
+    assert run_order(0, ("engine", "transformers")) == ("engine", "transformers")
+    assert run_order(1, ("engine", "transformers")) == ("transformers", "engine")
+    assert run_order(2, ("a", "b")) == ("a", "b")
+
+
+def test_token_check():
+    assert token_check([1, 2, 3], [1, 2, 3]) == {"identical": True, "first_mismatch": None, "lengths": [3, 3]}
+    assert token_check([1, 2, 3], [1, 5, 3])["first_mismatch"] == 1
+    short = token_check([1, 2], [1, 2, 3])
+    assert not short["identical"] and short["first_mismatch"] == 2
+
+
+# ---------------------------------------------------------------- bandwidth bound
+
+
+def test_step_bytes_and_bound_arithmetic():
+    # weights once + every cache slot x KV bytes per slot x passes
+    assert bench.step_bytes(1000, 10, 50, 1) == 1500
+    assert bench.step_bytes(1000, 10, 50, 3) == 2500
+    b = bench.bound(2_000_000, gbps=1.0, measured_ms=4.0)  # 2 MB at 1 GB/s: 2 ms
+    assert b["bound_ms_per_token"] == pytest.approx(2.0)
+    assert b["times_bound"] == pytest.approx(2.0) and b["bandwidth_fraction"] == pytest.approx(0.5)
+    assert b["achieved_gbps"] == pytest.approx(0.5)
+    assert "times_bound" not in bench.bound(2_000_000, 1.0, None)
+
+
+def test_speculative_bytes_per_round():
+    # (drafted, emitted): a verify + 3 draft forwards; a plain step; a verify + 2 draft forwards
+    total, tokens = bench.speculative_bytes([(3, 4), (0, 1), (2, 1)], target_verify=100, target_step=60,
+                                            draft_step=10)
+    assert total == (100 + 30) + 60 + (100 + 20) and tokens == 6
+
+
+def test_model_step_bytes_counts_weights_and_the_whole_cache(tiny_model):
+    from pipeline.decode.cache import CachedModel
+    from pipeline.latency.roofline import model_bytes
+
+    CachedModel(tiny_model, 1, 64, exact=True)  # switches a grouped model to its read-once attention
+    s = bench.model_step_bytes(tiny_model, 80, 1, compiled=False)
+    mb = model_bytes(tiny_model)
+    cfg = tiny_model.config
+    assert s["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
+        (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert s["step_bytes"] == mb["weight_bytes"] + 80 * s["kv_bytes_per_token"] * s["kv_passes"]
+
+
+# ---------------------------------------------------------------- plans and arguments
+
+
+def test_compile_plan():
+    cpu = bench.compile_plan("cpu", "auto")
+    assert not cpu["compile"] and cpu["reason"] == bench.CPU_EAGER
+    cuda = bench.compile_plan("cuda", "auto")
+    assert cuda["compile"] and cuda["cuda_graphs"] and cuda["engine_mode"] == "reduce-overhead"
+    on = bench.compile_plan("cpu", "on")
+    assert on["compile"] and not on["cuda_graphs"] and on["engine_mode"] is None
+    assert not bench.compile_plan("cuda", "off")["compile"]
+    assert not bench.compile_plan("cuda", "on", "eager")["cuda_graphs"]
+
+
+def test_hf_generation_config(tiny_model):
+    off = bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "auto"), "cpu")
+    assert off.cache_implementation == "static" and off.max_new_tokens == 7 and off.eos_token_id is None
+    assert not off.do_sample and off.disable_compile and off.compile_config is None
+    on = bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "on"), "cpu")
+    assert not on.disable_compile and on.compile_config._compile_all_devices
+    assert on.compile_config.mode == "default"
+    cuda = bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cuda", "auto"), "cuda")
+    assert cuda.compile_config is None and not cuda.disable_compile  # transformers' own default
+    assert bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "off"), "cpu",
+                                      static=False).cache_implementation is None
+
+
+def test_parse_args_and_pick_draft():
+    a = bench.parse_args([])
+    assert (a.k, a.new_tokens, a.repeats, a.warmup, a.compile, a.profile, a.threads) == \
+        (3, 32, 5, 0, "auto", True, None)
+    assert bench.parse_args(["--threads", "1"]).threads == 1
+    a = bench.parse_args(["--compile", "off", "--repeats", "2", "--no-profile", "--k", "4"])
+    assert (a.compile, a.repeats, a.profile, a.k) == ("off", 2, False, 4)
+    for bad in (["--k", "0"], ["--new-tokens", "1"], ["--repeats", "0"], ["--compile", "maybe"],
+                ["--confidence", "1.5"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    assert bench.pick_draft(["ngram", "layerskip:6", "layerskip:4"]) == ("layerskip:6", 6)
+    assert bench.pick_draft(["ngram"]) == ("layerskip:8", 8)
+    with pytest.raises(SystemExit):
+        bench.pick_draft(["layerskip:x"])
+
+
+# ---------------------------------------------------------------- the two sides, tiny model
+
+
+def test_forward_clock_counts_and_restores(tiny_model):
+    ids = torch.tensor([[1, 2, 3]])
+    with bench.forward_clock({"target": tiny_model}) as stats:
+        with torch.inference_mode():
+            tiny_model(ids)
+            tiny_model(ids)
+    assert stats["target"]["calls"] == 2 and stats["target"]["seconds"] > 0
+    assert "forward" not in tiny_model.__dict__  # the class's forward is back
+
+
+def test_both_sides_give_the_same_greedy_tokens(tiny_model, tiny_tokenizer):
+    from draft_models.registry import build_draft
+    from pipeline.decode.engine import generate
+
+    device = torch.device("cpu")
+    ids = torch.tensor([tiny_tokenizer.encode("the quick brown fox")])
+    n, k = 10, 2
+    plan = bench.compile_plan("cpu", "auto")
+    gc = bench.hf_generation_config(tiny_model, n, plan, "cpu")
+    rec, gc = bench.hf_first_run(tiny_model, ids, gc, None, plan, "cpu", device)
+    assert rec["ran"] == "eager" and rec["cache"] == "StaticCache" and rec["graphs_compiled"] == 0
+    plain = generate(tiny_model, ids, n, cache_len=ids.shape[1] + n + 1).tokens
+    assert token_check(plain, bench.hf_generate(tiny_model, ids, gc))["identical"]
+
+    draft = build_draft("layerskip:2", tiny_model, tiny_tokenizer, None, device)
+    assistant = bench.truncated_copy(tiny_model, 2)
+    bench.set_assistant(assistant, k)
+    rec, gc = bench.hf_first_run(tiny_model, ids, gc, assistant, plan, "cpu", device)
+    assert rec["cache"] == "StaticCache" and rec["assistant_cache"] == "DynamicCache"
+    spec = generate(tiny_model, ids, n, draft=draft, k=k, cache_len=ids.shape[1] + n + 1).tokens
+    assert spec == plain
+    assert token_check(spec, bench.hf_generate(tiny_model, ids, gc, assistant))["identical"]
+    assert "forward" not in tiny_model.__dict__ and "forward" not in assistant.__dict__
+
+
+def test_main_writes_bench_json(tmp_path, tiny_model_dir, capsys):
+    from conftest import REPO
+
+    threads = torch.get_num_threads()
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "model")
+    rc = bench.main(["--run", str(run), "--config", str(REPO / "configs/smoke.yaml"), "--model", "tiny",
+                     "--drafts", "layerskip:2", "--k", "2", "--new-tokens", "4", "--repeats", "2", "--warmup", "0",
+                     "--threads", "1"])
+    assert rc == 0
+    doc = json.loads((run / "bench.json").read_text())
+    assert doc["threads"] == 1 and torch.get_num_threads() == threads  # set for the run, then restored
+    plain, spec = doc["rows"]
+    assert doc["tokens_identical"] and plain["identical_tokens"] and spec["identical_to_plain"]
+    assert doc["compile"]["compile"] is False and "CPU" in doc["compile"]["reason"]
+    assert len(plain["ratios"]) == 2 and plain["goal"] == 1.2 and spec["goal"] == 1.5
+    assert plain["transformers"]["cache"] == "StaticCache" and spec["transformers"]["assistant_cache"] == "DynamicCache"
+    assert set(plain["profile"]) == {"engine", "transformers"}
+    roof = doc["roofline"]
+    assert roof["bandwidth"]["gbps"] > 0 and roof["plain"]["bound_ms_per_token"] > 0
+    assert roof["plain"]["step_bytes"] == roof["plain"]["bytes_per_token"]
+    assert "roofline:" in capsys.readouterr().out
+
+
+def test_main_compiled_machinery_with_the_eager_backend(tmp_path, tiny_model_dir):
+    """--compile on with dynamo's eager backend: both sides go through their compiled paths (the
+    engine's CompileSession, transformers' compiled forward) and bench.json says what ran."""
+    from conftest import REPO
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "model")
+    rc = bench.main(["--run", str(run), "--config", str(REPO / "configs/smoke.yaml"), "--model", "tiny",
+                     "--drafts", "layerskip:2", "--k", "2", "--new-tokens", "4", "--repeats", "1", "--warmup", "0",
+                     "--compile", "on", "--compile-backend", "eager"])
+    assert rc == 0
+    doc = json.loads((run / "bench.json").read_text())
+    assert doc["compile"]["compile"] and doc["compile"]["backend"] == "eager"
+    for row in doc["rows"]:
+        assert row["engine"]["ran"]["ran"] == "compiled" and row["engine"]["ran"]["recompiles"] == 0
+        assert row["transformers"]["ran"] == "compiled" and row["transformers"]["graphs_compiled"] > 0
+        assert row["transformers"]["recompiles_while_timed"] == 0
+        assert "profile" not in row  # clocked forwards would change a compiled graph
