@@ -67,12 +67,20 @@ def test_correct_engine_passes_and_a_planted_error_fails(embedded_model_dir, tmp
 
     correct = greedy_check(model, prompts, plain, runs())
     if dtype == "bfloat16":
-        # The case the old check got wrong: the outputs differ, at near-ties only.
-        assert correct["divergences"] >= 1 and not correct["greedy_identical"], correct
-        rule = correct["tie_rule"]
-        assert rule["dtype"] == "bfloat16" and 0 < rule["logit_noise"] and rule["tolerance"] >= 2 * rule["resolution"]
-        for m in correct["mismatches"]:
-            assert m["explained"] and abs(m["gap"]) <= rule["tolerance"] and m["max_shortfall"] <= rule["tolerance"]
+        # The case the old check got wrong: the outputs may differ, at near-ties only. Whether a
+        # near-tie flips on these prompts depends on the CPU's bf16 kernels (the same code and
+        # model diverged on one 2-core machine and not on another, 2026-12-02), so the divergence
+        # is not required; where there is one it must be explained by the tie rule.
+        assert correct["greedy_identical"] == (correct["divergences"] == 0), correct
+        if correct["divergences"]:
+            rule = correct["tie_rule"]
+            assert rule["dtype"] == "bfloat16" and 0 < rule["logit_noise"] \
+                and rule["tolerance"] >= 2 * rule["resolution"]
+            for m in correct["mismatches"]:
+                assert m["explained"] and abs(m["gap"]) <= rule["tolerance"] \
+                    and m["max_shortfall"] <= rule["tolerance"]
+        else:  # no divergence: no tie rule is needed, none is computed
+            assert correct["tie_rule"] is None and correct["unexplained"] == 0
     else:
         assert correct["greedy_identical"] and correct["divergences"] == 0, correct
     assert correct["greedy_lossless"] and _verdict(tmp_path, correct) == "go"

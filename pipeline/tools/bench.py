@@ -547,16 +547,11 @@ def print_table(rows: list[dict], roof: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.core.process import set_up_process
+    from pipeline.tools.paired_ratio import with_threads
 
     set_up_process()
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        return _main(args)
-    finally:
-        torch.set_num_threads(threads)
+    return with_threads(args.threads, lambda: _main(args))
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -282,21 +282,16 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.core.process import set_up_process
+    from pipeline.tools.paired_ratio import with_threads
 
     set_up_process()
     args = parse_args(argv)
-    import torch
-
     quiet_bars = "TQDM_DISABLE" not in os.environ
     if quiet_bars:  # lm-eval's and the evaluators' progress bars: the per-repeat lines say it
         os.environ["TQDM_DISABLE"] = "1"
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
-        return _main(args)
+        return with_threads(args.threads, lambda: _main(args))
     finally:
-        torch.set_num_threads(threads)
         if quiet_bars:
             os.environ.pop("TQDM_DISABLE", None)
 

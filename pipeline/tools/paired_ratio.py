@@ -96,3 +96,17 @@ def token_check(engine: Sequence[int], baseline: Sequence[int]) -> dict:
 
 def format_ci(ci: Sequence[float] | None) -> str:
     return "[  n/a  ]" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def with_threads(threads: int | None, fn):
+    """fn() with torch's intra-op threads set to `threads` (None or 0: as they are), restored after
+    (a bench's --threads: on a shared machine one thread per process times more steadily)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
