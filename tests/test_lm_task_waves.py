@@ -21,6 +21,7 @@ from pipeline.gate.decision import build_gate
 from pipeline.quality import lm_tasks
 from pipeline.quality.evaluate import evaluate
 from pipeline.stages.quality import Waves, _task_plan, score_in_waves
+from tests.test_lm_tasks import gsm8k_like_yaml, write_task_files
 from tests.test_sequential_gate import _config
 
 N_DOCS = 8
@@ -29,7 +30,6 @@ N_DOCS = 8
 def _write_tasks(root: Path) -> dict[str, Path]:
     """A group of two multiple-choice subtasks over different documents, a multiple-choice task
     of 16 documents, and a generated task scored through two filters (like gsm8k)."""
-    paths = {}
     for name, n, word in (("odd", N_DOCS, "odd"), ("even", N_DOCS, "even"), ("many", 2 * N_DOCS, "small")):
         docs = [{"question": f"Is {i} {word}?", "choices": ["dog", "the"], "label": i % 2, "answer": f"{i} #### {i}"}
                 for i in range(n)]
@@ -43,21 +43,9 @@ def _write_tasks(root: Path) -> dict[str, Path]:
         "wv_many": "task: wv_many\n" + mc.format(data=root / "many.json"),
         "wv_group": "group: wv_group\ntask: [wv_odd, wv_even]\n"
                     "aggregate_metric_list: [{metric: acc, weight_by_size: true}]\n",
-        "wv_gen": (f"task: wv_gen\ndataset_path: json\ndataset_kwargs: {{data_files: {root / 'odd.json'}}}\n"
-                   "test_split: train\noutput_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
-                   "doc_to_target: \"{{answer}}\"\n"
-                   "generation_kwargs: {until: [\"\\n\"], max_gen_toks: 3, do_sample: false}\n"
-                   "metric_list:\n  - {metric: exact_match, aggregation: mean, higher_is_better: true}\n"
-                   "filter_list:\n"
-                   "  - name: strict\n    filter: [{function: regex, regex_pattern: \"#### (\\\\-?[0-9]+)\"},"
-                   " {function: take_first}]\n"
-                   "  - name: flexible\n    filter: [{function: regex, group_select: -1, "
-                   "regex_pattern: \"(-?[0-9]+)\"}, {function: take_first}]\n"),
+        "wv_gen": gsm8k_like_yaml("task: wv_gen\n", root / "odd.json", max_gen_toks=3),
     }
-    for name, text in files.items():
-        paths[name] = root / f"{name}.yaml"
-        paths[name].write_text(text)
-    return paths
+    return write_task_files(root, files)
 
 
 @pytest.fixture(scope="module")

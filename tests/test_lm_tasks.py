@@ -5,6 +5,7 @@ documents that share a passage (like xnli's premise), a tag, and a task whose da
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -30,20 +31,30 @@ def _write_tasks(root):
         "toy_mc_b": f"task: toy_mc_b\n{mc}",
         "toy_group": "group: toy_group\ntask: [toy_mc_a, toy_mc_b]\n"
                      "aggregate_metric_list: [{metric: acc, weight_by_size: true}]\n",
-        "toy_filters": (f"task: toy_filters\ntag: [toy_tag]\ndataset_path: json\n"
-                        f"dataset_kwargs: {{data_files: {data}}}\ntest_split: train\n"
-                        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
-                        "doc_to_target: \"{{answer}}\"\n"
-                        "generation_kwargs: {until: [\"\\n\"], max_gen_toks: 4, do_sample: false}\n"
-                        "metric_list:\n  - {metric: exact_match, aggregation: mean, higher_is_better: true}\n"
-                        "filter_list:\n"
-                        "  - name: strict\n    filter: [{function: regex, regex_pattern: \"#### (\\\\-?[0-9]+)\"},"
-                        " {function: take_first}]\n"
-                        "  - name: flexible\n    filter: [{function: regex, group_select: -1, "
-                        "regex_pattern: \"(-?[0-9]+)\"}, {function: take_first}]\n"),
+        "toy_filters": gsm8k_like_yaml("task: toy_filters\ntag: [toy_tag]\n", data, max_gen_toks=4),
         "toy_missing": ("task: toy_missing\ndataset_path: specq-test/no-such-dataset\ntest_split: test\n"
                         "output_type: multiple_choice\ndoc_to_text: x\ndoc_to_choice: [a]\ndoc_to_target: 0\n"),
     }
+    return write_task_files(root, files)
+
+
+def gsm8k_like_yaml(head: str, data: Path, max_gen_toks: int) -> str:
+    """A generated task over a JSON file of {question, answer} scored through two filters, as
+    gsm8k is ("strict": the number after ####, "flexible": the last number); `head`: its task line(s)."""
+    return (head + f"dataset_path: json\ndataset_kwargs: {{data_files: {data}}}\ntest_split: train\n"
+            "output_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
+            "doc_to_target: \"{{answer}}\"\n"
+            f"generation_kwargs: {{until: [\"\\n\"], max_gen_toks: {max_gen_toks}, do_sample: false}}\n"
+            "metric_list:\n  - {metric: exact_match, aggregation: mean, higher_is_better: true}\n"
+            "filter_list:\n"
+            "  - name: strict\n    filter: [{function: regex, regex_pattern: \"#### (\\\\-?[0-9]+)\"},"
+            " {function: take_first}]\n"
+            "  - name: flexible\n    filter: [{function: regex, group_select: -1, "
+            "regex_pattern: \"(-?[0-9]+)\"}, {function: take_first}]\n")
+
+
+def write_task_files(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    """Each task name's YAML text written to root/<name>.yaml; name -> path."""
     paths = {}
     for name, text in files.items():
         paths[name] = root / f"{name}.yaml"
