@@ -91,7 +91,6 @@ from pipeline.gate.looks import plan
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, summarize_slice
-from pipeline.quality.prefix_lm import CALIBRATION_CONSTANTS
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
 from pipeline.quality.waves import Allowance, Pace, order_items
 from pipeline.variants.schemes import load_variant
@@ -485,6 +484,20 @@ def _slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
                   "n_max": n_max, "order": "seeded cluster order"}
 
 
+def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
+    """Add the evaluator's counts in `new` to `into` (a float sum rounded to `digits`); its
+    constants (pipeline/quality/prefix_lm.py: CALIBRATION_CONSTANTS) replace, never add; any
+    other value that is not a number is left out."""
+    from pipeline.quality.prefix_lm import CALIBRATION_CONSTANTS  # here: it imports lm-eval's HFLM (seconds)
+
+    for k, v in new.items():
+        if k in CALIBRATION_CONSTANTS:
+            into[k] = v
+        elif isinstance(v, (int, float)):
+            total = into.get(k, 0) + v
+            into[k] = round(total, digits) if digits is not None and isinstance(v, float) else total
+
+
 class Waves:
     """Per-model item files grown a look at a time: quality/<model>/<slice>.jsonl holds one line
     per item scored, in the data file's order, always at a planned look; quality/<model>/
@@ -666,11 +679,7 @@ class Waves:
         st = self.stats[name]
         st["seconds"] += took
         st["grew"] = True
-        for k, v in (counters or {}).items():
-            if k in CALIBRATION_CONSTANTS:  # the evaluator's constants (prefix_lm): the last, not a sum
-                st["counters"][k] = v
-            elif isinstance(v, (int, float)):
-                st["counters"][k] = st["counters"].get(k, 0) + v
+        _add_counters(st["counters"], counters or {})
         count = 0
         for task, recs in records.items():
             count += len(recs)
@@ -688,11 +697,7 @@ class Waves:
         items = old.get("items", 0) + st["items"]
         seconds = round(old.get("eval_seconds", 0.0) + st["seconds"], 2)
         counters = dict(old.get("counters") or {})
-        for k, v in st["counters"].items():
-            if k in CALIBRATION_CONSTANTS:
-                counters[k] = v
-            else:
-                counters[k] = round(counters.get(k, 0) + v, 2) if isinstance(v, float) else counters.get(k, 0) + v
+        _add_counters(counters, st["counters"], digits=2)
         meta = {k: v for k, v in old.items() if k != "input_hash"}
         meta.update({"variant": name, "items": items, "eval_seconds": seconds,
                      "items_per_second": round(items / seconds, 3) if seconds > 0 else None,
