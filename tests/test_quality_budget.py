@@ -1,5 +1,5 @@
-"""The quality stage on a time budget (issue 27): the wave loop (pipeline/stages/quality.py:
-score_in_waves, Waves) with injected per-item scorers and a fake clock that each scored item
+"""The quality stage on a time budget (issue 27): the wave loop (pipeline/quality/sequential.py:
+score_variants, Waves) with injected per-item scorers and a fake clock that each scored item
 advances, each variant's allowance (pipeline/quality/waves.py: Allowance, Pace), and the gate's
 replay of what was scored (pipeline/gate/decision.py: build_gate). Shows: without a budget the
 looks are exactly those of the loop without one; a budget that affords two looks stops there and
@@ -18,9 +18,10 @@ from pipeline.core.budget import StageBudget
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
+from pipeline.quality.sequential import Waves, score_in_waves, score_variants
 from pipeline.quality.waves import Allowance, Pace
 from pipeline.report.gate_table import render_table
-from pipeline.stages.quality import Waves, _budget_stopped, item_inputs, score_in_waves
+from pipeline.stages.quality import _budget_stopped, item_inputs
 from tests.test_sequential_gate import (_config, damaged, flips, identical, independent_slice, reference_score,
                                         run_waves, scorer)
 
@@ -52,11 +53,12 @@ def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, qu
 
 
 def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: dict, per_item=1.0,
-               calls: dict | None = None, clock: Clock | None = None) -> dict:
+               calls: dict | None = None, clock: Clock | None = None, one_pass: bool = False) -> dict:
     """What the quality stage does (pipeline/stages/quality.py: run), with fake scorers: items
-    opened with the stage's own inputs (item_inputs), the reference's first look, each variant's
-    allowance and wave loop, the variants' meta, quality/meta.json's `sequential` and `budget`;
-    then the gate stage's decision."""
+    opened with the stage's own inputs (item_inputs), the reference's first look, the variants'
+    looks (score_variants), the variants' meta, quality/meta.json's `sequential` and `budget`;
+    then the gate stage's decision. `one_pass`: each variant whole in turn with 1/n of the time
+    left (score_in_waves per variant: the stage's loop before the two passes), for comparison."""
     run = tmp_path / "run"
     out = run / "quality"
     clock = clock or Clock()
@@ -82,12 +84,18 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
     pending = [n for n in fns if n != "bf16" and not items[n].fresh]
     ref_score = timed(scorer(fns["bf16"], calls.setdefault("bf16", [])), clock, per_item)
     waves.first_look("bf16", ref_score)
-    for i, name in enumerate(pending):
-        allowance = Allowance(budget, len(pending) - i)
-        score_in_waves(waves, "bf16", name, ref_score,
-                       timed(scorer(fns[name], calls.setdefault(name, [])), clock, per_item), cfg, allowance)
+
+    def finish(name: str) -> None:
         items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
         waves.finish(name, "fake")
+    def score_of(name: str):
+        return timed(scorer(fns[name], calls.setdefault(name, [])), clock, per_item)
+    if one_pass:
+        for i, name in enumerate(pending):
+            score_in_waves(waves, "bf16", name, ref_score, score_of(name), cfg, Allowance(budget, len(pending) - i))
+            finish(name)
+    else:
+        score_variants(waves, "bf16", pending, ref_score, score_of, cfg, budget, finish=finish)
     if not items["bf16"].fresh or waves.grew("bf16"):
         waves.finish("bf16", "fake")
     records = {n: json.loads((out / n / "meta.json").read_text()).get("budget") for n in fns if n != "bf16"}
@@ -134,7 +142,8 @@ def test_a_budget_for_two_looks_stops_there_and_the_gate_says_inconclusive_on_th
     data, plans = one_slice(400, 100)
     fns = {"bf16": reference_score, "v": flips(0.03)}
     # The quality share: 0.5 x 10 minutes = 300 s; 0.6 s an item. Reference's first look 60 s,
-    # v's 60 s, the second look (100 items each) 120 s: 60 s left, the third needs 120 s.
+    # v's 60 s; v's later looks get the 180 s left: the second look (100 items each) 120 s, 60 s
+    # left, the third needs 120 s.
     cfg = budget_config(tmp_path, ["v"], 10, 0.5)
     calls: dict = {}
     g = run_budget(tmp_path, cfg, data, plans, fns, per_item=0.6, calls=calls)
@@ -155,7 +164,7 @@ def test_a_budget_for_two_looks_stops_there_and_the_gate_says_inconclusive_on_th
     assert cell["looks"][-1]["alpha_lower"] < 0.025 / 2
     # What the stage recorded: per slice, items, looks done and skipped, and why.
     rec = json.loads((q / "v/meta.json").read_text())["budget"]
-    assert rec["stopped"] is True and rec["allowance_s"] == pytest.approx(240.0)
+    assert rec["stopped"] is True and rec["allowance_s"] == pytest.approx(180.0)
     assert rec["slices"]["s"] == {"items": 200, "n_max": 400, "looks_done": 2, "looks_planned": 4,
                                   "stopped_on": "budget", "looks_skipped": 2, "why": cell["stop_reason"]}
     meta = json.loads((q / "meta.json").read_text())["budget"]
@@ -167,7 +176,7 @@ def test_a_budget_for_two_looks_stops_there_and_the_gate_says_inconclusive_on_th
     assert "Scoring stopped on the time budget" in table
 
 
-def test_a_fail_within_the_budget_is_no_go_whatever_is_left_open(tmp_path):
+def test_a_fail_within_the_budget_is_no_go_and_stops_the_variant(tmp_path):
     data = {"a": independent_slice("a", 400), "b": independent_slice("b", 400)}
     plans = {s: {"looks": plan(400, 100), "n_max": 400} for s in data}
 
@@ -175,37 +184,77 @@ def test_a_fail_within_the_budget_is_no_go_whatever_is_left_open(tmp_path):
         return damaged(0.8)(s, i) if s == "a" else flips(0.06)(s, i)
     fns = {"bf16": reference_score, "v": mixed}
     # 0.5 x 2 minutes = 60 s at 0.1 s an item: the first looks (2 x 200 items) take 40 s, and a
-    # fails there; b's second look (100 items each) takes the 20 s left, its third does not fit.
+    # fails there. The 20 s left would hold b's second look, but the variant is no-go whatever b
+    # does: a budgeted stage scores no more of it.
     cfg = budget_config(tmp_path, ["v"], 2, 0.5)
-    g = run_budget(tmp_path, cfg, data, plans, fns, per_item=0.1)
+    calls: dict = {}
+    g = run_budget(tmp_path, cfg, data, plans, fns, per_item=0.1, calls=calls)
     v = g["variants"]["v"]
     assert v["slices"]["a"]["status"] == "fail" and v["slices"]["a"]["stopped_on"] == "data"
-    assert v["slices"]["b"]["status"] == "inconclusive" and v["slices"]["b"]["stopped_on"] == "budget"
-    assert v["stopped_on_budget"] == ["b"]
+    b = v["slices"]["b"]
+    assert b["status"] == "inconclusive" and b["stopped_on"] == "verdict"
+    assert b["stop_reason"].startswith("no-go already (a failed)") and b["items_left"] == 300
+    assert v["stopped_on_budget"] == []
     assert v["decision"] == "no-go" and g["decision"] == "no-go"
-    rec = json.loads((tmp_path / "run/quality/v/meta.json").read_text())["budget"]["slices"]
-    assert rec["a"]["stopped_on"] == "settled" and rec["a"]["items"] == 100
-    assert rec["b"]["items"] == 200
-    assert rec["b"]["stopped_on"] == "budget" and rec["b"]["looks_skipped"] >= 1
-    assert "open (budget)" in render_table(g)
+    assert len(scored_ids(calls["v"])) == 200 and len(scored_ids(calls["bf16"])) == 200
+    rec = json.loads((tmp_path / "run/quality/v/meta.json").read_text())["budget"]
+    assert rec["stopped"] is True
+    assert rec["slices"]["a"]["stopped_on"] == "settled" and rec["slices"]["a"]["items"] == 100
+    assert rec["slices"]["b"]["items"] == 100
+    assert rec["slices"]["b"]["stopped_on"] == "verdict" and rec["slices"]["b"]["looks_skipped"] == 3
+    assert "open (variant already no-go) at 100 of 400 items" in render_table(g)
+    # Without a budget the open cell goes on (the exhaustive run scores every open cell).
+    (tmp_path / "nobudget").mkdir()
+    free = run_budget(tmp_path / "nobudget", budget_config(tmp_path / "nobudget", ["v"], None), data, plans,
+                      fns, per_item=0.1)
+    assert free["variants"]["v"]["slices"]["b"]["stopped_on"] != "verdict"
+    assert free["variants"]["v"]["slices"]["b"]["items_spent"] > 100
+
+
+def test_variants_a_first_look_settles_leave_their_time_to_the_open_ones(tmp_path):
+    """Two passes under a budget: every first look, then the later looks of the variants still
+    open. Two variants that fail at once, listed after an identical copy, leave it their time;
+    scored whole in turn, the copy would have had a third of it and stopped open."""
+    data, plans = one_slice(1000, 100)
+    fns = {"bf16": reference_score, "copy": identical, "broken": damaged(1.0), "bad": damaged(1.0)}
+    # 0.5 x 2.8 minutes = 84 s at 0.1 s an item: four first looks of 10 s (the reference holding
+    # its items), then copy alone gets the 44 s left: two later looks of 20 s, and it passes at 300.
+    names = ["copy", "broken", "bad"]
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one").mkdir()
+    g = run_budget(tmp_path / "two", budget_config(tmp_path / "two", names, 2.8, 0.5), data, plans, fns,
+                   per_item=0.1)
+    rec = json.loads((tmp_path / "two/run/quality/copy/meta.json").read_text())["budget"]
+    for n in ("broken", "bad"):
+        assert g["variants"][n]["decision"] == "no-go"
+        assert g["variants"][n]["slices"]["s"]["items_spent"] == 100
+    assert rec["allowance_s"] == pytest.approx(44.0) and rec["spent_s"] == pytest.approx(40.0)
+    assert rec["slices"]["s"]["items"] == 300 and rec["stopped"] is False
+    assert g["variants"]["copy"]["decision"] == "go" and g["decision"] == "no-go"
+    # The loop before: copy's allowance (84 - 10) / 3 = 24.7 s holds its first look (10 s) and no
+    # later one (20 s): open on the budget at 100 items.
+    old = run_budget(tmp_path / "one", budget_config(tmp_path / "one", names, 2.8, 0.5), data, plans, fns,
+                     per_item=0.1, one_pass=True)
+    cell = old["variants"]["copy"]["slices"]["s"]
+    assert cell["status"] == "inconclusive" and cell["stopped_on"] == "budget" and cell["items_spent"] == 100
 
 
 def test_the_allowance_split_leaves_the_second_variant_looks_of_its_own(tmp_path):
     data, plans = one_slice(1000, 100)
     fns = {"bf16": reference_score, "v1": flips(0.06), "v2": flips(0.06)}
-    # 0.5 x 4 minutes = 120 s at 0.1 s an item. The reference's first look: 10 s; v1's allowance
-    # (120 - 10) / 2 = 55 s: its first look 10 s, then looks of 20 s (its 100 items and the
-    # reference's) while they fit: 300 items. v2 gets the rest, 60 s: the reference holds v1's
-    # items, so its looks to 300 cost 10 s each.
+    # 0.5 x 4 minutes = 120 s at 0.1 s an item. The first looks: 10 s each (the reference's, v1's,
+    # v2's). v1's later looks get (120 - 30) / 2 = 45 s: looks of 20 s (its 100 items and the
+    # reference's) while they fit: 300 items. v2 gets the rest, 50 s: the reference holds v1's
+    # items, so its looks to 300 cost 10 s each, then one of 20 s: 400.
     cfg = budget_config(tmp_path, ["v1", "v2"], 4, 0.5)
     calls: dict = {}
     g = run_budget(tmp_path, cfg, data, plans, fns, per_item=0.1, calls=calls)
     q = tmp_path / "run/quality"
     rec = {n: json.loads((q / n / "meta.json").read_text())["budget"] for n in ("v1", "v2")}
-    assert rec["v1"]["allowance_s"] == pytest.approx(55.0)
+    assert rec["v1"]["allowance_s"] == pytest.approx(45.0)
     assert rec["v1"]["stopped"] and rec["v1"]["slices"]["s"]["items"] == 300
     # What v1 left of its allowance carries forward to v2.
-    assert rec["v2"]["allowance_s"] == pytest.approx(120 - 10 - rec["v1"]["spent_s"])
+    assert rec["v2"]["allowance_s"] == pytest.approx(120 - 30 - rec["v1"]["spent_s"])
     assert rec["v2"]["slices"]["s"]["items"] == 400 > 100
     assert len(scored_ids(calls["v2"])) == 400
     assert json.loads((q / "meta.json").read_text())["budget"]["spent_s"] <= 120.0

@@ -251,17 +251,20 @@ def quality_budget(quality: Path) -> dict | None:
 def stop_fields(status: str, sched: dict, record: dict | None) -> dict:
     """Where a cell's looks ended: "data" (a look passed or failed it), "last look" (open at the
     slice's final look), "budget" (open before it: the quality stage stopped on its time budget;
-    with the reason and the items the slice has left to its maximum), or "early" (open before
-    its final look with no budget record: results from elsewhere)."""
+    with the reason and the items the slice has left to its maximum), "verdict" (open before it:
+    a budgeted stage stopped scoring a variant another of whose cells had failed, so no item
+    could change its no-go), or "early" (open before its final look with no budget record:
+    results from elsewhere)."""
     done, looks = sched["done"], sched["looks"]
     if status != "inconclusive":
         return {"stopped_on": "data"}
     if len(done) >= len(looks):
         return {"stopped_on": "last look"}
     scored = done[-1] if done else 0
-    budget = bool(record) and record.get("stopped_on") == "budget"
-    why = (record or {}).get("why") if budget else "scoring stopped before the slice's last look"
-    return {"stopped_on": "budget" if budget else "early", "stop_reason": why,
+    kind = (record or {}).get("stopped_on")
+    kind = kind if kind in ("budget", "verdict") else "early"
+    why = (record or {}).get("why") if kind != "early" else "scoring stopped before the slice's last look"
+    return {"stopped_on": kind, "stop_reason": why,
             "slice_items": scored, "items_left": sched["n_max"] - scored,
             "looks_skipped": len(looks) - len(done)}
 
@@ -348,24 +351,28 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
     return rows, margins, row_sched, (reported, groups)
 
 
-def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> set[str]:
+def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict, with_failed: bool = False):
     """The slices of variant `name` with a row that no look has settled yet and a planned look
     left: what the quality stage scores next (the same replay as the gate's, on the schedules
     the stage will write to quality/meta.json: slice -> {"looks", "n_max"}). Whether the next
     look is affordable is the stage's question (its time budget), not this one's: a slice it
-    stops on stays in this set, and the gate reports it open on the budget."""
+    stops on stays in this set, and the gate reports it open on the budget. `with_failed`:
+    (that set, the row keys a look has failed): one failed row makes the variant no-go whatever
+    its open rows do, which a budgeted stage uses to stop scoring it."""
     gcfg = cfg.gate
     alpha = (1.0 - gcfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
     a_pass, chosen = pass_alpha(release, alpha, gcfg)
     rows, margins, row_sched, _ = variant_rows(quality, reference, name, gcfg, scheds)
     settled = settle_variant(rows, margins, row_sched, a_pass if name in chosen else alpha, alpha, gcfg)
-    out = set()
+    out, failed = set(), []
     for key, (k, record) in settled.items():
         sched = row_sched[key]
         if record[-1]["status"] == "inconclusive" and len(sched["done"]) < len(sched["looks"]):
             out.add(key.split(":", 1)[0].split("/", 1)[0])
-    return out
+        elif record[-1]["status"] == "fail":
+            failed.append(key)
+    return (out, failed) if with_failed else out
 
 
 def build_gate(run_dir: Path, cfg) -> dict:

@@ -27,10 +27,12 @@ def cell_text(c: dict) -> str:
 
 def open_text(c: dict) -> str:
     """': open (budget) at 80 of 240 items' for a cell whose scoring stopped before its slice's last
-    look (the quality stage's time budget; 'stopped early' without a budget record); '' otherwise."""
-    if c.get("status") != "inconclusive" or c.get("stopped_on") not in ("budget", "early"):
+    look (the quality stage's time budget; 'variant already no-go' where a budgeted stage stopped
+    a variant another cell of which had failed; 'stopped early' without a budget record); ''
+    otherwise."""
+    if c.get("status") != "inconclusive" or c.get("stopped_on") not in ("budget", "verdict", "early"):
         return ""
-    why = "budget" if c["stopped_on"] == "budget" else "stopped early"
+    why = {"budget": "budget", "verdict": "variant already no-go"}.get(c["stopped_on"], "stopped early")
     n_max = c.get("n_max")
     scored = c.get("slice_items", (n_max or 0) - (c.get("items_left") or 0))
     return f": open ({why}) at {scored} of {n_max} items"

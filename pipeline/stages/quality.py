@@ -27,14 +27,17 @@ The time budget (issue 27: config `budget`, pipeline/core/budget.py): the stage'
 (`budget.minutes` x `shares.quality`) is what the sequential gate may spend. Before scoring the
 stage prints what the plan may score (every slice to its maximum) and, once the reference's first
 look has measured its seconds per item (per slice: pipeline/quality/waves.py: Pace), the estimate
-again. Each variant, in turn, gets an allowance: the time left over the variants left
-(pipeline/quality/waves.py: Allowance), so an early variant cannot eat the share and what it
-leaves carries forward. Its first look is always scored (the least the gate decides on); before
-each further look the look's cost (the variant's items and the reference's for it, at their
-measured seconds per item) is checked against what is left of the allowance, and a look that
-does not fit is not taken: the variant stops, its open cells stay open (the gate says
-"inconclusive", stopped on the budget; pipeline/gate/looks.py says why this keeps each error rate
-at or below nominal). quality/<variant>/meta.json's `budget` records per slice the items scored,
+again. The variants go in two passes (pipeline/quality/sequential.py: score_variants): every
+variant's first look (always scored: the least the gate decides on) and its drift, then the
+later looks of the variants still open, each with an allowance: the time left over the open
+variants left (pipeline/quality/waves.py: Allowance), so a variant that a first look settled
+leaves its time to the open ones and what one leaves carries forward. Before each later look its
+cost (the variant's items and the reference's for it, at their measured seconds per item) is
+checked against what is left of the allowance, and a look that does not fit is not taken: the
+variant stops, its open cells stay open (the gate says "inconclusive", stopped on the budget;
+pipeline/gate/looks.py says why this keeps each error rate at or below nominal). A variant with
+a failed cell is no-go whatever its open cells do: a budgeted stage scores it no further
+(`stopped_on: "verdict"`). quality/<variant>/meta.json's `budget` records per slice the items scored,
 the looks done and skipped and why; quality/meta.json's `budget` the stage's estimates, spend,
 skips and every variant's record. The budget is not in what the lines were scored with
 (scoring.json): a re-run with a larger budget re-opens a budget-stopped variant (the budget is in
@@ -42,7 +45,8 @@ its item's inputs) and continues from the items it has; a variant that was not s
 depend on the budget and stays fresh. With no budget (`minutes: null`) every look is affordable
 and the stage scores exactly what it did without one. Each
 variant's distribution drift against the reference on held-out text
-(pipeline/quality/distribution.py) comes last, then the summaries. The prefix evaluator's token
+(pipeline/quality/distribution.py) is measured after its first look, while it is loaded; the
+summaries come last. The prefix evaluator's token
 counts go into meta.json.
 
 What runs the models (`quality.backend`): `hf` loads each with transformers on `device` (the
@@ -74,7 +78,6 @@ Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json h
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -83,16 +86,16 @@ import numpy as np
 from evals import sandbox
 from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
-from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
+from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json,
                                  progress, read_json, read_jsonl, sha256_file)
 from pipeline.decode.release import collect
-from pipeline.gate.decision import open_slices
 from pipeline.gate.looks import plan
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
-from pipeline.quality.waves import Allowance, Pace, order_items
+from pipeline.quality.sequential import Waves, score_variants
+from pipeline.quality.waves import order_items
 from pipeline.variants.schemes import load_variant
 
 
@@ -237,39 +240,47 @@ def run(ctx: StageContext) -> None:
         _announce_plan(budget, waves, reference, pending, first=False)
     ref_logp: dict = {}
     heldout = heldout_info = None
-    reserve = 0.0  # seconds a variant's work after scoring took (the drift): kept back from the next
     for name in order[1:]:
         if items[name].fresh:
             waves.cover(reference, ref_score, waves.scored(name))  # the reference holds its items
-        else:
-            allowance = Allowance(budget, len(pending) - pending.index(name), reserve)
-            score_in_waves(waves, reference, name, ref_score, scorer(name), cfg, allowance)
-            after = budget.spent()
-            engines.release(name)
-            if drift:  # through transformers (backend vllm: only with quality.vllm.distribution)
-                engines.release()
-                if reference not in models:
-                    models[reference] = load_variant(ref_dir, device)
-                ref_model = models[reference][0]
-                if heldout is None:
-                    heldout, heldout_info = distribution.heldout_documents(
-                        models[reference][1], qcfg.distribution_docs, qcfg.distribution_tokens)
-                if name not in models:  # nothing new to score (e.g. a gate setting changed): load it for drift
-                    models[name] = load_variant(variant_dir(name), device)
-                start = time.perf_counter()
-                per_doc = distribution.per_document(ref_model, models[name][0], heldout, device, cache=ref_logp)
-                atomic_write_json(ctx.out_dir / name / "distribution.json",
-                                  {**distribution.summarize(per_doc), **heldout_info,
-                                   "seconds": time.perf_counter() - start})
-            else:  # not measured: an earlier run's figures would not be this run's
-                (ctx.out_dir / name / "distribution.json").unlink(missing_ok=True)
-            # Its item's inputs hold the budget only when a look was skipped on it (a variant that
-            # ran to the end of its looks is the same under any budget).
-            items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
-            waves.finish(name, qcfg.evaluator, backends[name].record(qcfg.evaluator))
-            models.pop(name, None)
-            collect(device)  # the variant's memory back before the next one loads
-            reserve = budget.spent() - after
+
+    def measure_drift(name: str) -> None:
+        """The variant's distribution drift against the reference, while it is loaded."""
+        nonlocal heldout, heldout_info
+        engines.release(name)
+        if not drift:  # not measured: an earlier run's figures would not be this run's
+            (ctx.out_dir / name / "distribution.json").unlink(missing_ok=True)
+            return
+        engines.release()  # through transformers (backend vllm: only with quality.vllm.distribution)
+        if reference not in models:
+            models[reference] = load_variant(ref_dir, device)
+        ref_model = models[reference][0]
+        if heldout is None:
+            heldout, heldout_info = distribution.heldout_documents(
+                models[reference][1], qcfg.distribution_docs, qcfg.distribution_tokens)
+        if name not in models:  # its first look was scored before (a resumed run): load it for drift
+            progress(f"quality: {name}: loading {variant_dir(name)}")
+            models[name] = load_variant(variant_dir(name), device)
+        start = time.perf_counter()
+        per_doc = distribution.per_document(ref_model, models[name][0], heldout, device, cache=ref_logp)
+        atomic_write_json(ctx.out_dir / name / "distribution.json",
+                          {**distribution.summarize(per_doc), **heldout_info,
+                           "seconds": time.perf_counter() - start})
+
+    def unload(name: str) -> None:
+        engines.release(name)
+        models.pop(name, None)
+        collect(device)  # the variant's memory back before the next one loads
+
+    def finish(name: str) -> None:
+        # Its item's inputs hold the budget only when a look was skipped on it (a variant that
+        # ran to the end of its looks is the same under any budget).
+        items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
+        waves.finish(name, qcfg.evaluator, backends[name].record(qcfg.evaluator))
+        unload(name)
+
+    score_variants(waves, reference, pending, ref_score, scorer, cfg, budget,
+                   after_first=measure_drift, finish=finish, park=unload)
     engines.release()
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator, backends[reference].record(qcfg.evaluator))
@@ -314,49 +325,6 @@ def run(ctx: StageContext) -> None:
 def _one_or_mixed(values: list[str]) -> str:
     """The one value they all have, or "mixed" (meta.json's `backends` then says which is which)."""
     return values[0] if len(set(values)) == 1 else "mixed (see backends)"
-
-
-def score_in_waves(waves: "Waves", reference: str, name: str, ref_score, score, cfg,
-                   allowance: Allowance | None = None) -> None:
-    """Variant `name`'s first look, then a look at a time for the slices whose cells are open;
-    the reference first scores whatever the look needs. `score(configs, tasks)` (built-in slices'
-    task configs, lm-eval tasks restricted to the look's documents) returns ({task: records},
-    counters), as pipeline.quality.evaluate.evaluate does (tests inject one).
-
-    `allowance` (the variant's share of the stage's budget): the first look is always scored (the
-    least the gate can decide on); before each further look its cost is estimated (the items the
-    variant and the reference lack for it, at each one's measured seconds per item) and a look
-    that does not fit what is left is not taken: the variant stops there, its open cells stay open
-    and its meta.json says which looks were skipped and why. None, or no budget: every look."""
-    if allowance is not None:
-        waves.allowances[name] = allowance
-        first = waves.first_items(name)
-        if sum(first.values()):
-            est = waves.look_cost(reference, name, first)
-            allowance.parent.announce(
-                f"{name}: first look, {sum(first.values())} items; allowance "
-                f"{fmt_s(allowance.seconds) if allowance.active else 'unlimited'}", est)
-            if not allowance.affords(est):
-                progress(f"quality: {name}: the first look is over the allowance ({allowance.why_not(est)}); "
-                         "scored anyway: the gate needs a first look")
-    waves.first_look(name, score)
-    while True:
-        need = waves.next_looks(name, open_slices(waves.out_dir, reference, name, cfg, waves.plans))
-        if not need:
-            return
-        if allowance is not None and allowance.active:
-            est = waves.look_cost(reference, name, need)
-            if not allowance.affords(est):
-                why = allowance.why_not(est)
-                waves.stop(name, need, why)
-                allowance.parent.skip(f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} "
-                                      f"and after", why)
-                return
-        waves.cover(reference, ref_score, need)
-        waves.cover(name, score, need)
-        if allowance is not None and allowance.active:
-            progress(f"quality: {name}: allowance {fmt_s(max(allowance.left(), 0.0))} left of "
-                     f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.parent.left(), 0.0))} left")
 
 
 def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
@@ -482,233 +450,6 @@ def _slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
         raise StageError(f"quality: slice '{name}' has no items")
     return blob, {"looks": plan(n_max, wave if sequential else None, ends if sequential else None),
                   "n_max": n_max, "order": "seeded cluster order"}
-
-
-def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
-    """Add the evaluator's counts in `new` to `into` (a float sum rounded to `digits`); its
-    constants (pipeline/quality/prefix_lm.py: CALIBRATION_CONSTANTS) replace, never add; any
-    other value that is not a number is left out."""
-    from pipeline.quality.prefix_lm import CALIBRATION_CONSTANTS  # here: it imports lm-eval's HFLM (seconds)
-
-    for k, v in new.items():
-        if k in CALIBRATION_CONSTANTS:
-            into[k] = v
-        elif isinstance(v, (int, float)):
-            total = into.get(k, 0) + v
-            into[k] = round(total, digits) if digits is not None and isinstance(v, float) else total
-
-
-class Waves:
-    """Per-model item files grown a look at a time: quality/<model>/<slice>.jsonl holds one line
-    per item scored, in the data file's order, always at a planned look; quality/<model>/
-    scoring.json records what the lines were scored with (the model, the items, the generation
-    settings), so an interrupted or re-planned run re-uses them; meta.json is written last.
-    A slice is a built-in one (its wave's items are written to quality/data/waves/ for its YAML)
-    or an lm-eval task in `named` (pipeline/quality/lm_tasks.py: NamedSlice; a look asks lm-eval
-    for the look's documents by id); both have a plan and a data file in `lines`."""
-
-    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list, configs, timings,
-                 weights: dict[str, float] | None = None, clock=time.perf_counter):
-        self.out_dir, self.lines, self.plans = out_dir, lines, plans
-        self.named = {s.name: s for s in named}
-        self.configs, self.timings = configs, timings
-        self.weights, self.clock = weights, clock
-        self.stats: dict[str, dict] = {}
-        self.items: dict[str, object] = {}
-        self.hashes: dict[str, str] = {}
-        self.pace: dict[str, Pace] = {}  # model -> seconds per item per slice (kept in scoring.json)
-        self.allowances: dict[str, Allowance] = {}
-
-    def open(self, item, scored_with: dict):
-        """Fresh (finished with these inputs), resumed (lines scored with the same model, items
-        and settings are kept, cut to a planned look) or started empty."""
-        d, h = item.path, hash_obj(scored_with)
-        self.items[d.name] = item
-        self.hashes[d.name] = h
-        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None}
-        state = d / "scoring.json"
-        try:
-            old = read_json(state, "quality scoring state") if state.is_file() else {}
-        except StageError:
-            if not item.fresh:
-                raise
-            old = {}  # a finished item's pace is only an estimate: never a reason to stop
-        reusable = isinstance(old, dict) and old.get("score_hash") == h
-        self.pace[d.name] = Pace(self.weights, old.get("pace") if reusable else None)
-        if item.fresh:
-            return item
-        if not reusable and d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "meta.json").unlink(missing_ok=True)
-        self._save_state(d.name)
-        for s, p in self.plans.items():
-            f = d / f"{s}.jsonl"
-            if f.is_file():
-                have = f.read_bytes().splitlines(keepends=True)
-                keep = max([n for n in p["looks"] if n <= len(have)], default=0)
-                if have[:keep] and [json.loads(x)["id"] for x in have[:keep]] != \
-                        [json.loads(x)["id"] for x in self.lines[s][:keep]]:
-                    keep = 0  # other items than the plan's: score again
-                if keep != len(have):
-                    atomic_write_bytes(f, b"".join(have[:keep]))
-        return item
-
-    def scored(self, name: str) -> dict[str, int]:
-        d = self.out_dir / name
-        return {s: _count(d / f"{s}.jsonl") for s in self.plans}
-
-    def grew(self, name: str) -> bool:
-        return self.stats[name]["grew"]
-
-    def stopped(self, name: str) -> bool:
-        """Whether `name` skipped a look on the budget in this run."""
-        return bool(self.stats[name]["stop"])
-
-    def stop(self, name: str, need: dict[str, int], why: str) -> None:
-        """Record that `name`'s next looks (`need`: slice -> items) were not taken, and why."""
-        self.stats[name]["stop"] = {"need": dict(need), "why": why}
-
-    def _save_state(self, name: str) -> None:
-        atomic_write_json(self.out_dir / name / "scoring.json",
-                          {"score_hash": self.hashes[name], "pace": self.pace[name].to_json()})
-
-    def first_items(self, name: str) -> dict[str, int]:
-        """Items `name` lacks for its first look, per slice."""
-        have = self.scored(name)
-        return {s: max(p["looks"][0] - have[s], 0) for s, p in self.plans.items()}
-
-    def items_left(self, name: str) -> dict[str, int]:
-        """Items `name` lacks to every slice's maximum."""
-        have = self.scored(name)
-        return {s: max(p["n_max"] - have[s], 0) for s, p in self.plans.items()}
-
-    def model_cost(self, name: str, items: dict[str, int], fallback: str) -> float | None:
-        """Seconds for `name` to score `items` at its measured pace (before it has one: `fallback`'s,
-        the reference's, which runs the same architecture on the same items)."""
-        pace = self.pace.get(name)
-        if pace is None or not pace.known:
-            pace = self.pace.get(fallback)
-        return None if pace is None else pace.cost(items)
-
-    def look_cost(self, reference: str, name: str, need: dict[str, int]) -> float | None:
-        """Seconds the look `need` (slice -> items) costs: the items the reference lacks for it and
-        the items `name` lacks, each at its own pace; None when a pace is not known yet."""
-        have_ref, have = self.scored(reference), self.scored(name)
-        ref = self.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in need.items()}, reference)
-        var = self.model_cost(name, {s: max(n - have[s], 0) for s, n in need.items()}, reference)
-        return None if ref is None or var is None else ref + var
-
-    def budget_record(self, name: str) -> dict:
-        """Per slice: the items scored, the looks done, planned and skipped, and where scoring
-        stopped: "settled" (a look decided every cell), "last look", or "budget" (with why)."""
-        have, stop = self.scored(name), self.stats[name]["stop"]
-        allowance = self.allowances.get(name)
-        slices = {}
-        for s, p in self.plans.items():
-            looks, n = p["looks"], have[s]
-            done = sum(1 for x in looks if x <= n)
-            rec = {"items": n, "n_max": p["n_max"], "looks_done": done, "looks_planned": len(looks)}
-            if stop and s in stop["need"]:
-                rec.update(stopped_on="budget", looks_skipped=len(looks) - done, why=stop["why"])
-            else:
-                rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
-            slices[s] = rec
-        return {**(allowance.to_json() if allowance else {"allowance_s": None, "spent_s": None}),
-                "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
-
-    def first_look(self, name: str, score) -> None:
-        self.cover(name, score, {s: p["looks"][0] for s, p in self.plans.items()})
-
-    def next_looks(self, name: str, open_slices: set[str]) -> dict[str, int]:
-        have = self.scored(name)
-        need = {}
-        for s in open_slices:
-            if s in self.plans:
-                later = [n for n in self.plans[s]["looks"] if n > have[s]]
-                if later:
-                    need[s] = later[0]
-        return need
-
-    def cover(self, name: str, score, need: dict[str, int]) -> None:
-        """Score `name` on the items it lacks up to `need[slice]` and append them to its files: one
-        lm-eval call per planned look it lacks (every slice's items of that look together), so a
-        look's items are scored in calls of exactly them whichever model scores them (an lm-eval
-        task that draws few-shot examples at random draws them per call: lm_tasks' docstring)."""
-        have = self.scored(name)
-        steps: list[dict[str, tuple[int, int]]] = []
-        for s, n in need.items():
-            lo = have[s]
-            if n <= lo:
-                continue
-            for i, hi in enumerate([x for x in self.plans[s]["looks"] if lo < x < n] + [n]):
-                if len(steps) <= i:
-                    steps.append({})
-                steps[i][s] = (lo, hi)
-                lo = hi
-        for step in steps:
-            self._score(name, score, step)
-
-    def _score(self, name: str, score, step: dict[str, tuple[int, int]]) -> None:
-        """One lm-eval call: `name` on items [lo, hi) of each slice in `step`, appended."""
-        d = self.out_dir / name
-        files, tasks, want = {}, [], {}
-        for s, (lo, hi) in step.items():
-            chunk = b"".join(self.lines[s][lo:hi])
-            if s in self.named:
-                want[s] = [json.loads(x)["id"] for x in self.lines[s][lo:hi]]
-                tasks.append(lm_tasks.subset(self.named[s], want[s]))
-                continue
-            f = self.out_dir / "data" / "waves" / f"{s}-{lo:05d}-{hi:05d}.jsonl"
-            if not f.is_file() or f.read_bytes() != chunk:
-                atomic_write_bytes(f, chunk)
-            files[s] = f
-        start = self.clock()
-        records, counters = score(self.configs(files), tasks)
-        took = self.clock() - start
-        for s, ids in want.items():  # lm-eval's order (subtask, document) -> the look's order
-            got = {r["id"]: r for r in records.get(s, [])}
-            if sorted(got) != sorted(ids) or len(records.get(s, [])) != len(ids):
-                raise StageError(f"quality: lm-eval returned {len(records.get(s, []))} records of '{s}' for "
-                                 f"{len(ids)} documents asked ({name}, items {step[s][0]}-{step[s][1]})")
-            records[s] = [got[i] for i in ids]
-        load = (counters or {}).get("load_seconds") or 0.0
-        self.pace.setdefault(name, Pace(self.weights)).record({t: len(recs) for t, recs in records.items()},
-                                                              max(took - load, 0.0))
-        self._save_state(name)
-        st = self.stats[name]
-        st["seconds"] += took
-        st["grew"] = True
-        _add_counters(st["counters"], counters or {})
-        count = 0
-        for task, recs in records.items():
-            count += len(recs)
-            f = d / f"{task}.jsonl"
-            old = f.read_bytes() if (task in self.plans and f.is_file()) else b""
-            atomic_write_bytes(f, old + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
-        st["items"] += count
-        where = ", ".join(f"{s} {lo}->{hi}" for s, (lo, hi) in step.items())
-        progress(f"quality: {name}: {count} items in {took:.1f} s ({where})")
-
-    def finish(self, name: str, evaluator: str, ran: dict | None = None) -> None:
-        """Write `name`'s meta.json; `ran` (vllm_backend.Choice.record) says what scored it."""
-        st, item = self.stats[name], self.items[name]
-        old = item.meta if item.fresh else {}
-        items = old.get("items", 0) + st["items"]
-        seconds = round(old.get("eval_seconds", 0.0) + st["seconds"], 2)
-        counters = dict(old.get("counters") or {})
-        _add_counters(counters, st["counters"], digits=2)
-        meta = {k: v for k, v in old.items() if k != "input_hash"}
-        meta.update({"variant": name, "items": items, "eval_seconds": seconds,
-                     "items_per_second": round(items / seconds, 3) if seconds > 0 else None,
-                     "evaluator": evaluator, **(ran or {}), "items_scored": self.scored(name),
-                     **({"counters": counters} if counters else {}),
-                     **({"budget": self.budget_record(name)} if name in self.allowances else {})})
-        atomic_write_json(item.path / "meta.json", {**meta, "input_hash": item.input_hash})
-
-
-def _count(path: Path) -> int:
-    return len(path.read_bytes().splitlines()) if path.is_file() else 0
 
 
 def _prompt_tokens(tokenizer, data_files: dict[str, Path]) -> dict:
