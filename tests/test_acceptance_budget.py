@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from pipeline.speculation.measure import PRIOR_DIRECT_PER_TEXT_S, CheckPlan, planned_runs
+from pipeline.speculation.measure import MIN_DIRECT_PROMPTS, PRIOR_DIRECT_PER_TEXT_S, CheckPlan, planned_runs
 from tests.conftest import save_as_prepared
 
 
@@ -59,10 +59,13 @@ def test_planner_stops_at_the_first_prompt_that_does_not_fit():
     # Before any run, PRIOR_DIRECT_PER_TEXT_S x 3 texts (6 s) fits; then 1 s per text-second.
     assert PRIOR_DIRECT_PER_TEXT_S * 3 <= 10.0
     assert ran["prompts_run"] == ["p0", "p1"] and ran["next_prompt_s"] == pytest.approx(12.0)
-    # Nothing allotted: nothing runs, every prompt is skipped.
+    # Nothing allotted: the first prompt runs all the same (the greedy lossless check needs one),
+    # every other prompt is skipped.
     log = []
     _, ran = planned_runs(_cells(log), ORDER, 0.0, CheckPlan(clock=Tick()))
-    assert log == [] and ran["prompts_run"] == [] and len(ran["prompts_skipped"]) == 5 and ran["stopped"] == "budget"
+    assert MIN_DIRECT_PROMPTS == 1
+    assert log == [(c, 0) for c in "abc"] and ran["prompts_run"] == ["p0"]
+    assert len(ran["prompts_skipped"]) == 4 and ran["stopped"] == "budget"
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +163,15 @@ def test_a_tight_budget_runs_fewer_prompts_round_robin_and_says_so(tiny_model, t
     assert loss["prompts"] == 2 and loss["prompts_skipped"] == by_slice
     assert loss["greedy_identical"] and loss["sampling"] == full["lossless"]["sampling"]
     json.dumps(cut)
-    # Nothing left for the check: no direct run, no greedy verdict, the sampled test still there.
+    # Nothing left for the check: the first prompt of the round-robin order runs all the same
+    # (MIN_DIRECT_PROMPTS), so the greedy verdict is made on it; the sampled test is still there.
     none = measure_pair(tiny_model, tiny_tokenizer, draft, cfg, 0, prompts, texts,
                         plan=CheckPlan(allot=lambda s: 0.0, budgeted=True))
-    assert none["direct_check_plan"]["prompts_run"] == [] and none["direct_check_plan"]["stopped"] == "budget"
-    assert all(s["direct_check"] == {} for by_t in none["slices"].values() for s in by_t.values())
-    assert none["lossless"]["greedy_lossless"] is None and none["lossless"]["prompts"] == 0
+    first = none["direct_check_plan"]["prompts_run"]
+    assert len(first) == 1 and first[0].startswith(kinds[0]) and none["direct_check_plan"]["stopped"] == "budget"
+    assert all(s["direct_check"] == {} for kind, by_t in none["slices"].items() if kind not in ("all", kinds[0])
+               for s in by_t.values())
+    assert none["lossless"]["greedy_lossless"] is True and none["lossless"]["prompts"] == 1
     assert none["lossless"]["sampling"]["p_value"] is not None
 
 
@@ -212,6 +218,8 @@ def tiny_run(tmp_path, tiny_model, tiny_tokenizer):
 
 
 def test_stage_with_a_budget_too_small_for_any_direct_run(tiny_run):
+    """A budget that allots nothing to the direct check: each pair still runs its first prompt
+    (MIN_DIRECT_PROMPTS), so the greedy lossless check is made, and skips the rest."""
     from pipeline.__main__ import STAGES
     from pipeline.core.config import load_config
     from pipeline.core.stage import run_stage
@@ -227,17 +235,19 @@ def test_stage_with_a_budget_too_small_for_any_direct_run(tiny_run):
     assert [s["what"].split(":")[0] for s in budget["skipped"]] == ["bf16__ngram", "bf16__layerskip-2"]
     for name in ("bf16__ngram", "bf16__layerskip-2"):
         check = meta["direct_check"][name]
-        assert check["prompts_run"] == 0 and check["stopped"] == "budget" and check["allotted_s"] == 0.0
+        assert check["prompts_run"] == 1 and check["stopped"] == "budget" and check["allotted_s"] == 0.0
+        assert check["prompts_skipped"] >= 1
         data = json.loads((tiny_run / "acceptance" / f"{name}.json").read_text())
-        assert data["direct_check_plan"]["stopped"] == "budget" and data["direct_check_plan"]["prompts_run"] == []
+        plan = data["direct_check_plan"]
+        assert plan["stopped"] == "budget" and len(plan["prompts_run"]) == 1
         assert data["slices"]["all"]["0.0"]["expected_tokens_per_round"]  # the measurement is whole
-        assert data["lossless"]["prompts"] == 0 and data["lossless"]["sampling"]["p_value"] is not None
-    # The gate reads the pairs: no greedy verdict, the sampled test decides.
+        assert data["lossless"]["prompts"] == 1 and data["lossless"]["sampling"]["p_value"] is not None
+        assert data["lossless"]["greedy_identical"] is True  # float32: the engine's texts are the plain ones
+    # The gate reads the pairs: the greedy comparison ran on one prompt and the sampled test.
     verdicts = speculation(tiny_run, "holm")
     assert set(verdicts["pairs"]) == {"bf16__ngram", "bf16__layerskip-2"}
     for pair in verdicts["pairs"].values():
-        # The greedy comparison ran on no prompt: unchecked, never go on the sampled test alone.
-        assert pair["greedy_lossless"] is None and pair["prompts"] == 0 and pair["decision"] in {"unchecked", "no-go"}
+        assert pair["greedy_lossless"] is True and pair["prompts"] == 1 and pair["decision"] in {"go", "no-go"}
     # Without the budget the pairs are not the budgeted ones: they run again, whole.
     cfg.budget.minutes = None
     meta = json.loads(run_stage(STAGES["acceptance"], tiny_run, cfg, {}, STAGES).read_text())

@@ -18,7 +18,8 @@ always whole. The direct runs are a check beside it, and a time budget (issue 27
 (CheckPlan): each prompt runs through every (temperature, k) cell before the next starts, and a
 prompt starts only while its estimated cost fits in the pair's allotment, planned from the plain
 text's time for that prompt (generate_texts(seconds=...)) times the cost per text-second the cell
-has shown so far. Under a budget the prompts go round-robin over the categories
+has shown so far; the first prompt runs whatever the allotment (MIN_DIRECT_PROMPTS: the greedy
+lossless check always has one). Under a budget the prompts go round-robin over the categories
 (workload.interleave), so a cut check still spans them; without one they go category by category,
 as before, so each cell's seeded generator draws exactly what it did. The cut is recorded: in
 each direct_check entry (`prompts_run`, `prompts_skipped`, `stopped`: "budget" or null; a slice
@@ -50,6 +51,11 @@ from pipeline.speculation.workload import interleave
 # SmolLM2-135M on 2 CPU cores, 48 new tokens, k 1-2: ngram 0.8-1.1x, layerskip:8 1.2-1.8x,
 # self:w4a16-gptq 1.2-2.5x). The first prompt's runs then give each cell its own figure.
 PRIOR_DIRECT_PER_TEXT_S = 2.0
+# Prompts a budgeted direct check runs whatever its allotment: the greedy lossless check (the
+# engine's speculative output against its plain output) is made on the direct check's greedy
+# runs, and a pair checked on no prompt is one the gate cannot call lossless ("unchecked"). One
+# prompt's runs (4 on the default k and temperatures) take ~20 s on a 2-core CPU, far less on a GPU.
+MIN_DIRECT_PROMPTS = 1
 
 
 def temp_key(t: float) -> str:
@@ -132,7 +138,8 @@ def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, 
                  plan: CheckPlan) -> tuple[dict[str, dict[str, dict]], dict]:
     """Every prompt of `order` through every cell (name, temperature key, run(ids) -> result).
     allot_s infinite: cell by cell, each over every prompt (the order before budgets, so each
-    cell's generator draws what it did). Finite: prompt by prompt through every cell, while the
+    cell's generator draws what it did). Finite: prompt by prompt through every cell, the first
+    MIN_DIRECT_PROMPTS whatever they cost (the greedy lossless check needs one), then while the
     next prompt's estimated cost fits in allot_s seconds; a cell's cost per text-second is what
     its runs so far took (else the slowest cell's so far, else PRIOR_DIRECT_PER_TEXT_S). Returns
     (cell -> prompt id -> result, what ran)."""
@@ -174,7 +181,7 @@ def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, 
     else:
         for i, (pid, ids) in enumerate(order if cells else []):
             next_cost = cost(pid)
-            if allot_s <= 0 or used + next_cost > allot_s:
+            if len(ran) >= MIN_DIRECT_PROMPTS and (allot_s <= 0 or used + next_cost > allot_s):
                 stopped = "budget"
                 break
             for j in range(len(cells)):
