@@ -128,6 +128,8 @@ def test_acceptance_stage_end_to_end(tiny_run):
 
     cfg = load_config("configs/smoke.yaml", {"drafts": ["ngram", "layerskip:2", "self:bf16"], "device": "cpu"})
     cfg.acceptance.lossless_samples = 40
+    cfg.acceptance.temperatures = [0.0, 0.7]  # the smoke run is greedy only; here both paths
+    cfg.budget.minutes = None  # every prompt's direct check (tests/test_acceptance_budget.py: the budget)
     run_stage(STAGES["drafts"], tiny_run, cfg, {}, STAGES)
     meta = json.loads(run_stage(STAGES["acceptance"], tiny_run, cfg, {}, STAGES).read_text())
     assert set(meta["seconds"]) >= {"bf16 texts", "bf16__ngram"}

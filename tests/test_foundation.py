@@ -35,6 +35,17 @@ def test_damaged_config_is_the_default_plus_one_noisy_variant():
     assert damaged == default
 
 
+def test_release_check_config_gates_with_the_default_quality_settings():
+    # Issue 26's "on the default config": the same slices, waves, margin and budget minutes; the
+    # candidates are an identical copy and a planted-damage copy.
+    check, default = load_config(REPO / "configs/release-check.yaml"), Config()
+    assert check.quality == default.quality and check.gate == default.gate
+    assert check.budget.minutes == default.budget.minutes and check.quantize.reference == default.quantize.reference
+    copy, noisy = check.quantize.variants["copy"], check.quantize.variants["noisy"]
+    assert copy.scheme == "none" and copy.weight_noise == 0 and copy.release
+    assert noisy.scheme == "none" and noisy.weight_noise > 0 and noisy.release
+
+
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("acceptance:\n  k_maxx: 3\n")
