@@ -320,8 +320,7 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
             if not allowance.affords(est):
                 why = allowance.why_not(est)
                 waves.stop(name, need, why)
-                allowance.parent.skip(f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} "
-                                      f"and after", why)
+                allowance.parent.skip(_looks_skipped(name, need), why)
                 return
         waves.cover(reference, ref_score, need)
         waves.cover(name, score, need)
@@ -346,9 +345,10 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
     gives its score function, `after_first(name)` runs once its first look is scored (the
     stage's drift, while the model is loaded), `finish(name)` once it is done (its meta.json,
     freeing its memory), `park(name)` when it waits, open, for the second pass (freeing its
-    memory: it is loaded again for its later looks). Without an active `budget` (a StageBudget) each variant is scored whole
-    in turn; with one, in two passes (the module's docstring says why): every first look, then
-    the later looks of the variants still open, each with the time left over the ones to go."""
+    memory: it is loaded again for its later looks). Without an active `budget` (a StageBudget)
+    each variant is scored whole in turn; with one, in two passes (the module's docstring says
+    why): every first look, then the later looks of the variants still open, each with the time
+    left over the ones to go."""
     after_first = after_first or (lambda name: None)
     finish = finish or (lambda name: None)
     park = park or (lambda name: None)
@@ -384,5 +384,10 @@ def _stop_on_verdict(waves: Waves, name: str, need: dict[str, int], failed: list
     why = (f"no-go already ({', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''} failed): "
            "no item of its open cells can change the decision")
     waves.stop(name, need, why, kind="verdict")
-    budget.skip(f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} and after", why)
+    budget.skip(_looks_skipped(name, need), why)
     progress(f"quality: {name}: {why}; its open cells are not scored further")
+
+
+def _looks_skipped(name: str, need: dict[str, int]) -> str:
+    """What a stop skips, as the stage budget records it: 'v: looks at b 200, c 80 and after'."""
+    return f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} and after"
