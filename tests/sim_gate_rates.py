@@ -564,7 +564,7 @@ def sequential_tables(sims: int = SEQ_SIMS) -> str:
 
     import yaml
 
-    from pipeline.core.config import QualityConfig
+    from pipeline.core.quality_config import QualityConfig
 
     t0 = time.time()
     moved, own_grid = grid_check()

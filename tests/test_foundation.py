@@ -304,7 +304,7 @@ def test_editing_an_imported_module_changes_the_hash(tmp_path, monkeypatch):
 
 def test_per_slice_settings_merge_over_the_defaults():
     """A config names only what it changes in quality.per_slice; the rest keeps its default."""
-    from pipeline.core.config import PER_SLICE_DEFAULTS, QualityConfig
+    from pipeline.core.quality_config import PER_SLICE_DEFAULTS, QualityConfig
 
     q = QualityConfig(items_per_slice=7, per_slice={"bfcl": {"items": "all"}, "mmlu": {"items": 50}})
     assert q.items_for("bfcl") is None and q.max_new_tokens_for("bfcl") == PER_SLICE_DEFAULTS["bfcl"]["max_new_tokens"]

@@ -15,7 +15,8 @@ from scipy import stats as sps
 from pipeline.stats import scoring_rules as R
 from pipeline.stats import paired as S
 from pipeline.stats import tango
-from pipeline.core.config import GateConfig, QualityConfig
+from pipeline.core.config import GateConfig
+from pipeline.core.quality_config import QualityConfig
 
 MARGIN = GateConfig().margin
 ALPHA = (1 - GateConfig().confidence) / 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.core.config import QualityConfig
+from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.quality import lm_tasks

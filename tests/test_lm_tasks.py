@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.quality import lm_tasks
-from pipeline.core.config import QualityConfig
+from pipeline.core.quality_config import QualityConfig
 
 N_DOCS = 12
 

@@ -22,7 +22,8 @@ import torch
 import yaml
 
 from pipeline.__main__ import main
-from pipeline.core.config import ConfigError, VllmConfig, load_config
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.quality_config import VllmConfig
 from pipeline.core.stage import StageContext, StageError
 from pipeline.quality import vllm_backend
 from pipeline.quality.vllm_backend import Choice, choose, vllm_args

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.core.config import QualityConfig, load_config
+from pipeline.core.config import load_config
+from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import plan

@@ -49,7 +49,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pipeline.core.config import QualityConfig
+from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageError, progress
 from pipeline.quality.waves import order_items
 

@@ -1,0 +1,185 @@
+"""The `quality` section of the config schema (pipeline/core/config.py is the whole schema and
+the one loader): the slices and lm-eval tasks, their items and waves, generation, the sandbox for
+code, and the vLLM backend's settings. Every default here is a default of the one schema.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, PositiveInt, field_validator, model_validator
+
+from pipeline.core.section import Section
+
+
+class SliceSettings(Section):
+    # Items of this slice: a number, or "all" (bfcl, code and lm-eval tasks); null = items_per_slice.
+    items: PositiveInt | Literal["all"] | None = None
+    # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
+    # (lm-eval tasks keep their own generation settings.)
+    max_new_tokens: int | None = None
+
+
+# Real benchmarks need longer answers than the synthetic slices' 32 tokens. bfcl: its whole pool,
+# of which quality.max_items are scored (one item per cluster: pipeline/quality/waves.py); 64
+# tokens hold 99% of BFCL's simple_python and multiple answers (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
+# embedded 135M model answers in prose to all of them, so the cap only bounds the cost. HumanEval
+# bodies take a few hundred tokens (code is not a default slice: the 135M model passed 0 of 60).
+# Merged under a config's own `per_slice` entries (a config names only what it changes).
+PER_SLICE_DEFAULTS = {"bfcl": {"items": "all", "max_new_tokens": 64},
+                      "code": {"items": 40, "max_new_tokens": 256}}
+
+
+class SandboxConfig(Section):
+    # Generated code (the code slice) runs in separate processes (evals/sandbox.py) with these
+    # limits: wall seconds per program, address space, and programs run at once (0 = CPUs).
+    seconds: float = 10.0
+    memory_mb: int = 1024
+    workers: int = 0
+
+
+# Keyword arguments of lm-eval's VLLM model that specq sets itself (from the variant's directory,
+# the run's seed, this section's own keys); quality.vllm.engine_args may not name them.
+VLLM_OWN_ARGS = ("pretrained", "model", "tokenizer", "quantization", "load_format", "seed", "batch_size",
+                 "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_length")
+
+
+class VllmConfig(Section):
+    """quality.backend: vllm (pipeline/quality/vllm_backend.py): lm-eval's vLLM model scores every
+    variant vLLM can load, so a model larger than one GPU is spread over tensor_parallel_size GPUs."""
+    # GPUs each model is split over (vLLM's tensor parallelism).
+    tensor_parallel_size: int = 1
+    # Share of each GPU's memory one vLLM engine takes (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.9
+    # Context length the engine is built for; null = the model's own. Longer prompts are cut from
+    # the left by lm-eval, as with hf.
+    max_model_len: int | None = None
+    # Compute dtype; "auto" = vLLM's choice from the checkpoint's config (bf16 stays bf16).
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # A variant vLLM cannot load (torchao int8 weight-only, a quantization method vLLM does not
+    # read): "hf" scores it with the hf backend (its quality meta.json says which and why);
+    # "stop" refuses the run before any work.
+    fallback: Literal["hf", "stop"] = "hf"
+    # Keep the reference's engine loaded beside each variant's instead of reloading it for every
+    # look the variant needs it for; two engines then share each GPU (gpu_memory_utilization <= 0.5).
+    keep_reference: bool = False
+    # Distribution drift (KL, top-1 agreement, perplexity ratio) needs full logits, which vLLM does
+    # not return: true computes it through transformers on `device` after the engines are released
+    # (both models must fit there); false leaves it out (gate.max_kl / min_top1_agreement refused).
+    distribution: bool = False
+    # More keyword arguments for lm-eval's VLLM model and through it vLLM's LLM (enforce_eager,
+    # max_num_seqs, kv_cache_dtype, pipeline_parallel_size, ...), passed as written.
+    engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1 (GPUs each model is split over)")
+        return v
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _memory(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]: the share of each GPU's memory one vLLM engine takes")
+        return v
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _len(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("must be >= 1 (or null: the model's own context length)")
+        return v
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args(cls, v: dict) -> dict:
+        own = sorted(set(v) & set(VLLM_OWN_ARGS))
+        if own:
+            raise ValueError(f"'{own[0]}' is set by specq (the variant's directory, the run's seed or a "
+                             "key of quality.vllm itself), not through engine_args")
+        return v
+
+    @model_validator(mode="after")
+    def _two_engines(self):
+        if self.keep_reference and self.gpu_memory_utilization > 0.5:
+            raise ValueError("keep_reference puts two engines on each GPU: gpu_memory_utilization must be "
+                             f"<= 0.5, not {self.gpu_memory_utilization}")
+        return self
+
+
+class QualityConfig(Section):
+    slices: list[str] = Field(
+        default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args", "bfcl"]
+    )
+    # lm-eval tasks or groups by name (or a path to a task YAML or a directory of them), run where
+    # their data is reachable (HF datasets cache, HF_DATASETS_OFFLINE, local files), skipped with
+    # one line if not. A group (mmlu) or tag (mgsm_direct) is one slice; its subtasks are groups.
+    tasks: list[str] = Field(default_factory=list)
+    # Headline score per task in lm-eval's "metric,filter" notation (e.g. gsm8k:
+    # "exact_match,strict-match"); either part may be left out. Default: acc_norm where the task
+    # reports it, else its first per-item metric; the task's first filter. Every filter is scored.
+    task_primary: dict[str, str] = Field(default_factory=dict)
+    # Clusters per task: a document field whose equal values are one cluster (e.g. "premise"), or
+    # "doc_id" for groups whose subtasks are the same documents translated (mgsm_direct). Default:
+    # the first of the usual shared-passage fields (context, passage, article, ...) that repeats.
+    task_clusters: dict[str, str] = Field(default_factory=dict)
+    # Per-slice item counts and generation caps (see PER_SLICE_DEFAULTS).
+    per_slice: dict[str, SliceSettings] = Field(
+        default_factory=lambda: {k: SliceSettings(**v) for k, v in PER_SLICE_DEFAULTS.items()})
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    # Items of each generated slice (its pool; bfcl and code read theirs from their packages),
+    # capped by max_items. Sequential gating (pipeline/gate/looks.py): every slice is scored
+    # wave_items at a time in a fixed seeded order (pipeline/quality/waves.py), and after each
+    # wave every open (variant, slice) cell is tested at its look's O'Brien-Fleming-type level; a
+    # cell that passes or fails stops. null wave_items = one look at all items (the fixed-n gate).
+    # CPU-sized (issue 26): 240 items in waves of 40 let a byte-identical copy pass every default
+    # slice (160 items on independent ones, 200 on calibration for its Brier row, 240 on
+    # long_context's haystacks of 3); the GPU config runs up to 1000 per slice.
+    items_per_slice: int = 240
+    # The most items any slice scores (the run's budget per slice; null = its whole pool).
+    max_items: PositiveInt | None = 240
+    wave_items: PositiveInt | None = 40
+    long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
+    max_new_tokens: int = 32
+    # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in
+    # the chat template cut reference scores to 0-17% (12 items per slice), plain was 25-62%.
+    chat_template: bool = False
+    # lm-eval model: "prefix" computes each shared prompt prefix once and decodes greedy
+    # generations batch_size at a time (pipeline/quality/prefix_lm.py); "hflm" is lm-eval's HFLM.
+    evaluator: Literal["prefix", "hflm"] = "prefix"
+    # What runs the models: "hf" loads each one with transformers on `device` and scores it with
+    # `evaluator`; "vllm" scores every variant vLLM can load through lm-eval's vLLM model
+    # (settings: `vllm`; pipeline/quality/vllm_backend.py), the others as "hf" does.
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    # Rows per forward pass (prefill and decode). On CPU a pass costs ~110 ms for the weights plus
+    # ~2.3 ms per row-token, so big batches pay: 40 rows decoded tool_args in 31 steps (13 s),
+    # 8 rows in 155 steps (35 s). The prefix evaluator caps a decode batch at 16k cached positions.
+    batch_size: int = 40
+    # Distribution metrics (KL, top-1 agreement, perplexity ratio) on held-out documents.
+    distribution_docs: int = 16
+    distribution_tokens: int = 256
+    # Confidence level of the per-slice and distribution CIs in quality/<variant>.json.
+    confidence: float = 0.95
+
+    @field_validator("per_slice", mode="before")
+    @classmethod
+    def _merge_per_slice(cls, v):
+        if not isinstance(v, dict):
+            return v
+        merged = {k: dict(d) for k, d in PER_SLICE_DEFAULTS.items()}
+        for name, entry in v.items():
+            entry = entry.model_dump() if isinstance(entry, BaseModel) else entry
+            merged[name] = {**merged.get(name, {}), **(entry or {})} if isinstance(entry, dict) else entry
+        return merged
+
+    def items_for(self, name: str) -> int | None:
+        """Items of slice `name` (None = all it has)."""
+        entry = self.per_slice.get(name)
+        n = entry.items if entry and entry.items is not None else self.items_per_slice
+        return None if n == "all" else n
+
+    def max_new_tokens_for(self, name: str) -> int:
+        entry = self.per_slice.get(name)
+        return entry.max_new_tokens if entry and entry.max_new_tokens is not None else self.max_new_tokens
