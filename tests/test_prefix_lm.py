@@ -13,10 +13,10 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from pipeline.quality import prefix_lm
-from pipeline.quality.prefix_lm import (DECODE_KV_TOKENS, MAX_CALL_TOKENS, PrefixCachedLM, PrefixWalk, StopCheck,
-                                        bucket_call_tokens, common_prefix, decode_kv_budget, forward_kwargs,
-                                        measure_call_tokens, plan_batches)
+from pipeline.quality import calibration, prefix_lm
+from pipeline.quality.calibration import (DECODE_KV_TOKENS, MAX_CALL_TOKENS, bucket_call_tokens, decode_kv_budget,
+                                          measure_call_tokens)
+from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, StopCheck, common_prefix, forward_kwargs, plan_batches
 
 SHARED = "the quick brown fox jumps over the lazy dog. a cat sat on the mat"
 CONTEXTS = [SHARED + " and looked at", SHARED + " and", "Le chat est sur la table.",
@@ -159,10 +159,10 @@ def test_measure_call_tokens_on_a_model_clock(monkeypatch, call_s, token_s, want
     """On a clock where a call costs call_s + token_s per token, the ladder climbs until n tokens
     cost twice a 1-token call (or its cap) and recovers the ratio exactly."""
     now = [0.0]
-    monkeypatch.setattr(prefix_lm.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: now[0])
 
     def forward(rows, width):
-        assert width <= prefix_lm.CALIBRATION_WIDTH
+        assert width <= calibration.CALIBRATION_WIDTH
         now[0] += call_s + token_s * rows * width
 
     m = measure_call_tokens(forward)
@@ -178,7 +178,7 @@ def test_calibration_on_a_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
     power-of-2 decode budget within the CPU's; recorded in stats once: a second evaluator of the
     same model reuses the measurement without measuring or recording it again."""
     monkeypatch.setattr(prefix_lm, "_CALIBRATED", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(prefix_lm, "MEASURE_ON_CPU", True)
+    monkeypatch.setattr(calibration, "MEASURE_ON_CPU", True)
     lm = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3)
     cal = lm.calibrate()
     assert cal["call_tokens_source"] == "measured"
@@ -191,7 +191,7 @@ def test_calibration_on_a_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
     d = cal["decode_kv_tokens"]
     assert d & (d - 1) == 0 and d <= DECODE_KV_TOKENS
     assert {k: lm.stats[k] for k in cal} == cal
-    assert set(prefix_lm.CALIBRATION_CONSTANTS) | {"calibration_seconds"} == set(cal)
+    assert set(calibration.CALIBRATION_CONSTANTS) | {"calibration_seconds"} == set(cal)
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured twice")
@@ -209,7 +209,7 @@ def test_a_cpu_plan_uses_the_fixed_ratio_and_records_the_measured_one(tiny_model
     monkeypatch.setattr(prefix_lm, "measure_call_tokens",
                         lambda *a, **k: {"ratio": 0.3, "call_s": 0.01, "token_s": 0.03, "tokens": 16})
     cal = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3).calibrate()
-    assert cal["call_tokens"] == prefix_lm.CPU_CALL_TOKENS and cal["call_tokens_measured"] == 0.3
+    assert cal["call_tokens"] == calibration.CPU_CALL_TOKENS and cal["call_tokens_measured"] == 0.3
     assert cal["call_tokens_source"].startswith("CPU_CALL_TOKENS")
 
 
@@ -224,7 +224,7 @@ def test_pinned_constants_steer_the_plan(tiny_model, tiny_tokenizer, monkeypatch
     seen = []
     real_plan = prefix_lm.plan_batches
 
-    def spy(seqs, need, max_rows, call_tokens=prefix_lm.CPU_CALL_TOKENS):
+    def spy(seqs, need, max_rows, call_tokens=calibration.CPU_CALL_TOKENS):
         seen.append(call_tokens)
         return real_plan(seqs, need, max_rows, call_tokens)
 
@@ -255,7 +255,7 @@ def test_decode_kv_budget():
     assert decode_kv_budget("cpu", 46080, 20 * 10 ** 9) == DECODE_KV_TOKENS
     assert decode_kv_budget("cpu", 46080, 10 ** 9) == 2048
     assert decode_kv_budget("cpu", 46080, None) == DECODE_KV_TOKENS
-    assert decode_kv_budget("cuda", 10 ** 6, 10 ** 6) == prefix_lm.MIN_DECODE_KV_TOKENS
+    assert decode_kv_budget("cuda", 10 ** 6, 10 ** 6) == calibration.MIN_DECODE_KV_TOKENS
 
 
 # ------------------------------------------------------------------ stop strings

@@ -35,15 +35,14 @@ from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, hash_obj, progress, read_json
 from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
+from pipeline.quality.calibration import CALIBRATION_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
     """Add the evaluator's counts in `new` to `into` (a float sum rounded to `digits`); its
-    constants (pipeline/quality/prefix_lm.py: CALIBRATION_CONSTANTS) replace, never add; any
+    constants (pipeline/quality/calibration.py: CALIBRATION_CONSTANTS) replace, never add; any
     other value that is not a number is left out."""
-    from pipeline.quality.prefix_lm import CALIBRATION_CONSTANTS  # here: it imports lm-eval's HFLM (seconds)
-
     for k, v in new.items():
         if k in CALIBRATION_CONSTANTS:
             into[k] = v

@@ -53,7 +53,7 @@ from pipeline.gate.looks import plan as plan_looks
 from pipeline.latency.roofline import bytes_per_step, kv_passes
 from pipeline.latency.speculative import WARMUP_TOKENS
 from pipeline.quality.items import BENCHMARKS
-from pipeline.quality.prefix_lm import DECODE_KV_TOKENS, TOKEN_COST
+from pipeline.quality.calibration import DECODE_KV_TOKENS, TOKEN_COST
 from pipeline.speculation.workload import workload_prompts
 from pipeline.tools.gpu_check_parts import SHAPES as GPU_CHECK_SHAPES
 
@@ -97,7 +97,7 @@ QUANTIZE_OTHER_S = 20.0  # assumed: bitsandbytes / torchao quantizing an 8B mode
 SLOWDOWN_GPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.5, "torchao-int8wo": 1.5, "bnb-nf4": 2.0, "bnb-int8": 3.0}
 
 # The 2-core CPU, measured with SmolLM2-135M (134,515,072 parameters): a forward 85 ms in float32, 42 in
-# bf16 (pipeline/core/device.py), 2.3 ms per prefill row-token (pipeline/quality/prefix_lm.py TOKEN_COST).
+# bf16 (pipeline/core/device.py), 2.3 ms per prefill row-token (pipeline/quality/calibration.py TOKEN_COST).
 SMOLLM2_FP32_BYTES = 538_060_288
 CPU_FP32_STEP_S = 0.085
 CPU_GPTQ_S = 150.0  # quantize took 170-200 s, GPTQ most of it (README), at 16 x 256 calibration tokens
