@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.core.config import load_config
 from pipeline.tools import estimate as est
+from pipeline.tools.cost_devices import DEVICES, SLOWDOWN_GPU
 
 REPO = Path(__file__).resolve().parent.parent
 GPU, DEFAULT = REPO / "configs/gpu.yaml", REPO / "configs/default.yaml"
@@ -23,7 +24,7 @@ def with_section(cfg, section: str, **values):
 
 @pytest.fixture(scope="module")
 def gpu_cost():
-    return est.Cost(load_config(GPU), "8b", est.DEVICES["h100"])
+    return est.Cost(load_config(GPU), "8b", DEVICES["h100"])
 
 
 def test_decode_step_is_the_roofline_bytes_over_bandwidth_by_hand(gpu_cost):
@@ -50,7 +51,7 @@ def test_quantized_step_reads_its_scheme_bytes(gpu_cost):
     bf16 = gpu_cost.decode_step("bf16", 1, 128, eager=False)
     w4 = gpu_cost.decode_step("w4a16-gptq", 1, 128, eager=False)
     assert w4 < 0.6 * bf16
-    assert w4 / est.SLOWDOWN_GPU["gptq"] < 0.4 * bf16
+    assert w4 / SLOWDOWN_GPU["gptq"] < 0.4 * bf16
 
 
 def test_prefill_is_flops_over_peak(gpu_cost):
@@ -77,7 +78,7 @@ def _stage(doc: dict, name: str) -> dict:
 
 
 def test_latency_grows_linearly_in_repeats():
-    cfg, h100 = load_config(GPU), est.DEVICES["h100"]
+    cfg, h100 = load_config(GPU), DEVICES["h100"]
     seconds = [est.latency(est.Cost(with_section(cfg, "latency", repeats=r), "8b", h100)).seconds
                for r in (5, 10, 15)]
     assert seconds[1] - seconds[0] == pytest.approx(seconds[2] - seconds[1], rel=1e-9)
@@ -88,13 +89,13 @@ def test_quality_grows_linearly_in_items():
     """One generated slice, one look: 80, 160, 240 items (whole batches of 40) add the same time."""
     cfg = with_section(load_config(DEFAULT), "quality", slices=["reasoning"], tasks=[], wave_items=None)
     seconds = [est.quality(est.Cost(with_section(cfg, "quality", items_per_slice=n, max_items=n), "smollm2-135m",
-                                    est.DEVICES["cpu-2core"])).seconds for n in (80, 160, 240)]
+                                    DEVICES["cpu-2core"])).seconds for n in (80, 160, 240)]
     assert seconds[1] - seconds[0] == pytest.approx(seconds[2] - seconds[1], rel=1e-9)
     assert seconds[1] > seconds[0]
 
 
 def test_quality_first_look_is_the_first_wave_of_every_slice_and_task():
-    c = est.Cost(load_config(GPU), "8b", est.DEVICES["h100"])
+    c = est.Cost(load_config(GPU), "8b", DEVICES["h100"])
     assert est.quality_items(c, "long_context") == (999, 201)  # whole haystacks of 3; the first end >= 200
     assert est.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
     assert est.quality_items(c, "code") == (164, 164)  # the pool is under one wave
@@ -103,7 +104,7 @@ def test_quality_first_look_is_the_first_wave_of_every_slice_and_task():
     assert est.quality_items(c, "mmlu") == (1000, 200)
     assert est.quality_items(c, "mgsm_direct") == (990, 209)  # task_clusters doc_id: 90 problems x 11 languages
     # The floor holds each task's first wave for every model, not the task whole.
-    doc = est.estimate(load_config(GPU), "8b", est.DEVICES["h100"])
+    doc = est.estimate(load_config(GPU), "8b", DEVICES["h100"])
     ref = next(p for p in _stage(doc, "quality")["parts"] if p["what"].startswith("bf16: load, first look"))
     whole = sum(est.slice_cost(c, "bf16", t, 1000) for t in ("gsm8k", "mmlu"))
     assert ref["seconds"] < whole
@@ -140,14 +141,14 @@ def test_generated_slices_are_planned_as_the_stage_plans_them():
     gpu["quality"]["per_slice"]["long_context"] = {"items": 1000}
     (short,) = [load_config(GPU, {"quality": gpu["quality"]})]
     for cfg in (load_config(DEFAULT), load_config(GPU), short):
-        c = est.Cost(cfg, "tiny", est.DEVICES["h100"])
+        c = est.Cost(cfg, "tiny", DEVICES["h100"])
         for name in cfg.quality.slices:
             if name in ("bfcl", "code"):
                 continue
             _, stage_plan = _slice_data(name, cfg.quality, cfg.seed, None)
             n, looks, _ = est.quality_plan(c, name)
             assert (n, looks) == (stage_plan["n_max"], stage_plan["looks"]), name
-    assert est.quality_plan(est.Cost(short, "tiny", est.DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
+    assert est.quality_plan(est.Cost(short, "tiny", DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
 
 
 def test_a_warm_up_is_short_runs_not_a_repeat():
@@ -156,7 +157,7 @@ def test_a_warm_up_is_short_runs_not_a_repeat():
     on the shortest prompt, a batched pair on every cell once at that length; a plain grid cell still
     on whole runs. Each warm-up adds exactly that to the pair's part (hand sum, 1e-9 relative)."""
     cfg = load_config(GPU)
-    h100 = est.DEVICES["h100"]
+    h100 = DEVICES["h100"]
 
     def parts(warmup: int) -> dict:
         c = est.Cost(with_section(cfg, "latency", warmup=warmup), "8b", h100)
@@ -182,7 +183,7 @@ def test_a_warm_up_is_short_runs_not_a_repeat():
 
 def test_gpu_yaml_on_an_h100_is_at_most_two_hours():
     """Issue 27's target: configs/gpu.yaml, an 8B model, one H100, under its own 120-minute budget."""
-    doc = est.estimate(load_config(GPU), "8b", est.DEVICES["h100"])
+    doc = est.estimate(load_config(GPU), "8b", DEVICES["h100"])
     assert doc["budget_minutes"] == 120
     assert doc["total"]["budgeted_s"] <= 2 * 3600
     assert _stage(doc, "latency")["floor_s"] <= _stage(doc, "latency")["cap_s"]
@@ -190,7 +191,7 @@ def test_gpu_yaml_on_an_h100_is_at_most_two_hours():
 
 def test_budget_caps_each_planning_stage_at_its_share():
     cfg = with_section(load_config(DEFAULT), "budget", minutes=60.0)
-    doc = est.estimate(cfg, "smollm2-135m", est.DEVICES["cpu-2core"])
+    doc = est.estimate(cfg, "smollm2-135m", DEVICES["cpu-2core"])
     for name, share in cfg.budget.shares.items():
         row = _stage(doc, name)
         assert row["cap_s"] == pytest.approx(60 * 60 * share)
@@ -206,7 +207,7 @@ def test_budget_caps_each_planning_stage_at_its_share():
 def test_a_floor_over_the_share_is_kept_and_said():
     """A stage cannot go below what it does whatever the budget (quality: every first look)."""
     cfg = with_section(load_config(DEFAULT), "budget", minutes=5.0)
-    row = _stage(est.estimate(cfg, "smollm2-135m", est.DEVICES["cpu-2core"]), "quality")
+    row = _stage(est.estimate(cfg, "smollm2-135m", DEVICES["cpu-2core"]), "quality")
     assert row["floor_s"] > row["cap_s"]
     assert row["budgeted_s"] == pytest.approx(row["floor_s"], abs=0.1)
     assert any("over its share" in n for n in row["notes"])

@@ -1,5 +1,6 @@
 """What a run costs: each stage's wall time for a config, a model shape and a device, from a cost
-model whose every constant is named here with its source (issue 27). An estimate, not a measurement.
+model whose every constant is named with its source, here or, for the devices, in
+pipeline/tools/cost_devices.py (issue 27). An estimate, not a measurement.
 
     python -m pipeline.tools.estimate --config configs/gpu.yaml --shape 8b --device h100
     python -m pipeline.tools.estimate --config configs/gpu.yaml --shape 8b --device h100 --minutes 120
@@ -53,8 +54,9 @@ from pipeline.gate.looks import plan as plan_looks
 from pipeline.latency.roofline import bytes_per_step, kv_passes
 from pipeline.latency.speculative import WARMUP_TOKENS
 from pipeline.quality.items import BENCHMARKS
-from pipeline.quality.calibration import DECODE_KV_TOKENS, TOKEN_COST
+from pipeline.quality.calibration import DECODE_KV_TOKENS
 from pipeline.speculation.workload import workload_prompts
+from pipeline.tools.cost_devices import BUILTIN_CALIBRATION_TOKENS, DEVICES, Device, gptq_scale
 from pipeline.tools.gpu_check_parts import SHAPES as GPU_CHECK_SHAPES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,91 +70,6 @@ SHAPES = {  # transformers LlamaConfig fields
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                          tie_word_embeddings=True),
     "tiny": GPU_CHECK_SHAPES["tiny"]["config"],
-}
-
-# ---------------------------------------------------------------- devices
-
-BW_EFF = 0.70  # assumed share of the datasheet bandwidth a decode step reaches (make gpu-check measures it)
-FLOPS_EFF = 0.50  # assumed share of the dense bf16 peak a prefill reaches
-# Host time per decoder layer of an eager forward on a GPU (launches, Python), assumed: gpt-fast's eager
-# baseline ran Llama-2-7B at 26.9 tokens/s on an A100 (PyTorch blog "Accelerating Generative AI with
-# PyTorch II: GPT, Fast", 2023), ~37 ms a token over a ~7 ms bandwidth floor, ~0.9 ms a layer.
-EAGER_LAYER_S = 0.6e-3
-# torch.compile (inductor + CUDA graphs) per graph the latency plan compiles: a guess between a warm
-# inductor cache's ~20 s and gpu_check's cautious 150 s for an 8B graph (not yet timed on a GPU here).
-COMPILE_S_PER_GRAPH = 45.0
-DISK_BPS = 2.0e9  # assumed NVMe read or write, bytes/s
-START_S = 15.0  # assumed per stage process: imports, CUDA context
-# GPTQ: "175 billion parameters in approximately four GPU hours" on one A100, 128 x 2048 calibration
-# tokens (Frantar et al., GPTQ, ICLR 2023), scaled by parameters, by A100 / the device's bandwidth (the
-# column loop is memory- and launch-bound) and by calibration tokens, half the time assumed to be the
-# calibration forwards and Hessians (which scale with tokens), half the solve (which does not).
-GPTQ_A100_S_PER_PARAM = 4 * 3600 / 175e9
-GPTQ_REF_TOKENS = 128 * 2048
-A100_BPS = 2.039e12
-BUILTIN_CALIBRATION_TOKENS = 10_900  # evals/data/calibration.txt (README: about 10.9k tokens)
-QUANTIZE_OTHER_S = 20.0  # assumed: bitsandbytes / torchao quantizing an 8B model at load
-# A quantized variant's forward / what the formula gives for its bytes: stated guesses inside the
-# 1.3-3x an earlier review gave quantized variants against bf16 (dequantizing kernels, more launches).
-SLOWDOWN_GPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.5, "torchao-int8wo": 1.5, "bnb-nf4": 2.0, "bnb-int8": 3.0}
-
-# The 2-core CPU, measured with SmolLM2-135M (134,515,072 parameters): a forward 85 ms in float32, 42 in
-# bf16 (pipeline/core/device.py), 2.3 ms per prefill row-token (pipeline/quality/calibration.py TOKEN_COST).
-SMOLLM2_FP32_BYTES = 538_060_288
-CPU_FP32_STEP_S = 0.085
-CPU_GPTQ_S = 150.0  # quantize took 170-200 s, GPTQ most of it (README), at 16 x 256 calibration tokens
-# Fitted: with the dequantized copy's bytes (CPU kernels dequantize in software), a quantized variant
-# then scores ~1.5x slower than the reference, the spread of the README's 1.4-2.3 items/s per variant.
-SLOWDOWN_CPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.25, "torchao-int8wo": 1.25, "bnb-nf4": 1.25,
-                "bnb-int8": 1.25}
-
-
-def gptq_scale(tokens: int) -> float:
-    return 0.5 + 0.5 * tokens / GPTQ_REF_TOKENS
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    label: str
-    bandwidth: float  # bytes/s
-    flops: float  # dense matmul FLOP/s in the compute dtype
-    source: str
-    memory: float  # bytes the latency memory plan may fill, weights included
-    bw_eff: float = BW_EFF
-    flops_eff: float = FLOPS_EFF
-    eager_layer_s: float = EAGER_LAYER_S
-    compile_s: float = COMPILE_S_PER_GRAPH
-    disk: float = DISK_BPS
-    start_s: float = START_S
-    quantize_other_s: float = QUANTIZE_OTHER_S
-    slowdown: dict = field(default_factory=lambda: dict(SLOWDOWN_GPU))
-    dequantizes: bool = False  # quantized matmuls dequantize to the compute dtype in software
-    cuda: bool = True
-    cpus: int = 16
-
-    @property
-    def gptq_s_per_param(self) -> float:
-        """GPTQ seconds per parameter at GPTQ_REF_TOKENS calibration tokens."""
-        if not self.cuda:
-            return CPU_GPTQ_S / (SMOLLM2_FP32_BYTES / 4 * gptq_scale(16 * 256))
-        return GPTQ_A100_S_PER_PARAM * A100_BPS / self.bandwidth
-
-
-DEVICES = {
-    "h100": Device("h100", "H100 SXM 80 GB", 3.35e12, 989e12,
-                   "NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOPS dense bf16", 80e9),
-    "h200": Device("h200", "H200 SXM 141 GB", 4.8e12, 989e12,
-                   "NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 989 TFLOPS dense bf16", 141e9),
-    "a100-80gb": Device("a100-80gb", "A100 SXM 80 GB", A100_BPS, 312e12,
-                        "NVIDIA A100 datasheet (80 GB SXM): 2,039 GB/s HBM2e, 312 TFLOPS dense bf16", 80e9),
-    # Effective figures, so the efficiencies are 1: bandwidth = float32 weights / a step (which predicts
-    # the bf16 step at 42.5 ms: measured 42), FLOP/s = 2 x parameters / 2.3 ms; launches are in the step.
-    "cpu-2core": Device("cpu-2core", "this project's 2-core CPU", SMOLLM2_FP32_BYTES / CPU_FP32_STEP_S,
-                        2 * SMOLLM2_FP32_BYTES / 4 / TOKEN_COST,
-                        "measured: SmolLM2-135M step 85 ms in float32, 2.3 ms per prefill token", 16e9,
-                        bw_eff=1.0, flops_eff=1.0, eager_layer_s=0.0, compile_s=0.0, disk=0.5e9, start_s=10.0,
-                        quantize_other_s=5.0, slowdown=dict(SLOWDOWN_CPU), dequantizes=True, cuda=False, cpus=2),
 }
 
 # ---------------------------------------------------------------- drafts, prompts, slices
