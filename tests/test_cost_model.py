@@ -242,7 +242,7 @@ def test_bad_device_is_one_line_and_exit_2():
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == ["estimate: unknown --device 'tpu-v9' (known: h100, h200, a100-80gb, "
-                                               "cpu-2core)"]
+                                               "cpu-2core, here)"]
     assert res.stdout == ""
 
 
@@ -252,3 +252,60 @@ def test_bad_shape_or_minutes_is_one_line_and_exit_2(capsys):
     assert est.main(["--config", str(REPO / "configs/none.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "70b" in err[0] and "--minutes" in err[1] and "none.yaml" in err[2]
+
+
+# ---------------------------------------------------------------- --device here (pipeline/tools/cost_here.py)
+
+def _cpu_2core_timings(scale: float = 1.0) -> dict:
+    """The figures cpu-2core was built from (85 ms a float32 step, TOKEN_COST a prefill row-token), x scale."""
+    from pipeline.quality.calibration import TOKEN_COST
+    from pipeline.tools.cost_devices import CPU_FP32_STEP_S, SMOLLM2_FP32_BYTES
+    params = SMOLLM2_FP32_BYTES // 4
+    return {"step_s": CPU_FP32_STEP_S * scale, "token_s": TOKEN_COST * scale, "params": params,
+            "fp32_bytes": SMOLLM2_FP32_BYTES, "threads": 2, "cpus": 2}
+
+
+def test_here_from_cpu_2core_figures_is_cpu_2core():
+    """Fed the timings cpu-2core was built from, the measured profile gives the same estimate, stage by stage."""
+    from pipeline.tools.cost_here import device_from
+    cfg = load_config(DEFAULT)
+    want = est.estimate(cfg, "smollm2-135m", DEVICES["cpu-2core"])
+    got = est.estimate(cfg, "smollm2-135m", device_from(_cpu_2core_timings()))
+    for a, b in zip(want["stages"], got["stages"]):
+        assert b["exhaustive_s"] == pytest.approx(a["exhaustive_s"], rel=1e-6, abs=0.1), a["stage"]
+
+
+def test_here_twice_as_slow_doubles_every_forward_and_gptq():
+    """Forwards are bytes / bandwidth + FLOPs / FLOP/s on a CPU (no launch term): both halve, so every forward
+    and GPTQ take exactly twice as long; disk and start-up do not change."""
+    from pipeline.tools.cost_here import device_from
+    cfg = load_config(DEFAULT)
+    one, two = (est.Cost(cfg, "smollm2-135m", device_from(_cpu_2core_timings(x))) for x in (1.0, 2.0))
+    for args in [("w4a16-gptq", 1, 1, 500), ("bf16", 8, 300, 0), ("int8", 4, 1, 2000)]:
+        assert two.forward(*args) == pytest.approx(2 * one.forward(*args), rel=1e-9)
+    assert two.dev.gptq_s_per_param == pytest.approx(2 * one.dev.gptq_s_per_param, rel=1e-9)
+    assert (two.dev.disk, two.dev.start_s) == (one.dev.disk, one.dev.start_s)
+
+
+def test_timings_on_a_tiny_model_are_positive_and_recorded(capsys):
+    """The CLI times the shape's model here and records the figures it used in the JSON."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert est.main(["--config", str(DEFAULT), "--shape", "tiny", "--device", "here"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "device here (this CPU, measured (1 threads))" in out
+    assert "measured here: a float32 decode step" in out
+    assert set(_stage_lines(out).values()) == {1}, out
+
+
+def test_measure_builds_the_profile_from_its_timings():
+    from pipeline.tools.cost_here import measure
+    device, t = measure(est.SHAPES["tiny"], reps=1)
+    assert t["step_s"] > 0 and t["token_s"] > 0 and t["params"] > 0
+    assert device.bandwidth == pytest.approx(t["fp32_bytes"] / t["step_s"])
+    assert device.flops == pytest.approx(2 * t["params"] / t["token_s"])
+    assert not device.cuda and device.name == "here"

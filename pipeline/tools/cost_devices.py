@@ -70,12 +70,13 @@ class Device:
     dequantizes: bool = False  # quantized matmuls dequantize to the compute dtype in software
     cuda: bool = True
     cpus: int = 16
+    gptq_cpu_s: float = CPU_GPTQ_S  # a CPU's GPTQ of SmolLM2-135M on 16 x 256 calibration tokens
 
     @property
     def gptq_s_per_param(self) -> float:
         """GPTQ seconds per parameter at GPTQ_REF_TOKENS calibration tokens."""
         if not self.cuda:
-            return CPU_GPTQ_S / (SMOLLM2_FP32_BYTES / 4 * gptq_scale(16 * 256))
+            return self.gptq_cpu_s / (SMOLLM2_FP32_BYTES / 4 * gptq_scale(16 * 256))
         return GPTQ_A100_S_PER_PARAM * A100_BPS / self.bandwidth
 
 

@@ -478,7 +478,8 @@ def estimate(cfg, shape: str, device: Device) -> dict:
 def render(doc: dict, config: str) -> str:
     b = doc["budget_minutes"]
     lines = [f"specq run estimate: {config}, shape {doc['shape']} ({doc['params'] / 1e9:.2f}B parameters), "
-             f"device {doc['device']} ({doc['device_label']})",
+             f"device {doc['device']} ({doc['device_label']})"
+             + (f"\n{doc['constants']['source']}" if "measured" in doc["constants"] else ""),
              f"budget: {b:g} min; shares " + ", ".join(f"{k} {v:g}" for k, v in doc["shares"].items()) if b
              else "budget: none (budget.minutes null): the exhaustive run",
              f"{'stage':<11} {'exhaustive':>10} {'budget cap':>10} {'budgeted':>10}  largest part"]
@@ -495,11 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--shape", default="8b", help=f"one of: {', '.join(SHAPES)}")
-    ap.add_argument("--device", default="h100", help=f"one of: {', '.join(DEVICES)}")
+    ap.add_argument("--device", default="h100",
+                    help=f"one of: {', '.join(DEVICES)}, or here (this CPU, timed: pipeline/tools/cost_here.py)")
     ap.add_argument("--minutes", type=float, help="budget.minutes for this estimate, instead of the config's")
     ap.add_argument("--json", help="write the estimate here: every stage's parts, notes and the constants")
     args = ap.parse_args(argv)
-    for flag, value, known in (("device", args.device, DEVICES), ("shape", args.shape, SHAPES)):
+    for flag, value, known in (("device", args.device, [*DEVICES, "here"]), ("shape", args.shape, SHAPES)):
         if value not in known:
             print(f"estimate: unknown --{flag} '{value}' (known: {', '.join(known)})", file=sys.stderr)
             return 2
@@ -513,7 +515,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.minutes is not None:
         cfg = cfg.model_copy(update={"budget": cfg.budget.model_copy(update={"minutes": args.minutes})})
-    doc = estimate(cfg, args.shape, DEVICES[args.device])
+    device, measured = DEVICES.get(args.device), None
+    if args.device == "here":
+        from pipeline.tools.cost_here import measure
+        print(f"estimate: timing a float32 {args.shape} on this CPU (decode step, prefill)...", file=sys.stderr)
+        device, measured = measure(SHAPES[args.shape])
+    doc = estimate(cfg, args.shape, device)
+    if measured:
+        doc["constants"]["measured"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in measured.items()}
     print(render(doc, args.config))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
