@@ -1,6 +1,7 @@
-"""pipeline.tools.bench and pipeline.tools.paired_ratio: the logic around the timings (paired
-ratios and their intervals, the goal reading, token equality, the bandwidth bound, the compile
-plan, arguments), and both sides' greedy tokens on a tiny random Llama. No timing is asserted."""
+"""pipeline.tools.bench (and its bench_clock, bench_hf, bench_roofline) and pipeline.tools.paired_ratio:
+the logic around the timings (paired ratios and their intervals, the goal reading, token equality, the
+bandwidth bound, the compile plan, arguments), and both sides' greedy tokens on a tiny random Llama. No
+timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.tools import bench
+from pipeline.tools import bench, bench_clock, bench_hf, bench_roofline
 from pipeline.tools.paired_ratio import (format_ci, goal_status, paired_ratios, ratio_summary, run_order,
                                          token_check)
 
@@ -82,18 +83,18 @@ def test_token_check():
 
 def test_step_bytes_and_bound_arithmetic():
     # weights once + every cache slot x KV bytes per slot x passes
-    assert bench.step_bytes(1000, 10, 50, 1) == 1500
-    assert bench.step_bytes(1000, 10, 50, 3) == 2500
-    b = bench.bound(2_000_000, gbps=1.0, measured_ms=4.0)  # 2 MB at 1 GB/s: 2 ms
+    assert bench_roofline.step_bytes(1000, 10, 50, 1) == 1500
+    assert bench_roofline.step_bytes(1000, 10, 50, 3) == 2500
+    b = bench_roofline.bound(2_000_000, gbps=1.0, measured_ms=4.0)  # 2 MB at 1 GB/s: 2 ms
     assert b["bound_ms_per_token"] == pytest.approx(2.0)
     assert b["times_bound"] == pytest.approx(2.0) and b["bandwidth_fraction"] == pytest.approx(0.5)
     assert b["achieved_gbps"] == pytest.approx(0.5)
-    assert "times_bound" not in bench.bound(2_000_000, 1.0, None)
+    assert "times_bound" not in bench_roofline.bound(2_000_000, 1.0, None)
 
 
 def test_speculative_bytes_per_round():
     # (drafted, emitted): a verify + 3 draft forwards; a plain step; a verify + 2 draft forwards
-    total, tokens = bench.speculative_bytes([(3, 4), (0, 1), (2, 1)], target_verify=100, target_step=60,
+    total, tokens = bench_roofline.speculative_bytes([(3, 4), (0, 1), (2, 1)], target_verify=100, target_step=60,
                                             draft_step=10)
     assert total == (100 + 30) + 60 + (100 + 20) and tokens == 6
 
@@ -103,7 +104,7 @@ def test_model_step_bytes_counts_weights_and_the_whole_cache(tiny_model):
     from pipeline.latency.roofline import model_bytes
 
     CachedModel(tiny_model, 1, 64, exact=True)  # switches a grouped model to its read-once attention
-    s = bench.model_step_bytes(tiny_model, 80, 1, compiled=False)
+    s = bench_roofline.model_step_bytes(tiny_model, 80, 1, compiled=False)
     mb = model_bytes(tiny_model)
     cfg = tiny_model.config
     assert s["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
@@ -126,15 +127,15 @@ def test_compile_plan():
 
 
 def test_hf_generation_config(tiny_model):
-    off = bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "auto"), "cpu")
+    off = bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "auto"), "cpu")
     assert off.cache_implementation == "static" and off.max_new_tokens == 7 and off.eos_token_id is None
     assert not off.do_sample and off.disable_compile and off.compile_config is None
-    on = bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "on"), "cpu")
+    on = bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "on"), "cpu")
     assert not on.disable_compile and on.compile_config._compile_all_devices
     assert on.compile_config.mode == "default"
-    cuda = bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cuda", "auto"), "cuda")
+    cuda = bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cuda", "auto"), "cuda")
     assert cuda.compile_config is None and not cuda.disable_compile  # transformers' own default
-    assert bench.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "off"), "cpu",
+    assert bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "off"), "cpu",
                                       static=False).cache_implementation is None
 
 
@@ -160,7 +161,7 @@ def test_parse_args_and_pick_draft():
 
 def test_forward_clock_counts_and_restores(tiny_model):
     ids = torch.tensor([[1, 2, 3]])
-    with bench.forward_clock({"target": tiny_model}) as stats:
+    with bench_clock.forward_clock({"target": tiny_model}) as stats:
         with torch.inference_mode():
             tiny_model(ids)
             tiny_model(ids)
@@ -176,20 +177,20 @@ def test_both_sides_give_the_same_greedy_tokens(tiny_model, tiny_tokenizer):
     ids = torch.tensor([tiny_tokenizer.encode("the quick brown fox")])
     n, k = 10, 2
     plan = bench.compile_plan("cpu", "auto")
-    gc = bench.hf_generation_config(tiny_model, n, plan, "cpu")
-    rec, gc = bench.hf_first_run(tiny_model, ids, gc, None, plan, "cpu", device)
+    gc = bench_hf.hf_generation_config(tiny_model, n, plan, "cpu")
+    rec, gc = bench_hf.hf_first_run(tiny_model, ids, gc, None, plan, "cpu", device)
     assert rec["ran"] == "eager" and rec["cache"] == "StaticCache" and rec["graphs_compiled"] == 0
     plain = generate(tiny_model, ids, n, cache_len=ids.shape[1] + n + 1).tokens
-    assert token_check(plain, bench.hf_generate(tiny_model, ids, gc))["identical"]
+    assert token_check(plain, bench_hf.hf_generate(tiny_model, ids, gc))["identical"]
 
     draft = build_draft("layerskip:2", tiny_model, tiny_tokenizer, None, device)
-    assistant = bench.truncated_copy(tiny_model, 2)
-    bench.set_assistant(assistant, k)
-    rec, gc = bench.hf_first_run(tiny_model, ids, gc, assistant, plan, "cpu", device)
+    assistant = bench_hf.truncated_copy(tiny_model, 2)
+    bench_hf.set_assistant(assistant, k)
+    rec, gc = bench_hf.hf_first_run(tiny_model, ids, gc, assistant, plan, "cpu", device)
     assert rec["cache"] == "StaticCache" and rec["assistant_cache"] == "DynamicCache"
     spec = generate(tiny_model, ids, n, draft=draft, k=k, cache_len=ids.shape[1] + n + 1).tokens
     assert spec == plain
-    assert token_check(spec, bench.hf_generate(tiny_model, ids, gc, assistant))["identical"]
+    assert token_check(spec, bench_hf.hf_generate(tiny_model, ids, gc, assistant))["identical"]
     assert "forward" not in tiny_model.__dict__ and "forward" not in assistant.__dict__
 
 

@@ -50,14 +50,16 @@ Prints a table; writes <run>/bench.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from pipeline.tools.bench_clock import compiled_graphs, paired_runs, profiled
+from pipeline.tools.bench_hf import hf_first_run, hf_generate, hf_generation_config, set_assistant, truncated_copy
+from pipeline.tools.bench_roofline import roofline_section
 
 GOALS = {"plain": 1.2, "speculative": 1.5}
 PROMPT = "Explain in a few sentences why the sky is blue, for a ten-year-old."
@@ -131,154 +133,7 @@ def compile_plan(device_type: str, choice: str, backend: str = "inductor") -> di
                       + (", CUDA graphs" if graphs else ", no CUDA graphs")}
 
 
-def hf_compile_config(plan: dict, device_type: str):
-    """The CompileConfig transformers' generate gets (None: its own default, or no compile)."""
-    if not plan["compile"]:
-        return None
-    from transformers import CompileConfig
-
-    if device_type == "cuda" and plan["backend"] == "inductor":
-        return None  # transformers' default CompileConfig: what a user gets from cache_implementation="static"
-    cc = CompileConfig(backend=plan["backend"], mode="default" if plan["backend"] == "inductor" else None)
-    if device_type != "cuda":
-        cc._compile_all_devices = True  # transformers compiles on CUDA-like devices only unless told
-    return cc
-
-
-def hf_generation_config(model, n: int, plan: dict, device_type: str, static: bool = True):
-    """Greedy, exactly n tokens (EOS off), on a static cache, compiled per `plan`."""
-    gc = copy.deepcopy(model.generation_config)
-    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, n, None
-    gc.temperature = gc.top_p = gc.top_k = None
-    gc.eos_token_id = None  # exactly n tokens, like the engine with eos_token_id=None
-    if gc.pad_token_id is None:
-        gc.pad_token_id = model.config.get_text_config().pad_token_id or 0
-    gc.cache_implementation = "static" if static else None
-    gc.compile_config = hf_compile_config(plan, device_type)
-    gc.disable_compile = not plan["compile"]
-    return gc
-
-
-def set_assistant(assistant, k: int) -> None:
-    agc = assistant.generation_config
-    agc.num_assistant_tokens = k
-    agc.num_assistant_tokens_schedule = "constant"
-    agc.assistant_confidence_threshold = 0.0
-
-
-def truncated_copy(model, n_layers: int):
-    """A separate model holding copies of the target's first n decoder layers, its final norm and
-    its LM head: transformers' view of the layerskip draft (it cannot share the target's modules)."""
-    from pipeline.models.architecture import decoder_layers
-
-    draft = copy.deepcopy(model)
-    path, layers = decoder_layers(draft)
-    if n_layers > len(layers):
-        raise SystemExit(f"bench: cannot truncate {type(model).__name__} to {n_layers} layers")
-    parent_path, _, attr = path.rpartition(".")
-    setattr(draft.get_submodule(parent_path), attr, layers[:n_layers])
-    text = draft.config.get_text_config()
-    text.num_hidden_layers = n_layers
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:n_layers]
-    return draft.eval()
-
-
 # ---------------------------------------------------------------- running the two sides
-
-
-def hf_generate(model, ids: torch.Tensor, gc, assistant=None, record: dict | None = None) -> list[int]:
-    """transformers' generate with `gc`; `record` (optional) receives the cache class it returned."""
-    kwargs = {"assistant_model": assistant} if assistant is not None else {}
-    if record is not None:
-        gc = copy.copy(gc)
-        gc.return_dict_in_generate = True
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **kwargs)
-    if record is not None:
-        cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-        record["cache"] = type(cache).__name__ if cache is not None else None
-        out = out.sequences
-    return out[0, ids.shape[1]:].tolist()
-
-
-def _graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-@contextmanager
-def forward_clock(modules: dict):
-    """Time every forward of each module (label -> module) and note the cache class it was handed:
-    {label: {"calls", "seconds", "caches"}}. Eager only (a compiled forward would trace the clock)."""
-    stats = {label: {"calls": 0, "seconds": 0.0, "caches": set()} for label in modules}
-
-    def wrap(label, fn):
-        def timed(*args, **kwargs):
-            s = stats[label]
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            if cache is not None:
-                s["caches"].add(type(cache).__name__)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                s["calls"] += 1
-                s["seconds"] += time.perf_counter() - t0
-        return timed
-
-    for label, m in modules.items():
-        m.forward = wrap(label, m.forward)  # instance attribute: shadows the class's forward
-    try:
-        yield stats
-    finally:
-        for m in modules.values():
-            m.__dict__.pop("forward", None)
-        for s in stats.values():
-            s["caches"] = sorted(s["caches"])
-
-
-def profiled(fn, modules: dict, device) -> dict:
-    """One untimed run of fn with its model forwards clocked: total, forward and host seconds."""
-    from pipeline.decode.timing import synchronize
-
-    with forward_clock(modules) as stats:
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        total = time.perf_counter() - t0
-    fwd = sum(s["seconds"] for s in stats.values())
-    return {"total_s": total, "forward_s": fwd, "host_s": total - fwd,
-            "host_share": (total - fwd) / total if total > 0 else None, "forwards": stats}
-
-
-def paired_runs(sides: dict, device, warmup: int, repeats: int, label: str) -> dict:
-    """sides: {"engine": fn, "transformers": fn}, each returning its tokens. Every side's runs:
-    `warmup` untimed, then `repeats` timed, the two sides back to back per repeat, order
-    alternating (paired_ratio.run_order). Returns the seconds and last tokens per side."""
-    from pipeline.decode.timing import synchronize
-    from pipeline.tools.paired_ratio import run_order
-
-    for _ in range(warmup):
-        for fn in sides.values():
-            fn()
-    seconds = {name: [] for name in sides}
-    tokens = {}
-    for r in range(repeats):
-        times = {}
-        for name in run_order(r, tuple(sides)):
-            synchronize(device)
-            t0 = time.perf_counter()
-            tokens[name] = sides[name]()
-            synchronize(device)
-            times[name] = time.perf_counter() - t0
-            seconds[name].append(times[name])
-        e, h = times["engine"], times["transformers"]
-        print(f"bench: {label}: repeat {r + 1}/{repeats}: engine {e:.2f} s, transformers {h:.2f} s "
-              f"({h / e:.2f}x)", file=sys.stderr, flush=True)
-    return {"seconds": seconds, "tokens": tokens}
 
 
 def engine_session(plan: dict, model, shapes: list, draft_model=None):
@@ -297,86 +152,6 @@ def engine_session(plan: dict, model, shapes: list, draft_model=None):
     if draft_model is not None:
         session.warm(draft_model, "draft")
     return session, time.perf_counter() - t0
-
-
-def hf_first_run(model, ids, gc, assistant, plan: dict, device_type: str, device) -> tuple[dict, object]:
-    """transformers' first run (untimed): compiles where planned and records what ran. A compile
-    that fails falls back to eager, recorded. Returns (record, the generation config to time)."""
-    from pipeline.decode.timing import synchronize
-
-    rec: dict = {}
-    modules = {"assistant": assistant} if assistant is not None else {}
-    if not plan["compile"]:
-        modules["target"] = model  # under compile a clocked target forward would change the graph
-    before = _graphs()
-    synchronize(device)
-    t0 = time.perf_counter()
-    try:
-        with forward_clock(modules) as stats:
-            hf_generate(model, ids, gc, assistant, record=rec)
-    except Exception as e:  # noqa: BLE001 - a compile failure becomes a recorded eager fallback
-        if not plan["compile"]:
-            raise
-        rec["compile_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-        gc = copy.copy(gc)
-        gc.compile_config, gc.disable_compile = None, True
-        return {**rec, "ran": "eager", "reason": "compile failed; ran eagerly: " + rec["compile_error"]}, gc
-    synchronize(device)
-    made = _graphs() - before
-    rec["first_run_s"] = time.perf_counter() - t0
-    rec["graphs_compiled"] = made
-    if "assistant" in stats:
-        rec["assistant_cache"] = ", ".join(stats["assistant"]["caches"]) or None
-    if not plan["compile"]:
-        rec.update(ran="eager", reason=plan["reason"])
-    elif made > 0:
-        rec.update(ran="compiled", reason=plan["reason"],
-                   compile_config=("transformers' default CompileConfig" if gc.compile_config is None
-                                   else gc.compile_config.to_dict()))
-    else:
-        rec.update(ran="eager", reason="compile requested but transformers compiled no graph "
-                                       "(its auto-compile criteria were not met)")
-    return rec, gc
-
-
-# ---------------------------------------------------------------- roofline
-
-
-def step_bytes(weight_bytes: int, kv_bytes_per_token: int, cache_len: int, kv_passes: int) -> int:
-    """Bytes one step reads: the weights once, every slot of the static cache (attention reads the
-    whole StaticCache: pipeline/decode/cache.py), as many passes as the attention path makes."""
-    from pipeline.latency.roofline import bytes_per_step
-
-    return bytes_per_step(weight_bytes, 1, cache_len, kv_bytes_per_token, kv_passes)
-
-
-def bound(bytes_per_token: float, gbps: float, measured_ms: float | None) -> dict:
-    """The bandwidth bound for `bytes_per_token` at `gbps`, and a measured ms/token against it."""
-    ms = bytes_per_token / (gbps * 1e9) * 1e3
-    out = {"bytes_per_token": int(bytes_per_token), "bound_ms_per_token": ms}
-    if measured_ms:
-        out.update(measured_ms_per_token=measured_ms, times_bound=measured_ms / ms,
-                   achieved_gbps=bytes_per_token / (measured_ms * 1e-3) / 1e9,
-                   bandwidth_fraction=ms / measured_ms)
-    return out
-
-
-def speculative_bytes(rounds: list[tuple[int, int]], target_verify: int, target_step: int,
-                      draft_step: int) -> tuple[int, int]:
-    """rounds: (drafted, emitted) per round. A round reads the target once (a verify, or a plain
-    step when nothing was drafted) and the draft once per drafted token. Returns (bytes, tokens)."""
-    total = sum((target_verify if d else target_step) + d * draft_step for d, _ in rounds)
-    return total, sum(e for _, e in rounds)
-
-
-def model_step_bytes(model, cache_len: int, width: int, compiled: bool) -> dict:
-    from pipeline.latency.roofline import model_bytes, step_kv_passes
-
-    mb = model_bytes(model)
-    passes = step_kv_passes(model, width, compiled)
-    return {"weight_bytes": mb["weight_bytes"], "kv_bytes_per_token": mb["kv_bytes_per_token"],
-            "cache_len": cache_len, "kv_passes": passes,
-            "step_bytes": step_bytes(mb["weight_bytes"], mb["kv_bytes_per_token"], cache_len, passes)}
 
 
 # ---------------------------------------------------------------- the two modes
@@ -414,10 +189,10 @@ def bench_plain(model, ids, n: int, plan: dict, device, args) -> tuple[dict, boo
         engine()  # the engine's first run: untimed, like transformers'
         gc = hf_generation_config(model, n, plan, device.type)
         hf_rec, gc = hf_first_run(model, ids, gc, None, plan, device.type, device)
-        before = _graphs()
+        before = compiled_graphs()
         runs = paired_runs({"engine": engine, "transformers": lambda: hf_generate(model, ids, gc)}, device,
                            args.warmup, args.repeats, "plain")
-        hf_rec["recompiles_while_timed"] = _graphs() - before
+        hf_rec["recompiles_while_timed"] = compiled_graphs() - before
         timed = results[-args.repeats:]
         row = _row("plain", runs, n, GOALS["plain"], args.confidence)
         row["engine"] = {"ran": session.record() if session else {"ran": "eager", "reason": plan["reason"]},
@@ -454,10 +229,10 @@ def bench_speculative(model, draft, assistant, ids, n: int, k: int, spec: str, p
         set_assistant(assistant, k)
         gc = hf_generation_config(model, n, plan, device.type)
         hf_rec, gc = hf_first_run(model, ids, gc, assistant, plan, device.type, device)
-        before = _graphs()
+        before = compiled_graphs()
         runs = paired_runs({"engine": engine, "transformers": lambda: hf_generate(model, ids, gc, assistant)},
                            device, args.warmup, args.repeats, f"speculative {spec} k={k}")
-        hf_rec["recompiles_while_timed"] = _graphs() - before
+        hf_rec["recompiles_while_timed"] = compiled_graphs() - before
         hf_rec["assistant"] = {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
         timed = results[-args.repeats:]
         last = timed[-1]
@@ -486,27 +261,6 @@ def bench_speculative(model, draft, assistant, ids, n: int, k: int, spec: str, p
         if session is not None:
             session.close()
     return row
-
-
-def roofline_section(model, draft, plain: dict, spec_row: dict, k: int, plain_compiled: bool,
-                     bandwidth: dict) -> dict:
-    gbps = bandwidth["gbps"]
-    target = model_step_bytes(model, plain["engine"]["cache_len"], 1, plain_compiled)
-    out = {"bandwidth": bandwidth, "plain": {**target, **bound(target["step_bytes"], gbps,
-                                                               plain["engine"]["decode_ms_per_token"])}}
-    compiled = spec_row.get("compiled", False)
-    cache_len = spec_row["engine"]["cache_len"]
-    verify = model_step_bytes(model, cache_len, k + 1, compiled)
-    step = model_step_bytes(model, cache_len, 1, compiled)
-    dstep = model_step_bytes(draft.model, draft.cached.max_len if draft.cached is not None else cache_len, 1,
-                             compiled)
-    total, tokens = speculative_bytes(spec_row["engine"]["round_shape"], verify["step_bytes"], step["step_bytes"],
-                                      dstep["step_bytes"])
-    if tokens:
-        out["speculative"] = {"target_verify": verify, "target_step": step, "draft_step": dstep,
-                              "round_bytes": total, "tokens": tokens,
-                              **bound(total / tokens, gbps, spec_row["engine"]["decode_ms_per_token"])}
-    return out
 
 
 # ---------------------------------------------------------------- entry point
