@@ -310,6 +310,7 @@ def measure() -> dict:
 SEQ_SIMS = 5000  # MC SE of a rate at 0.025: 0.0022
 ORDERS = 50  # seeded cluster orders per design with unequal clusters (the looks and the split depend on it)
 GRID = 801
+SPENDING = "obf"  # gate.spending of the --sequential tables (--spending)
 LOOK_COUNTS = (1, 2, 4, 6)
 REPLAY = 50  # simulations per checked scenario replayed through paired_difference -> settle
 REPLAYED = [0]
@@ -346,8 +347,8 @@ class Schedule:
         self.n_max = len(rows)
         sequential = bool(wave) and wave < n_max
         self.looks = L.plan(self.n_max, wave if sequential else None, ends if sequential else None)
-        self.level_pass = L.levels(tuple(self.looks), self.n_max, ALPHA)
-        self.level_fail = L.levels(tuple(self.looks), self.n_max, alpha_fail)
+        self.level_pass = L.levels(tuple(self.looks), self.n_max, ALPHA, SPENDING)
+        self.level_fail = L.levels(tuple(self.looks), self.n_max, alpha_fail, SPENDING)
         self.alpha_fail = alpha_fail
         self.codes, self.splits, self.bulk = [], [], []
         for n in self.looks:
@@ -389,7 +390,7 @@ class Schedule:
             var = np.where(row == -1, 0.0, 1.0)
             ests = {k: S.paired_difference(ref[:n], var[:n], codes)
                     for k, (n, codes) in enumerate(zip(self.looks, self.codes))}
-            k, record = L.settle(ests, self.looks, self.n_max, MARGIN, ALPHA, self.alpha_fail)
+            k, record = L.settle(ests, self.looks, self.n_max, MARGIN, ALPHA, self.alpha_fail, SPENDING)
             status.append({"pass": 1, "fail": -1}.get(record[-1]["status"], 0))
             spent.append(self.looks[k])
         return np.array(status, dtype=np.int8), np.array(spent)
@@ -417,7 +418,7 @@ def schedules(parts, n_max: int, wave: int | None, alpha_fail: float = ALPHA) ->
     (which item of a cluster, which clusters fit the budget, where the looks fall), one look or
     many; else one (clusters of one size with one mix are exchangeable: any order is the same run)."""
     structure = tuple((c, m) for c, m, _, _ in parts)
-    key = (structure, n_max, wave, alpha_fail)
+    key = (structure, n_max, wave, alpha_fail, SPENDING)
     if key not in _SCHEDULES:
         blob = pool(parts)[0]
         unequal = len({m for _, m in structure}) > 1
@@ -559,12 +560,24 @@ def spent_table(rng, sims: int, n_max: int, wave: int) -> list[str]:
     return out
 
 
-def sequential_tables(sims: int = SEQ_SIMS) -> str:
-    import time
-
+def spent_tables(rng, sims: int) -> str:
+    """spent_table on the default config's and configs/gpu.yaml's looks."""
     import yaml
 
     from pipeline.core.quality_config import QualityConfig
+
+    q, out = QualityConfig(), []
+    gpu = (yaml.safe_load((REPO / "configs" / "gpu.yaml").read_text()) or {}).get("quality", {})
+    for name, n_max, wave in (("the default config", q.max_items, q.wave_items),
+                              ("configs/gpu.yaml", gpu.get("max_items"), gpu.get("wave_items"))):
+        if n_max and wave:
+            out += [f"Items spent by one cell on {name} (quality.max_items {n_max}, quality.wave_items "
+                    f"{wave}): " + "\n".join(spent_table(rng, sims, n_max, wave)), ""]
+    return "\n".join(out)
+
+
+def sequential_tables(sims: int = SEQ_SIMS) -> str:
+    import time
 
     t0 = time.time()
     moved, own_grid = grid_check()
@@ -648,13 +661,7 @@ def sequential_tables(sims: int = SEQ_SIMS) -> str:
                    f"{'-'.join(map(str, sorted(set(scored[1:]))))} | " + " | ".join(cells) + f" | {se:.4f} |")
     out.append("")
 
-    q = QualityConfig()
-    gpu = (yaml.safe_load((REPO / "configs" / "gpu.yaml").read_text()) or {}).get("quality", {})
-    for name, n_max, wave in (("the default config", q.max_items, q.wave_items),
-                              ("configs/gpu.yaml", gpu.get("max_items"), gpu.get("wave_items"))):
-        if n_max and wave:
-            out += [f"Items spent by one cell on {name} (quality.max_items {n_max}, quality.wave_items "
-                    f"{wave}): " + "\n".join(spent_table(rng, sims, n_max, wave)), ""]
+    out += [spent_tables(rng, sims)]
     out += [f"{REPLAYED[0]} simulations replayed through paired_difference -> looks.settle: the same "
             f"status and items spent as the vectorised gate. Nominal levels drawn on a {GRID}-point "
             f"grid (sequential.py: {own_grid}): at most {moved:.1e} relative to the full grid's.",
@@ -676,10 +683,17 @@ def main() -> int:
                    help="this tree only: the sequential gate's false pass / false fail by design and "
                         "number of looks, and the items it spends (issue 26; markdown tables)")
     p.add_argument("--sims", type=int, default=SEQ_SIMS, help="--sequential: simulations per cell")
+    p.add_argument("--spending", default="obf", choices=["obf", "pocock"],
+                   help="--sequential: the gate.spending function the looks' levels are drawn with")
+    p.add_argument("--spent-only", action="store_true",
+                   help="--sequential: only the items-spent tables (default config and gpu.yaml)")
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.sequential:
-        print(sequential_tables(args.sims))
+        global SPENDING
+        SPENDING = args.spending
+        print(f"gate.spending: {SPENDING}")
+        print(spent_tables(np.random.default_rng(26), args.sims) if args.spent_only else sequential_tables(args.sims))
         return 0
     if args.measure:
         print(json.dumps(measure()))

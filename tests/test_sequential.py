@@ -29,30 +29,49 @@ def test_boundaries_match_published_values(k):
     assert np.allclose(got, PUBLISHED[k], atol=1.5e-3), (k, got)
 
 
-def test_boundaries_spend_what_the_function_says_by_simulation():
+@pytest.mark.parametrize("spending", sorted(Q.SPENDING))
+def test_boundaries_spend_what_the_function_says_by_simulation(spending):
     """Brownian motion at the looks (independent increments): the share crossing at or before
     look k equals the spending function at t_k (3 MC SE), for equal and unequal spacing."""
     rng = np.random.default_rng(0)
     sims = 200_000
     for t in ([0.25, 0.5, 0.75, 1.0], [0.2, 0.45, 1.0]):
-        c = np.array(Q.boundaries(t, ALPHA))
+        c = np.array(Q.boundaries(t, ALPHA, spending))
         inc = rng.standard_normal((sims, len(t))) * np.sqrt(np.diff([0.0] + t))
         z = np.cumsum(inc, axis=1) / np.sqrt(t)
         crossed = np.cumsum(z >= c, axis=1) > 0
         for k in range(len(t)):
-            want = float(Q.obf_spending(t[k], ALPHA))
+            want = float(Q.SPENDING[spending](t[k], ALPHA))
             got = crossed[:, k].mean()
             assert abs(got - want) < 3 * np.sqrt(want * (1 - want) / sims) + 1e-5, (t, k, got, want)
-    levels = Q.nominal_levels([100, 200, 300, 400], 400, ALPHA)
-    assert levels[0] < 1e-4 and levels[-1] < ALPHA and levels[-1] > 0.02
+    levels = Q.nominal_levels([100, 200, 300, 400], 400, ALPHA, spending)
+    if spending == "obf":
+        assert levels[0] < 1e-4 and levels[-1] < ALPHA and levels[-1] > 0.02
+    else:  # about even: every look between alpha / K and alpha / 2
+        assert all(ALPHA / 4 < a < ALPHA / 2 for a in levels), levels
 
 
-def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int], codes=None):
+def test_pocock_type_spending_by_hand():
+    """alpha ln(1 + (e - 1) t): 0 at 0, alpha at 1; a first look at t spends exactly that, so its
+    boundary is Phi^-1(1 - alpha ln(1 + (e - 1) t)) (2.157 at t = 1/2, alpha 0.025: Lan-DeMets'
+    Pocock-type K = 2 value); a bad name is refused."""
+    assert Q.pocock_spending(0.0, ALPHA) == 0.0
+    assert Q.pocock_spending(1.0, ALPHA) == pytest.approx(ALPHA, rel=1e-12)
+    first = Q.boundaries([0.5, 1.0], ALPHA, "pocock")[0]
+    assert first == pytest.approx(2.157, abs=1e-3)
+    assert Q.nominal_levels([40, 240], 240, ALPHA, "pocock")[0] == pytest.approx(
+        ALPHA * np.log1p((np.e - 1) / 6), rel=1e-9)
+    with pytest.raises(ValueError, match="unknown spending"):
+        Q.boundaries([0.5, 1.0], ALPHA, "haybittle")
+
+
+def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int], codes=None,
+                    spending: str = "obf"):
     """Vectorised sequential gate on independent items (or clusters `codes` over looks[-1] items):
     per simulation, the look it stopped at, and its status. Every look tests both sides with
     S.binary_p at the look's nominal levels; a cell that passes or fails stops."""
     n_max = looks[-1]
-    levels = Q.nominal_levels(looks, n_max, ALPHA)
+    levels = Q.nominal_levels(looks, n_max, ALPHA, spending)
     u = rng.random((sims, n_max))
     d = np.where(u < worse, -1, np.where(u < worse + better, 1, 0))
     status = np.full(sims, "open", dtype=object)
@@ -69,16 +88,18 @@ def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int
     return status, spent
 
 
-@pytest.mark.parametrize("looks", [[200, 400], [100, 200, 300, 400], [80, 160, 240, 320, 400, 480, 560, 640]])
-def test_sequential_gate_holds_both_errors_at_the_margin(looks):
+@pytest.mark.parametrize("looks,spending", [([200, 400], "obf"), ([100, 200, 300, 400], "obf"),
+                                            ([80, 160, 240, 320, 400, 480, 560, 640], "obf"),
+                                            ([40, 80, 120, 160, 200, 240], "pocock")])
+def test_sequential_gate_holds_both_errors_at_the_margin(looks, spending):
     rng = np.random.default_rng(len(looks))
     sims = 8000
     limit = ALPHA + 3 * np.sqrt(ALPHA * (1 - ALPHA) / sims)
     for worse, better in ((0.05, 0.0), (0.06, 0.01), (0.10, 0.05), (0.20, 0.15)):
-        status, _ = sequential_gate(rng, sims, worse, better, looks)
+        status, _ = sequential_gate(rng, sims, worse, better, looks, spending=spending)
         fp, ff = np.mean(status == "pass"), np.mean(status == "fail")
-        print(f"\nlooks {looks}, mix {worse:.0%}/{better:.0%}: false pass {fp:.4f}, false fail {ff:.4f}")
-        assert fp <= limit and ff <= limit, (looks, worse, better, fp, ff)
+        print(f"\nlooks {looks} ({spending}), mix {worse:.0%}/{better:.0%}: false pass {fp:.4f}, false fail {ff:.4f}")
+        assert fp <= limit and ff <= limit, (looks, spending, worse, better, fp, ff)
 
 
 def test_items_spent_table():

@@ -146,6 +146,31 @@ def test_clear_fail_and_clear_pass_stop_early_identical_passes_within_the_max(tm
     assert _spent(g, "margin", "s") >= 600
 
 
+def test_pocock_spending_stops_clear_cells_earlier_through_the_stage_and_the_gate(tmp_path):
+    """gate.spending: pocock on the same fake variants and the default config's looks (240 items,
+    waves of 40): the broken variant fails and the copy passes at earlier looks than under
+    O'Brien-Fleming, the stage scores only what those looks need, and gate.json says which
+    function drew the levels."""
+    n, wave = 240, 40
+    data = {"s": independent_slice("s", n)}
+    plans = {"s": {"looks": plan(n, wave), "n_max": n}}
+    fns = {"bf16": reference_score, "copy": identical, "broken": damaged(0.5)}
+    spent = {}
+    for spending in ("obf", "pocock"):
+        (tmp_path / spending).mkdir()
+        cfg = _config(tmp_path / spending, ["copy", "broken"],
+                      f"quality: {{wave_items: {wave}}}\ngate: {{spending: {spending}}}\n")
+        calls: dict = {}
+        g = run_waves(tmp_path / spending, cfg, data, plans, fns, calls)
+        assert g["spending"] == spending
+        assert ("Pocock-type" in g["method"]) == (spending == "pocock")
+        assert g["variants"]["copy"]["decision"] == "go" and g["variants"]["broken"]["decision"] == "no-go"
+        spent[spending] = {v: _spent(g, v, "s") for v in ("copy", "broken")}
+        assert sum(len(ids) for _, ids in calls["broken"]) == spent[spending]["broken"]
+    assert spent["obf"] == {"copy": 160, "broken": 80}  # O'Brien-Fleming: look 1 decides nothing here
+    assert spent["pocock"] == {"copy": 120, "broken": 40}
+
+
 def test_waves_are_deterministic_and_an_interrupted_run_resumes(tmp_path):
     n, wave = 400, 100
     data = {"s": independent_slice("s", n)}

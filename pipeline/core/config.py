@@ -306,6 +306,11 @@ class GateConfig(Section):
     # accuracy loss.
     brier_margin: float = 0.05
     multiplicity: Literal["holm", "bonferroni", "none"] = "holm"
+    # Alpha spending over a slice's sequential looks (pipeline/stats/sequential.py): "obf"
+    # (O'Brien-Fleming type: almost nothing early, the fewest items for a row near the margin) or
+    # "pocock" (Pocock type: about evenly, so a clear regression or an identical model stops at an
+    # earlier look; a row near the margin needs more). README: "Sequential looks".
+    spending: Literal["obf", "pocock"] = "obf"
     # A variant is go only if all its cells pass (intersection-union), so the pass side is not
     # adjusted within a variant. Set true when the release picks whichever release variant passes:
     # the pass side is then adjusted across the release variants (never the release: false ones).

@@ -261,7 +261,8 @@ def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, a
     out = {}
     for key, ests in rows.items():
         sched = scheds[key]
-        out[key] = looks_mod.settle(ests, sched["looks"], sched["n_max"], margins[key], alpha_pass, alpha_fail)
+        out[key] = looks_mod.settle(ests, sched["looks"], sched["n_max"], margins[key], alpha_pass, alpha_fail,
+                                    gcfg.spending)
     return out
 
 
@@ -420,6 +421,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "confidence": gcfg.confidence,
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
+        "spending": gcfg.spending,
         "select_among_variants": gcfg.select_among_variants,
         # The largest family any bound is adjusted over (kept from the single-family gate).
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),
@@ -432,6 +434,9 @@ def build_gate(run_dir: Path, cfg) -> dict:
     }
 
 
+SPENDING_NAMES = {"obf": "O'Brien-Fleming", "pocock": "Pocock"}
+
+
 def _method_text(gcfg, chosen: list[str]) -> str:
     pass_side = (f"alpha / {len(chosen)} across the release variants {', '.join(chosen)} (the user picks among them)"
                  if chosen and gcfg.multiplicity != "none" else "unadjusted: a variant is go only if all its cells pass "
@@ -440,7 +445,7 @@ def _method_text(gcfg, chosen: list[str]) -> str:
     return (f"paired differences variant - reference over the same items (negative = worse); "
             f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
             f"bounds (pass) {pass_side}; upper bounds (fail) {fail_side}; group-sequential looks "
-            f"where a slice is scored in waves (Lan-DeMets O'Brien-Fleming-type spending per side, "
+            f"where a slice is scored in waves (Lan-DeMets {SPENDING_NAMES[gcfg.spending]}-type spending per side, "
             f"a cell decided at its first settling look); pass if "
             f"the lower bound > -margin, fail if the upper bound < -margin; 0/1 scores: Tango "
             f"score bounds, variance times the largest cluster's size (larger clusters, chosen "

@@ -10,8 +10,8 @@ which (variant, slice) rows are still open; the gate stage later replays the sam
 same files with the same function, so the stage's stopping and gate.json's decision cannot differ.
 
 At look k of a row (n_k items of the slice's n_max) each side is tested at its own nominal level
-from Lan-DeMets O'Brien-Fleming-type spending (pipeline/stats/sequential.py) of that side's
-alpha: the pass side at the variant's pass alpha (intersection-union: alpha, or alpha / r when the
+from Lan-DeMets O'Brien-Fleming-type spending (or Pocock-type: config gate.spending;
+pipeline/stats/sequential.py) of that side's alpha: the pass side at the variant's pass alpha (intersection-union: alpha, or alpha / r when the
 user picks among r release variants), the fail side at alpha / m over the variant's m gated rows
 (Bonferroni: for "does any row fail", which is all a variant's decision uses, the same as Holm's
 first step). A row stops at the first look whose bound clears -margin on either side; a row that
@@ -63,20 +63,21 @@ def plan(n_max: int, wave: int | None, ends: Sequence[int] | None = None) -> lis
 
 
 @functools.lru_cache(maxsize=512)
-def levels(looks: tuple[int, ...], n_max: int, alpha: float) -> tuple[float, ...]:
-    """One-sided nominal level of each planned look for a side spending `alpha` (a look's level
-    depends only on the looks up to it, so the planned list serves any prefix that happened)."""
+def levels(looks: tuple[int, ...], n_max: int, alpha: float, spending: str = "obf") -> tuple[float, ...]:
+    """One-sided nominal level of each planned look for a side spending `alpha` under `spending`
+    (config gate.spending; a look's level depends only on the looks up to it, so the planned list
+    serves any prefix that happened)."""
     if len(looks) == 1 and looks[0] >= n_max:
         return (float(alpha),)
-    return tuple(sequential.nominal_levels(list(looks), n_max, alpha))
+    return tuple(sequential.nominal_levels(list(looks), n_max, alpha, spending))
 
 
 def settle(estimates: dict[int, Estimate], looks: Sequence[int], n_max: int, margin: float,
-           alpha_pass: float, alpha_fail: float) -> tuple[int, list[dict]]:
+           alpha_pass: float, alpha_fail: float, spending: str = "obf") -> tuple[int, list[dict]]:
     """(index of the deciding look, one record per look up to it). `estimates`: look index ->
     the row's estimate on the slice's first looks[k] items (a row may lack early looks: a group
     with fewer than 2 items). The deciding look is the first that passes or fails, else the last."""
-    lp, lf = levels(tuple(looks), n_max, alpha_pass), levels(tuple(looks), n_max, alpha_fail)
+    lp, lf = (levels(tuple(looks), n_max, a, spending) for a in (alpha_pass, alpha_fail))
     record: list[dict] = []
     ks = sorted(estimates)
     for k in ks:

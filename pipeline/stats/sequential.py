@@ -1,5 +1,5 @@
-"""Group-sequential looks: Lan-DeMets alpha spending with the O'Brien-Fleming-type function, one
-sided, and the nominal level each look's bound is drawn at.
+"""Group-sequential looks: Lan-DeMets alpha spending with the O'Brien-Fleming-type function (or the
+Pocock-type one), one sided, and the nominal level each look's bound is drawn at.
 
     from pipeline.stats.sequential import boundaries, nominal_levels
     z = boundaries([0.5, 1.0], alpha=0.025)        # [2.963, 1.969]: cross at look k if Z_k >= z[k]
@@ -9,7 +9,12 @@ Why: a cell is tested after every wave of items; testing each look at the full a
 (or fail) a variant on the margin far more often than alpha. The spending function says how much
 of alpha may be used by information fraction t = n_look / n_max (Lan & DeMets 1983):
     alpha(t) = 2 (1 - Phi(z_{1 - alpha/2} / sqrt(t)))            (O'Brien-Fleming type)
-almost nothing early, nearly all of alpha at the last look. The boundary c_k of look k is the one
+almost nothing early, nearly all of alpha at the last look; or
+    alpha(t) = alpha ln(1 + (e - 1) t)                            (Pocock type, Lan & DeMets 1983)
+about evenly over the looks: a clear difference stops at an early look (a quarter of alpha is
+spent by t = 1/6), and the last look's level is lower than the O'Brien-Fleming one (on six equal
+looks about 0.007 instead of 0.020 at alpha 0.025), so a row near the margin needs more items
+to settle. The boundary c_k of look k is the one
 at which P(Z_1 < c_1, ..., Z_{k-1} < c_{k-1}, Z_k >= c_k) = alpha(t_k) - alpha(t_{k-1}) under H0,
 for the canonical joint law of the Z statistics (Z_k = S_k / sqrt(I_k), S a Brownian motion in
 the information I). That probability is computed by recursive numerical integration over the
@@ -40,13 +45,24 @@ def obf_spending(t, alpha: float):
         return np.where(t > 0, 2.0 * sps.norm.sf(sps.norm.isf(alpha / 2.0) / np.sqrt(np.maximum(t, 1e-300))), 0.0)
 
 
-def boundaries(fractions: Sequence[float], alpha: float) -> list[float]:
+def pocock_spending(t, alpha: float):
+    """Lan-DeMets Pocock-type spending: alpha used by information fraction t in [0, 1]."""
+    t = np.asarray(t, dtype=float)
+    return alpha * np.log1p((np.e - 1.0) * np.clip(t, 0.0, None))
+
+
+SPENDING = {"obf": obf_spending, "pocock": pocock_spending}
+
+
+def boundaries(fractions: Sequence[float], alpha: float, spending: str = "obf") -> list[float]:
     """The z boundary of each look at information fractions t_1 < ... < t_K (t_K <= 1; the last
-    look at t_K = 1 spends all of alpha)."""
+    look at t_K = 1 spends all of alpha), under the `spending` function ("obf" or "pocock")."""
     t = np.asarray(fractions, dtype=float)
     if t.ndim != 1 or t.size == 0 or np.any(np.diff(t) <= 0) or t[0] <= 0 or t[-1] > 1 + 1e-12:
         raise ValueError(f"information fractions must increase in (0, 1], got {list(fractions)}")
-    spent = obf_spending(np.minimum(t, 1.0), alpha)
+    if spending not in SPENDING:
+        raise ValueError(f"unknown spending function {spending!r} (known: {', '.join(SPENDING)})")
+    spent = SPENDING[spending](np.minimum(t, 1.0), alpha)
     out: list[float] = []
     grid = density = None
     prev_t = 0.0
@@ -77,10 +93,10 @@ def boundaries(fractions: Sequence[float], alpha: float) -> list[float]:
     return out
 
 
-def nominal_levels(looks: Sequence[int], n_max: int, alpha: float) -> list[float]:
+def nominal_levels(looks: Sequence[int], n_max: int, alpha: float, spending: str = "obf") -> list[float]:
     """One-sided alpha of each look's bound, for looks at `looks` items of at most `n_max`: the
     information fraction of a look is n / n_max (the items' share; with clusters the gate's
     design effect is the same at every look, so the share of information equals the share of
     items). A last look at n_max spends what is left."""
     fractions = [min(n / n_max, 1.0) for n in looks]
-    return [float(sps.norm.sf(c)) for c in boundaries(fractions, alpha)]
+    return [float(sps.norm.sf(c)) for c in boundaries(fractions, alpha, spending)]
