@@ -665,7 +665,8 @@ def sequential_tables(sims: int = SEQ_SIMS) -> str:
     out += [f"{REPLAYED[0]} simulations replayed through paired_difference -> looks.settle: the same "
             f"status and items spent as the vectorised gate. Nominal levels drawn on a {GRID}-point "
             f"grid (sequential.py: {own_grid}): at most {moved:.1e} relative to the full grid's.",
-            f"`.venv/bin/python tests/sim_gate_rates.py --sequential --sims {sims}`: {time.time() - t0:.0f} s."]
+            f"`.venv/bin/python tests/sim_gate_rates.py --sequential --sims {sims}"
+            f"{'' if SPENDING == 'obf' else ' --spending ' + SPENDING}`: {time.time() - t0:.0f} s."]
     return "\n".join(out)
 
 
