@@ -8,13 +8,14 @@ shape, in float32 (what `auto` runs a CPU variant's estimate in, pipeline/tools/
 
 Each is the fastest of `reps` timings after a warm-up (other work on the machine only ever adds time). GPTQ
 (`cpu-2core`: 150 s measured for SmolLM2-135M) is scaled by cpu-2core's FLOP/s over this CPU's: its
-calibration forwards and Hessian updates are matmuls. Everything else is `cpu-2core`'s (disk, start-up, the quantized
-slowdowns). Why it exists: the 2-core machines this project runs on are not all alike; an AVX2-only AMD EPYC
+calibration forwards and Hessian updates are matmuls. Everything else is `cpu-2core`'s (disk,
+start-up, the quantized slowdowns). Why it exists: the 2-core machines this project runs on are not all alike; an AVX2-only AMD EPYC
 (no AVX-512, no native bf16) ran the same quality items 2.5x slower than `cpu-2core` predicts (README,
 "What a run costs").
 
     from pipeline.tools.cost_here import measure
-    device = measure("smollm2-135m")   # ~10-30 s on a 2-core CPU
+    from pipeline.tools.estimate import SHAPES
+    device, timed = measure(SHAPES["smollm2-135m"])   # ~10-30 s on a 2-core CPU
 """
 from __future__ import annotations
 
