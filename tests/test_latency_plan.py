@@ -127,3 +127,43 @@ def test_compile_requested_on_cpu_without_a_backend_says_eager():
     session, record = compile_session(_lat(compile=True), CPU)  # compile_backend: auto
     assert session is None and record["ran"] == "eager" and record["requested"]
     assert "not run on CPU" in record["reason"]
+
+
+def test_batched_pairs_of_a_target_share_its_compiled_graphs(tmp_path, tiny_model, tiny_tokenizer):
+    """Two drafts of one target, batched at B = 2: the target's graphs (decode step, verify width 2)
+    compile once for both pairs, in one session per target as at B = 1; the model draft adds its
+    own widths 1 and 2, prompt lookup nothing (dynamo's own graph count: 9, where a session per
+    pair made 11)."""
+    from conftest import save_as_prepared
+    from pipeline.__main__ import STAGES
+    from pipeline.core.stage import run_stage
+
+    run = tmp_path / "run"
+    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
+    for stage, extra in (("variants", {"variants": {"bf16": {"scheme": "none", "dir": "variants/bf16"}}}),
+                         ("drafts", {}), ("acceptance", {})):
+        (run / stage).mkdir(parents=True, exist_ok=True)
+        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage, **extra}))
+    cfg = Config.model_validate({
+        "device": "cpu", "drafts": ["layerskip:2", "ngram"],
+        "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
+        "acceptance": {"k_max": 1, "temperatures": [0.0], "prompts_per_kind": 1},
+        "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
+                    "compile": True, "compile_backend": "eager", "spec_batch_sizes": [2], "screen": False,
+                    "closed_loop_batch_sizes": [2], "closed_loop_waves": 1, "closed_loop_tokens": 4},
+    })
+    before = counters["stats"]["unique_graphs"]
+    meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES).read_text())
+    made = counters["stats"]["unique_graphs"] - before
+    batched = meta["compile_record"]["batched"]
+    skip, lookup = batched["bf16__layerskip-2"], batched["bf16__ngram"]
+    assert skip["compiled_for_this_pair"] == 4 and lookup["compiled_for_this_pair"] == 0
+    assert made == 1 + 4 + 4  # plain cell; B = 1 session; batched session
+    for rec in (skip, lookup):
+        assert rec["ran"] == "compiled" and rec["recompiles"] == 0
+    # The prompt-lookup pair ran on the target's graphs the first pair compiled.
+    ran = {s["model"] for s in lookup["shapes"] if s["calls"]}
+    assert "target" in ran
+    for name in ("bf16__layerskip-2", "bf16__ngram"):
+        doc = json.loads((run / "latency" / "batched" / f"{name}.json").read_text())
+        assert len(doc["cells"]) == 2 and all(c["run_mode"]["steps"] == "compiled" for c in doc["cells"])

@@ -310,7 +310,8 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
         labels = [draft_label(draft_spec)] if has_model else []
         session.expect(batched_shapes(lens, max(ks), labels))
         made = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
-        progress(f"latency: {target} + {draft_spec}: batched: compiled {made} step graphs")
+        progress(f"latency: {target} + {draft_spec}: batched: compiled {made} step graphs"
+                 + (f" ({len(session.shapes)} in the target's session)" if len(session.shapes) > made else ""))
     run = {"session": session, "cache_lens": lens}
     # Warm-up (untimed): every step shape of a repeat once, on WARMUP_TOKENS new tokens instead of
     # new_tokens (the shapes are the same; pipeline/latency/speculative.py: WARMUP_UNIT).
@@ -361,4 +362,5 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
             "new_tokens": lat.new_tokens, "warmup": lat.warmup,
             "warmup_unit": f"every cell once on {min(lat.new_tokens, WARMUP_TOKENS)} new tokens", **record,
             "cells": cells, "round_ms_by_width": by_width(reps, batch_sizes, ks), "closed_loop": loops,
-            "compile": session.record() if session is not None else not_compiled(why_eager)}
+            "compile": ({**session.record(), "compiled_for_this_pair": made} if session is not None
+                        else not_compiled(why_eager))}

@@ -341,42 +341,47 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         drawn = workload_prompts(cfg, tok, "latency", need, quiet=True,
                                  context=context_length(model))
         rows = [ids for _, ids in interleave(drawn)]
-        for spec, item in pending.items():
-            left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
-            pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-            draft = build_draft(spec, model, tok, ctx.run_dir, device)
-            screen = None
-            if lat.screen:  # eagerly, before this pair's compile session (pipeline/latency/screen.py)
-                screen = _screen_batched(ctx, target, spec, model, draft, tok, rows, ks, device, item, drawn)
-                if screen["verdict"] == DOES_NOT_PAY:
-                    release_caches(model, getattr(draft, "model", None))
-                    del draft
+        drafts, screens = {}, {}
+        for spec in list(pending):
+            drafts[spec] = build_draft(spec, model, tok, ctx.run_dir, device)
+            if lat.screen:  # eagerly, before the compile session is attached (pipeline/latency/screen.py)
+                screens[spec] = _screen_batched(ctx, target, spec, model, drafts[spec], tok, rows, ks, device,
+                                                pending[spec], drawn)
+                if screens[spec]["verdict"] == DOES_NOT_PAY:
+                    del pending[spec]
+                    pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
+                    release_caches(getattr(drafts[spec], "model", None))
+                    del drafts[spec]
                     collect(device)
-                    continue
-            # A session per pair: the batched shapes (B x widths) of one pair, the target's and
-            # this draft's, are all it holds; closing it drops the graphs before the next draft.
-            session, _ = compile_session(lat, device)
-            if session is not None:
-                session.attach(model, "target")
-                if getattr(draft, "model", None) is not None:
-                    session.attach(draft.model, draft_label(spec))
-            try:
-                doc = batched_pair(target, spec, model, draft, tok, ks, lat, device, lat.confidence, cfg.seed,
-                                   session=session, rows=rows,
+        # One session for the target and every draft it is timed with, as at B = 1: the target's
+        # graphs (decode step and verify widths at each B) are the same for every draft, so they
+        # compile once per target, not once per pair; each draft adds its own widths. The pooled
+        # caches stay until the session closes (CUDA graphs replay on the addresses they recorded).
+        session, _ = compile_session(lat, device)
+        if session is not None:
+            session.attach(model, "target")
+            for spec, d in drafts.items():
+                if getattr(d, "model", None) is not None:
+                    session.attach(d.model, draft_label(spec))
+        try:
+            for spec, item in pending.items():
+                left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
+                pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
+                doc = batched_pair(target, spec, model, drafts[spec], tok, ks, lat, device, lat.confidence,
+                                   cfg.seed, session=session, rows=rows,
                                    budget=phase.piece(f"{target} + {spec} batched", left))
                 doc["workload"] = workload_summary(drawn)
-                if screen is not None:
-                    doc["screen"] = screen
-            finally:
-                if session is not None:
-                    session.close()
-            name = f"{target}__{draft_slug(spec)}"
-            ctx.meta["compile_record"].setdefault("batched", {})[name] = doc["compile"]
-            _summarize_compile(ctx.meta)
-            item.write_json(doc)
-            release_caches(model, getattr(draft, "model", None))
-            del draft
-            collect(device)  # before the next draft is built
+                if spec in screens:
+                    doc["screen"] = screens[spec]
+                name = f"{target}__{draft_slug(spec)}"
+                ctx.meta["compile_record"].setdefault("batched", {})[name] = doc["compile"]
+                _summarize_compile(ctx.meta)
+                item.write_json(doc)
+        finally:
+            if session is not None:
+                session.close()
+        release_caches(model, *(getattr(d, "model", None) for d in drafts.values()))
+        del drafts
         del model
         collect(device)  # before the next target loads
 
