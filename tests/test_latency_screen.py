@@ -94,6 +94,24 @@ def test_bound_formula_on_given_timings():
     assert verdict_of(rows)[0] == DOES_NOT_PAY
 
 
+def test_no_screen_where_the_timed_steps_compile_with_inductor():
+    """An eager probe bounds nothing about compiled steps (on a GPU an eager step is host-bound), so
+    a run whose steps compile with inductor times every pair; eager runs, and the eager / aot_eager
+    backends (the compiled path at eager speed), are screened; screen: false is off."""
+    from pipeline.latency.plan import why_not_screened
+
+    def lat(**kw):
+        return Config.model_validate({"latency": kw}).latency
+
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    assert why_not_screened(lat(compile=True), cuda).startswith("not run: the timed steps are compiled")
+    assert why_not_screened(lat(compile=True, compile_backend="inductor"), CPU).startswith("not run")
+    assert why_not_screened(lat(compile=True), CPU) is None  # auto on CPU: eager, so screened
+    assert why_not_screened(lat(compile=True, compile_backend="eager"), cuda) is None
+    assert why_not_screened(lat(compile=False), cuda) is None
+    assert why_not_screened(lat(screen=False), CPU).startswith("off")
+
+
 def _does_not_pay(screen, attempts: int = 3) -> dict:
     for _ in range(attempts):  # contention only raises the bound (module docstring)
         rec = screen()

@@ -103,6 +103,20 @@ def _shape(model, weight_bytes: int) -> ModelShape:
     return ModelShape.from_model(model, weight_bytes)
 
 
+def why_not_screened(lat, device) -> str | None:
+    """Why the pairs are not screened (pipeline/latency/screen.py), or None when they are. The
+    screen's probe runs eagerly; where the timed steps run compiled with inductor, an eager probe
+    bounds nothing about them. On a GPU an eager step of a large model is host-bound (kernel
+    launches, about 0.6-0.9 ms a layer), so a draft's step looks as dear as the target's and every
+    model draft would be screened out where, compiled, it may pay. Those pairs are timed."""
+    if not lat.screen:
+        return "off (latency.screen: false)"
+    if why_not_compiled(lat, device) is None and _backend(lat) == "inductor":
+        return ("not run: the timed steps are compiled (inductor) and the probe is eager; an eager step is "
+                "host-bound on a GPU, so its bound would screen out model drafts that pay compiled")
+    return None
+
+
 def uses_cuda_graphs(lat, device) -> bool:
     """Whether the steps will be captured as CUDA graphs (compile_session's inductor +
     "reduce-overhead" on CUDA), whose memory pool the plan must count."""

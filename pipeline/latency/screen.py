@@ -39,8 +39,11 @@ Drafts that propose without a model forward (prompt lookup: `draft.model` is Non
 screened and not probed: a round that drafts nothing is a plain decode step, so a round costs at
 least a plain step and the bound is E_hi(k) x T_plain_hi / T_plain_lo >= 1.
 
-The probe runs eagerly (before any compile session is attached). With latency.compile the bound
-assumes compilation speeds the target's and the draft's steps alike; the record says so.
+The probe runs eagerly (before any compile session is attached). Where the timed steps run
+compiled with inductor (a GPU with latency.compile), the stage does not screen at all
+(pipeline/latency/plan.py: why_not_screened): an eager step there is host-bound, so a draft's step
+would look as dear as the target's and the bound would drop model drafts that pay compiled. With
+the eager or aot_eager backends (a check of the compiled machinery) the steps run at eager speed.
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ ASSUMES = [
     "plain ms/token is at most the largest probe repeat (engine.generate without a draft, hottest temperature, "
     "the timed runs' static cache length); the round's parts at least the smallest probe repeat (greedy); a "
     "pair is screened only when a second probe, pooled with the first, agrees",
-    "the probe runs eagerly: with latency.compile, compilation is assumed to speed target and draft steps alike",
+    "the probe runs eagerly, as the timed steps do (a run whose steps compile with inductor is not screened)",
 ]
 MODEL_FREE = ("the draft proposes without a model forward (prompt lookup): a round that drafts nothing is a "
               "plain decode step, so a round costs at least a plain step and the bound E_hi(k) x T_plain_hi / "

@@ -36,7 +36,7 @@ Before any cell runs, a memory plan (pipeline/latency/plan.py) drops the cells t
 (one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
 cells so each runs on a cache of exactly its length, freed before the next. With latency.compile
 the steps run compiled (pipeline/decode/compiled.py), the batched cells and the closed loop
-included (one session per pair there). Each JSON records the plan, what compiled (per shape),
+included (one session per target there, shared by its drafts). Each JSON records the plan, what compiled (per shape),
 the quantized kernels the variant really runs and the device's name; every timed cell its
 `run_mode`, and every ratio between two cells whether they ran the same way (pipeline/latency/modes.py).
 A variant or draft that is done with has its caches released, its references deleted and
@@ -60,7 +60,7 @@ from pipeline.decode.release import collect, release_caches
 from pipeline.latency.batched import batch_prompts, batched_cache_lens, batched_pair, spec_batch_sizes
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
-from pipeline.latency.plan import compile_session, draft_label
+from pipeline.latency.plan import compile_session, draft_label, why_not_screened
 from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.screen import (DOES_NOT_PAY, progress_line, screen_batched, screen_pair, skipped_b1,
                                      skipped_batched, summary)
@@ -230,6 +230,15 @@ def _acceptance_of(ctx: StageContext, target: str, spec: str) -> tuple[dict | No
                                                     "sha256": sha256_file(path), "slice": "all"}
 
 
+def _screening(ctx: StageContext, lat, device) -> bool:
+    """Whether pairs are screened here; meta.json's `screen` says so, or why not."""
+    why = why_not_screened(lat, device)
+    if why is not None and ctx.meta.get("screen") != why:
+        progress(f"latency: screen {why}")
+    ctx.meta["screen"] = "on" if why is None else why
+    return why is None
+
+
 def _note_screen(ctx: StageContext, target: str, spec: str, phase: str, rec: dict) -> None:
     """meta.json's `screened`: pair -> {"speculative" / "batched": the screen's verdict and bound}."""
     ctx.meta.setdefault("screened", {}).setdefault(f"{target}__{draft_slug(spec)}", {})[phase] = summary(rec)
@@ -286,7 +295,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                                    context=context_length(model))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         screens = {}
-        if lat.screen:  # eagerly, before a compile session is attached (pipeline/latency/screen.py)
+        if _screening(ctx, lat, device):  # eagerly, before a compile session is attached (pipeline/latency/screen.py)
             for spec in list(pending):
                 screens[spec] = _screen_b1(ctx, target, spec, model, drafts[spec], prompts, ks, device, pending[spec])
                 if screens[spec]["verdict"] == DOES_NOT_PAY:
@@ -344,7 +353,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         drafts, screens = {}, {}
         for spec in list(pending):
             drafts[spec] = build_draft(spec, model, tok, ctx.run_dir, device)
-            if lat.screen:  # eagerly, before the compile session is attached (pipeline/latency/screen.py)
+            if _screening(ctx, lat, device):  # eagerly, before the session is attached (pipeline/latency/screen.py)
                 screens[spec] = _screen_batched(ctx, target, spec, model, drafts[spec], tok, rows, ks, device,
                                                 pending[spec], drawn)
                 if screens[spec]["verdict"] == DOES_NOT_PAY:
