@@ -232,6 +232,29 @@ def test_batched_target_graphs_compile_once_per_target():
         "bf16 + ngram: batched: compile 0 graphs")
 
 
+def test_screen_is_predicted_only_as_the_stage_screens():
+    """The stage screens model drafts where the steps run eagerly (the CPU), not where they compile
+    with inductor (gpu.yaml on an H100). On the CPU the estimate predicts a pair screened out when the
+    screen's bound, at the guessed rate + SCREEN_RATE_MARGIN, is below 1 at every k; such a pair costs
+    its probe only. The bound by hand at k = 1 (1e-9 relative)."""
+    cpu = est.Cost(load_config(DEFAULT), "smollm2-135m", DEVICES["cpu-2core"])
+    spec, ctx = "self:w4a16-gptq", 300.0
+    rate = est.ACCEPTANCE_RATE["self"] + est.SCREEN_RATE_MARGIN
+    k1 = (1 + rate) * cpu.decode_step("bf16", 1, ctx) / (cpu.forward("bf16", 1, 2, ctx)
+                                                         + cpu.draft(spec, "bf16", 1, 1, ctx))
+    assert cpu.screen_bound("bf16", spec, 1, ctx, [1]) == pytest.approx(k1, rel=1e-9)
+    assert cpu.screen_bound("bf16", spec, 1, ctx, [1, 2, 3]) >= k1 * (1 - 1e-12)  # the largest over k
+    parts = {w: (t, f) for w, t, f in est.latency(cpu).parts}
+    probes = [w for w in parts if "predicted screened out" in w]
+    assert any(w.startswith("bf16 + self:w4a16-gptq: B = 1 probe") for w in probes)
+    for w in probes:
+        assert parts[w] == (est.SCREEN_PROBE_S, True)
+    assert not any(w.startswith("bf16 + self:w4a16-gptq") and "repeat" in w for w in parts)  # not timed
+    assert not any(w.startswith("bf16 + ngram") and "probe" in w for w in parts)  # prompt lookup: never screened
+    gpu = est.Cost(load_config(GPU), "8b", DEVICES["h100"])
+    assert not any("predicted screened out" in w for w, _, _ in est.latency(gpu).parts)
+
+
 def test_budget_caps_each_planning_stage_at_its_share():
     cfg = with_section(load_config(DEFAULT), "budget", minutes=120.0)
     doc = est.estimate(cfg, "smollm2-135m", DEVICES["cpu-2core"])

