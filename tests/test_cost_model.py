@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import load_config
+from pipeline.tools import cost_model as cm
 from pipeline.tools import estimate as est
 from pipeline.tools.cost_devices import DEVICES, SLOWDOWN_GPU
 
@@ -24,7 +25,7 @@ def with_section(cfg, section: str, **values):
 
 @pytest.fixture(scope="module")
 def gpu_cost():
-    return est.Cost(load_config(GPU), "8b", DEVICES["h100"])
+    return cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
 
 
 def test_decode_step_is_the_roofline_bytes_over_bandwidth_by_hand(gpu_cost):
@@ -67,10 +68,10 @@ def test_prefill_is_flops_over_peak(gpu_cost):
 
 
 def test_tokens_per_round_formula():
-    assert est.tokens_per_round(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert est.tokens_per_round(4, 1.0) == 5.0
+    assert cm.tokens_per_round(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert cm.tokens_per_round(4, 1.0) == 5.0
     # A batch keeps its fewest accepted: B = 4 rows at 0.5 each act as one at 0.5^4.
-    assert est.tokens_per_round(3, 0.5, batch=4) == pytest.approx(est.tokens_per_round(3, 0.5 ** 4))
+    assert cm.tokens_per_round(3, 0.5, batch=4) == pytest.approx(cm.tokens_per_round(3, 0.5 ** 4))
 
 
 def _stage(doc: dict, name: str) -> dict:
@@ -79,7 +80,7 @@ def _stage(doc: dict, name: str) -> dict:
 
 def test_latency_grows_linearly_in_repeats():
     cfg, h100 = load_config(GPU), DEVICES["h100"]
-    seconds = [est.latency(est.Cost(with_section(cfg, "latency", repeats=r), "8b", h100)).seconds
+    seconds = [est.latency(cm.Cost(with_section(cfg, "latency", repeats=r), "8b", h100)).seconds
                for r in (5, 10, 15)]
     assert seconds[1] - seconds[0] == pytest.approx(seconds[2] - seconds[1], rel=1e-9)
     assert seconds[1] > seconds[0]
@@ -88,14 +89,14 @@ def test_latency_grows_linearly_in_repeats():
 def test_quality_grows_linearly_in_items():
     """One generated slice, one look: 80, 160, 240 items (whole batches of 40) add the same time."""
     cfg = with_section(load_config(DEFAULT), "quality", slices=["reasoning"], tasks=[], wave_items=None)
-    seconds = [est.quality(est.Cost(with_section(cfg, "quality", items_per_slice=n, max_items=n), "smollm2-135m",
+    seconds = [est.quality(cm.Cost(with_section(cfg, "quality", items_per_slice=n, max_items=n), "smollm2-135m",
                                     DEVICES["cpu-2core"])).seconds for n in (80, 160, 240)]
     assert seconds[1] - seconds[0] == pytest.approx(seconds[2] - seconds[1], rel=1e-9)
     assert seconds[1] > seconds[0]
 
 
 def test_quality_first_look_is_the_first_wave_of_every_slice_and_task():
-    c = est.Cost(load_config(GPU), "8b", DEVICES["h100"])
+    c = cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
     assert est.quality_items(c, "long_context") == (999, 201)  # whole haystacks of 3; the first end >= 200
     assert est.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
     assert est.quality_items(c, "code") == (164, 164)  # the pool is under one wave
@@ -141,14 +142,14 @@ def test_generated_slices_are_planned_as_the_stage_plans_them():
     gpu["quality"]["per_slice"]["long_context"] = {"items": 1000}
     (short,) = [load_config(GPU, {"quality": gpu["quality"]})]
     for cfg in (load_config(DEFAULT), load_config(GPU), short):
-        c = est.Cost(cfg, "tiny", DEVICES["h100"])
+        c = cm.Cost(cfg, "tiny", DEVICES["h100"])
         for name in cfg.quality.slices:
             if name in ("bfcl", "code"):
                 continue
             _, stage_plan = _slice_data(name, cfg.quality, cfg.seed, None)
             n, looks, _ = est.quality_plan(c, name)
             assert (n, looks) == (stage_plan["n_max"], stage_plan["looks"]), name
-    assert est.quality_plan(est.Cost(short, "tiny", DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
+    assert est.quality_plan(cm.Cost(short, "tiny", DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
 
 
 def test_a_warm_up_is_short_runs_not_a_repeat():
@@ -160,18 +161,18 @@ def test_a_warm_up_is_short_runs_not_a_repeat():
     h100 = DEVICES["h100"]
 
     def parts(warmup: int) -> dict:
-        c = est.Cost(with_section(cfg, "latency", warmup=warmup), "8b", h100)
+        c = cm.Cost(with_section(cfg, "latency", warmup=warmup), "8b", h100)
         return {w: s for w, s, _ in est.latency(c).parts}, c
 
     (p0, c), (p2, _) = parts(0), parts(2)
     lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
     temps, new = len(cfg.acceptance.temperatures), min(lat.new_tokens, 8)
-    shortest = min(est.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None))
+    shortest = min(cm.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None))
     one = temps * (c.generate("bf16", 1, shortest, new, eager=False)
                    + sum(c.speculate("bf16", "ngram", 1, shortest, new, k, False) for k in ks))
     key = next(w for w in p0 if w.startswith("bf16 + ngram: B = 1"))
     assert p2[key] - p0[key] == pytest.approx(2 * one, rel=1e-9)
-    row = min(est.prompt_lengths(c, "latency", 1))
+    row = min(cm.prompt_lengths(c, "latency", 1))
     cells = sum(c.generate("bf16", b, row, new, eager=False)
                 + sum(c.speculate("bf16", "ngram", b, row, new, k, False) for k in ks) for b in lat.spec_batch_sizes)
     key = next(w for w in p0 if w.startswith("bf16 + ngram: batched"))
@@ -189,11 +190,11 @@ def test_latency_floor_holds_each_pairs_first_repeat_and_every_compile():
     So each pair's floor part is its probe + warm-up + one repeat, and the rest is repeats - 1 of
     that one repeat (exact: 1e-9 relative)."""
     cfg = load_config(GPU)
-    c = est.Cost(cfg, "8b", DEVICES["h100"])
+    c = cm.Cost(cfg, "8b", DEVICES["h100"])
     lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
     parts = {w: (s, f) for w, s, f in est.latency(c).parts}
     temps = len(cfg.acceptance.temperatures)
-    lengths = est.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None)
+    lengths = cm.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None)
     one = temps * sum(c.generate("bf16", 1, p, lat.new_tokens, eager=False)
                       + sum(c.speculate("bf16", "ngram", 1, p, lat.new_tokens, k, False) for k in ks)
                       for p in lengths)
@@ -215,7 +216,7 @@ def test_batched_target_graphs_compile_once_per_target():
     h100 = DEVICES["h100"]
 
     def latency_parts(drafts):
-        c = est.Cost(cfg.model_copy(update={"drafts": drafts}), "8b", h100)
+        c = cm.Cost(cfg.model_copy(update={"drafts": drafts}), "8b", h100)
         return {w: s for w, s, _ in est.latency(c).parts}, c
 
     one, c = latency_parts(["ngram"])
@@ -237,9 +238,9 @@ def test_screen_is_predicted_only_as_the_stage_screens():
     with inductor (gpu.yaml on an H100). On the CPU the estimate predicts a pair screened out when the
     screen's bound, at the guessed rate + SCREEN_RATE_MARGIN, is below 1 at every k; such a pair costs
     its probe only. The bound by hand at k = 1 (1e-9 relative)."""
-    cpu = est.Cost(load_config(DEFAULT), "smollm2-135m", DEVICES["cpu-2core"])
+    cpu = cm.Cost(load_config(DEFAULT), "smollm2-135m", DEVICES["cpu-2core"])
     spec, ctx = "self:w4a16-gptq", 300.0
-    rate = est.ACCEPTANCE_RATE["self"] + est.SCREEN_RATE_MARGIN
+    rate = cm.ACCEPTANCE_RATE["self"] + cm.SCREEN_RATE_MARGIN
     k1 = (1 + rate) * cpu.decode_step("bf16", 1, ctx) / (cpu.forward("bf16", 1, 2, ctx)
                                                          + cpu.draft(spec, "bf16", 1, 1, ctx))
     assert cpu.screen_bound("bf16", spec, 1, ctx, [1]) == pytest.approx(k1, rel=1e-9)
@@ -248,10 +249,10 @@ def test_screen_is_predicted_only_as_the_stage_screens():
     probes = [w for w in parts if "predicted screened out" in w]
     assert any(w.startswith("bf16 + self:w4a16-gptq: B = 1 probe") for w in probes)
     for w in probes:
-        assert parts[w] == (est.SCREEN_PROBE_S, True)
+        assert parts[w] == (cm.SCREEN_PROBE_S, True)
     assert not any(w.startswith("bf16 + self:w4a16-gptq") and "repeat" in w for w in parts)  # not timed
     assert not any(w.startswith("bf16 + ngram") and "probe" in w for w in parts)  # prompt lookup: never screened
-    gpu = est.Cost(load_config(GPU), "8b", DEVICES["h100"])
+    gpu = cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
     assert not any("predicted screened out" in w for w, _, _ in est.latency(gpu).parts)
 
 
@@ -346,7 +347,7 @@ def test_here_twice_as_slow_doubles_every_forward_and_gptq():
     and GPTQ take exactly twice as long; disk and start-up do not change."""
     from pipeline.tools.cost_here import device_from
     cfg = load_config(DEFAULT)
-    one, two = (est.Cost(cfg, "smollm2-135m", device_from(_cpu_2core_timings(x))) for x in (1.0, 2.0))
+    one, two = (cm.Cost(cfg, "smollm2-135m", device_from(_cpu_2core_timings(x))) for x in (1.0, 2.0))
     for args in [("w4a16-gptq", 1, 1, 500), ("bf16", 8, 300, 0), ("int8", 4, 1, 2000)]:
         assert two.forward(*args) == pytest.approx(2 * one.forward(*args), rel=1e-9)
     assert two.dev.gptq_s_per_param == pytest.approx(2 * one.dev.gptq_s_per_param, rel=1e-9)
@@ -370,7 +371,7 @@ def test_timings_on_a_tiny_model_are_positive_and_recorded(capsys):
 
 def test_measure_builds_the_profile_from_its_timings():
     from pipeline.tools.cost_here import measure
-    device, t = measure(est.SHAPES["tiny"], reps=1)
+    device, t = measure(cm.SHAPES["tiny"], reps=1)
     assert t["step_s"] > 0 and t["token_s"] > 0 and t["params"] > 0
     assert device.bandwidth == pytest.approx(t["fp32_bytes"] / t["step_s"])
     assert device.flops == pytest.approx(2 * t["params"] / t["token_s"])

@@ -1,6 +1,6 @@
 """The cost model's constants measured on this CPU (`estimate --device here`): the two numbers the
 `cpu-2core` profile took from one machine, timed here on a randomly initialised model of the estimate's
-shape, in float32 (what `auto` runs a CPU variant's estimate in, pipeline/tools/estimate.py Cost.shape):
+shape, in float32 (what `auto` runs a CPU variant's estimate in, pipeline/tools/cost_model.py Cost.shape):
 
     step   one decode step: 1 new token after CONTEXT cached positions (the bandwidth term: weights / step)
     token  one more prefill row-token: (a call of PREFILL_ROWS x PREFILL_WIDTH tokens - a 1-token call) / (n - 1)
@@ -14,7 +14,7 @@ start-up, the quantized slowdowns). Why it exists: the 2-core machines this proj
 "What a run costs").
 
     from pipeline.tools.cost_here import measure
-    from pipeline.tools.estimate import SHAPES
+    from pipeline.tools.cost_model import SHAPES
     device, timed = measure(SHAPES["smollm2-135m"])   # ~10-30 s on a 2-core CPU
 """
 from __future__ import annotations
