@@ -16,7 +16,8 @@ from lm_eval.models.huggingface import HFLM
 from pipeline.quality import calibration, prefix_lm
 from pipeline.quality.calibration import (DECODE_KV_TOKENS, MAX_CALL_TOKENS, bucket_call_tokens, decode_kv_budget,
                                           measure_call_tokens)
-from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, StopCheck, common_prefix, forward_kwargs, plan_batches
+from pipeline.quality.batch_plan import StopCheck, common_prefix, plan_batches
+from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, forward_kwargs
 
 SHARED = "the quick brown fox jumps over the lazy dog. a cat sat on the mat"
 CONTEXTS = [SHARED + " and looked at", SHARED + " and", "Le chat est sur la table.",
