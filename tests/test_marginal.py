@@ -79,6 +79,18 @@ def test_noise_free_curve_has_the_closed_form_answer():
         assert rows[k]["predicted_speedup"] == pytest.approx(rows[k]["speedup"])
 
 
+def test_one_timing_repeat_recommends_nothing():
+    """A speedup whose CI lies above 1 is recommended from 2 timing repeats, never from 1: one
+    repeat's CI resamples the prompts alone (no timing spread), which a budget can leave."""
+    E = _expected(0.8, 4)
+    rows = marginal_table(_acc(E, 0.8, spread=0.1), _timing(4, lambda d: 10.0 + 4 * d, 10.0, repeats=1))["rows"]
+    assert all(r["timing_repeats"] == 1 for r in rows)
+    assert any(r["speedup_ci"][0] > 1.0 for r in rows)  # it would beat plain by its CI
+    assert recommend_k(rows) == 0
+    two = marginal_table(_acc(E, 0.8, spread=0.1), _timing(4, lambda d: 10.0 + 4 * d, 10.0, repeats=2))
+    assert {r["timing_repeats"] for r in two["rows"]} == {2} and two["recommended_k"] >= 1
+
+
 def test_round_time_is_weighted_by_the_slice_s_drafted_counts():
     # Prompt lookup: at k = 2 half the rounds draft nothing (a 10 ms plain step) and half draft 2
     # (18 ms): T_round(2) = 14 ms, not the 18 ms a model draft's round would cost.

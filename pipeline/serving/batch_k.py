@@ -136,7 +136,7 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
                "tokens_per_round_independent_rows": formula,
                "measured_tokens_per_round": c.get("tokens_per_round"),
                "measured_thrown_away_fraction": c.get("thrown_away_fraction"),
-               "round_ms": t_round, "round_ms_source": round_source,
+               "round_ms": t_round, "round_ms_source": round_source, "timing_repeats": int(n),
                "round_ms_ci": median_ci(round_ms, confidence, seed + 7 * b + k)["ci"],
                "cell_round_ms": c["round_ms"]["median"], "cell_round_ms_ci": c["round_ms"]["ci"],
                "mean_width": float(share @ np.arange(share.size)) if share is not None else None,

@@ -58,8 +58,14 @@ RULE = (
     "smaller k drafts and verifies less work, which matters once the device is busy). "
     "recommended_k = 0 (do not speculate) when no k beats plain decoding. A k whose speculative and "
     "plain timings did not run the same way (compiled vs eager, a fallback kernel; like_with_like false) "
-    "is never recommended."
+    "is never recommended, nor one timed in a single repeat (timing_repeats 1, as a budget can leave it): "
+    "its CI then resamples the prompts alone and says nothing of the machine's load between the plain "
+    "and the speculative runs."
 )
+# A speedup CI from one timing repeat has no timing spread in it: on 2026-12-02 a smoke run's one
+# repeat of prompt lookup, its plain runs slowed by another process, gave 1.56 [1.39, 1.93]; the same
+# pair on the quiet machine gave 0.99 [0.88, 1.23] (README: "What a run costs").
+MIN_TIMING_REPEATS = 2
 
 
 CATEGORY_RULE = (
@@ -197,6 +203,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
             "ms_per_token_ci": ci(ms_c[:, j], ms_tok),
             "speedup": t_plain / ms_tok,
             "speedup_ci": ci(sp_c[:, j], t_plain / ms_tok),
+            "timing_repeats": int(min(plain_ms.size, t_round.shape[0])),
             "marginal_ms_per_token": marginal,
             # k-1 -> k lowers ms/token iff a marginal token costs less than the average one at
             # k-1. SEEDS' looser test (below plain ms/token) says the extra tokens are at least
@@ -259,7 +266,8 @@ def _cost_ratio(draft_ms: np.ndarray | None, t_plain: float) -> float | None:
 def recommend_k(rows: list[dict]) -> int:
     """See RULE (written into every report)."""
     by_k = {r["k"]: r for r in rows if comparable(r)}  # mixed-mode ratios are out
-    beats = {k for k, r in by_k.items() if r["speedup_ci"][0] > 1.0}
+    beats = {k for k, r in by_k.items()
+             if r["speedup_ci"][0] > 1.0 and r.get("timing_repeats", MIN_TIMING_REPEATS) >= MIN_TIMING_REPEATS}
     if not beats:
         return 0
     best = min(beats, key=lambda k: (by_k[k]["ms_per_token"], k))
