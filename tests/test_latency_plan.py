@@ -77,9 +77,9 @@ def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
     assert out["device_name"]
 
 
-def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
-    """latency.compile with the eager backend on CPU: every planned step shape compiles before the
-    timed runs, the record says so per shape, and its graph count is dynamo's own."""
+def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str]):
+    """The latency stage on a prepared tiny model, compiled with dynamo's eager backend on CPU: one
+    plain cell, B = 1 pairs at k = 1, batched pairs at B = 2. Returns (meta, graphs dynamo made, run)."""
     from conftest import save_as_prepared
     from pipeline.__main__ import STAGES
     from pipeline.core.stage import run_stage
@@ -91,7 +91,7 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
         (run / stage).mkdir(parents=True, exist_ok=True)
         (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage, **extra}))
     cfg = Config.model_validate({
-        "device": "cpu", "drafts": ["layerskip:2"],
+        "device": "cpu", "drafts": drafts,
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
         "acceptance": {"k_max": 1, "temperatures": [0.0], "prompts_per_kind": 1},
         "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
@@ -100,7 +100,13 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
     })
     before = counters["stats"]["unique_graphs"]
     meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES).read_text())
-    made = counters["stats"]["unique_graphs"] - before
+    return meta, counters["stats"]["unique_graphs"] - before, run
+
+
+def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    """latency.compile with the eager backend on CPU: every planned step shape compiles before the
+    timed runs, the record says so per shape, and its graph count is dynamo's own."""
+    meta, made, run = _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, ["layerskip:2"])
     assert meta["compile"] == "compiled"
     plain = meta["compile_record"]["plain"]["bf16"]
     pair = meta["compile_record"]["speculative"]["bf16__layerskip-2"]
@@ -134,27 +140,7 @@ def test_batched_pairs_of_a_target_share_its_compiled_graphs(tmp_path, tiny_mode
     compile once for both pairs, in one session per target as at B = 1; the model draft adds its
     own widths 1 and 2, prompt lookup nothing (dynamo's own graph count: 9, where a session per
     pair made 11)."""
-    from conftest import save_as_prepared
-    from pipeline.__main__ import STAGES
-    from pipeline.core.stage import run_stage
-
-    run = tmp_path / "run"
-    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
-    for stage, extra in (("variants", {"variants": {"bf16": {"scheme": "none", "dir": "variants/bf16"}}}),
-                         ("drafts", {}), ("acceptance", {})):
-        (run / stage).mkdir(parents=True, exist_ok=True)
-        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage, **extra}))
-    cfg = Config.model_validate({
-        "device": "cpu", "drafts": ["layerskip:2", "ngram"],
-        "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
-        "acceptance": {"k_max": 1, "temperatures": [0.0], "prompts_per_kind": 1},
-        "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
-                    "compile": True, "compile_backend": "eager", "spec_batch_sizes": [2], "screen": False,
-                    "closed_loop_batch_sizes": [2], "closed_loop_waves": 1, "closed_loop_tokens": 4},
-    })
-    before = counters["stats"]["unique_graphs"]
-    meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES).read_text())
-    made = counters["stats"]["unique_graphs"] - before
+    meta, made, run = _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, ["layerskip:2", "ngram"])
     batched = meta["compile_record"]["batched"]
     skip, lookup = batched["bf16__layerskip-2"], batched["bf16__ngram"]
     assert skip["compiled_for_this_pair"] == 4 and lookup["compiled_for_this_pair"] == 0

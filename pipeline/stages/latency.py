@@ -230,6 +230,17 @@ def _acceptance_of(ctx: StageContext, target: str, spec: str) -> tuple[dict | No
                                                     "sha256": sha256_file(path), "slice": "all"}
 
 
+def _target_session(lat, device, model, drafts: dict):
+    """One compile session (or None) with the target and every model draft of its pairs attached."""
+    session, _ = compile_session(lat, device)
+    if session is not None:
+        session.attach(model, "target")
+        for spec, d in drafts.items():
+            if getattr(d, "model", None) is not None:
+                session.attach(d.model, draft_label(spec))
+    return session
+
+
 def _screening(ctx: StageContext, lat, device) -> bool:
     """Whether pairs are screened here; meta.json's `screen` says so, or why not."""
     why = why_not_screened(lat, device)
@@ -300,12 +311,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 screens[spec] = _screen_b1(ctx, target, spec, model, drafts[spec], prompts, ks, device, pending[spec])
                 if screens[spec]["verdict"] == DOES_NOT_PAY:
                     del pending[spec]
-        session, _ = compile_session(lat, device)
-        if session is not None:
-            session.attach(model, "target")
-            for spec, d in drafts.items():
-                if getattr(d, "model", None) is not None:
-                    session.attach(d.model, draft_label(spec))
+        session = _target_session(lat, device, model, drafts)
         try:
             for spec, item in pending.items():
                 t0 = time.time()
@@ -366,12 +372,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         # graphs (decode step and verify widths at each B) are the same for every draft, so they
         # compile once per target, not once per pair; each draft adds its own widths. The pooled
         # caches stay until the session closes (CUDA graphs replay on the addresses they recorded).
-        session, _ = compile_session(lat, device)
-        if session is not None:
-            session.attach(model, "target")
-            for spec, d in drafts.items():
-                if getattr(d, "model", None) is not None:
-                    session.attach(d.model, draft_label(spec))
+        session = _target_session(lat, device, model, drafts)
         try:
             for spec, item in pending.items():
                 left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
