@@ -210,6 +210,25 @@ def test_pair_report_keys_and_per_slice_recommendation():
     assert rep["slices"]["code"]["0.0"]["recommended_k"] == rep["recommended_k"]
 
 
+def test_a_single_timing_repeat_reads_as_such_in_categories_and_the_report():
+    """The pair report of a pair timed once: k = 0 everywhere, every category inconclusive with the
+    single repeat as its reason (not a CI 'containing 1'), and the Markdown says why."""
+    from pipeline.report.marginal import render_markdown
+
+    lat = _latency(4)
+    once = _timing(4, lambda d: 12.5 + 2 * d, 10.0, lambda d: 2.0 * d, repeats=1)
+    lat["by_temperature"] = {"0.0": once, "0.7": once}
+    lat["plain_ms_per_token"] = once["plain_ms_per_token"]
+    rep = pair_report(_acceptance(0.9, 4), lat)
+    assert rep["recommended_k"] == 0 and any(r["speedup_ci"][0] > 1.0 for r in rep["rows"])
+    entries = [e for temps in rep["recommended_k_by_category"].values() for e in temps.values()]
+    assert entries
+    for e in entries:
+        assert e["k"] == 0 and not e["settled"] and e["verdict"] == "inconclusive"
+        assert e["reason"].startswith(f"best k = {e['best_k']}: one timing repeat")
+    assert "Timed in a single repeat" in render_markdown(rep)
+
+
 def _fake_stage(run, name):
     (run / name).mkdir(parents=True, exist_ok=True)
     (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name}))

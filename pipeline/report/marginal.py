@@ -92,9 +92,11 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
                    f"{interval(r['speedup_ci'], 2)}.")
     else:
         best = min(rows, key=lambda r: r["ms_per_token"])
-        out.append(f"**Recommended k = 0: do not speculate.** No k was measurably faster than plain "
-                   f"decoding (best: k = {best['k']}, speedup {number(best['speedup'], 2)}x "
-                   f"{interval(best['speedup_ci'], 2)}).")
+        why = ("No k was measurably faster than plain decoding" if best.get("timing_repeats", 2) >= 2 else
+               "Timed in a single repeat, so no k can be shown faster than plain decoding (its interval "
+               "resamples the prompts only; k is recommended from 2 repeats on)")
+        out.append(f"**Recommended k = 0: do not speculate.** {why} (best: k = {best['k']}, speedup "
+                   f"{number(best['speedup'], 2)}x {interval(best['speedup_ci'], 2)}).")
     out += ["", "| k | E[tokens/round] | mean drafted | round ms | ms/token | speedup | marginal ms/token (k-1 to k) "
             "| Leviathan ms/token |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -74,7 +74,9 @@ CATEGORY_RULE = (
     "with every k's speedup CI below 1 (speculating is measurably slower). Otherwise (k = 0 because the "
     "best k's speedup CI contains 1) the recommendation stays k = 0, since nothing shows that speculating "
     "pays, but it is marked settled: false, verdict 'inconclusive': more prompts in that category could go "
-    "either way. A category the acceptance stage flags as having too few prompts (few_prompts) is never "
+    "either way. Timed in a single repeat (as a budget can leave it), a category is inconclusive whatever its "
+    "CIs say. A category "
+    "the acceptance stage flags as having too few prompts (few_prompts) is never "
     "settled, whatever its CI says, since an interval over so few prompts covers less than it claims; "
     "nor is one with a single prompt (its CI resamples the timing repeats only). The figures "
     "are given at `at_k`: the recommended k, or the best (lowest ms/token) k when that is 0."
@@ -289,6 +291,11 @@ def category_entry(table: dict, acc: dict) -> dict:
         few = table["prompts"] < MIN_PROMPTS
     if rec:
         verdict, settled, reason = "speculate", True, f"k = {rec}: speedup CI above 1"
+    elif usable and best.get("timing_repeats", MIN_TIMING_REPEATS) < MIN_TIMING_REPEATS:
+        # Neither way settled: a single repeat's CI resamples the prompts alone.
+        verdict, settled = "inconclusive", False
+        reason = (f"best k = {best['k']}: one timing repeat (speedup {best['speedup']:.3g}, its CI over prompts "
+                  f"alone); a k is recommended, or ruled out, from {MIN_TIMING_REPEATS} repeats on")
     elif usable and all(r["speedup_ci"][1] < 1.0 for r in usable):
         verdict, settled, reason = "do not speculate", True, "every k's speedup CI lies below 1"
     elif not usable:

@@ -51,6 +51,8 @@ SCREEN_PROBE_S = 10.0  # latency.screen's probe per pair and phase ("a few secon
 # The screen reads acceptance's upper CI, not its mean: the estimate predicts a pair screened out only
 # when its speedup bound stays below 1 with the rate per position raised by this much (a guess).
 SCREEN_RATE_MARGIN = 0.1
+
+
 class CharTokenizer:
     """Tokens = characters / CHARS_PER_TOKEN (+ TEMPLATE_TOKENS for a prompt): lets the workload's own
     draw (pipeline/speculation/workload.py) pick the prompts and their lengths without a model."""

@@ -16,8 +16,9 @@ compiled shapes (pipeline/latency/plan.py), the quality slices' waves and the pr
 The budget (config `budget`, pipeline/core/budget.py): each planning stage is capped at budget.minutes
 x 60 x its share, but never below its floor, the work it does whatever the budget: acceptance's texts,
 teacher forcing and lossless check (the budget bounds the direct check); latency's compiles and, for the
-plain grids and every pair it times, the warm-up and first repeat (it bounds later repeats and closed-loop
-waves; a pair the screen drops is probed, not timed); quality's first look of every model: each slice's
+plain grids and every pair it times, the warm-up and first repeat, and the closed-loop waves that come
+with a batched pair's first repeat (it bounds later repeats and waves; a pair the screen drops is probed,
+not timed); quality's first look of every model: each slice's
 and each lm-eval task's first wave (it bounds the later looks).
 
 Warm-ups (pipeline/latency/*, since 2026-12-02): a plain grid cell warms up on whole runs of new_tokens
@@ -34,10 +35,12 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+
 from pipeline.core.budget import fmt_s
 from pipeline.core.config import ConfigError, load_config
 from pipeline.latency.memory import cache_len, plan_grid
-from pipeline.latency.plan import batched_shapes, draft_label, speculative_shapes
+from pipeline.latency.plan import batched_shapes, draft_label, speculative_shapes, why_not_screened
 from pipeline.gate.looks import plan as plan_looks
 from pipeline.latency.speculative import WARMUP_TOKENS
 from pipeline.quality.items import BENCHMARKS
@@ -72,8 +75,6 @@ UNKNOWN_TASK = dict(docs=1000, prompt=500, steps=256)
 TASK_SETUP_S = 30.0
 SANDBOX_S = 0.5  # one HumanEval program in the sandbox (guess)
 MARGINAL_S_PER_PAIR, GATE_S, REPORT_S = 20.0, 10.0, 30.0  # CPU work (README: a minute, seconds)
-
-
 
 
 # ---------------------------------------------------------------- the stages
@@ -171,10 +172,12 @@ def latency(c: Cost) -> Stage:
         graphs = len(batched_shapes(lens, k_max, [])) if compiled else 0
         st.add(f"{target}: batched pairs: load, compile the target's {graphs} graphs",
                c.load(target) + graphs * d.compile_s)
+        # The stage's own rule (an inductor run is not screened, on any device); only the device's kind is read.
+        screening = why_not_screened(lat, torch.device("cuda" if d.cuda else "cpu")) is None
         for spec in cfg.drafts:
             # The stage screens a model draft where its steps run eagerly (plan.why_not_screened); a
             # pair it screens out is probed, not timed. Here the verdict is predicted (screen_bound).
-            screened = lat.screen and not compiled and not spec.startswith("ngram")
+            screened = screening and not spec.startswith("ngram")
             probe = SCREEN_PROBE_S if screened else 0.0
             one = temps * sum(c.generate(target, 1, p, lat.new_tokens, eager=eager)
                               + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in ks)
@@ -189,7 +192,7 @@ def latency(c: Cost) -> Stage:
             else:
                 # A pair the screen keeps is warmed up and timed once whatever the budget: the first repeat
                 # is what its recommendation is read from (the stage skips only repeats 2 on when out of time).
-                st.add(f"{target} + {spec}: B = 1 screen, warm-up + 1 repeat", probe + warm + one)
+                st.add(f"{target} + {spec}: B = 1 {'screen, ' if screened else ''}warm-up + 1 repeat", probe + warm + one)
                 st.add(f"{target} + {spec}: B = 1 repeats 2-{lat.repeats}", (lat.repeats - 1) * one, floor=False)
                 later += (lat.repeats - 1) * one
             # The batched phase's session is the target's (pipeline/stages/latency.py): its graphs
@@ -210,12 +213,15 @@ def latency(c: Cost) -> Stage:
             for b in loops:  # one wave at each B: plain and speculative at the fastest k
                 fastest = min(c.speculate(target, spec, b, row_len, tokens, k, eager) for k in ks)
                 wave += c.generate(target, b, row_len, tokens, eager=eager) + fastest
-            # As at B = 1, the warm-up, the first repeat and each B's first closed-loop wave run whatever
-            # the budget; later repeats and waves are what a budget skips.
-            st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + 1 repeat, first closed-loop "
-                   f"wave", probe + graphs * d.compile_s + lat.warmup * cells(warm_new) + cell + wave)
-            st.add(f"{target} + {spec}: batched: repeats 2-{lat.repeats}, closed-loop waves 2-{lat.closed_loop_waves}",
-                   (lat.repeats - 1) * cell + max(lat.closed_loop_waves - 1, 0) * wave, floor=False)
+            # As at B = 1, the warm-up and the first repeat run whatever the budget, and with the first
+            # repeat its share of the closed loop: waves 0, R, 2R, ... (pipeline/latency/batched.py spreads
+            # the waves over the repeats and checks the budget only for those left after the last repeat).
+            first_waves = len(range(0, lat.closed_loop_waves, lat.repeats))
+            st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + 1 repeat, {first_waves} "
+                   f"closed-loop wave(s)", probe + graphs * d.compile_s + lat.warmup * cells(warm_new) + cell
+                   + first_waves * wave)
+            st.add(f"{target} + {spec}: batched: repeats 2-{lat.repeats}, the other closed-loop waves",
+                   (lat.repeats - 1) * cell + (lat.closed_loop_waves - first_waves) * wave, floor=False)
             later += (lat.repeats - 1) * cell
     if lat.settle and lat.min_repeats < lat.repeats:
         st.notes.append(f"latency: a loop that settles stops from {lat.min_repeats} of {lat.repeats} repeats on: "
