@@ -29,19 +29,23 @@ batched cells, at every B); a pair whose bound is below 1 everywhere "does not p
 timed: its JSON is still written (the stage is complete and resumes) with `screened` (the record:
 verdict, the bound per k and its terms, the probe's samples, what it assumes and what was skipped)
 and empty `rows` / `by_temperature` (batched: empty `cells`); a timed pair carries its record
-under `screen`. Prompt lookup is never screened. meta.json's `screened` has each pair's verdict. A
-screened pair is re-screened when its acceptance JSON changes and timed once latency.screen is off.
+under `screen`. Prompt lookup is never screened, nor is any pair where the steps compile with
+inductor (pipeline/latency/plan.py: why_not_screened; the probe is eager). meta.json's `screen` says
+"on" or why not, and `screened` has each pair's verdict. A screened pair is re-screened when its
+acceptance JSON changes and timed once latency.screen is off.
 
 Before any cell runs, a memory plan (pipeline/latency/plan.py) drops the cells that cannot fit
 (one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
 cells so each runs on a cache of exactly its length, freed before the next. With latency.compile
 the steps run compiled (pipeline/decode/compiled.py), the batched cells and the closed loop
-included (one session per target there, shared by its drafts). Each JSON records the plan, what compiled (per shape),
-the quantized kernels the variant really runs and the device's name; every timed cell its
-`run_mode`, and every ratio between two cells whether they ran the same way (pipeline/latency/modes.py).
-A variant or draft that is done with has its caches released, its references deleted and
-gc.collect() + torch.cuda.empty_cache() run (pipeline/decode/release.py) before the next one is
-loaded and planned, so the next plan's free memory does not still count it.
+included; each phase has one session per target, shared by its drafts, so a pair's `compile` record
+is the session's so far (`compiled_for_this_pair` in the batched ones). Each JSON records the plan,
+what compiled (per shape), the quantized kernels the variant really runs and the device's name;
+every timed cell its `run_mode`, and every ratio between two cells whether they ran the same way
+(pipeline/latency/modes.py). A variant that is done with has its caches (and its drafts') released
+when its session closes, its references deleted and gc.collect() + torch.cuda.empty_cache() run
+(pipeline/decode/release.py) before the next one is loaded and planned, so the next plan's free
+memory does not still count it; a target's drafts are held together while it is timed.
 """
 from __future__ import annotations
 
