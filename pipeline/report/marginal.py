@@ -13,7 +13,7 @@ from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number
 from pipeline.report.modes import footnote
 from pipeline.report.modes import mark as like_mark
-from pipeline.serving.marginal import category_entry
+from pipeline.serving.marginal import MIN_TIMING_REPEATS, category_entry, timed_enough
 
 
 def _temp_label(t: str) -> str:
@@ -92,9 +92,9 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
                    f"{interval(r['speedup_ci'], 2)}.")
     else:
         best = min(rows, key=lambda r: r["ms_per_token"])
-        why = ("No k was measurably faster than plain decoding" if best.get("timing_repeats", 2) >= 2 else
+        why = ("No k was measurably faster than plain decoding" if timed_enough(best) else
                "Timed in a single repeat, so no k can be shown faster than plain decoding (its interval "
-               "resamples the prompts only; k is recommended from 2 repeats on)")
+               f"resamples the prompts only; k is recommended from {MIN_TIMING_REPEATS} repeats on)")
         out.append(f"**Recommended k = 0: do not speculate.** {why} (best: k = {best['k']}, speedup "
                    f"{number(best['speedup'], 2)}x {interval(best['speedup_ci'], 2)}).")
     out += ["", "| k | E[tokens/round] | mean drafted | round ms | ms/token | speedup | marginal ms/token (k-1 to k) "

@@ -68,6 +68,12 @@ RULE = (
 MIN_TIMING_REPEATS = 2
 
 
+def timed_enough(row: dict) -> bool:
+    """Whether a row's timing has the repeats a recommendation needs (rows written before the
+    count was recorded are taken to have them)."""
+    return row.get("timing_repeats", MIN_TIMING_REPEATS) >= MIN_TIMING_REPEATS
+
+
 CATEGORY_RULE = (
     "Per category and temperature, recommended k is RULE on that category's own prompts (the same round "
     "times). It is settled when the data decide: k > 0 (its speedup CI lies above 1 by RULE), or k = 0 "
@@ -268,8 +274,7 @@ def _cost_ratio(draft_ms: np.ndarray | None, t_plain: float) -> float | None:
 def recommend_k(rows: list[dict]) -> int:
     """See RULE (written into every report)."""
     by_k = {r["k"]: r for r in rows if comparable(r)}  # mixed-mode ratios are out
-    beats = {k for k, r in by_k.items()
-             if r["speedup_ci"][0] > 1.0 and r.get("timing_repeats", MIN_TIMING_REPEATS) >= MIN_TIMING_REPEATS}
+    beats = {k for k, r in by_k.items() if r["speedup_ci"][0] > 1.0 and timed_enough(r)}
     if not beats:
         return 0
     best = min(beats, key=lambda k: (by_k[k]["ms_per_token"], k))
@@ -291,7 +296,7 @@ def category_entry(table: dict, acc: dict) -> dict:
         few = table["prompts"] < MIN_PROMPTS
     if rec:
         verdict, settled, reason = "speculate", True, f"k = {rec}: speedup CI above 1"
-    elif usable and best.get("timing_repeats", MIN_TIMING_REPEATS) < MIN_TIMING_REPEATS:
+    elif usable and not timed_enough(best):
         # Neither way settled: a single repeat's CI resamples the prompts alone.
         verdict, settled = "inconclusive", False
         reason = (f"best k = {best['k']}: one timing repeat (speedup {best['speedup']:.3g}, its CI over prompts "

@@ -301,6 +301,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     budget = budget or StageBudget(cfg, "latency")
     phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, "", inputs) for target in targets}
+    screening = _screening(ctx, lat, device)
     for target in targets:
         pending = pending_by_target[target]
         if not pending:
@@ -310,7 +311,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                                    context=context_length(model))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         screens = {}
-        if _screening(ctx, lat, device):  # eagerly, before a compile session is attached (pipeline/latency/screen.py)
+        if screening:  # eagerly, before a compile session is attached (pipeline/latency/screen.py)
             for spec in list(pending):
                 screens[spec] = _screen_b1(ctx, target, spec, model, drafts[spec], prompts, ks, device, pending[spec])
                 if screens[spec]["verdict"] == DOES_NOT_PAY:
@@ -349,6 +350,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     budget = budget or StageBudget(cfg, "latency")
     phase = budget.part("batched pairs", 1.0)
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, "batched/", inputs) for target in targets}
+    screening = _screening(ctx, lat, device)
     for target in targets:
         pending = pending_by_target[target]
         if not pending:
@@ -363,7 +365,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
         drafts, screens = {}, {}
         for spec in list(pending):
             drafts[spec] = build_draft(spec, model, tok, ctx.run_dir, device)
-            if _screening(ctx, lat, device):  # eagerly, before the session is attached (pipeline/latency/screen.py)
+            if screening:  # eagerly, before the session is attached (pipeline/latency/screen.py)
                 screens[spec] = _screen_batched(ctx, target, spec, model, drafts[spec], tok, rows, ks, device,
                                                 pending[spec], drawn)
                 if screens[spec]["verdict"] == DOES_NOT_PAY:

@@ -185,8 +185,9 @@ def latency(c: Cost) -> Stage:
             p0 = min(spec_lengths)  # a warm-up: per temperature, plain and every k once on the shortest prompt
             warm = lat.warmup * temps * (c.generate(target, 1, p0, warm_new, eager=eager)
                                          + sum(c.speculate(target, spec, 1, p0, warm_new, k, eager) for k in ks))
-            bound = c.screen_bound(target, spec, 1, sum(spec_lengths) / len(spec_lengths) + lat.new_tokens / 2, ks)
-            if screened and bound < 1:
+            bound = c.screen_bound(target, spec, 1, sum(spec_lengths) / len(spec_lengths) + lat.new_tokens / 2,
+                                   ks) if screened else None
+            if bound is not None and bound < 1:
                 st.add(f"{target} + {spec}: B = 1 probe; predicted screened out (bound {bound:.2f})", probe)
                 st.notes.append(_screened_note(target, spec, "B = 1", bound))
             else:
@@ -199,8 +200,9 @@ def latency(c: Cost) -> Stage:
             # compile with the first pair, each draft's own widths with its pair.
             labels = [] if spec.startswith("ngram") else [draft_label(spec)]
             graphs = len(batched_shapes(lens, k_max, labels)) - len(batched_shapes(lens, k_max, [])) if compiled else 0
-            bound = max(c.screen_bound(target, spec, b, row_len + lat.new_tokens / 2, ks) for b in sizes)
-            if screened and bound < 1:
+            bound = max(c.screen_bound(target, spec, b, row_len + lat.new_tokens / 2, ks)
+                        for b in sizes) if screened else None
+            if bound is not None and bound < 1:
                 st.add(f"{target} + {spec}: batched probe; predicted screened out (bound {bound:.2f})", probe)
                 st.notes.append(_screened_note(target, spec, "every batch size", bound))
                 continue
