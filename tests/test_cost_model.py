@@ -12,6 +12,7 @@ import pytest
 from pipeline.core.config import load_config
 from pipeline.tools import cost_model as cm
 from pipeline.tools import estimate as est
+from pipeline.tools import cost_devices as cd
 from pipeline.tools.cost_devices import DEVICES, SLOWDOWN_GPU
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,7 +252,15 @@ def test_batched_target_graphs_compile_once_per_target():
     sizes = set(cfg.latency.spec_batch_sizes) | set(cfg.latency.closed_loop_batch_sizes)
     graphs = int(key.split("target's ")[1].split()[0])
     k_max = cfg.latency.k_max or cfg.acceptance.k_max
-    assert graphs == len(sizes) * (1 + k_max)  # the decode step and verify widths 2..k_max+1 at each B
+    # The decode step and one graph for the verify widths 2..k_max+1 at each B (dynamic widths, the
+    # default), whose other k_max - 1 widths each record a CUDA graph; a graph per width when static.
+    assert graphs == len(sizes) * 2
+    verify = cd.DYNAMIC_COMPILE_FACTOR * h100.compile_s + (k_max - 1) * h100.record_s
+    assert one[key] == pytest.approx(c.load("bf16") + len(sizes) * (h100.compile_s + verify))
+    static_cfg = with_section(cfg.model_copy(update={"drafts": ["ngram"]}), "latency", compile_dynamic_width=False)
+    static = {w: s for w, s, _ in est.latency(cm.Cost(static_cfg, "8b", h100)).parts}
+    key = next(w for w in static if w.startswith("bf16: batched pairs: load, compile the target's"))
+    assert int(key.split("target's ")[1].split()[0]) == len(sizes) * (1 + k_max)
     draft = next(w for w in two if w.startswith("bf16 + layerskip:8: batched: compile"))
     assert f"compile {2 * len(sizes)} graphs" in draft
     assert next(w for w in one if w.startswith("bf16 + ngram: batched: compile")).startswith(

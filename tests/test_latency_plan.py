@@ -77,7 +77,7 @@ def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
     assert out["device_name"]
 
 
-def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str]):
+def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str], k_max: int = 1):
     """The latency stage on a prepared tiny model, compiled with dynamo's eager backend on CPU: one
     plain cell, B = 1 pairs at k = 1, batched pairs at B = 2. Returns (meta, graphs dynamo made, run)."""
     from conftest import save_as_prepared
@@ -93,7 +93,7 @@ def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str
     cfg = Config.model_validate({
         "device": "cpu", "drafts": drafts,
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
-        "acceptance": {"k_max": 1, "temperatures": [0.0], "prompts_per_kind": 1},
+        "acceptance": {"k_max": k_max, "temperatures": [0.0], "prompts_per_kind": 1},
         "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
                     "compile": True, "compile_backend": "eager", "spec_batch_sizes": [2], "screen": False,
                     "closed_loop_batch_sizes": [2], "closed_loop_waves": 1, "closed_loop_tokens": 4},
@@ -125,6 +125,23 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
     doc = json.loads((run / "latency" / "bf16__layerskip-2.json").read_text())
     assert doc["compile"]["ran"] == "compiled" and doc["memory_plan"]["steps"][0]["cache_len"] == doc["cache_len"]
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # the session restored dynamo's settings
+
+
+def test_verify_widths_up_to_k_max_cost_no_more_graphs(tmp_path, tiny_model, tiny_tokenizer):
+    """k_max = 3: the target's verify widths 2, 3 and 4 share one graph (latency.compile_dynamic_width,
+    the default), at B = 1 and at B = 2, so dynamo makes as many graphs as at k_max = 1 (9), and the
+    record plans one graph per width group while listing every width it ran compiled."""
+    meta, made, _ = _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, ["layerskip:2"], k_max=3)
+    assert made == 1 + 4 + 4
+    for phase in ("speculative", "batched"):
+        rec = meta["compile_record"][phase]["bf16__layerskip-2"]
+        assert rec["dynamic"] == "width" and rec["planned_graphs"] == rec["graphs_compiled"] == 4
+        assert rec["planned_shapes"] == 6 and rec["recompiles"] == 0 and rec["eager_shapes"] == 0
+        verify = [s for s in rec["shapes"] if s["model"] == "target" and s["all_logits"]]
+        assert sorted(s["width"] for s in verify) == [2, 3, 4]
+        assert all(s["dynamic_width"] and s["ran"] == "compiled" and s["calls"] == s["compiled_calls"] > 0
+                   for s in verify)
+        assert sum(s["graphs"] for s in verify) == 1
 
 
 def test_compile_requested_on_cpu_without_a_backend_says_eager():

@@ -192,6 +192,10 @@ class LatencyConfig(Section):
     # auto: inductor + CUDA graphs on CUDA, not run on CPU. eager / aot_eager run the same
     # compiled path on any device (a check of the machinery, no speed-up expected).
     compile_backend: Literal["auto", "inductor", "eager", "aot_eager"] = "auto"
+    # One compiled graph for all the verify widths 2..k+1 of a model, batch and cache (a symbolic
+    # width; CUDA graphs still recorded per width), not one per width: a third of gpu.yaml's
+    # compiles (pipeline/decode/compiled.py). false: a static graph per width.
+    compile_dynamic_width: bool = True
     # Level of the bootstrap CIs (over repeats) on every latency figure.
     confidence: float = 0.95
     # Speculation under batching (pipeline/latency/batched.py): speculative round time and ms/token

@@ -12,7 +12,12 @@
 What is compiled: one function, `_step`, a forward of B rows x W new tokens on a static cache
 (W = 1 for a decode step, k + 1 for a verify, 1 or 2 for a draft step). It is compiled with
 dynamic=False and fullgraph=True: one graph per (model, B, W, cache length, logits kept), reused
-across repeats. The prefill is never compiled: it runs eagerly first, and that first forward is
+across repeats; or, with dynamic_width=True, one graph for all the verify widths W >= 2 of a (model,
+B, cache length, logits kept) that the plan holds: the width is marked dynamic
+(torch._dynamo.maybe_mark_dynamic), so dynamo traces once and inductor
+compiles once with a symbolic width, and CUDA graphs ("reduce-overhead") are still recorded per
+width, which costs a replay's time, not a compile's (vLLM's way: one compile, a CUDA graph per batch
+size). A width the plan holds alone (a draft's catch-up width 2) stays a static graph. The prefill is never compiled: it runs eagerly first, and that first forward is
 what allocates the StaticCache's tensors (transformers' StaticLayer.lazy_initialization), which
 marks them as static addresses (torch._dynamo.mark_static_address) because it does not run under
 dynamo. So the compiled steps read and write the cache in place at fixed addresses, which is what
@@ -85,14 +90,19 @@ class ShapeRecord:
     recompiles: int = 0  # graphs made after the first call (a guard failed: should stay 0)
     compile_s: float = 0.0  # wall time of the first call (tracing + backend compile + one run)
     cudagraph_skips: int = 0  # inductor's count of graphs it ran without a CUDA graph
+    # Traced with a symbolic width (CompileSession dynamic_width): the first width of its group to
+    # run makes the group's graph (graphs 1), the others reuse it (graphs 0).
+    dynamic_width: bool = False
 
 
 class CompileSession:
     """One torch.compile of `_step` shared by the models attached to it, and the record of every
     shape it was asked to run."""
 
-    def __init__(self, backend="inductor", mode: str | None = "reduce-overhead", fullgraph: bool = True):
+    def __init__(self, backend="inductor", mode: str | None = "reduce-overhead", fullgraph: bool = True,
+                 dynamic_width: bool = False):
         self.backend = backend
+        self.dynamic_width = dynamic_width
         self.mode = mode if backend == "inductor" else None  # modes belong to inductor
         self.expected: set[tuple] = set()
         self.fullgraph = fullgraph
@@ -120,6 +130,9 @@ class CompileSession:
             if name is not None:
                 # The expected graphs, plus one (dynamo counts the entry being added); never lower.
                 base = self._saved.get(name, getattr(cfg, name))
+                # One per expected shape even when widths share graphs: a model whose code fixes
+                # the width (a specialisation) then compiles a graph per width, as without
+                # dynamic_width, and the record shows more graphs than planned.
                 wanted[name] = max(int(base), len(self.expected) + 1)
         for name, value in wanted.items():
             if hasattr(cfg, name):
@@ -152,7 +165,14 @@ class CompileSession:
 
     @property
     def max_graphs(self) -> int:
-        return len(self.expected)
+        """The graphs the plan needs: one per expected shape, or per width group (dynamic_width)."""
+        return len(graph_groups(self.expected, self.dynamic_width))
+
+    def _shares_graph(self, key: tuple) -> bool:
+        """Whether `key` is planned in a width group of two or more shapes (one symbolic graph)."""
+        if key not in self.expected:
+            return False
+        return len(graph_groups(self.expected, self.dynamic_width).get(graph_key(key, self.dynamic_width), [])) > 1
 
     def expect(self, shapes) -> None:
         """Plan these shapes (keys from step_shapes) for compiling; raises dynamo's limits to cover
@@ -193,7 +213,8 @@ class CompileSession:
         rec = self.shapes.get(key)
         first = rec is None
         if first:
-            rec = self.shapes[key] = ShapeRecord(label, b, w, cached.max_len, all_logits)
+            rec = self.shapes[key] = ShapeRecord(label, b, w, cached.max_len, all_logits,
+                                                 dynamic_width=self._shares_graph(key))
             reason = self.model_failed.get("*") or self.model_failed.get(label)
             if reason is None and key not in self.expected:
                 reason = "not in the compile plan (run eagerly, as planned)"
@@ -212,6 +233,9 @@ class CompileSession:
             # Fresh row-major copies (a few integers): dynamo guards on strides (see the docstring).
             tokens_in = tokens.new_empty(tokens.shape).copy_(tokens)
             positions_in = positions.new_empty(positions.shape).copy_(positions)
+            if rec.dynamic_width:  # one graph for the group's widths: trace the width symbolically
+                torch._dynamo.maybe_mark_dynamic(tokens_in, 1)
+                torch._dynamo.maybe_mark_dynamic(positions_in, 1)
             logits = self.fn(cached.model, cached.kwarg, tokens_in, positions_in, cached.cache,
                              0 if all_logits else 1)
         except torch.cuda.OutOfMemoryError:
@@ -258,8 +282,9 @@ class CompileSession:
         return {"requested": True, "ran": summary,
                 "backend": self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__",
                                                                                     repr(self.backend)),
-                "mode": self.mode, "dynamic": False, "fullgraph": self.fullgraph,
-                "planned_graphs": len(self.expected), "graphs_compiled": self.graphs_compiled(),
+                "mode": self.mode, "dynamic": "width" if self.dynamic_width else False,
+                "fullgraph": self.fullgraph, "planned_shapes": len(self.expected),
+                "planned_graphs": self.max_graphs, "graphs_compiled": self.graphs_compiled(),
                 "recompiles": sum(r.recompiles for r in self.shapes.values()),
                 "eager_shapes": len(eager), "compiled_shapes": len(compiled),
                 "cudagraph_skipped_shapes": sum(1 for r in self.shapes.values() if r.cudagraph_skips),
@@ -270,6 +295,24 @@ class CompileSession:
 def step_shapes(label: str, batch: int, cache_len: int, widths, all_logits: bool = False) -> list[tuple]:
     """Keys of the steps a session should compile: one per width, for one model and cache."""
     return [(label, batch, int(w), int(cache_len), bool(all_logits)) for w in widths]
+
+
+def graph_key(key: tuple, dynamic_width: bool) -> tuple:
+    """The graph a shape key (step_shapes) runs in: its own, or its width group's (widths >= 2 of
+    one model, batch, cache length and logits kept) when widths are dynamic."""
+    label, batch, width, length, all_logits = key
+    if dynamic_width and width >= 2:
+        return (label, batch, "width>=2", length, all_logits)
+    return key
+
+
+def graph_groups(shapes, dynamic_width: bool) -> dict[tuple, list[tuple]]:
+    """graph key -> the shape keys it serves. With dynamic widths a group of one width stays a
+    static graph (nothing to share), so the count is the graphs a session compiles for `shapes`."""
+    groups: dict[tuple, list[tuple]] = {}
+    for key in sorted(set(shapes)):
+        groups.setdefault(graph_key(key, dynamic_width), []).append(key)
+    return groups
 
 
 def _reason(e: Exception) -> str:

@@ -20,8 +20,11 @@ and each model draft's widths 1 and 2 (a step, and the catch-up after a round ac
 The batched part (pipeline/latency/batched.py) runs every batch size B on one cache length L_B
 (its cells' and its closed loop's longest need) and compiles, per B, the target's decode step
 and verify widths 2..k_max+1 (a round whose draft offered nothing is a decode step) and each
-model draft's widths 1 and 2: at most k_max + 3 graphs per B, |B| x (k_max + 3) for the pair, known before any
-timing. They are compiled before the timed runs (CompileSession.warm), never inside them.
+model draft's widths 1 and 2: at most k_max + 3 shapes per B, |B| x (k_max + 3) for the pair, known before any
+timing. With latency.compile_dynamic_width (the default) the verify widths of one B share one graph
+(a symbolic width), so a B costs 2 graphs for the target and 2 per model draft, whatever k_max.
+They are compiled before the timed runs (CompileSession.warm), never inside them; warm runs every
+width once, so each width's CUDA graph is recorded there too.
 """
 from __future__ import annotations
 
@@ -78,7 +81,8 @@ def compile_session(lat, device):
     if why is not None:
         return None, not_compiled(why)
     backend = _backend(lat)
-    return CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None), None
+    return CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None,
+                          dynamic_width=lat.compile_dynamic_width), None
 
 
 def _backend(lat) -> str:

@@ -21,6 +21,13 @@ EAGER_LAYER_S = 0.6e-3
 # torch.compile (inductor + CUDA graphs) per graph the latency plan compiles: a guess between a warm
 # inductor cache's ~20 s and gpu_check's cautious 150 s for an 8B graph (not yet timed on a GPU here).
 COMPILE_S_PER_GRAPH = 45.0
+# A width that shares a dynamic-width graph (latency.compile_dynamic_width) compiles nothing; its CUDA
+# graph is recorded on its first call (a few eager-speed forwards). Assumed, not timed on a GPU here.
+CUDA_GRAPH_RECORD_S = 2.0
+# A dynamic-width graph's compile against a static one's. Measured with inductor on this CPU (a 2-layer
+# Llama, fresh processes, inductor's caches off, 2026-12-03): widths 2..9 as one dynamic graph 14.2 s, as
+# eight static graphs 82.2 s (10.9-11.4 s each but the first), greedy tokens equal. Not timed on a GPU.
+DYNAMIC_COMPILE_FACTOR = 1.3
 DISK_BPS = 2.0e9  # assumed NVMe read or write, bytes/s
 START_S = 15.0  # assumed per stage process: imports, CUDA context
 # GPTQ: "175 billion parameters in approximately four GPU hours" on one A100, 128 x 2048 calibration
@@ -63,6 +70,7 @@ class Device:
     flops_eff: float = FLOPS_EFF
     eager_layer_s: float = EAGER_LAYER_S
     compile_s: float = COMPILE_S_PER_GRAPH
+    record_s: float = CUDA_GRAPH_RECORD_S
     disk: float = DISK_BPS
     start_s: float = START_S
     quantize_other_s: float = QUANTIZE_OTHER_S
@@ -92,6 +100,6 @@ DEVICES = {
     "cpu-2core": Device("cpu-2core", "this project's 2-core CPU", SMOLLM2_FP32_BYTES / CPU_FP32_STEP_S,
                         2 * SMOLLM2_FP32_BYTES / 4 / TOKEN_COST,
                         "measured: SmolLM2-135M step 85 ms in float32, 2.3 ms per prefill token", 16e9,
-                        bw_eff=1.0, flops_eff=1.0, eager_layer_s=0.0, compile_s=0.0, disk=0.5e9, start_s=10.0,
+                        bw_eff=1.0, flops_eff=1.0, eager_layer_s=0.0, compile_s=0.0, record_s=0.0, disk=0.5e9, start_s=10.0,
                         quantize_other_s=5.0, slowdown=dict(SLOWDOWN_CPU), dequantizes=True, cuda=False, cpus=2),
 }

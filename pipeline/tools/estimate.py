@@ -39,13 +39,15 @@ import torch
 
 from pipeline.core.budget import fmt_s
 from pipeline.core.config import ConfigError, load_config
+from pipeline.decode.compiled import graph_groups
 from pipeline.latency.memory import cache_len, plan_grid
 from pipeline.latency.plan import batched_shapes, draft_label, speculative_shapes, why_not_screened
 from pipeline.gate.looks import plan as plan_looks
 from pipeline.latency.speculative import WARMUP_TOKENS
 from pipeline.quality.items import BENCHMARKS
 from pipeline.quality.calibration import DECODE_KV_TOKENS
-from pipeline.tools.cost_devices import BUILTIN_CALIBRATION_TOKENS, DEVICES, Device, gptq_scale
+from pipeline.tools.cost_devices import (BUILTIN_CALIBRATION_TOKENS, DEVICES, DYNAMIC_COMPILE_FACTOR, Device,
+                                        gptq_scale)
 from pipeline.tools.cost_model import (ACCEPTANCE_RATE, CHARS_PER_TOKEN, SCREEN_PROBE_S, SCREEN_RATE_MARGIN, SHAPES,
                                        Cost, Stage, prompt_lengths)
 
@@ -139,6 +141,15 @@ def _screened_note(target: str, spec: str, where: str, bound: float) -> str:
             f"guessed acceptance rate + {SCREEN_RATE_MARGIN:g}); the stage decides on acceptance's measured CI")
 
 
+def _compiles(shapes, lat, d) -> tuple[int, float]:
+    """(graphs, seconds) a session spends compiling `shapes`: a graph each, or one per width group
+    with dynamic widths (pipeline/decode/compiled.py), whose other widths only record a CUDA graph."""
+    groups = graph_groups(shapes, lat.compile_dynamic_width).values()
+    seconds = sum(d.compile_s if len(g) == 1 else DYNAMIC_COMPILE_FACTOR * d.compile_s + (len(g) - 1) * d.record_s
+                  for g in groups)
+    return len(groups), seconds
+
+
 def latency(c: Cost) -> Stage:
     st, lat, cfg, d = Stage("latency"), c.cfg.latency, c.cfg, c.dev
     k_max = lat.k_max or cfg.acceptance.k_max
@@ -167,11 +178,11 @@ def latency(c: Cost) -> Stage:
     lens = {b: cache_len(row_len, max(lat.new_tokens, lat.closed_loop_tokens)) for b in sizes + loops}
     for target in cfg.acceptance.targets or [cfg.quantize.reference]:
         labels = [draft_label(s) for s in cfg.drafts if not s.startswith("ngram")]
-        graphs = len(speculative_shapes(cache_len(max(spec_lengths), lat.new_tokens), k_max, labels)) if compiled else 0
-        st.add(f"{target}: B = 1 pairs: load, compile {graphs} graphs", c.load(target) + graphs * d.compile_s)
-        graphs = len(batched_shapes(lens, k_max, [])) if compiled else 0
-        st.add(f"{target}: batched pairs: load, compile the target's {graphs} graphs",
-               c.load(target) + graphs * d.compile_s)
+        graphs, secs = (_compiles(speculative_shapes(cache_len(max(spec_lengths), lat.new_tokens), k_max, labels),
+                                  lat, d) if compiled else (0, 0.0))
+        st.add(f"{target}: B = 1 pairs: load, compile {graphs} graphs", c.load(target) + secs)
+        graphs, secs = _compiles(batched_shapes(lens, k_max, []), lat, d) if compiled else (0, 0.0)
+        st.add(f"{target}: batched pairs: load, compile the target's {graphs} graphs", c.load(target) + secs)
         # The stage's own rule (an inductor run is not screened, on any device); only the device's kind is read.
         screening = why_not_screened(lat, torch.device("cuda" if d.cuda else "cpu")) is None
         for spec in cfg.drafts:
@@ -199,7 +210,10 @@ def latency(c: Cost) -> Stage:
             # The batched phase's session is the target's (pipeline/stages/latency.py): its graphs
             # compile with the first pair, each draft's own widths with its pair.
             labels = [] if spec.startswith("ngram") else [draft_label(spec)]
-            graphs = len(batched_shapes(lens, k_max, labels)) - len(batched_shapes(lens, k_max, [])) if compiled else 0
+            graphs, secs = (0, 0.0)
+            if compiled:
+                (g1, s1), (g0, s0) = (_compiles(batched_shapes(lens, k_max, x), lat, d) for x in (labels, []))
+                graphs, secs = g1 - g0, s1 - s0
             bound = max(c.screen_bound(target, spec, b, row_len + lat.new_tokens / 2, ks)
                         for b in sizes) if screened else None
             if bound is not None and bound < 1:
@@ -220,7 +234,7 @@ def latency(c: Cost) -> Stage:
             # the waves over the repeats and checks the budget only for those left after the last repeat).
             first_waves = len(range(0, lat.closed_loop_waves, lat.repeats))
             st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + 1 repeat, {first_waves} "
-                   f"closed-loop wave(s)", probe + graphs * d.compile_s + lat.warmup * cells(warm_new) + cell
+                   f"closed-loop wave(s)", probe + secs + lat.warmup * cells(warm_new) + cell
                    + first_waves * wave)
             st.add(f"{target} + {spec}: batched: repeats 2-{lat.repeats}, the other closed-loop waves",
                    (lat.repeats - 1) * cell + (lat.closed_loop_waves - first_waves) * wave, floor=False)
@@ -357,7 +371,8 @@ def estimate(cfg, shape: str, device: Device) -> dict:
             "budget_minutes": b.minutes, "shares": dict(b.shares) if b.minutes else None,
             "constants": {"bandwidth_Bps": d.bandwidth, "flops": d.flops, "source": d.source,
                           "bandwidth_eff": d.bw_eff, "flops_eff": d.flops_eff, "eager_layer_s": d.eager_layer_s,
-                          "compile_s_per_graph": d.compile_s, "disk_Bps": d.disk, "slowdown": d.slowdown,
+                          "compile_s_per_graph": d.compile_s, "cuda_graph_record_s": d.record_s,
+                          "dynamic_compile_factor": DYNAMIC_COMPILE_FACTOR, "disk_Bps": d.disk, "slowdown": d.slowdown,
                           "acceptance_rate": ACCEPTANCE_RATE, "chars_per_token": CHARS_PER_TOKEN},
             "stages": rows,
             "total": {key: round(sum(r[key] for r in rows), 1) for key in ("exhaustive_s", "floor_s", "budgeted_s")}}

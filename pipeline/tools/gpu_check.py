@@ -126,6 +126,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="auto: inductor + CUDA graphs on CUDA, eager on CPU (a check of the machinery)")
     p.add_argument("--fullgraph", choices=["on", "off"], default="on",
                    help="off: let dynamo split a step at graph breaks (each piece still counted and recorded)")
+    p.add_argument("--dynamic-width", choices=["on", "off"], default="on",
+                   help="one graph for the verify widths (the latency stage's default) or one per width")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size (default 1024 CUDA, 256 CPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -234,7 +234,8 @@ def compile_part(check, model, draft, cells, args, gbps, reference) -> None:
     length = cache_len(args.context, args.new_tokens)
     before = int(counters["stats"]["unique_graphs"])
     session = CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None,
-                             fullgraph=args.fullgraph == "on")
+                             fullgraph=args.fullgraph == "on",
+                             dynamic_width=getattr(args, "dynamic_width", "on") == "on")
     try:
         session.attach(model, "target")
         session.attach(draft.model, "draft")
