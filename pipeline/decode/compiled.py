@@ -192,7 +192,10 @@ class CompileSession:
         step of the shape's width), so no compile lands in a timed run, including shapes a warm-up
         run may not reach (a draft's 2-token catch-up comes only after a fully accepted round).
         The cache stays pooled for the run, so CUDA graphs see the addresses they recorded.
-        Returns how many shapes it compiled."""
+        Each shape runs twice, at the same position: inductor's CUDA graph trees run a new graph
+        (and, with dynamic widths, each new width) once as a warm-up in their memory pool and
+        record it on the next call, so a single call here would leave the recording to the first
+        timed run. Returns how many shapes it compiled."""
         hf = hf_model(model)
         label = attached_session(hf)[1]
         pool = self.expected if shapes is None else set(shapes) & self.expected
@@ -202,7 +205,9 @@ class CompileSession:
                 cached = CachedModel(hf, batch, length, slot=slot, exact=True)
                 device = cached.device
                 cached.prefill(torch.zeros(batch, 1, dtype=torch.long, device=device))
-                cached.forward(torch.zeros(batch, width, dtype=torch.long, device=device), all_logits)
+                for _ in range(2):  # compile (+ CUDA graph warm-up), then the CUDA graph's recording
+                    cached.rollback(1)
+                    cached.forward(torch.zeros(batch, width, dtype=torch.long, device=device), all_logits)
         return len(todo)
 
     def run(self, label: str, cached, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool):
