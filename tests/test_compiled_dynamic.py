@@ -31,7 +31,7 @@ def test_graph_groups_count_one_graph_per_width_group():
               + step_shapes("draft", 1, 64, [1, 2]) + step_shapes("target", 4, 96, range(2, 10), all_logits=True))
     assert len(graph_groups(shapes, False)) == len(shapes) == 1 + 8 + 2 + 8
     groups = graph_groups(shapes, True)
-    # decode step, one verify group per (batch, cache), the draft's step and its catch-up width 2
+    # decode step, verify group at B = 1, the draft's step and its catch-up width 2, verify group at B = 4
     assert len(groups) == 1 + 1 + 2 + 1
     assert sorted(len(g) for g in groups.values()) == [1, 1, 1, 8, 8]
 
@@ -53,15 +53,19 @@ def test_verify_widths_share_one_graph_and_greedy_output_is_unchanged(model, tin
         session.attach(model, "target")
         session.expect(expected)
         assert session.max_graphs == 3
+        assert session.new_graphs(verify) == 1 and session.new_graphs(expected) == 3  # before any compile
         assert session.warm(model) == len(expected)  # every width run before the timed runs
         # twice each: on CUDA the first call is the CUDA graph's warm-up, the second its recording
         assert all(r.calls == r.compiled_calls == 2 for r in session.shapes.values())
+        assert session.new_graphs(expected) == 0  # every group made: planning charges no more compiles
+        assert all(r.record_s > 0 for r in session.shapes.values())  # the second call, timed
         assert sum(compiles.values()) == 3  # decode step, catch-up, one verify graph for widths 2..k+1
         assert generate(model, ids, NEW, draft=self_draft, k=k, cache_len=length).tokens == plain
         assert generate(model, ids, NEW, cache_len=length).tokens == plain
         rec = session.record()
     assert sum(compiles.values()) == 3  # the runs compiled nothing more
     assert rec["dynamic"] == "width" and rec["planned_graphs"] == 3 and rec["planned_shapes"] == len(expected)
+    assert rec["dynamic_graphs"] == 1 and rec["record_s"] > 0
     assert rec["graphs_compiled"] == 3 and rec["recompiles"] == 0 and rec["eager_shapes"] == 0
     shapes = {(s["width"], s["all_logits"]): s for s in rec["shapes"]}
     assert shapes[(1, False)]["dynamic_width"] is False and shapes[(1, False)]["graphs"] == 1
@@ -88,4 +92,4 @@ def test_static_widths_compile_a_graph_each(model, tiny_tokenizer):
         session.warm(model)
         rec = session.record()
     assert sum(compiles.values()) == 4 == rec["graphs_compiled"] == rec["planned_graphs"]
-    assert rec["dynamic"] is False
+    assert rec["dynamic"] is False and rec["dynamic_graphs"] == 0

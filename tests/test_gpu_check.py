@@ -96,6 +96,7 @@ def test_the_compile_record_is_the_truth(gpu_check):
     rec = gpu_check[0]["parts"]["compile"]
     # dynamic widths (the default) with one verify width planned: a static graph, as before
     assert rec["backend"] == "eager" and rec["fullgraph"] and rec["dynamic"] == "width"
+    assert rec["dynamic_graphs"] == 0
     # Planned: the two plain cells' decode steps, the verify at k = 2, the draft's widths 1 and 2.
     assert rec["planned_graphs"] == rec["graphs_compiled"] == 5 and rec["recompiles"] == 0
     assert rec["dynamo_graph_counter"] == 5 and rec["record_agrees_with_dynamo_counter"]

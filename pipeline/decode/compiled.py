@@ -28,7 +28,8 @@ Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every HF 
 shape shares one code object, so the 9th shape used to run eagerly while the meta said compiled;
 and a graph break without fullgraph runs pieces eagerly. Here fullgraph=True makes a graph break
 an error, `fail_on_recompile_limit_hit` makes the limit an error, the limit is raised to the
-planned number of graphs, and `suppress_errors` is off. A shape whose compile raises runs eagerly
+number of planned shapes + 1 (never below it, even where widths share graphs), and
+`suppress_errors` is off. A shape whose compile raises runs eagerly
 and says why; a shape past the planned number is not compiled and says so. Graphs are counted
 from dynamo's own counter (torch._dynamo.utils.counters["stats"]["unique_graphs"]), so a guard
 failure that recompiles an existing shape shows up as a recompile.
@@ -93,6 +94,7 @@ class ShapeRecord:
     # Traced with a symbolic width (CompileSession dynamic_width): the first width of its group to
     # run makes the group's graph (graphs 1), the others reuse it (graphs 0).
     dynamic_width: bool = False
+    record_s: float = 0.0  # warm's second call (on CUDA: recording the shape's CUDA graph)
 
 
 class CompileSession:
@@ -168,6 +170,13 @@ class CompileSession:
         """The graphs the plan needs: one per expected shape, or per width group (dynamic_width)."""
         return len(graph_groups(self.expected, self.dynamic_width))
 
+    def new_graphs(self, shapes) -> int:
+        """How many graphs running `shapes` would compile now: their width groups of which no
+        shape has run compiled yet (a planning figure; a shape outside the plan compiles none)."""
+        made = {graph_key(k, self.dynamic_width) for k, r in self.shapes.items() if r.ran == "compiled"}
+        todo = {graph_key(k, self.dynamic_width) for k in shapes if k in self.expected}
+        return len(todo - made)
+
     def _shares_graph(self, key: tuple) -> bool:
         """Whether `key` is planned in a width group of two or more shapes (one symbolic graph)."""
         if key not in self.expected:
@@ -188,14 +197,15 @@ class CompileSession:
 
     def warm(self, model, slot: str = "target", shapes=None) -> int:
         """Compile `model`'s expected shapes (or those of `shapes`) now, each on the pooled cache
-        of `slot` that the real runs will use (exact length: an eager one-token prefill, then one
-        step of the shape's width), so no compile lands in a timed run, including shapes a warm-up
+        of `slot` that the real runs will use (exact length: an eager one-token prefill, then
+        steps of the shape's width), so no compile lands in a timed run, including shapes a warm-up
         run may not reach (a draft's 2-token catch-up comes only after a fully accepted round).
         The cache stays pooled for the run, so CUDA graphs see the addresses they recorded.
         Each shape runs twice, at the same position: inductor's CUDA graph trees run a new graph
         (and, with dynamic widths, each new width) once as a warm-up in their memory pool and
         record it on the next call, so a single call here would leave the recording to the first
-        timed run. Returns how many shapes it compiled."""
+        timed run; the second call's time is the shape's `record_s`. Returns how many shapes it
+        ran (graphs made: graphs_compiled() before and after)."""
         hf = hf_model(model)
         label = attached_session(hf)[1]
         pool = self.expected if shapes is None else set(shapes) & self.expected
@@ -205,9 +215,16 @@ class CompileSession:
                 cached = CachedModel(hf, batch, length, slot=slot, exact=True)
                 device = cached.device
                 cached.prefill(torch.zeros(batch, 1, dtype=torch.long, device=device))
-                for _ in range(2):  # compile (+ CUDA graph warm-up), then the CUDA graph's recording
-                    cached.rollback(1)
-                    cached.forward(torch.zeros(batch, width, dtype=torch.long, device=device), all_logits)
+                tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+                cached.forward(tokens, all_logits)  # compile (+ the CUDA graph's warm-up run)
+                cached.rollback(1)
+                t0 = time.perf_counter()
+                cached.forward(tokens, all_logits)  # the CUDA graph's recording
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                rec = self.shapes.get((label, batch, width, cached.max_len, all_logits))
+                if rec is not None and rec.ran == "compiled":
+                    rec.record_s = time.perf_counter() - t0
         return len(todo)
 
     def run(self, label: str, cached, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool):
@@ -288,12 +305,17 @@ class CompileSession:
                 "backend": self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__",
                                                                                     repr(self.backend)),
                 "mode": self.mode, "dynamic": "width" if self.dynamic_width else False,
+                # width groups of two or more planned shapes: the graphs really traced with a
+                # symbolic width (0: every graph static, whatever `dynamic` allows)
+                "dynamic_graphs": sum(1 for g in graph_groups(self.expected, self.dynamic_width).values()
+                                      if len(g) > 1),
                 "fullgraph": self.fullgraph, "planned_shapes": len(self.expected),
                 "planned_graphs": self.max_graphs, "graphs_compiled": self.graphs_compiled(),
                 "recompiles": sum(r.recompiles for r in self.shapes.values()),
                 "eager_shapes": len(eager), "compiled_shapes": len(compiled),
                 "cudagraph_skipped_shapes": sum(1 for r in self.shapes.values() if r.cudagraph_skips),
                 "compile_s": round(sum(r.compile_s for r in self.shapes.values()), 3),
+                "record_s": round(sum(r.record_s for r in self.shapes.values()), 3),
                 "dynamo_settings": dict(self.settings), "torch": torch.__version__, "shapes": shapes}
 
 

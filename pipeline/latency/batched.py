@@ -48,7 +48,8 @@ a batch size B uses one static cache of exactly L_B positions (`cache_len`: the 
 cells' and its closed-loop waves' prompt + new tokens + 1), so with latency.compile the stage's
 CompileSession (pipeline/decode/compiled.py) is given every shape these runs make before any
 timing, per B: the target's decode step and verify widths 2..k_max+1 and a model draft's widths
-1 and 2 (pipeline/latency/plan.py batched_shapes: at most k_max + 3 graphs per B), and compiles
+1 and 2 (pipeline/latency/plan.py batched_shapes: at most k_max + 3 shapes per B, in 2 graphs for the
+target and 2 per model draft with latency.compile_dynamic_width), and compiles
 them (CompileSession.warm). Each cell and each closed-loop mode records what its own runs really
 ran, from the session's per-shape record (`run_mode`: compiled, eager or mixed, with every eager
 shape and why; pipeline/latency/modes.py), and each speedup says whether its plain and
@@ -309,9 +310,12 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
     if session is not None:
         labels = [draft_label(draft_spec)] if has_model else []
         session.expect(batched_shapes(lens, max(ks), labels))
-        made = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
-        progress(f"latency: {target} + {draft_spec}: batched: compiled {made} step graphs"
-                 + (f" ({len(session.shapes)} in the target's session)" if len(session.shapes) > made else ""))
+        before = session.graphs_compiled()
+        ran = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
+        made = session.graphs_compiled() - before  # graphs this pair added to the target's session
+        progress(f"latency: {target} + {draft_spec}: batched: compiled {made} graphs for {ran} step shapes"
+                 + (f" ({session.graphs_compiled()} graphs in the target's session)"
+                    if session.graphs_compiled() > made else ""))
     run = {"session": session, "cache_lens": lens}
     # Warm-up (untimed): every step shape of a repeat once, on WARMUP_TOKENS new tokens instead of
     # new_tokens (the shapes are the same; pipeline/latency/speculative.py: WARMUP_UNIT).

@@ -14,7 +14,8 @@ budget is measured (pipeline.latency.memory.device_budget) after the weights are
 already excludes them; `estimated_weight_bytes` gives a variant's weights from its scheme without
 loading it, for planning a config against a card without one.
 
-Graphs a compiled run needs (one per shape, pipeline/decode/compiled.py): one decode-step graph per
+Shapes a compiled run needs (a graph each, or one per width group with latency.compile_dynamic_width:
+pipeline/decode/compiled.py): one decode-step graph per
 plain cell; for the speculative phase the target's decode step and its verify widths 2..k_max+1,
 and each model draft's widths 1 and 2 (a step, and the catch-up after a round accepted in full).
 The batched part (pipeline/latency/batched.py) runs every batch size B on one cache length L_B
@@ -24,7 +25,8 @@ model draft's widths 1 and 2: at most k_max + 3 shapes per B, |B| x (k_max + 3) 
 timing. With latency.compile_dynamic_width (the default) the verify widths of one B share one graph
 (a symbolic width), so a B costs 2 graphs for the target and 2 per model draft, whatever k_max.
 They are compiled before the timed runs (CompileSession.warm), never inside them; warm runs every
-width once, so each width's CUDA graph is recorded there too.
+width twice (CUDA graph trees warm a new graph up on its first call and record it on the second),
+so each width's CUDA graph is recorded there too.
 """
 from __future__ import annotations
 

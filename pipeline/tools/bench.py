@@ -142,7 +142,9 @@ def engine_session(plan: dict, model, shapes: list, draft_model=None):
         return None, 0.0
     from pipeline.decode.compiled import CompileSession
 
-    session = CompileSession(backend=plan["backend"], mode=plan["engine_mode"])
+    # As the latency stage compiles (latency.compile_dynamic_width's default); at one k a verify
+    # width is alone in its group, so its graph is static either way.
+    session = CompileSession(backend=plan["backend"], mode=plan["engine_mode"], dynamic_width=True)
     session.attach(model, "target")
     if draft_model is not None:
         session.attach(draft_model, "draft")

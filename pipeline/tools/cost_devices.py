@@ -22,11 +22,14 @@ EAGER_LAYER_S = 0.6e-3
 # inductor cache's ~20 s and gpu_check's cautious 150 s for an 8B graph (not yet timed on a GPU here).
 COMPILE_S_PER_GRAPH = 45.0
 # A width that shares a dynamic-width graph (latency.compile_dynamic_width) compiles nothing; its CUDA
-# graph is recorded on its first call (a few eager-speed forwards). Assumed, not timed on a GPU here.
+# graph is warmed up and recorded by CompileSession.warm (its record's record_s). Assumed, not timed on
+# a GPU here.
 CUDA_GRAPH_RECORD_S = 2.0
 # A dynamic-width graph's compile against a static one's. Measured with inductor on this CPU (a 2-layer
 # Llama, fresh processes, inductor's caches off, 2026-12-03): widths 2..9 as one dynamic graph 14.2 s, as
-# eight static graphs 82.2 s (10.9-11.4 s each but the first), greedy tokens equal. Not timed on a GPU.
+# eight static graphs 82.2 s (10.9-11.4 s each but the first, 4.6 s, which came right after the static
+# width-2 catch-up graph of the same model). The base is the typical static graph (11 s). Greedy tokens
+# equal. Not timed on a GPU.
 DYNAMIC_COMPILE_FACTOR = 1.3
 DISK_BPS = 2.0e9  # assumed NVMe read or write, bytes/s
 START_S = 15.0  # assumed per stage process: imports, CUDA context

@@ -134,7 +134,7 @@ def plain_part(check, model, cells, args, gbps, session=None, label="plain", ref
     part = check.doc["parts"].setdefault(label, {"cells": []})
     for cell in cells:
         shapes = step_shapes("target", cell.batch, cell.cache_len, [1])
-        graphs = sum(1 for s in shapes if session is not None and s not in session.shapes)
+        graphs = session.new_graphs(shapes) if session is not None else 0
         steps = (1 + args.repeats) * args.new_tokens * max(1.0, cell.batch / 8)
         if not check.fits(f"{label} B={cell.batch}", steps * _step_s(check, device)
                           + graphs * _compile_s(check, device, session)):
@@ -183,7 +183,7 @@ def speculative_part(check, model, draft, args, reference, ks, session=None, lab
         if session is not None:
             shapes = (step_shapes("target", 1, length, [1]) + step_shapes("target", 1, length, [k + 1], True)
                       + step_shapes("draft", 1, length, [1, 2]))
-        graphs = sum(1 for s in shapes if s not in session.shapes) if session is not None else 0
+        graphs = session.new_graphs(shapes) if session is not None else 0
         steps = (1 + args.repeats) * args.new_tokens * (1 + k * args.draft_layers / model.config.num_hidden_layers)
         if not check.fits(f"{label} k={k}", steps * _step_s(check, device) + graphs * _compile_s(check, device,
                                                                                                     session)):
@@ -350,9 +350,12 @@ def render_markdown(doc: dict) -> str:
         why = sorted({s["reason"] for s in eager})
         skips = (f", CUDA graphs skipped on {rec['cudagraph_skipped_shapes']} shapes"
                  if rec.get("cudagraph_skipped_shapes") and rec.get("mode") else "")
+        per_graph = ", ".join(f"{x['compile_s']:.1f}" for x in rec["shapes"] if x["graphs"])
         lines.append(f"| compile record | {rec['backend']}{' ' + rec['mode'] if rec.get('mode') else ''} | | "
                      f"{rec['graphs_compiled']} of {rec['planned_graphs']} planned graphs, {rec['recompiles']} "
-                     f"recompiles, {rec['compile_s']:.0f} s{skips} | | {len(eager)} shapes eager"
+                     f"recompiles, {rec['compile_s']:.0f} s (per graph: {per_graph or '-'} s; "
+                     f"{rec.get('dynamic_graphs', 0)} with a symbolic width; CUDA graph recordings "
+                     f"{rec.get('record_s', 0.0):.1f} s){skips} | | {len(eager)} shapes eager"
                      f"{': ' + '; '.join(why) if why else ''}; dynamo counter agrees: "
                      f"{rec['record_agrees_with_dynamo_counter']} |")
     g32 = parts.get("greedy_float32")
