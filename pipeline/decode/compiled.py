@@ -227,6 +227,15 @@ class CompileSession:
                     rec.record_s = time.perf_counter() - t0
         return len(todo)
 
+    def warm_pair(self, model, draft_model=None, shapes=None) -> tuple[int, int]:
+        """warm() for a target (slot "target") and, if given, its draft model (slot "draft"):
+        returns (step shapes run, graphs this added to the session)."""
+        before = self.graphs_compiled()
+        ran = self.warm(model, "target", shapes)
+        if draft_model is not None:
+            ran += self.warm(draft_model, "draft", shapes)
+        return ran, self.graphs_compiled() - before
+
     def run(self, label: str, cached, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool):
         """One step of `cached` (a CachedModel whose cache an eager forward initialised):
         compiled when it can be, else eager; returns the logits and records which it was."""

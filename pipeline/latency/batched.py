@@ -310,9 +310,7 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
     if session is not None:
         labels = [draft_label(draft_spec)] if has_model else []
         session.expect(batched_shapes(lens, max(ks), labels))
-        before = session.graphs_compiled()
-        ran = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
-        made = session.graphs_compiled() - before  # graphs this pair added to the target's session
+        ran, made = session.warm_pair(model, draft.model if labels else None)  # made: this pair's graphs
         progress(f"latency: {target} + {draft_spec}: batched: compiled {made} graphs for {ran} step shapes"
                  + (f" ({session.graphs_compiled()} graphs in the target's session)"
                     if session.graphs_compiled() > made else ""))

@@ -366,10 +366,8 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     if session is not None:
         labels = [draft_label(draft_spec)] if has_model else []
         session.expect(speculative_shapes(length, max(ks), labels))
-        before = session.graphs_compiled()
-        ran = session.warm(model) + (session.warm(draft.model, slot="draft") if labels else 0)
-        progress(f"latency: {target} + {draft_spec}: compiled {session.graphs_compiled() - before} graphs "
-                 f"for {ran} step shapes")
+        ran, made = session.warm_pair(model, draft.model if labels else None)
+        progress(f"latency: {target} + {draft_spec}: compiled {made} graphs for {ran} step shapes")
     warm = warm_up(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed, length,
                    lat.warmup)
     reps = []

@@ -150,9 +150,7 @@ def engine_session(plan: dict, model, shapes: list, draft_model=None):
         session.attach(draft_model, "draft")
     session.expect(shapes)
     t0 = time.perf_counter()
-    session.warm(model, "target")
-    if draft_model is not None:
-        session.warm(draft_model, "draft")
+    session.warm_pair(model, draft_model)
     return session, time.perf_counter() - t0
 
 

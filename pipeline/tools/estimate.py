@@ -181,8 +181,9 @@ def latency(c: Cost) -> Stage:
         graphs, secs = (_compiles(speculative_shapes(cache_len(max(spec_lengths), lat.new_tokens), k_max, labels),
                                   lat, d) if compiled else (0, 0.0))
         st.add(f"{target}: B = 1 pairs: load, compile {graphs} graphs", c.load(target) + secs)
-        graphs, secs = _compiles(batched_shapes(lens, k_max, []), lat, d) if compiled else (0, 0.0)
-        st.add(f"{target}: batched pairs: load, compile the target's {graphs} graphs", c.load(target) + secs)
+        target_graphs = _compiles(batched_shapes(lens, k_max, []), lat, d) if compiled else (0, 0.0)
+        st.add(f"{target}: batched pairs: load, compile the target's {target_graphs[0]} graphs",
+               c.load(target) + target_graphs[1])
         # The stage's own rule (an inductor run is not screened, on any device); only the device's kind is read.
         screening = why_not_screened(lat, torch.device("cuda" if d.cuda else "cpu")) is None
         for spec in cfg.drafts:
@@ -211,9 +212,9 @@ def latency(c: Cost) -> Stage:
             # compile with the first pair, each draft's own widths with its pair.
             labels = [] if spec.startswith("ngram") else [draft_label(spec)]
             graphs, secs = (0, 0.0)
-            if compiled:
-                (g1, s1), (g0, s0) = (_compiles(batched_shapes(lens, k_max, x), lat, d) for x in (labels, []))
-                graphs, secs = g1 - g0, s1 - s0
+            if compiled:  # the draft's own graphs: the pair's session less the target's
+                g1, s1 = _compiles(batched_shapes(lens, k_max, labels), lat, d)
+                graphs, secs = g1 - target_graphs[0], s1 - target_graphs[1]
             bound = max(c.screen_bound(target, spec, b, row_len + lat.new_tokens / 2, ks)
                         for b in sizes) if screened else None
             if bound is not None and bound < 1:

@@ -192,8 +192,7 @@ def speculative_part(check, model, draft, args, reference, ks, session=None, lab
             reference = generate(model, ids, args.new_tokens, cache_len=length).tokens
         t0 = time.perf_counter()
         if session is not None:
-            session.warm(model, shapes=shapes)
-            session.warm(draft.model, slot="draft", shapes=shapes)
+            session.warm_pair(model, draft.model, shapes)
         warm_tokens = args.new_tokens if session is not None else min(args.new_tokens, 2 * k + 4)
         generate(model, ids, warm_tokens, draft=draft, k=k, cache_len=length)
         warm_s = time.perf_counter() - t0
@@ -235,7 +234,7 @@ def compile_part(check, model, draft, cells, args, gbps, reference) -> None:
     before = int(counters["stats"]["unique_graphs"])
     session = CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None,
                              fullgraph=args.fullgraph == "on",
-                             dynamic_width=getattr(args, "dynamic_width", "on") == "on")
+                             dynamic_width=args.dynamic_width == "on")
     try:
         session.attach(model, "target")
         session.attach(draft.model, "draft")
