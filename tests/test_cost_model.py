@@ -202,20 +202,22 @@ def test_latency_floor_holds_each_pairs_first_repeat_and_every_compile():
     shortest, new = min(lengths), min(lat.new_tokens, 8)
     warm = lat.warmup * temps * (c.generate("bf16", 1, shortest, new, eager=False)
                                  + sum(c.speculate("bf16", "ngram", 1, shortest, new, k, False) for k in ks))
-    first, later = parts["bf16 + ngram: B = 1 warm-up + 1 repeat"], parts["bf16 + ngram: B = 1 repeats 2-10"]
+    # The floor: the warm-up and the two repeats a k is recommended from (MIN_TIMING_REPEATS).
+    first, later = parts["bf16 + ngram: B = 1 warm-up + 2 repeats"], parts["bf16 + ngram: B = 1 repeats 3-10"]
     assert first[1] and not later[1]
-    assert first[0] == pytest.approx(warm + one, rel=1e-9)  # prompt lookup: no probe
-    assert later[0] == pytest.approx((lat.repeats - 1) * one, rel=1e-9)
+    assert first[0] == pytest.approx(warm + 2 * one, rel=1e-9)  # prompt lookup: no probe
+    assert later[0] == pytest.approx((lat.repeats - 2) * one, rel=1e-9)
     # Every compile is in the floor: grids, the B = 1 session and the batched session.
     compile_parts = [w for w in parts if "compile" in w and "compile 0 graphs" not in w]
     assert compile_parts and all(parts[w][1] for w in compile_parts)
 
 
-def test_batched_floor_holds_the_waves_that_come_with_the_first_repeat():
-    """pipeline/latency/batched.py runs closed-loop waves 0, R, 2R, ... right after repeat 0 (R =
-    latency.repeats), unchecked by the budget; the rest follow later repeats or the budget. On the
-    default config (R = 5, 6 waves) that is 2 waves per B in the floor and 4 outside it (exact sums,
-    1e-9 relative; the CPU runs eagerly and compiles nothing)."""
+def test_batched_floor_holds_the_waves_that_come_with_the_first_two_repeats():
+    """pipeline/latency/batched.py runs closed-loop waves r, r + R, ... right after repeat r (R =
+    latency.repeats); repeats 0 and 1 (MIN_TIMING_REPEATS) run whatever the budget, so their waves
+    do; the rest follow later repeats or the budget. On the default config (R = 5, 6 waves) that is
+    3 waves per B in the floor (0, 5, 1) and 3 outside it (exact sums, 1e-9 relative; the CPU runs
+    eagerly and compiles nothing)."""
     cfg = load_config(DEFAULT)
     c = cm.Cost(cfg, "smollm2-135m", DEVICES["cpu-2core"])
     lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
@@ -229,11 +231,11 @@ def test_batched_floor_holds_the_waves_that_come_with_the_first_repeat():
     t = lat.closed_loop_tokens
     wave = sum(c.generate("bf16", b, row, t) + min(c.speculate("bf16", "ngram", b, row, t, k) for k in ks)
                for b in loops)
-    assert len(range(0, lat.closed_loop_waves, lat.repeats)) == 2
-    first = parts["bf16 + ngram: batched: compile 0 graphs, warm-up + 1 repeat, 2 closed-loop wave(s)"]
-    rest = parts["bf16 + ngram: batched: repeats 2-5, the other closed-loop waves"]
-    assert first == (pytest.approx(lat.warmup * cells(new) + cells(lat.new_tokens) + 2 * wave, rel=1e-9), True)
-    assert rest == (pytest.approx(4 * cells(lat.new_tokens) + 4 * wave, rel=1e-9), False)
+    assert (lat.repeats, lat.closed_loop_waves) == (5, 6)
+    first = parts["bf16 + ngram: batched: compile 0 graphs, warm-up + 2 repeats, 3 closed-loop wave(s)"]
+    rest = parts["bf16 + ngram: batched: repeats 3-5, the other closed-loop waves"]
+    assert first == (pytest.approx(lat.warmup * cells(new) + 2 * cells(lat.new_tokens) + 3 * wave, rel=1e-9), True)
+    assert rest == (pytest.approx(3 * cells(lat.new_tokens) + 3 * wave, rel=1e-9), False)
 
 
 def test_batched_target_graphs_compile_once_per_target():

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.core.budget import StageBudget
 from pipeline.core.config import Config
-from pipeline.latency.speculative import Repeats, carrying, check_repeats, settle_widths
+from pipeline.latency.speculative import MIN_TIMING_REPEATS, Repeats, carrying, check_repeats, settle_widths
 
 CPU = torch.device("cpu")
 
@@ -121,6 +121,18 @@ def test_a_spent_budget_stops_after_one_repeat_and_says_so():
         loop.finished()
     assert n == 1 and loop.to_json()["stopped"] == "budget"
     assert budget.skipped[0]["what"] == "pair: repeats 2-5" and budget.skipped[0]["why"].startswith("budget: 0 s left")
+    # A timed pair's floor (MIN_TIMING_REPEATS, what a k is recommended from): the budget stops it
+    # only after that many, and never above latency.repeats.
+    budget = _spent_budget()
+    loop = Repeats(_lat(repeats=5), "pair", budget, verbose=False, floor=MIN_TIMING_REPEATS)
+    while loop.next():
+        loop.finished()
+    assert loop.done == MIN_TIMING_REPEATS == 2 and loop.to_json()["stopped"] == "budget"
+    assert loop.to_json()["budget_floor"] == 2 and budget.skipped[0]["what"] == "pair: repeats 3-5"
+    loop = Repeats(_lat(repeats=1), "pair", _spent_budget(), verbose=False, floor=MIN_TIMING_REPEATS)
+    while loop.next():
+        loop.finished()
+    assert loop.done == 1 and loop.stopped == "max" and loop.to_json()["budget_floor"] == 1
     # No budget (None) or an inactive one: every repeat.
     for b in (None, StageBudget(Config.model_validate({}), "latency")):
         loop = Repeats(_lat(repeats=3, settle=False), "pair", b, verbose=False)
@@ -229,12 +241,14 @@ def test_speculative_pair_settles_at_min_repeats_or_does_every_repeat(tiny_model
     assert all(len(r["ms_per_token"]["samples"]) == 4 for r in off["rows"])
 
 
-def test_speculative_pair_on_a_spent_budget_does_one_repeat(tiny_model, tiny_tokenizer):
+def test_speculative_pair_on_a_spent_budget_does_the_repeats_a_k_needs(tiny_model, tiny_tokenizer):
+    """A spent budget still leaves a timed pair MIN_TIMING_REPEATS repeats: the marginal report
+    recommends no k from fewer, so one repeat would be time spent on nothing it may use."""
     budget = _spent_budget()
-    out = _pair(tiny_model, tiny_tokenizer, _lat(new_tokens=7), budget=budget)
-    assert out["repeats_done"] == 1 and out["stopped"] == "budget"
-    assert len(out["plain_ms_per_token"]["samples"]) == 1
-    assert budget.skipped == [{"what": "tiny + self:tiny: repeats 2-4", "why": budget.skipped[0]["why"],
+    out = _pair(tiny_model, tiny_tokenizer, _lat(new_tokens=7, settle=False), budget=budget)
+    assert out["repeats_done"] == MIN_TIMING_REPEATS == 2 and out["stopped"] == "budget"
+    assert len(out["plain_ms_per_token"]["samples"]) == 2
+    assert budget.skipped == [{"what": "tiny + self:tiny: repeats 3-4", "why": budget.skipped[0]["why"],
                                "at_s": budget.skipped[0]["at_s"]}]
 
 
@@ -280,10 +294,11 @@ def test_batched_pair_settles_and_still_runs_every_wave(tiny_tokenizer, monkeypa
     assert loop["waves"] == loop["waves_asked"] == 3
     assert sorted(w["wave"] for w in loop["plain"]["waves"]) == [0, 1, 2]
     budget = _spent_budget()
+    lat.settle = False  # so that only the budget stops it
     spent = batched.batched_pair("tiny", "layerskip:1", model, draft, tiny_tokenizer, [1], lat, CPU, 0.95, 0,
                                  budget=budget)
-    assert spent["repeats_done"] == 1 and spent["stopped"] == "budget"
-    assert spent["closed_loop"][0]["waves"] == 1 and spent["closed_loop"][0]["waves_asked"] == 3
+    # A spent budget: the two repeats a k needs, with their waves (0 and 1); wave 3 is skipped.
+    assert spent["repeats_done"] == 2 and spent["stopped"] == "budget"
+    assert spent["closed_loop"][0]["waves"] == 2 and spent["closed_loop"][0]["waves_asked"] == 3
     assert [s["what"] for s in budget.skipped] == [
-        "tiny + layerskip:1: B = 2: repeats 2-3", "tiny + layerskip:1: closed-loop B=2 wave 2/3",
-        "tiny + layerskip:1: closed-loop B=2 wave 3/3"]
+        "tiny + layerskip:1: B = 2: repeats 3-3", "tiny + layerskip:1: closed-loop B=2 wave 3/3"]

@@ -71,7 +71,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.memory import cache_len
 from pipeline.latency.modes import calls_before, compare, merge_ran, run_mode, steps_ran
 from pipeline.latency.plan import batched_shapes, draft_label, why_not_compiled
-from pipeline.latency.speculative import WARMUP_TOKENS, Repeats, round_time_block, settle_widths
+from pipeline.latency.speculative import MIN_TIMING_REPEATS, WARMUP_TOKENS, Repeats, round_time_block, settle_widths
 from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 from pipeline.stats.intervals import median_ci
 
@@ -340,7 +340,7 @@ def batched_pair(target: str, draft_spec: str, model, draft, tokenizer, ks: list
                 wave_s.append(time.perf_counter() - t0)
 
     loop = Repeats(lat, f"{target} + {draft_spec}: B = {', '.join(map(str, batch_sizes))}", budget,
-                   confidence=confidence, seed=seed)
+                   confidence=confidence, seed=seed, floor=MIN_TIMING_REPEATS)
     while loop.next():
         r = loop.done
         reps.append(batched_repeat(model, draft, prompts, ks, lat.new_tokens, **run))

@@ -135,12 +135,22 @@ def settle_widths(plain, by_d: dict, counts_by_k: dict, confidence: float, seed:
     return out
 
 
+# The fewest timing repeats a k is recommended from (pipeline/serving/marginal.py, batch_k.py): a
+# speedup CI from one repeat has no timing spread in it. On 2026-12-02 a smoke run's one repeat of
+# prompt lookup, its plain runs slowed by another process, gave 1.56 [1.39, 1.93]; the same pair on
+# the quiet machine gave 0.99 [0.88, 1.23] (README: "What a run costs"). So a timed pair's loop is
+# never stopped by the budget before this many repeats (Repeats' `floor`): one repeat would be time
+# spent on a figure no recommendation may use.
+MIN_TIMING_REPEATS = 2
+
+
 class Repeats:
     """One cell's (or pair's) repeat loop: up to latency.repeats; SETTLE_RULE after each repeat from
     latency.min_repeats on when latency.settle; and, with a `budget` (pipeline.core.budget.StageBudget),
     no further repeat once the budget cannot afford one at the mean repeat time so far (after at
-    least one), recorded with budget.skip. Without a budget and with settle off (or a `lat` that
-    has no settle key) it does exactly latency.repeats.
+    least `floor` of them: 1 for a plain grid cell, MIN_TIMING_REPEATS for a timed pair, whose k
+    is recommended from that many on), recorded with budget.skip. Without a budget and with settle
+    off (or a `lat` that has no settle key) it does exactly latency.repeats.
 
         loop = Repeats(lat, "bf16 + ngram", budget, confidence=0.95, seed=0)
         while loop.next():
@@ -150,8 +160,9 @@ class Repeats:
     """
 
     def __init__(self, lat, what: str, budget=None, *, confidence: float = 0.95, seed: int = 0,
-                 verbose: bool | None = True, clock=time.perf_counter):
+                 verbose: bool | None = True, clock=time.perf_counter, floor: int = 1):
         self.max = int(lat.repeats)
+        self.floor = min(max(int(floor), 1), self.max)  # repeats the budget cannot stop
         self.settle = bool(getattr(lat, "settle", False))
         self.min = max(int(getattr(lat, "min_repeats", self.max)), 1)
         self.rel = float(getattr(lat, "settle_rel", 0.05))
@@ -185,7 +196,7 @@ class Repeats:
         if self.done >= self.max:
             self.stopped = "max"
             return False
-        if self.done and self.budget is not None and not self.budget.affords(self.mean_s()):
+        if self.done >= self.floor and self.budget is not None and not self.budget.affords(self.mean_s()):
             self.stopped = "budget"
             self.budget.skip(f"{self.what}: repeats {self.done + 1}-{self.max}",
                              f"budget: {fmt_s(max(self.budget.left(), 0.0))} left, a repeat takes "
@@ -210,6 +221,7 @@ class Repeats:
         stopped = self.stopped or ("max" if self.done >= self.max else None)
         return {"repeats": self.max, "repeats_done": self.done, "stopped": stopped,
                 "settle": self.settle, "min_repeats": self.min, "settle_rel": self.rel,
+                "budget_floor": self.floor,
                 "settle_rule": SETTLE_RULE if self.settle else
                 "off (latency.settle: false): latency.repeats repeats, unless the budget stops them",
                 "settle_widths": None if self.widths is None else
@@ -371,7 +383,8 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     warm = warm_up(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed, length,
                    lat.warmup)
     reps = []
-    loop = Repeats(lat, f"{target} + {draft_spec}", budget, confidence=confidence, seed=seed)
+    loop = Repeats(lat, f"{target} + {draft_spec}", budget, confidence=confidence, seed=seed,
+                   floor=MIN_TIMING_REPEATS)
     while loop.next():
         reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens,
                                seed + loop.done, length, session=session))

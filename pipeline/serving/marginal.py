@@ -48,6 +48,7 @@ import numpy as np
 from pipeline.core.stage import StageError
 from pipeline.latency.modes import comparable, compare
 from pipeline.latency.screen import screened_note
+from pipeline.latency.speculative import MIN_TIMING_REPEATS
 from pipeline.speculation.acceptance_stats import MIN_PROMPTS, ratio_t_draws, ratio_t_interval
 from pipeline.stats.intervals import median_ci, percentile_interval
 
@@ -62,10 +63,6 @@ RULE = (
     "its CI then resamples the prompts alone and says nothing of the machine's load between the plain "
     "and the speculative runs."
 )
-# A speedup CI from one timing repeat has no timing spread in it: on 2026-12-02 a smoke run's one
-# repeat of prompt lookup, its plain runs slowed by another process, gave 1.56 [1.39, 1.93]; the same
-# pair on the quiet machine gave 0.99 [0.88, 1.23] (README: "What a run costs").
-MIN_TIMING_REPEATS = 2
 
 
 def timed_enough(row: dict) -> bool:

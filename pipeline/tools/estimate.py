@@ -15,10 +15,11 @@ compiled shapes (pipeline/latency/plan.py), the quality slices' waves and the pr
 
 The budget (config `budget`, pipeline/core/budget.py): each planning stage is capped at budget.minutes
 x 60 x its share, but never below its floor, the work it does whatever the budget: acceptance's texts,
-teacher forcing and lossless check (the budget bounds the direct check); latency's compiles and, for the
-plain grids and every pair it times, the warm-up and first repeat, and the closed-loop waves that come
-with a batched pair's first repeat (it bounds later repeats and waves; a pair the screen drops is probed,
-not timed); quality's first look of every model: each slice's
+teacher forcing and lossless check (the budget bounds the direct check); latency's compiles, the plain
+grids' warm-up and first repeat, and for every pair it times the warm-up and the MIN_TIMING_REPEATS (2)
+repeats a k is recommended from, with the closed-loop waves that come with a batched pair's first two
+repeats (it bounds later repeats and waves; a pair the screen drops is probed, not timed); quality's
+first look of every model: each slice's
 and each lm-eval task's first wave (it bounds the later looks).
 
 Warm-ups (pipeline/latency/*, since 2026-12-02): a plain grid cell warms up on whole runs of new_tokens
@@ -43,9 +44,10 @@ from pipeline.decode.compiled import graph_groups
 from pipeline.latency.memory import cache_len, plan_grid
 from pipeline.latency.plan import batched_shapes, draft_label, speculative_shapes, why_not_screened
 from pipeline.gate.looks import plan as plan_looks
-from pipeline.latency.speculative import WARMUP_TOKENS
+from pipeline.latency.speculative import MIN_TIMING_REPEATS, WARMUP_TOKENS
 from pipeline.quality.items import BENCHMARKS
 from pipeline.quality.calibration import DECODE_KV_TOKENS
+from pipeline.quality.distribution import REFERENCE_CACHE_BYTES
 from pipeline.tools.cost_devices import (BUILTIN_CALIBRATION_TOKENS, DEVICES, DYNAMIC_COMPILE_FACTOR, Device,
                                         gptq_scale)
 from pipeline.tools.cost_model import (ACCEPTANCE_RATE, CHARS_PER_TOKEN, SCREEN_PROBE_S, SCREEN_RATE_MARGIN, SHAPES,
@@ -174,6 +176,8 @@ def latency(c: Cost) -> Stage:
     row_len = min(prompt_lengths(c, "latency", 1))  # batched rows are cut to the shortest prompt's length
     warm_new = min(lat.new_tokens, WARMUP_TOKENS)  # a B = 1 or batched warm-up's run (module docstring)
     temps, sizes = len(cfg.acceptance.temperatures), sorted(set(lat.spec_batch_sizes))
+    floor_reps = min(MIN_TIMING_REPEATS, lat.repeats)  # a timed pair's repeats whatever the budget
+    reps_word = "1 repeat" if floor_reps == 1 else f"{floor_reps} repeats"
     loops = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
     lens = {b: cache_len(row_len, max(lat.new_tokens, lat.closed_loop_tokens)) for b in sizes + loops}
     for target in cfg.acceptance.targets or [cfg.quantize.reference]:
@@ -203,10 +207,13 @@ def latency(c: Cost) -> Stage:
                 st.add(f"{target} + {spec}: B = 1 probe; predicted screened out (bound {bound:.2f})", probe)
                 st.notes.append(_screened_note(target, spec, "B = 1", bound))
             else:
-                # A pair the screen keeps is warmed up and timed once whatever the budget: the first repeat
-                # is what its recommendation is read from (the stage skips only repeats 2 on when out of time).
-                st.add(f"{target} + {spec}: B = 1 {'screen, ' if screened else ''}warm-up + 1 repeat", probe + warm + one)
-                st.add(f"{target} + {spec}: B = 1 repeats 2-{lat.repeats}", (lat.repeats - 1) * one, floor=False)
+                # A pair the screen keeps is warmed up and timed MIN_TIMING_REPEATS times whatever the budget:
+                # a k is recommended from that many repeats on (the stage's budget stops only later ones).
+                st.add(f"{target} + {spec}: B = 1 {'screen, ' if screened else ''}warm-up + {reps_word}",
+                       probe + warm + floor_reps * one)
+                if lat.repeats > floor_reps:
+                    st.add(f"{target} + {spec}: B = 1 repeats {floor_reps + 1}-{lat.repeats}",
+                           (lat.repeats - floor_reps) * one, floor=False)
                 later += (lat.repeats - 1) * one
             # The batched phase's session is the target's (pipeline/stages/latency.py): its graphs
             # compile with the first pair, each draft's own widths with its pair.
@@ -230,15 +237,17 @@ def latency(c: Cost) -> Stage:
             for b in loops:  # one wave at each B: plain and speculative at the fastest k
                 fastest = min(c.speculate(target, spec, b, row_len, tokens, k, eager) for k in ks)
                 wave += c.generate(target, b, row_len, tokens, eager=eager) + fastest
-            # As at B = 1, the warm-up and the first repeat run whatever the budget, and with the first
-            # repeat its share of the closed loop: waves 0, R, 2R, ... (pipeline/latency/batched.py spreads
-            # the waves over the repeats and checks the budget only for those left after the last repeat).
-            first_waves = len(range(0, lat.closed_loop_waves, lat.repeats))
-            st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + 1 repeat, {first_waves} "
-                   f"closed-loop wave(s)", probe + secs + lat.warmup * cells(warm_new) + cell
+            # As at B = 1, the warm-up and the first MIN_TIMING_REPEATS repeats run whatever the budget, and
+            # with repeat r the closed loop's waves r, r + R, ... (pipeline/latency/batched.py spreads the
+            # waves over the repeats and checks the budget only for those left after the last repeat).
+            first_waves = sum(1 for w in range(lat.closed_loop_waves) if w % lat.repeats < floor_reps)
+            st.add(f"{target} + {spec}: batched: compile {graphs} graphs, warm-up + {reps_word}, {first_waves} "
+                   f"closed-loop wave(s)", probe + secs + lat.warmup * cells(warm_new) + floor_reps * cell
                    + first_waves * wave)
-            st.add(f"{target} + {spec}: batched: repeats 2-{lat.repeats}, the other closed-loop waves",
-                   (lat.repeats - 1) * cell + (lat.closed_loop_waves - first_waves) * wave, floor=False)
+            if lat.repeats > floor_reps or lat.closed_loop_waves > first_waves:
+                st.add(f"{target} + {spec}: batched: repeats {floor_reps + 1}-{lat.repeats}, the other closed-loop "
+                       "waves", (lat.repeats - floor_reps) * cell + (lat.closed_loop_waves - first_waves) * wave,
+                       floor=False)
             later += (lat.repeats - 1) * cell
     if lat.settle and lat.min_repeats < lat.repeats:
         st.notes.append(f"latency: a loop that settles stops from {lat.min_repeats} of {lat.repeats} repeats on: "
@@ -326,12 +335,21 @@ def quality(c: Cost) -> Stage:
         st.add(f"load {len(q.tasks)} lm-eval task(s) once", TASK_SETUP_S * len(q.tasks))
     names = list(q.slices) + list(q.tasks)
     plans = {name: quality_plan(c, name) for name in names}
+    # The reference's log-probabilities on the held-out text are kept for the next variant when they fit
+    # (pipeline/quality/distribution.py: REFERENCE_CACHE_BYTES): its forward then runs once, not per variant.
+    keep_ref = q.distribution_docs * q.distribution_tokens * c.base.vocab * 4 \
+        <= REFERENCE_CACHE_BYTES
+    ref_drift_runs = 0
     for model in [reference] + [v for v in c.cfg.quantize.variants if v != reference]:
         first = sum(slice_cost(c, model, name, looks[0], per) for name, (_, looks, per) in plans.items())
         full = sum(slice_cost(c, model, name, n, per) for name, (n, _, per) in plans.items())
-        drift = 0.0 if model == reference else sum(
-            c.forward(m, q.distribution_docs, q.distribution_tokens, 0, calls=q.distribution_docs)
-            for m in (model, reference))
+        drift = 0.0
+        if model != reference:
+            for m in (model, reference):
+                if m == reference and keep_ref and ref_drift_runs:
+                    continue
+                ref_drift_runs += m == reference
+                drift += c.forward(m, q.distribution_docs, q.distribution_tokens, 0, calls=q.distribution_docs)
         st.add(f"{model}: load, first look, drift", c.load(model) + first + drift)
         st.add(f"{model}: later looks, each slice to its maximum", full - first, floor=False)
     if q.tasks:
