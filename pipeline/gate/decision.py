@@ -249,7 +249,8 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: d
                 rows[f"{s}/{g}"][k] = est
     for key in rows:
         margins[key] = _margin(gcfg, key, s)
-    return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done}
+    return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done,
+                                           "spending": (sched or {}).get("spending") or gcfg.spending}
 
 
 def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, alpha: float,
@@ -262,7 +263,7 @@ def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, a
     for key, ests in rows.items():
         sched = scheds[key]
         out[key] = looks_mod.settle(ests, sched["looks"], sched["n_max"], margins[key], alpha_pass, alpha_fail,
-                                    gcfg.spending)
+                                    sched.get("spending") or gcfg.spending)
     return out
 
 
@@ -383,6 +384,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             cell["items_spent"] = est.n
             cell["planned_looks"] = sched["looks"]
             cell["n_max"] = sched["n_max"]
+            cell["spending"] = sched.get("spending") or gcfg.spending
             cell.update(stop_fields(cell["status"], sched,
                                     stops.get(name, {}).get(key.split(":", 1)[0].split("/", 1)[0])))
             variants[name]["slices"][key] = cell
@@ -422,6 +424,9 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
         "spending": gcfg.spending,
+        # Slices whose looks spend alpha as the quality stage fitted it to its time budget
+        # (quality/design.json; pipeline/quality/sequential.py: fit_design), else gcfg.spending.
+        "spending_fitted": {s: v["spending"] for s, v in scheds.items() if v.get("spending") not in (None, gcfg.spending)},
         "select_among_variants": gcfg.select_among_variants,
         # The largest family any bound is adjusted over (kept from the single-family gate).
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),

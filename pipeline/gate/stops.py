@@ -17,12 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.stage import StageError, read_json
+from pipeline.stats.sequential import spending_function
 
 
 def schedules(quality: Path) -> dict[str, dict]:
-    """slice -> {"looks": planned look sizes, "n_max": the slice's maximum} from quality/meta.json's
-    `sequential` (written by the quality stage); {} for results without it (one look at the n
-    scored: the fixed-n gate)."""
+    """slice -> {"looks": planned look sizes, "n_max": the slice's maximum, and "spending" where the
+    stage fitted one to its budget} from quality/meta.json's `sequential` (written by the quality
+    stage); {} for results without it (one look at the n scored: the fixed-n gate)."""
     meta_path = quality / "meta.json"
     if not meta_path.is_file():
         return {}
@@ -34,6 +35,12 @@ def schedules(quality: Path) -> dict[str, dict]:
         except (KeyError, TypeError, ValueError):
             raise StageError(f"corrupt artifact: {meta_path}: sequential.{s} needs looks and n_max") from None
         out[str(s)] = {"looks": looks, "n_max": n_max}
+        if sched.get("spending") is not None:  # a spending fitted to the stage's budget (gate/looks.py)
+            try:
+                spending_function(str(sched["spending"]))
+            except ValueError as e:
+                raise StageError(f"corrupt artifact: {meta_path}: sequential.{s}.spending: {e}") from None
+            out[str(s)]["spending"] = str(sched["spending"])
     return out
 
 

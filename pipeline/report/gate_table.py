@@ -60,6 +60,13 @@ def headline(gate: dict) -> list[str]:
         why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the "
                 f"data, with {cells} cell(s) of {', '.join(stopped)} open; a re-run with a larger budget "
                 f"continues from the items already scored.")
+    fitted = gate.get("spending_fitted") or {}
+    if fitted:
+        share = float(next(iter(fitted.values())).rstrip(")").split(",")[-1])
+        why += (f" The looks of {len(fitted)} slice(s) spend alpha as fitted to the time budget "
+                f"(quality/design.json): {share:.0%} of each side's alpha by the last look the budget was "
+                f"predicted to afford, the rest over the later looks, which a re-run with a larger budget "
+                f"continues.")
     return [f"# specq gate: {decision.upper()}", "", why]
 
 

@@ -37,7 +37,11 @@ checked against what is left of the allowance, and a look that does not fit is n
 variant stops, its open cells stay open (the gate says "inconclusive", stopped on the budget;
 pipeline/gate/looks.py says why this keeps each error rate at or below nominal). A variant with
 a failed cell is no-go whatever its open cells do: a budgeted stage scores it no further
-(`stopped_on: "verdict"`). quality/<variant>/meta.json's `budget` records per slice the items scored,
+(`stopped_on: "verdict"`). Between the reference's first look and the variants' the stage fixes
+each slice's alpha spending (pipeline/quality/sequential.py: fit_design): where the budget is
+predicted not to afford every look, gate.budget_alpha_share of each side's alpha is spent by the
+last look it affords (kept in quality/design.json for re-runs; quality/meta.json's `sequential`
+says each slice's spending, which the gate replays). quality/<variant>/meta.json's `budget` records per slice the items scored,
 the looks done and skipped and why; quality/meta.json's `budget` the stage's estimates, spend,
 skips and every variant's record. The budget is not in what the lines were scored with
 (scoring.json): a re-run with a larger budget re-opens a budget-stopped variant (the budget is in
@@ -94,7 +98,7 @@ from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
-from pipeline.quality.sequential import Waves, score_variants
+from pipeline.quality.sequential import Waves, fit_design, score_variants
 from pipeline.quality.waves import order_items
 from pipeline.variants.schemes import load_variant
 
@@ -238,6 +242,9 @@ def run(ctx: StageContext) -> None:
     waves.first_look(reference, ref_score)
     if pending:
         _announce_plan(budget, waves, reference, pending, first=False)
+    # Each slice's alpha spending, fitted to the budget before any variant is scored (or kept from
+    # an earlier run's quality/design.json): the gate replays the looks with it.
+    design = fit_design(ctx.out_dir, waves, reference, order[1:], pending, budget, cfg.gate)
     ref_logp: dict = {}
     heldout = heldout_info = None
     for name in order[1:]:
@@ -303,8 +310,9 @@ def run(ctx: StageContext) -> None:
         "tasks": [s.name for s in named], "task_details": {s.name: s.info() for s in named},
         "skipped_tasks": skipped, "items_per_slice": qcfg.items_per_slice,
         "max_items": qcfg.max_items, "wave_items": qcfg.wave_items,
-        "sequential": {s: {"looks": p["looks"], "n_max": p["n_max"], "order": p["order"]}
-                       for s, p in plans.items()},
+        "sequential": {s: {"looks": p["looks"], "n_max": p["n_max"], "order": p["order"],
+                           "spending": p.get("spending", cfg.gate.spending)} for s, p in plans.items()},
+        "design": {k: v for k, v in design.items() if k != "key"},
         "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
                        "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size,
                        "evaluator": _one_or_mixed([r.get("evaluator", qcfg.evaluator) for r in ran.values()])},
