@@ -426,7 +426,8 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "spending": gcfg.spending,
         # Slices whose looks spend alpha as the quality stage fitted it to its time budget
         # (quality/design.json; pipeline/quality/sequential.py: fit_design), else gcfg.spending.
-        "spending_fitted": {s: v["spending"] for s, v in scheds.items() if v.get("spending") not in (None, gcfg.spending)},
+        "spending_fitted": {s: v["spending"] for s, v in scheds.items()
+                            if v.get("spending") not in (None, gcfg.spending)},
         "select_among_variants": gcfg.select_among_variants,
         # The largest family any bound is adjusted over (kept from the single-family gate).
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),
