@@ -19,7 +19,7 @@ from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
 from pipeline.stats import sequential as Q
-from pipeline.quality.sequential import Waves, fit_design, score_in_waves, score_variants
+from pipeline.quality.sequential import VARIANT_PACE, Waves, fit_design, score_in_waves, score_variants
 from pipeline.quality.waves import Allowance, Pace
 from pipeline.report.gate_table import render_table
 from pipeline.stages.quality import _budget_stopped, item_inputs
@@ -372,7 +372,8 @@ def test_a_budget_for_the_first_look_fits_the_spending_and_settles_there(tmp_pat
     data, plans = one_slice(400, 100)
     fns = {"bf16": reference_score, "v": damaged(0.3)}
     # 0.5 x 5 minutes = 150 s at 0.6 s an item: the reference's first look 60 s; then 90 s left,
-    # v's first look predicted at 1.5 x 60 = 90 s (fits), its second at 60 + 1.5 x 120 = 240 s.
+    # v's first look predicted at VARIANT_PACE (1.3) x 60 = 78 s (fits), its second at 60 + 1.3 x
+    # 120 = 216 s.
     (tmp_path / "fit").mkdir()
     (tmp_path / "obf").mkdir()
     g = run_budget(tmp_path / "fit", budget_config(tmp_path / "fit", ["v"], 5, 0.5, fit=0.5), data, plans, fns,
@@ -381,7 +382,7 @@ def test_a_budget_for_the_first_look_fits_the_spending_and_settles_there(tmp_pat
     design = json.loads((q / "design.json").read_text())
     name = Q.fitted("obf", 100 / 400, 0.5)
     assert design["fitted"] is True and design["look_index"] == 0 and design["spending"] == {"s": name}
-    assert design["left_s"] == pytest.approx(90.0) and design["predicted_s"] == pytest.approx(90.0)
+    assert design["left_s"] == pytest.approx(90.0) and design["predicted_s"] == pytest.approx(VARIANT_PACE * 60.0)
     assert "afford look 1 of 4" in design["why"]
     assert json.loads((q / "meta.json").read_text())["sequential"]["s"]["spending"] == name
     cell = g["variants"]["v"]["slices"]["s"]

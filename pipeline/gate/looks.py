@@ -11,7 +11,8 @@ same files with the same function, so the stage's stopping and gate.json's decis
 
 At look k of a row (n_k items of the slice's n_max) each side is tested at its own nominal level
 from Lan-DeMets O'Brien-Fleming-type spending (or Pocock-type: config gate.spending;
-pipeline/stats/sequential.py) of that side's alpha: the pass side at the variant's pass alpha
+pipeline/stats/sequential.py; or either fitted to the quality stage's time budget, named per slice
+in quality/meta.json's `sequential`: pipeline/quality/sequential.py: fit_design) of that side's alpha: the pass side at the variant's pass alpha
 (intersection-union: alpha, or alpha / r when the user picks among r release variants), the fail side at alpha / m over the variant's m gated rows
 (Bonferroni: for "does any row fail", which is all a variant's decision uses, the same as Holm's
 first step). A row stops at the first look whose bound clears -margin on either side; a row that

@@ -4,7 +4,8 @@ which the quality stage spends its looks over the variants (score_variants).
     from pipeline.quality.sequential import Waves, score_variants
     waves = Waves(out_dir, lines, plans, named, configs, timings)
     waves.first_look(reference, ref_score)
-    score_variants(waves, reference, pending, ref_score, scorer, config, StageBudget(config, "quality"))
+    fit_design(out_dir, waves, reference, variants, pending, budget, config.gate)  # each slice's spending
+    score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
 A variant scores its first look, then a look at a time for the slices whose cells are still open
 (the gate's own replay, pipeline/gate/decision.py: open_slices), the reference first scoring what
@@ -393,11 +394,14 @@ def _looks_skipped(name: str, need: dict[str, int]) -> str:
     return f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} and after"
 
 
-# What the fit assumes a variant's item costs against the reference's: on a CPU a quantized
-# variant's matmuls dequantize in software. Measured 2026-12-02 on a 2-core AVX2 CPU: w4a16-gptq's
-# first look 622 s plus 92 s of drift against the reference's 492 s, 1.45x (README: "What a run
-# costs"). An overestimate only fits the design to fewer looks than the budget holds.
-VARIANT_PACE = 1.5
+# What the fit assumes a variant's item costs against the reference's, its drift included: on a
+# CPU a quantized variant's matmuls dequantize in software. Measured on a 2-core AVX2 CPU:
+# 2026-12-02, w4a16-gptq's first look 622 s against the reference's 492 s (1.26x), 1.45x with its
+# 92 s of drift (README: "What a run costs"); 2026-12-03, w8a16 and nf4 at 1.09x and 1.11x the
+# reference's seconds per item over 240 items of two slices. A misprediction costs power, never
+# an error rate: too high, and looks after the fitted one have half of alpha left; too low, and
+# the budget stops before the fitted look, whose alpha is then partly unspent.
+VARIANT_PACE = 1.3
 DESIGN_FILE = "design.json"
 
 
