@@ -249,6 +249,7 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: d
                 rows[f"{s}/{g}"][k] = est
     for key in rows:
         margins[key] = _margin(gcfg, key, s)
+    # The slice's spending, resolved once: fitted to the quality stage's budget, else gate.spending.
     return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done,
                                            "spending": (sched or {}).get("spending") or gcfg.spending}
 
@@ -263,7 +264,7 @@ def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, a
     for key, ests in rows.items():
         sched = scheds[key]
         out[key] = looks_mod.settle(ests, sched["looks"], sched["n_max"], margins[key], alpha_pass, alpha_fail,
-                                    sched.get("spending") or gcfg.spending)
+                                    sched["spending"])
     return out
 
 
@@ -384,7 +385,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             cell["items_spent"] = est.n
             cell["planned_looks"] = sched["looks"]
             cell["n_max"] = sched["n_max"]
-            cell["spending"] = sched.get("spending") or gcfg.spending
+            cell["spending"] = sched["spending"]
             cell.update(stop_fields(cell["status"], sched,
                                     stops.get(name, {}).get(key.split(":", 1)[0].split("/", 1)[0])))
             variants[name]["slices"][key] = cell

@@ -80,18 +80,27 @@ def fitted_spending(t, alpha: float, base: str, t_fit: float, share: float):
     return np.where(t <= t_fit, early, share * alpha + late)
 
 
+def fitted_parts(name: str) -> tuple[str, float, float] | None:
+    """(base, t_fit, share) of a fitted spending's name (fitted), None for any other name; a
+    malformed fitted name raises ValueError."""
+    if not (name.startswith("fit(") and name.endswith(")")):
+        return None
+    try:
+        base, t_fit, share = name[4:-1].split(",")
+        fitted(base, float(t_fit), float(share))  # validates
+    except ValueError as e:
+        raise ValueError(f"bad fitted spending {name!r}: {e}") from None
+    return base, float(t_fit), float(share)
+
+
 def spending_function(name: str):
     """`alpha(t)` of a spending name: "obf", "pocock" or a fitted one ("fit(obf,0.1666666667,0.5)")."""
     if name in SPENDING:
         return SPENDING[name]
-    if name.startswith("fit(") and name.endswith(")"):
-        try:
-            base, t_fit, share = name[4:-1].split(",")
-            fitted(base, float(t_fit), float(share))  # validates
-        except ValueError as e:
-            raise ValueError(f"bad fitted spending {name!r}: {e}") from None
-        return lambda t, alpha: fitted_spending(t, alpha, base, float(t_fit), float(share))
-    raise ValueError(f"unknown spending function {name!r} (known: {', '.join(SPENDING)}, fit(base,t,share))")
+    parts = fitted_parts(name)
+    if parts is None:
+        raise ValueError(f"unknown spending function {name!r} (known: {', '.join(SPENDING)}, fit(base,t,share))")
+    return lambda t, alpha: fitted_spending(t, alpha, *parts)
 
 
 def boundaries(fractions: Sequence[float], alpha: float, spending: str = "obf") -> list[float]:

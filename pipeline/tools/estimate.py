@@ -337,19 +337,17 @@ def quality(c: Cost) -> Stage:
     plans = {name: quality_plan(c, name) for name in names}
     # The reference's log-probabilities on the held-out text are kept for the next variant when they fit
     # (pipeline/quality/distribution.py: REFERENCE_CACHE_BYTES): its forward then runs once, not per variant.
-    keep_ref = q.distribution_docs * q.distribution_tokens * c.base.vocab * 4 \
-        <= REFERENCE_CACHE_BYTES
-    ref_drift_runs = 0
-    for model in [reference] + [v for v in c.cfg.quantize.variants if v != reference]:
+    keep_ref = q.distribution_docs * q.distribution_tokens * c.base.vocab * 4 <= REFERENCE_CACHE_BYTES
+
+    def held_out(m: str) -> float:  # one model's forward over the held-out text
+        return c.forward(m, q.distribution_docs, q.distribution_tokens, 0, calls=q.distribution_docs)
+    variants = [v for v in c.cfg.quantize.variants if v != reference]
+    for model in [reference] + variants:
         first = sum(slice_cost(c, model, name, looks[0], per) for name, (_, looks, per) in plans.items())
         full = sum(slice_cost(c, model, name, n, per) for name, (n, _, per) in plans.items())
         drift = 0.0
-        if model != reference:
-            for m in (model, reference):
-                if m == reference and keep_ref and ref_drift_runs:
-                    continue
-                ref_drift_runs += m == reference
-                drift += c.forward(m, q.distribution_docs, q.distribution_tokens, 0, calls=q.distribution_docs)
+        if model != reference:  # the reference's forward too, for the first variant only where it is kept
+            drift = held_out(model) + (held_out(reference) if not keep_ref or model == variants[0] else 0.0)
         st.add(f"{model}: load, first look, drift", c.load(model) + first + drift)
         st.add(f"{model}: later looks, each slice to its maximum", full - first, floor=False)
     if q.tasks:
