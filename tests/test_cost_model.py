@@ -133,11 +133,11 @@ def test_waves_of_is_the_stages_selection_and_looks(pool, cluster, asked, wave):
 
 
 def test_generated_slices_are_planned_as_the_stage_plans_them():
-    """The stage's own plan (pipeline/stages/quality.py: _slice_data) for the generated slices of both
+    """The stage's own plan (pipeline/quality/plans.py: slice_data) for the generated slices of both
     configs, 1000 long-context items included (a short last haystack: one item per haystack)."""
     import yaml
 
-    from pipeline.stages.quality import _slice_data
+    from pipeline.quality.plans import slice_data as _slice_data
 
     gpu = yaml.safe_load(GPU.read_text())
     gpu["quality"]["per_slice"]["long_context"] = {"items": 1000}

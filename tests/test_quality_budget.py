@@ -19,7 +19,8 @@ from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
 from pipeline.stats import sequential as Q
-from pipeline.quality.sequential import VARIANT_PACE, Waves, fit_design, score_in_waves, score_variants
+from pipeline.quality.design import VARIANT_PACE, fit_design
+from pipeline.quality.sequential import Waves, score_in_waves, score_variants
 from pipeline.quality.waves import Allowance, Pace
 from pipeline.report.gate_table import render_table
 from pipeline.stages.quality import _budget_stopped, item_inputs

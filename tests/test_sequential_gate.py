@@ -20,7 +20,7 @@ from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import plan
 from pipeline.quality.sequential import Waves, score_in_waves
 from pipeline.quality.waves import order_items
-from pipeline.stages.quality import _slice_data
+from pipeline.quality.plans import slice_data as _slice_data
 
 
 def _unit(*key) -> float:

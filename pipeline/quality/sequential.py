@@ -4,7 +4,7 @@ which the quality stage spends its looks over the variants (score_variants).
     from pipeline.quality.sequential import Waves, score_variants
     waves = Waves(out_dir, lines, plans, named, configs, timings)
     waves.first_look(reference, ref_score)
-    fit_design(out_dir, waves, reference, variants, pending, budget, config.gate)  # each slice's spending
+    fit_design(out_dir, waves, reference, variants, pending, budget, config.gate)  # pipeline/quality/design.py
     score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
 A variant scores its first look, then a look at a time for the slices whose cells are still open
@@ -35,7 +35,6 @@ from pathlib import Path
 from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, hash_obj, progress, read_json
 from pipeline.gate.decision import open_slices
-from pipeline.stats.sequential import fitted
 from pipeline.quality import lm_tasks
 from pipeline.quality.calibration import CALIBRATION_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
@@ -393,110 +392,3 @@ def _looks_skipped(name: str, need: dict[str, int]) -> str:
     """What a stop skips, as the stage budget records it: 'v: looks at b 200, c 80 and after'."""
     return f"{name}: looks at {', '.join(f'{s} {n}' for s, n in sorted(need.items()))} and after"
 
-
-# What the fit assumes a variant's item costs against the reference's, its drift included: on a
-# CPU a quantized variant's matmuls dequantize in software. Measured on a 2-core AVX2 CPU:
-# 2026-12-02, w4a16-gptq's first look 622 s against the reference's 492 s (1.26x), 1.45x with its
-# 92 s of drift (README: "What a run costs"); 2026-12-03, w8a16 and nf4 at 1.09x and 1.11x the
-# reference's seconds per item over 240 items of two slices. A misprediction costs power, never
-# an error rate: too high, and looks after the fitted one have half of alpha left; too low, and
-# the budget stops before the fitted look, whose alpha is then partly unspent.
-VARIANT_PACE = 1.3
-DESIGN_FILE = "design.json"
-
-
-def fit_design(out_dir: Path, waves: Waves, reference: str, variants: list[str], pending: list[str], budget,
-               gcfg) -> dict:
-    """Each slice's alpha spending for this run's looks (README: "Looks fitted to the budget"),
-    set as waves.plans[slice]["spending"] and kept in quality/design.json.
-
-    With an active time budget that is predicted not to afford every look of every pending
-    variant, each slice's spending is fitted (pipeline/stats/sequential.py: fitted) so that
-    gate.budget_alpha_share of each side's alpha is spent by the last look the budget affords:
-    the largest look index j whose looks, for the reference and every pending variant, cost at
-    most the stage's time left, at the reference's measured seconds per item (VARIANT_PACE times
-    that for a variant). A budget that affords only the first looks then tests them at that share
-    of alpha, where O'Brien-Fleming spending alone would test them at almost none. Otherwise the
-    base spending (gate.spending).
-
-    The design is decided from timings only, after the reference's first look and before any
-    variant item is scored, so it does not depend on any variant-vs-reference difference, and
-    it is kept: while any variant holds items, a re-run reads design.json (same planned looks)
-    and keeps its spending whatever the new budget, so a larger budget continues the same
-    spending function over the later looks and each side's error over all looks stays at its
-    alpha. Variants holding items without a design.json (scored before this existed) keep the
-    base spending."""
-    path = out_dir / DESIGN_FILE
-    base, share = gcfg.spending, gcfg.budget_alpha_share
-    plans = waves.plans
-    key = hash_obj({"looks": {s: [list(p["looks"]), int(p["n_max"])] for s, p in sorted(plans.items())},
-                    "base": base})
-    held = [v for v in variants if sum(waves.scored(v).values())]
-    old = None
-    if path.is_file():
-        try:
-            old = read_json(path, "quality design")
-        except StageError:
-            old = None
-    if held and isinstance(old, dict) and old.get("key") == key and set(old.get("spending") or {}) == set(plans):
-        design = {**old, "kept": True}
-        progress(f"quality: the looks' spending kept from {path.name} (fitted: {old.get('fitted')}): "
-                 f"{', '.join(held)} hold items scored under it")
-    else:
-        design = _fit(waves, reference, pending, budget, base, share, held)
-        design.update(key=key, kept=False)
-        atomic_write_json(path, {k: v for k, v in design.items() if k != "kept"})
-        progress(f"quality: looks' spending: {design['why']}")
-    for s, name in design["spending"].items():
-        plans[s]["spending"] = name
-    return design
-
-
-def _fit(waves: Waves, reference: str, pending: list[str], budget, base: str, share: float | None,
-         held: list[str]) -> dict:
-    """fit_design's decision (the design record without its key)."""
-    plans = waves.plans
-    rec = {"base": base, "share": share, "fitted": False, "look_index": None, "predicted_s": None,
-           "left_s": None, "spending": {s: base for s in plans}}
-    if not budget.active:
-        return {**rec, "why": f"no time budget: {base} spending"}
-    if share is None:
-        return {**rec, "why": f"gate.budget_alpha_share is null: {base} spending"}
-    if held:
-        return {**rec, "why": f"{', '.join(held)} hold items scored before any fitted design: {base} spending"}
-    if not pending:
-        return {**rec, "why": f"no variant to score: {base} spending"}
-    looks_max = max(len(p["looks"]) for p in plans.values())
-
-    def need(j: int) -> dict[str, int]:
-        return {s: p["looks"][min(j, len(p["looks"]) - 1)] for s, p in plans.items()}
-
-    def cost(j: int) -> float | None:
-        want, have_ref = need(j), waves.scored(reference)
-        ref = waves.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in want.items()}, reference)
-        var = [waves.model_cost(v, {s: max(n - waves.scored(v)[s], 0) for s, n in want.items()}, reference)
-               for v in pending]
-        return None if ref is None or None in var else ref + VARIANT_PACE * sum(var)
-
-    left, fit, fit_s = budget.left(), None, None
-    for j in range(looks_max):
-        c = cost(j)
-        if c is None:
-            return {**rec, "why": f"no seconds per item measured yet: {base} spending"}
-        if c > left and j > 0:
-            break
-        fit, fit_s = j, c
-        if c > left:
-            break  # not even the first looks fit: they are scored anyway (the gate needs one)
-    rec.update(left_s=round(left, 1), predicted_s=round(fit_s, 1), look_index=fit)
-    if fit == looks_max - 1 and fit_s <= left:
-        return {**rec, "why": f"the budget affords every look (~{fmt_s(fit_s)} of {fmt_s(left)} left): {base} spending"}
-    spending = {}
-    for s, p in plans.items():
-        n = need(fit)[s]
-        spending[s] = base if n >= p["n_max"] else fitted(base, n / p["n_max"], share)
-    return {**rec, "fitted": True, "spending": spending,
-            "why": (f"the budget ({fmt_s(left)} left) is predicted to afford "
-                    f"{'look 1' if fit == 0 else f'looks 1-{fit + 1}'} of {looks_max} for the "
-                    f"{len(pending)} variant(s) (~{fmt_s(fit_s)}): each side spends {share:.0%} of its alpha "
-                    f"({base} shape) by then and the rest over the later looks")}

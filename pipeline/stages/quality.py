@@ -85,21 +85,19 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 from evals import sandbox
 from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json,
                                  progress, read_json, read_jsonl, sha256_file)
 from pipeline.decode.release import collect
-from pipeline.gate.looks import plan
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
+from pipeline.quality.design import fit_design
 from pipeline.quality.evaluate import evaluate, summarize_slice
-from pipeline.quality.items import BENCHMARKS, KNOWN_SLICES, benchmark_items, builtin_task_config, slice_items
-from pipeline.quality.sequential import Waves, fit_design, score_variants
-from pipeline.quality.waves import order_items
+from pipeline.quality.items import KNOWN_SLICES, builtin_task_config
+from pipeline.quality.plans import cost_weights, prompt_tokens_of, slice_data, task_plan
+from pipeline.quality.sequential import Waves, score_variants
 from pipeline.variants.schemes import load_variant
 
 
@@ -171,7 +169,7 @@ def run(ctx: StageContext) -> None:
     data_dir = ctx.out_dir / "data"
     data_files, plans = {}, {}
     for name in qcfg.slices:
-        blob, plans[name] = _slice_data(name, qcfg, cfg.seed, ref_tokenizer)
+        blob, plans[name] = slice_data(name, qcfg, cfg.seed, ref_tokenizer)
         path = data_dir / f"{name}.jsonl"
         if not path.is_file() or path.read_bytes() != blob:
             atomic_write_bytes(path, blob)
@@ -184,14 +182,14 @@ def run(ctx: StageContext) -> None:
         if s.name in plans:
             raise StageError(f"quality.tasks: '{s.name}' has the name of a quality slice; "
                              "list it under one of quality.slices or quality.tasks")
-        plans[s.name] = _task_plan(s, qcfg)
+        plans[s.name] = task_plan(s, qcfg)
         path = data_dir / f"{s.name}.jsonl"
         if not path.is_file() or path.read_bytes() != s.rows:
             atomic_write_bytes(path, s.rows)
         task_files[s.name] = path
     lines = {s: p.read_bytes().splitlines(keepends=True) for s, p in {**data_files, **task_files}.items()}
     data_hashes = {n: sha256_file(p) for n, p in {**data_files, **task_files}.items()}
-    prompt_tokens = _prompt_tokens(ref_tokenizer, data_files)
+    prompt_tokens = prompt_tokens_of(ref_tokenizer, data_files)
     models: dict = {}  # name -> (model, tokenizer); the reference stays loaded for every variant
     timings: dict = {}
     budget = StageBudget(cfg, "quality")
@@ -224,7 +222,7 @@ def run(ctx: StageContext) -> None:
     def builtin_configs(files: dict[str, Path]) -> dict:
         return {s: builtin_task_config(s, f, qcfg.max_new_tokens_for(s), qcfg.sandbox) for s, f in files.items()}
 
-    weights = {**_cost_weights(qcfg, data_files, prompt_tokens),
+    weights = {**cost_weights(qcfg, data_files, prompt_tokens),
                **{s.name: lm_tasks.cost_weight(s, ref_tokenizer) for s in named}}
     waves = Waves(ctx.out_dir, lines, plans, named, builtin_configs, timings, weights=weights)
     items, inputs_of = {}, {}
@@ -375,22 +373,6 @@ def _budget_stopped(meta_path: Path) -> bool:
     return bool(isinstance(meta, dict) and (meta.get("budget") or {}).get("stopped"))
 
 
-def _cost_weights(qcfg, data_files: dict[str, Path], prompt_tokens: dict) -> dict[str, float]:
-    """Each slice's prior cost per item, relative to the others (pipeline/quality/waves.py: Pace
-    splits a call over several slices by it until a slice is measured alone): its mean prompt
-    tokens plus twice the tokens it may generate (on CPU a prefill token costs ~2.3 ms a row, a
-    decode step ~5 ms a row)."""
-    out = {}
-    for s, f in data_files.items():
-        task = builtin_task_config(s, f, qcfg.max_new_tokens_for(s))
-        gen = ((task.get("generation_kwargs") or {}).get("max_gen_toks", 0)
-               if task.get("output_type") == "generate_until" else 0)
-        groups = prompt_tokens.get(s) or {}
-        prompt = sum(groups.values()) / len(groups) if groups else 0.0
-        out[s] = round(1.0 + prompt + 2.0 * float(gen), 1)
-    return out
-
-
 def _announce_plan(budget: StageBudget, waves: "Waves", reference: str, pending: list[str], first: bool) -> None:
     """The stage's estimate: every slice of the reference and the variants to be scored to its
     maximum (the most the plan may score), at the seconds per item measured so far (before any
@@ -424,53 +406,6 @@ STOPPING_KEYS = ("wave_items", "max_items", "items_per_slice", "distribution_doc
 # quality.vllm keys that change where engines live or what happens after scoring, never a line:
 # what falling back does is in the variant's backend (item_inputs' `backend`).
 VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback")
-
-
-def _task_plan(s, qcfg) -> dict:
-    """An lm-eval task's plan (lm_tasks.NamedSlice: its documents' order and cluster ends), as
-    _slice_data plans a built-in slice: looks every wave_items up to its n_max, from counts alone."""
-    n_max, wave = s.n_max, qcfg.wave_items
-    sequential = bool(wave) and wave < n_max
-    return {"looks": plan(n_max, wave if sequential else None, s.ends if sequential else None),
-            "n_max": n_max, "order": "seeded cluster order"}
-
-
-def _slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
-    """The slice's items in scoring order (JSONL bytes) and its plan: looks, n_max, order."""
-    if name not in KNOWN_SLICES:
-        raise StageError(f"unknown quality slice '{name}' (known: {', '.join(KNOWN_SLICES)})")
-    n = qcfg.items_for(name)
-    if n is None and name not in BENCHMARKS:
-        raise StageError(f"quality.per_slice.{name}.items: 'all' needs a fixed item set; "
-                         f"'{name}' is generated, give a number")
-    asked = min([x for x in (n, qcfg.max_items) if x is not None], default=None)
-    wave = qcfg.wave_items
-    sequential = bool(wave) and (asked is None or wave < asked)
-    if name in BENCHMARKS:
-        blob = benchmark_items(name, n, seed, tokenizer)
-    else:
-        blob = slice_items(name, asked, qcfg.long_context_lengths)
-    # One look or many, the same selection: whole clusters in a seeded order, or, where the
-    # clusters have unequal sizes, one item per cluster (pipeline/quality/waves.py says why).
-    blob, ends = order_items(blob, seed, name, asked or len(blob.splitlines()))
-    n_max = len(blob.splitlines())
-    if n_max < 1:
-        raise StageError(f"quality: slice '{name}' has no items")
-    return blob, {"looks": plan(n_max, wave if sequential else None, ends if sequential else None),
-                  "n_max": n_max, "order": "seeded cluster order"}
-
-
-def _prompt_tokens(tokenizer, data_files: dict[str, Path]) -> dict:
-    """Mean prompt length in the model's own tokens, per slice and group: the long_context
-    generator sizes its haystacks by a characters-per-token estimate, this is the real figure."""
-    out = {}
-    for name, path in data_files.items():
-        by_group: dict[str, list[int]] = {}
-        for item in read_jsonl(path):
-            n = len(tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
-            by_group.setdefault(str(item.get("group")), []).append(n)
-        out[name] = {g: round(float(np.mean(v)), 1) for g, v in sorted(by_group.items())}
-    return out
 
 
 def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
