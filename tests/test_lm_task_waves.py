@@ -118,6 +118,8 @@ def test_documents_are_ordered_once_and_planned_from_counts(task_files):
                                                                       wave_items=5), seed=0)
     assert again[0].rows == many.rows
     assert _task_plan(again[0], _qcfg(wave_items=5))["looks"] == [5, 10, 12]
+    # A task's own wave_items (quality.per_slice) over the section's.
+    assert _task_plan(again[0], _qcfg(wave_items=5, per_slice={"wv_many": {"wave_items": 6}}))["looks"] == [6, 12]
     other, _ = lm_tasks.resolve([str(task_files["wv_many"])], qcfg, seed=1)
     assert lm_tasks.order(other[0]) != order
     # max_items caps an lm-eval task as it caps a slice; a group's subtasks share one order.

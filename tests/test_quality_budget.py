@@ -433,3 +433,23 @@ def test_a_fitted_design_is_kept_by_a_rerun_with_a_larger_budget(tmp_path):
     design = json.loads((tmp_path / "wide/run/quality/design.json").read_text())
     assert design["fitted"] is False and design["spending"] == {"s": "obf"} and "affords every look" in design["why"]
     assert wide["spending_fitted"] == {}
+
+
+def test_a_slices_own_wave_items_keeps_its_scored_items(tmp_path):
+    """quality.per_slice.<name>.wave_items changes when a slice's looks fall, never what an item
+    scores: like quality.wave_items it is out of what the lines were scored with (item_inputs), so a
+    run that changes it re-uses them; a slice's `items` stays in."""
+    run = tmp_path / "run"
+    for name in ("bf16", "int8"):
+        (run / "variants" / name).mkdir(parents=True)
+        (run / "variants" / name / "meta.json").write_text(json.dumps({"scheme": "none", "name": name}))
+
+    def scored_with(per_slice: str) -> dict:
+        cfg = _config(tmp_path, ["int8"], f"quality: {{per_slice: {per_slice}}}\n")
+        ctx = StageContext(name="quality", run_dir=run, out_dir=run / "quality", config=cfg, args={},
+                           input_hash="test", upstream={}, code="test")
+        return item_inputs(ctx, run / "variants" / "int8", run / "variants" / "bf16", {"s": "h"}, [])[0]
+
+    base = scored_with("{}")
+    assert scored_with("{reasoning: {wave_items: 80}}") == base
+    assert scored_with("{reasoning: {max_new_tokens: 8}}") != base

@@ -17,6 +17,10 @@ class SliceSettings(Section):
     # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
     # (lm-eval tasks keep their own generation settings.)
     max_new_tokens: int | None = None
+    # Items per look of this slice; null = quality.wave_items. A slice much smaller than the others'
+    # waves (gpu.yaml: HumanEval's 164 problems against waves of 200) is otherwise one fixed-n look,
+    # scored whole in every model's first look.
+    wave_items: PositiveInt | None = None
 
 
 # Real benchmarks need longer answers than the synthetic slices' 32 tokens. bfcl: its whole pool,
@@ -179,6 +183,11 @@ class QualityConfig(Section):
         entry = self.per_slice.get(name)
         n = entry.items if entry and entry.items is not None else self.items_per_slice
         return None if n == "all" else n
+
+    def wave_items_for(self, name: str) -> int | None:
+        """Items per look of slice or task `name` (None = one look at all its items)."""
+        entry = self.per_slice.get(name)
+        return entry.wave_items if entry and entry.wave_items is not None else self.wave_items
 
     def max_new_tokens_for(self, name: str) -> int:
         entry = self.per_slice.get(name)

@@ -26,7 +26,7 @@ def slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
         raise StageError(f"quality.per_slice.{name}.items: 'all' needs a fixed item set; "
                          f"'{name}' is generated, give a number")
     asked = min([x for x in (n, qcfg.max_items) if x is not None], default=None)
-    wave = qcfg.wave_items
+    wave = qcfg.wave_items_for(name)
     sequential = bool(wave) and (asked is None or wave < asked)
     if name in BENCHMARKS:
         blob = benchmark_items(name, n, seed, tokenizer)
@@ -45,7 +45,7 @@ def slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
 def task_plan(s, qcfg) -> dict:
     """An lm-eval task's plan (lm_tasks.NamedSlice: its documents' order and cluster ends), as
     slice_data plans a built-in slice: looks every wave_items up to its n_max, from counts alone."""
-    n_max, wave = s.n_max, qcfg.wave_items
+    n_max, wave = s.n_max, qcfg.wave_items_for(s.name)
     sequential = bool(wave) and wave < n_max
     return {"looks": plan(n_max, wave if sequential else None, s.ends if sequential else None),
             "n_max": n_max, "order": "seeded cluster order"}

@@ -86,7 +86,7 @@ import time
 from pathlib import Path
 
 from evals import sandbox
-from pipeline.core.budget import StageBudget, fmt_s
+from pipeline.core.budget import StageBudget, fmt_s, planned
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json,
                                  progress, read_json, read_jsonl, sha256_file)
@@ -192,7 +192,7 @@ def run(ctx: StageContext) -> None:
     prompt_tokens = prompt_tokens_of(ref_tokenizer, data_files)
     models: dict = {}  # name -> (model, tokenizer); the reference stays loaded for every variant
     timings: dict = {}
-    budget = StageBudget(cfg, "quality")
+    budget = StageBudget(cfg, "quality", run_dir=ctx.run_dir)
 
     def scorer(name: str):
         def score(configs: dict, tasks: list):
@@ -347,6 +347,10 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
     if quality.get("backend", "hf") == "hf":
         quality = {k: v for k, v in quality.items() if k != "vllm"}
     scoring = {k: v for k, v in quality.items() if k not in STOPPING_KEYS}
+    if isinstance(scoring.get("per_slice"), dict):  # a slice's own wave_items is a stopping key too
+        kept = {n: {k: v for k, v in e.items() if k not in STOPPING_KEYS and v is not None}
+                for n, e in scoring["per_slice"].items() if isinstance(e, dict)}
+        scoring["per_slice"] = {n: e for n, e in kept.items() if e}  # an entry left empty says nothing
     if "vllm" in scoring:
         scoring["vllm"] = {k: v for k, v in scoring["vllm"].items() if k not in VLLM_STOPPING_KEYS}
     scored_with = {"variant_meta": sha256_file(vdir / "meta.json"), "data": data_hashes,
@@ -358,6 +362,9 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
               "quality": quality, "gate": cfg.section("gate"),
               "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
     stage_budget = {"minutes": cfg.budget.minutes, "share": cfg.budget.shares.get("quality")}
+    plan = planned(ctx.run_dir, cfg, "quality")  # the run's plan's seconds, where it set them
+    if plan is not None:
+        stage_budget["seconds"] = plan.get("seconds")
 
     def inputs_for(stopped: bool) -> dict:
         return {**inputs, "budget": stage_budget} if stopped else inputs
