@@ -100,7 +100,8 @@ def test_quality_first_look_is_the_first_wave_of_every_slice_and_task():
     c = cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
     assert est.quality_items(c, "long_context") == (999, 201)  # whole haystacks of 3; the first end >= 200
     assert est.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
-    assert est.quality_items(c, "code") == (164, 164)  # the pool is under one wave
+    # HumanEval's 164 problems are under one wave of 200: gpu.yaml gives the slice waves of 82.
+    assert est.quality_items(c, "code") == (164, 82)
     # lm-eval tasks in waves too (issue 27): every document in a seeded order, capped at max_items.
     assert est.quality_items(c, "gsm8k") == (1000, 200)
     assert est.quality_items(c, "mmlu") == (1000, 200)
@@ -151,6 +152,23 @@ def test_generated_slices_are_planned_as_the_stage_plans_them():
             n, looks, _ = est.quality_plan(c, name)
             assert (n, looks) == (stage_plan["n_max"], stage_plan["looks"]), name
     assert est.quality_plan(cm.Cost(short, "tiny", DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
+
+
+def test_a_slices_own_wave_items_plans_its_looks_in_the_stage_and_the_estimate():
+    """quality.per_slice.<name>.wave_items: that slice's looks, in the stage's plan and the estimate's."""
+    from pipeline.quality.plans import slice_data as _slice_data
+
+    cfg = load_config(DEFAULT, {"quality": {"per_slice": {"reasoning": {"wave_items": 80}}}})
+    assert cfg.quality.wave_items_for("reasoning") == 80 and cfg.quality.wave_items_for("language") == 40
+    assert cfg.quality.per_slice["bfcl"].items == "all"  # the defaults still merge under it
+    c = cm.Cost(cfg, "tiny", DEVICES["h100"])
+    for name, looks in (("reasoning", [80, 160, 240]), ("language", [40, 80, 120, 160, 200, 240])):
+        _, stage_plan = _slice_data(name, cfg.quality, cfg.seed, None)
+        assert stage_plan["looks"] == looks, name
+        assert est.quality_plan(c, name)[:2] == (240, looks), name
+    # The code slice on gpu.yaml: two looks of 82, so its first look is half the problems.
+    gpu = cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
+    assert est.quality_plan(gpu, "code")[:2] == (164, [82, 164])
 
 
 def test_a_warm_up_is_short_runs_not_a_repeat():
