@@ -14,13 +14,30 @@ A stage's seconds are `minutes x 60 x shares[stage]`, counted from when the stag
 (the stage's start): a stage that ran long does not shorten the next one's share. The budget is
 wall-clock, so what a budgeted run does depends on the machine's speed; meta.json records what it
 did (the items, repeats and pairs), and the report says what was skipped.
+
+The run's plan (`allot`, PLAN_FILE; `budget.rebalance`). A stage cannot go below its floor, the work
+it does whatever the budget (acceptance's measurement, latency's compiles and first repeats,
+quality's first looks). Where a floor is over its share, the shares as written overrun the budget
+by the difference while another stage may leave time unused. So when `make evaluate` starts on a
+device the cost model has a profile for (pipeline/tools/run_plan.py), the run writes
+runs/<run>/budget.json: the planning stages' time (minutes x 60 x the sum of their shares) shared
+again, each stage getting max(its floor, lambda x its share), lambda chosen so that the stages'
+seconds add up to that time (water-filling). A stage whose floor is over its share takes the time
+from the others, in proportion to their shares; where the floors alone are over the time, every
+stage gets its floor. StageBudget(..., run_dir=) reads the stage's seconds from that plan when
+the plan was made for the config's budget; without one (a CPU, a GPU without a profile,
+`rebalance: false`) it is the share.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 from pipeline.core.stage import progress
+
+PLAN_FILE = "budget.json"  # runs/<run>/budget.json: the run's plan (pipeline/tools/run_plan.py)
 
 
 def fmt_s(seconds: float | None) -> str:
@@ -54,8 +71,42 @@ class _Clock:
         return f" ({fmt_s(left)} left{budget})"
 
 
+def allot(total_s: float, shares: dict[str, float], floors: dict[str, float]) -> dict[str, float]:
+    """Seconds per stage: max(floor, lam x share), with lam >= 0 such that they sum to total_s
+    (water-filling), or every stage's floor where the floors alone sum to more than total_s.
+    A stage whose floor is over its share of total_s takes the difference from the others in
+    proportion to their shares; with every floor under its share it is the shares themselves."""
+    names = list(shares)
+    if sum(floors.get(n, 0.0) for n in names) >= total_s:
+        return {n: float(floors.get(n, 0.0)) for n in names}
+
+    def used(lam: float) -> float:
+        return sum(max(floors.get(n, 0.0), lam * shares[n]) for n in names)
+
+    lo, hi = 0.0, total_s / min(shares.values())  # used(hi) >= total_s: every stage at least its lam share
+    for _ in range(200):  # used() is continuous and increasing in lam: bisection to float precision
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if used(mid) < total_s else (lo, mid)
+    return {n: max(float(floors.get(n, 0.0)), hi * shares[n]) for n in names}
+
+
+def planned(run_dir, config, stage: str) -> dict | None:
+    """The stage's entry in the run's plan (PLAN_FILE), if the plan was made for this config's
+    budget (its minutes and shares); None otherwise (the stage takes its share)."""
+    if run_dir is None or not config.budget.minutes or not config.budget.rebalance:
+        return None
+    path = Path(run_dir) / PLAN_FILE
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if plan.get("minutes") != config.budget.minutes or plan.get("shares") != dict(config.budget.shares):
+        return None
+    return (plan.get("stages") or {}).get(stage)
+
+
 class StageBudget(_Clock):
-    def __init__(self, config, stage: str, clock=time.monotonic):
+    def __init__(self, config, stage: str, clock=time.monotonic, run_dir=None):
         self.stage = stage
         self.clock = clock
         self.start = clock()
@@ -63,6 +114,10 @@ class StageBudget(_Clock):
         self.share = config.budget.shares.get(stage) if minutes else None
         self.seconds = minutes * 60 * self.share if minutes and self.share else None
         self.minutes = minutes
+        # The run's plan (module docstring): the stage's seconds shared again around the floors.
+        self.plan = planned(run_dir, config, stage) if self.seconds is not None else None
+        if self.plan is not None:
+            self.seconds = float(self.plan["seconds"])
         self.estimates: list[dict] = []
         self.skipped: list[dict] = []
 
@@ -94,6 +149,9 @@ class StageBudget(_Clock):
     def to_json(self) -> dict:
         return {"minutes": self.minutes, "share": self.share,
                 "seconds": None if self.seconds is None else round(self.seconds, 1),
+                # "plan": the run's plan set the seconds (PLAN_FILE; its entry is `plan`); "share": the share.
+                "seconds_from": None if self.seconds is None else ("plan" if self.plan is not None else "share"),
+                **({"plan": self.plan} if self.plan is not None else {}),
                 "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}
 
 

@@ -243,6 +243,10 @@ class BudgetConfig(Section):
     planned, spent and skipped."""
     minutes: PositiveFloat | None = 30.0
     shares: dict[str, float] = Field(default_factory=lambda: dict(BUDGET_SHARES))
+    # Where a stage's floor (what it does whatever the budget) is over its share, share the planning
+    # stages' time again around the floors (pipeline/core/budget.py: allot), from the cost model's
+    # floors on a device it has a profile for (pipeline/tools/run_plan.py); false: the shares as written.
+    rebalance: bool = True
 
     @field_validator("shares")
     @classmethod

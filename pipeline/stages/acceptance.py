@@ -150,7 +150,7 @@ class _Planner:
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
-    budget = StageBudget(ctx.config, "acceptance")
+    budget = StageBudget(ctx.config, "acceptance", run_dir=ctx.run_dir)
     targets = cfg.targets or [ctx.config.quantize.reference]
     # Every B from 2 to the largest speculative batch size: the serving simulation's running batch
     # takes every size in between, and draws its rounds' n_min from the chain at that B.

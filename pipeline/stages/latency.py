@@ -135,7 +135,7 @@ def run(ctx: StageContext) -> None:
                     kernels={}, threads=torch.get_num_threads(),
                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
-    budget = StageBudget(cfg, "latency")
+    budget = StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     budget.announce(f"plain grids of {len(dirs)} variants ({PHASE_SHARES['grids']:.0%} of the budget), then "
                     f"{len(targets) * len(cfg.drafts)} pairs at B = 1 ({PHASE_SHARES['pairs']:.0%} of what is left) "
                     "and batched (the rest); each piece's estimate follows its first repeat", None)
@@ -160,7 +160,7 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
     bandwidth: dict | None = None
     items = {name: ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
                                               or str(d)}, is_dir=False) for name, d in dirs.items()}
-    budget = budget or StageBudget(cfg, "latency")
+    budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     phase = budget.part("plain grids", PHASE_SHARES["grids"])
     pending = [name for name, item in items.items() if not item.fresh]
     for name, d in dirs.items():
@@ -298,7 +298,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     acc_inputs.update(workload_inputs(cfg))
     inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "acceptance": acc_inputs}
-    budget = budget or StageBudget(cfg, "latency")
+    budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, "", inputs) for target in targets}
     screening = _screening(ctx, lat, device)
@@ -347,7 +347,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     spec_batch_sizes(lat)  # batched_pair's check, before any model loads
     inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
               "workload": workload_inputs(cfg)}
-    budget = budget or StageBudget(cfg, "latency")
+    budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     phase = budget.part("batched pairs", 1.0)
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, "batched/", inputs) for target in targets}
     screening = _screening(ctx, lat, device)

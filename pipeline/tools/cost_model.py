@@ -73,10 +73,12 @@ def tokens_per_round(k: int, a: float, batch: int = 1) -> float:
 class Cost:
     """Forward times of one config's variants and drafts for one model shape on one device."""
 
-    def __init__(self, cfg, shape_name: str, device: Device):
+    def __init__(self, cfg, shape_name, device: Device):
+        """shape_name: a name in SHAPES, or a dict of LlamaConfig fields (a model's own shape)."""
         from transformers import LlamaConfig
 
-        self.cfg, self.dev, self.config = cfg, device, SHAPES[shape_name]
+        self.cfg, self.dev = cfg, device
+        self.config = SHAPES[shape_name] if isinstance(shape_name, str) else dict(shape_name)
         self.base = ModelShape.from_config(LlamaConfig(**self.config), torch.bfloat16)  # meta device: no memory
         self.params = self.base.weight_bytes // 2
         self.embedding = 0 if self.config.get("tie_word_embeddings") else self.base.vocab * self.base.hidden

@@ -38,13 +38,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.budget import fmt_s
+from pipeline.core.budget import allot, fmt_s
 from pipeline.core.config import ConfigError, load_config
 from pipeline.decode.compiled import graph_groups
 from pipeline.latency.memory import cache_len, plan_grid
 from pipeline.latency.plan import batched_shapes, draft_label, speculative_shapes, why_not_screened
 from pipeline.gate.looks import plan as plan_looks
 from pipeline.latency.speculative import MIN_TIMING_REPEATS, WARMUP_TOKENS
+from pipeline.speculation.measure import MIN_DIRECT_PROMPTS
 from pipeline.quality.items import BENCHMARKS
 from pipeline.quality.calibration import DECODE_KV_TOKENS
 from pipeline.quality.distribution import REFERENCE_CACHE_BYTES
@@ -133,8 +134,15 @@ def acceptance(c: Cost) -> Stage:
             lossless = c.forward(target, m, p0, 0) + m * (c.decode_step(target, 1, p0)
                                                           + c.draft(spec, target, 1, 1, p0))
             st.add(f"{target} + {spec}: teacher forcing, lossless check", temps * forced + lossless)
-            st.add(f"{target} + {spec}: direct check at k = {', '.join(map(str, ks))}",
-                   temps * sum(c.speculate(target, spec, 1, p, new, k) for k in ks for p in lengths), floor=False)
+            # Its first MIN_DIRECT_PROMPTS prompt(s) run whatever the budget (the greedy lossless
+            # check is made on them); the budget bounds the rest.
+            first, others = lengths[:MIN_DIRECT_PROMPTS], lengths[MIN_DIRECT_PROMPTS:]
+            st.add(f"{target} + {spec}: direct check at k = {', '.join(map(str, ks))}, first prompt",
+                   temps * sum(c.speculate(target, spec, 1, p, new, k) for k in ks for p in first))
+            if others:
+                st.add(f"{target} + {spec}: direct check at k = {', '.join(map(str, ks))}, "
+                       f"{len(others)} more prompts",
+                       temps * sum(c.speculate(target, spec, 1, p, new, k) for k in ks for p in others), floor=False)
     return st
 
 
@@ -322,10 +330,10 @@ def quality_plan(c: Cost, name: str) -> tuple[int, list[int], int]:
         cluster = HAYSTACK_ITEMS if name == "long_context" else 1
         if name not in BENCHMARKS:
             asked = pool  # generated: the pool is what was asked
-        return waves_of(pool, cluster, asked, q.wave_items)
+        return waves_of(pool, cluster, asked, q.wave_items_for(name))
     facts = TASKS.get(name) or UNKNOWN_TASK
     cluster = facts.get("translations", 1) if q.task_clusters.get(name) == "doc_id" else 1
-    return waves_of(facts["docs"], cluster, asked, q.wave_items)
+    return waves_of(facts["docs"], cluster, asked, q.wave_items_for(name))
 
 
 def quality(c: Cost) -> Stage:
@@ -367,25 +375,50 @@ def rest(c: Cost) -> list[Stage]:
     return [marginal, gate, report]
 
 
-def estimate(cfg, shape: str, device: Device) -> dict:
-    """Every stage's exhaustive estimate, its floor, its budget cap and the budgeted estimate (seconds)."""
+def plans_run(cfg, device: Device) -> bool:
+    """Whether a run of `cfg` on `device` shares its planning stages' time around their floors (the
+    run's plan, pipeline/core/budget.py: allot): where the run makes one (pipeline/tools/run_plan.py:
+    a GPU the cost model has a profile for, budget.rebalance on); on a CPU it takes the shares."""
+    return bool(cfg.budget.minutes and cfg.budget.rebalance and device.cuda)
+
+
+def estimate(cfg, shape, device: Device) -> dict:
+    """Every stage's exhaustive estimate, its floor, its budget cap and the budgeted estimate (seconds).
+    `shape`: a name in SHAPES or a LlamaConfig-style dict (a model's own, pipeline/tools/run_plan.py)."""
     c, b = Cost(cfg, shape, device), cfg.budget
     stages = [prepare(c), quantize(c), drafts(c), acceptance(c), latency(c), quality(c), *rest(c)]
+    shares = {st.name: b.shares[st.name] for st in stages if b.minutes and st.name in b.shares}
+    caps = {name: b.minutes * 60 * share for name, share in shares.items()}
+    plan = None
+    if shares and plans_run(cfg, device):
+        floors = {st.name: st.floor for st in stages if st.name in shares}
+        plan = allot(sum(caps.values()), shares, floors)
     rows = []
     for st in stages:
-        share = b.shares.get(st.name) if b.minutes else None
-        cap = b.minutes * 60 * share if share else None
+        cap = caps.get(st.name)
         if cap is not None and st.floor > cap:
             st.notes.append(f"{st.name}: what it does whatever the budget ({fmt_s(st.floor)}) is over its "
                             f"share ({fmt_s(cap)})")
+        if plan is not None and st.name in plan:
+            if abs(plan[st.name] - cap) > 1.0:
+                st.notes.append(f"{st.name}: the run's plan gives it {fmt_s(plan[st.name])} instead of its share's "
+                                f"{fmt_s(cap)} (the planning stages' time shared around their floors)")
+            cap = plan[st.name]
         rows.append({"stage": st.name, "exhaustive_s": round(st.seconds, 1), "floor_s": round(st.floor, 1),
                      "cap_s": None if cap is None else round(cap, 1),
+                     "share_s": None if st.name not in caps else round(caps[st.name], 1),
                      "budgeted_s": round(st.seconds if cap is None else min(st.seconds, max(cap, st.floor)), 1),
                      "parts": [{"what": w, "seconds": round(s, 1), "floor": f} for w, s, f in st.parts],
                      "notes": st.notes})
+    if plan is not None and sum(r["floor_s"] for r in rows if r["stage"] in plan) > sum(caps.values()):
+        rows[-1]["notes"].append(
+            f"budget: the planning stages' floors ({fmt_s(sum(r['floor_s'] for r in rows if r['stage'] in plan))}) "
+            f"are over their time ({fmt_s(sum(caps.values()))}): each gets its floor")
     d = device
-    return {"shape": shape, "params": c.params, "device": d.name, "device_label": d.label,
+    return {"shape": shape if isinstance(shape, str) else "the model's config", "params": c.params,
+            "device": d.name, "device_label": d.label,
             "budget_minutes": b.minutes, "shares": dict(b.shares) if b.minutes else None,
+            "planned": plan is not None,
             "constants": {"bandwidth_Bps": d.bandwidth, "flops": d.flops, "source": d.source,
                           "bandwidth_eff": d.bw_eff, "flops_eff": d.flops_eff, "eager_layer_s": d.eager_layer_s,
                           "compile_s_per_graph": d.compile_s, "cuda_graph_record_s": d.record_s,
@@ -402,6 +435,8 @@ def render(doc: dict, config: str) -> str:
              + (f"\n{doc['constants']['source']}" if "measured" in doc["constants"] else ""),
              f"budget: {b:g} min; shares " + ", ".join(f"{k} {v:g}" for k, v in doc["shares"].items()) if b
              else "budget: none (budget.minutes null): the exhaustive run",
+             *(["the run's plan: acceptance, latency and quality share their time around their floors "
+                "(budget.rebalance; the cap column is the plan's)"] if doc.get("planned") else []),
              f"{'stage':<11} {'exhaustive':>10} {'budget cap':>10} {'budgeted':>10}  largest part"]
     for r in doc["stages"]:
         top = max(r["parts"], key=lambda p: p["seconds"])

@@ -1,0 +1,125 @@
+"""The run's budget plan (pipeline/core/budget.py: allot, PLAN_FILE), made when `make evaluate` starts.
+
+    from pipeline.tools.run_plan import write_plan
+    line = write_plan(run_dir, cfg)    # runs/<run>/budget.json, or no file; a line to print either way
+
+A planning stage (acceptance, latency, quality) cannot go below its floor, the work it does
+whatever the budget. Where a floor is over the stage's share, the shares as written overrun the
+budget while another stage may leave time unused: on configs/gpu.yaml (an 8B model on an H100)
+latency's floor is 58 min against a 36-minute share and quality's 49 against 42, while acceptance
+plans its direct check to fill 24 minutes over a floor of 8. The plan takes the cost model's floors
+(pipeline/tools/estimate.py, for the model's own shape from its config.json on the device's
+profile) and shares the planning stages' time (budget.minutes x 60 x the sum of their shares)
+again: each stage gets max(its floor, lambda x its share).
+
+Where it is made: on a CUDA device the cost model has a profile for (DEVICE_PROFILES: H100, H200,
+A100 80 GB), with `budget.minutes` set and `budget.rebalance` on. Elsewhere (a CPU, any other GPU)
+no plan is written and each stage takes its share: the CPU profile is one measured machine
+(pipeline/tools/cost_devices.py) and on another CPU the floors can be off by 2-3x (README: "What a
+run costs"), and on a 2-core CPU acceptance's floor is about its share anyway, so there is no slack
+to move. A stale plan (another budget, another device) is removed. The plan is a prediction: each
+stage still stops on its own clock and records what it spent.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.core.budget import PLAN_FILE, allot, fmt_s
+from pipeline.core.stage import atomic_write_json
+
+# Substrings of torch.cuda.get_device_name() -> the cost model's device (pipeline/tools/cost_devices.py).
+# An A100 with 40 GB has other bandwidth: only the 80 GB one matches.
+DEVICE_PROFILES = (("H200", "h200"), ("H100", "h100"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"))
+# LlamaConfig fields the cost model reads from a model's config.json (its text config for a multimodal one).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "head_dim")
+
+
+def profile_for(device_name: str | None) -> str | None:
+    """The cost model's device for a CUDA device name ('NVIDIA H100 80GB HBM3' -> 'h100'), or None."""
+    if not device_name:
+        return None
+    upper = device_name.upper()
+    return next((prof for key, prof in DEVICE_PROFILES if key.upper() in upper), None)
+
+
+def model_shape(model_dir: Path) -> dict | None:
+    """The cost model's shape (LlamaConfig fields) from a saved model's config.json, or None when the
+    fields the cost model needs are not there."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config
+    shape = {k: config[k] for k in SHAPE_FIELDS if config.get(k) is not None}
+    if not all(k in shape for k in SHAPE_FIELDS[:5]):
+        return None
+    shape.setdefault("num_key_value_heads", shape["num_attention_heads"])
+    shape.setdefault("max_position_embeddings", 4096)
+    return shape
+
+
+def make_plan(cfg, shape, profile: str) -> dict:
+    """The plan for `cfg` on the cost model's device `profile`: per planning stage its share's
+    seconds, the floor and the exhaustive estimate, and the seconds it gets (budget.allot)."""
+    from pipeline.tools.cost_devices import DEVICES
+    from pipeline.tools.estimate import estimate
+
+    b = cfg.budget
+    doc = estimate(cfg, shape, DEVICES[profile])
+    rows = {r["stage"]: r for r in doc["stages"] if r["stage"] in b.shares}
+    total = b.minutes * 60 * sum(b.shares.values())
+    seconds = allot(total, dict(b.shares), {n: r["floor_s"] for n, r in rows.items()})
+    return {"minutes": b.minutes, "shares": dict(b.shares), "device_profile": profile,
+            "shape": shape, "time_s": round(total, 1),
+            "floors_over_time": sum(r["floor_s"] for r in rows.values()) > total,
+            "stages": {n: {"seconds": round(seconds[n], 1), "share_s": round(b.minutes * 60 * b.shares[n], 1),
+                           "floor_s": r["floor_s"], "exhaustive_s": r["exhaustive_s"]} for n, r in rows.items()},
+            "made_from": "pipeline/tools/estimate.py floors on the device profile (a prediction)"}
+
+
+def plan_text(plan: dict) -> str:
+    """One line: each planning stage's seconds against its share."""
+    parts = [f"{n} {fmt_s(e['seconds'])} (share {fmt_s(e['share_s'])}, floor {fmt_s(e['floor_s'])})"
+             for n, e in plan["stages"].items()]
+    over = "; the floors alone are over the time, each stage gets its floor" if plan["floors_over_time"] else ""
+    return f"the run's plan on the {plan['device_profile']} profile: {', '.join(parts)}{over}"
+
+
+def write_plan(run_dir: Path, cfg, device_name: str | None = None) -> str:
+    """Write (or remove) runs/<run>/budget.json for this run; returns the line to print.
+    device_name: the CUDA device's name (default: torch's, where CUDA is what the run uses)."""
+    path = Path(run_dir) / PLAN_FILE
+    b = cfg.budget
+    why = None
+    if not b.minutes:
+        why = "no budget"
+    elif not b.rebalance:
+        why = "budget.rebalance is off"
+    else:
+        if device_name is None:
+            device_name = _cuda_name(cfg)
+        profile = profile_for(device_name)
+        shape = model_shape(Path(run_dir) / "model")
+        if profile is None:
+            why = (f"the cost model has no profile for {device_name}" if device_name
+                   else "a CPU run: its floors are not predicted well enough to move time by")
+        elif shape is None:
+            why = "the model's config.json lacks the fields the cost model reads"
+    if why is not None:
+        path.unlink(missing_ok=True)
+        return f"each planning stage takes its share; no plan: {why}" if b.minutes else "no time budget: no plan"
+    plan = make_plan(cfg, shape, profile)
+    atomic_write_json(path, plan)
+    return plan_text(plan)
+
+
+def _cuda_name(cfg) -> str | None:
+    """The name of the CUDA device the run resolves to, or None (a CPU run)."""
+    import torch
+
+    from pipeline.core.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
