@@ -39,5 +39,7 @@ def run(ctx: StageContext) -> None:
         }
         atomic_write_json(tmp / "model_info.json", meta)
     ctx.meta.update({k: v for k, v in meta.items() if k != "stage"})
+    # The dtype the weights are stored in, not the one they compute in: each variant resolves that
+    # when quantize loads it (quantize.variants.<name>.dtype; its meta.json's dtype and dtype_reason).
     progress(f"prepare: {facts['parameters'] / 1e6:.1f} M parameters, {meta['bytes'] / 2**20:.1f} MiB "
-             f"({ctx.config.prepare.dtype}) -> {out}")
+             f"stored in {ctx.config.prepare.dtype} (each variant's compute dtype: quantize) -> {out}")
