@@ -51,6 +51,7 @@ install: $(STAMP)
 # ------------------------------------------------------------------ stages (artifact = stage meta.json)
 $(RUN)/model/meta.json: $(STAMP) FORCE
 	$(PIPE) prepare $(ARGS)
+	$(PY) -m pipeline.tools.run_plan --run '$(RUN)' --config '$(CONFIG)'
 $(RUN)/variants/meta.json: $(RUN)/model/meta.json FORCE
 	$(PIPE) quantize $(ARGS)
 $(RUN)/drafts/meta.json: $(RUN)/variants/meta.json FORCE

@@ -72,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
             if name == "prepare":  # the run's first stage (make evaluate runs it first), once MODEL is known good
                 progress(f"specq: {plan_line(cfg)}")
-                from pipeline.tools.run_plan import write_plan
-
-                progress(f"specq: {write_plan(run_dir, cfg)}")
         return 0
     except (ConfigError, StageError, EngineError) as e:
         print(f"specq: {e}", file=sys.stderr)

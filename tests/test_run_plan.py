@@ -13,7 +13,7 @@ from pipeline.core.config import load_config
 from pipeline.tools import estimate as est
 from pipeline.tools.cost_devices import DEVICES
 from pipeline.tools.cost_model import SHAPES
-from pipeline.tools.run_plan import make_plan, model_shape, plan_text, profile_for, write_plan
+from pipeline.tools.run_plan import main, make_plan, model_shape, plan_text, profile_for, write_plan
 
 REPO = Path(__file__).resolve().parent.parent
 GPU = REPO / "configs/gpu.yaml"
@@ -98,3 +98,13 @@ def test_no_plan_on_a_cpu_an_unknown_gpu_without_a_budget_or_rebalance(tmp_path)
     # The estimate does as the run does: no plan on a CPU profile.
     assert not est.estimate(load_config(REPO / "configs/default.yaml"), "smollm2-135m",
                             DEVICES["cpu-2core"])["planned"]
+
+
+def test_the_command_make_prepare_runs(tmp_path, capsys):
+    """The Makefile's prepare target runs it after the stage: on this CPU no plan, one line."""
+    run = _model_dir(tmp_path, SHAPES["tiny"])
+    (run / PLAN_FILE).write_text("{}")
+    assert main(["--run", str(run), "--config", str(REPO / "configs/default.yaml")]) == 0
+    assert not (run / PLAN_FILE).exists()
+    assert "no plan: a CPU run" in capsys.readouterr().err
+    assert main(["--run", str(run), "--config", str(tmp_path / "absent.yaml")]) == 2

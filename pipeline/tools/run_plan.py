@@ -3,6 +3,13 @@
     from pipeline.tools.run_plan import write_plan
     line = write_plan(run_dir, cfg)    # runs/<run>/budget.json, or no file; a line to print either way
 
+    python -m pipeline.tools.run_plan --run runs/smollm2-135m --config configs/default.yaml
+
+The Makefile's prepare target runs the command after the prepare stage, so `make evaluate` (and
+`make prepare`) write the plan before any planning stage starts. (`python -m pipeline evaluate`,
+which runs the stages in one process, does not: pipeline/__main__ sits beside the tools, not above
+them; its stages take their shares.)
+
 A planning stage (acceptance, latency, quality) cannot go below its floor, the work it does
 whatever the budget. Where a floor is over the stage's share, the shares as written overrun the
 budget while another stage may leave time unused: on configs/gpu.yaml (an 8B model on an H100)
@@ -22,7 +29,9 @@ stage still stops on its own clock and records what it spent.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from pipeline.core.budget import PLAN_FILE, allot, fmt_s
@@ -123,3 +132,24 @@ def _cuda_name(cfg) -> str | None:
 
     device = resolve_device(cfg.device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.core.config import ConfigError, load_config
+    from pipeline.core.stage import progress
+
+    ap = argparse.ArgumentParser(description="Write (or remove) the run's budget plan, runs/<run>/budget.json.")
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"run_plan: {e}", file=sys.stderr)
+        return 2
+    progress(f"specq: {write_plan(Path(args.run), cfg)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
