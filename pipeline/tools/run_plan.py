@@ -34,7 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.core.budget import PLAN_FILE, allot, fmt_s
+from pipeline.core.budget import PLAN_FILE, fmt_s
 from pipeline.core.stage import atomic_write_json
 
 # Substrings of torch.cuda.get_device_name() -> the cost model's device (pipeline/tools/cost_devices.py).
@@ -76,10 +76,12 @@ def make_plan(cfg, shape, profile: str) -> dict:
     from pipeline.tools.estimate import estimate
 
     b = cfg.budget
+    # On a GPU profile the estimate makes the run's plan itself (estimate.plans_run): its cap is
+    # the plan's seconds (budget.allot over the floors), so they are read, not computed again.
     doc = estimate(cfg, shape, DEVICES[profile])
     rows = {r["stage"]: r for r in doc["stages"] if r["stage"] in b.shares}
     total = b.minutes * 60 * sum(b.shares.values())
-    seconds = allot(total, dict(b.shares), {n: r["floor_s"] for n, r in rows.items()})
+    seconds = {n: r["cap_s"] for n, r in rows.items()}
     return {"minutes": b.minutes, "shares": dict(b.shares), "device_profile": profile,
             "shape": shape, "time_s": round(total, 1),
             "floors_over_time": sum(r["floor_s"] for r in rows.values()) > total,
