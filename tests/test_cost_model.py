@@ -434,3 +434,16 @@ def test_measure_builds_the_profile_from_its_timings():
     assert device.bandwidth == pytest.approx(t["fp32_bytes"] / t["step_s"])
     assert device.flops == pytest.approx(2 * t["params"] / t["token_s"])
     assert not device.cuda and device.name == "here"
+
+
+def test_the_estimate_times_a_pair_at_the_k_the_stage_would():
+    """The estimate's form of the stage's cut (pipeline/latency/screen.py: ks_to_time) on predicted
+    bounds: 1..k_hi where some batch size's bound reaches 1 at k_hi; every k when no bound is
+    predicted (prompt lookup, compiled runs) or none reaches 1 (the pair is predicted screened)."""
+    from pipeline.tools.estimate import _timed_ks
+
+    ks = [1, 2, 3, 4]
+    assert _timed_ks(ks, [{1: 1.05, 2: 1.01, 3: 0.97, 4: 0.9}]) == [1, 2]
+    assert _timed_ks(ks, [{1: 1.1, 2: 0.9, 3: 0.8, 4: 0.7}, {1: 0.8, 2: 0.7, 3: 1.02, 4: 0.6}]) == [1, 2, 3]
+    assert _timed_ks(ks, [{1: 0.9, 2: 0.8, 3: 0.7, 4: 0.6}]) == ks
+    assert _timed_ks(ks, []) == ks

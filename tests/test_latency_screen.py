@@ -18,8 +18,8 @@ from conftest import make_tiny_llama, save_as_prepared
 
 from pipeline.core.config import Config
 from pipeline.decode.drafts import ModelDraft, NgramDraft
-from pipeline.latency.screen import (DOES_NOT_PAY, MAY_PAY, bound_rows, e_upper, screen_batched, screen_pair,
-                                     verdict_of)
+from pipeline.latency.screen import (DOES_NOT_PAY, MAY_PAY, bound_rows, cut_line, e_upper, ks_to_time,
+                                     screen_batched, screen_pair, verdict_of)
 
 CPU = torch.device("cpu")
 SLEEP_S = 0.25
@@ -165,6 +165,49 @@ def test_free_draft_with_high_acceptance_may_pay(tiny_model, tiny_tokenizer):
     assert rec["probe"] is not None  # (per-k bounds near k = 1 move with the machine's load; the verdict is the claim)
 
 
+def _rows(bounds: list[float]) -> list[dict]:
+    return [{"k": k, "bound": b} for k, b in enumerate(bounds, 1)]
+
+
+def test_ks_to_time_keeps_the_prefix_up_to_the_last_k_that_may_pay():
+    """By hand: the k timed are 1..k_hi (k_hi the largest k whose bound reaches 1, at any B of a
+    batched record), a k below k_hi is kept whatever its own bound, the rest are returned with
+    their bounds; a model-free, unscreened or does-not-pay record keeps every k."""
+    ks = [1, 2, 3, 4, 5, 6]
+    b1 = {"verdict": MAY_PAY, "rows": _rows([1.052, 1.045, 0.966, 0.906, 0.834, 0.776])}
+    assert ks_to_time(b1, ks) == ([1, 2], {"3": 0.966, "4": 0.906, "5": 0.834, "6": 0.776})
+    dip = {"verdict": MAY_PAY, "rows": _rows([0.98, 1.02, 0.9])}
+    assert ks_to_time(dip, [1, 2, 3]) == ([1, 2], {"3": 0.9})
+    none_cut = {"verdict": MAY_PAY, "rows": _rows([1.2, 1.1, 1.0])}
+    assert ks_to_time(none_cut, [1, 2, 3]) == ([1, 2, 3], {})
+    batched = {"verdict": MAY_PAY, "batch_sizes": [1, 4],
+               "by_batch": {"1": {"rows": _rows([1.12, 1.11, 1.03, 0.95, 0.88, 0.81])},
+                            "4": {"rows": _rows([0.81, 0.62, 0.49, 0.4, 0.34, 0.3])}}}
+    assert ks_to_time(batched, ks) == ([1, 2, 3], {"4": 0.95, "5": 0.88, "6": 0.81})
+    late = {"verdict": MAY_PAY, "batch_sizes": [1, 4],
+            "by_batch": {"1": {"rows": _rows([1.1, 0.9, 0.8])}, "4": {"rows": _rows([0.7, 0.8, 1.01])}}}
+    assert ks_to_time(late, [1, 2, 3]) == ([1, 2, 3], {})  # k = 3 may pay at B = 4: nothing cut
+    assert ks_to_time({"verdict": MAY_PAY, "model_free": True, "rows": []}, ks) == (ks, {})
+    assert ks_to_time({"verdict": DOES_NOT_PAY, "rows": _rows([0.9] * 6)}, ks) == (ks, {})
+    assert ks_to_time({"verdict": MAY_PAY, "max_bound": None, "reason": "not screened: x"}, ks) == (ks, {})
+    assert ks_to_time({"verdict": MAY_PAY, "rows": _rows([1.1, 0.9])}, [1, 2, 3]) == ([1, 2, 3], {})  # k = 3 unbounded
+    assert cut_line([1, 2], {"3": 0.966, "4": 0.906}) == \
+        "k = 3..4 not timed: speedup at most 0.97 there (at k = 3; timed at k = 1..2)"
+    assert cut_line([1], {"2": 0.5}) == "k = 2 not timed: speedup at most 0.50 there (at k = 2; timed at k = 1)"
+    assert cut_line([1, 2, 3], {}) == ""
+
+
+def test_a_k_past_the_bound_is_cut_only_after_a_second_probe(tiny_model, tiny_tokenizer, costly_draft):
+    """A draft far dearer than the target with E_hi(1) huge and E_hi(2, 3) = 1: k = 1 may pay, k = 2
+    and 3 cannot (their bound is at most plain / (2 x SLEEP_S)), so the pair is timed at k = 1 only,
+    and the cut rests on two pooled probes."""
+    ids = tiny_tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    rec = screen_pair(tiny_model, costly_draft, ids, KS, fake_acceptance({1: 1e6, 2: 1.0, 3: 1.0}), ACC, CPU, 64)
+    assert rec["verdict"] == MAY_PAY and rec["probe"]["probes"] == 2
+    ks, cut = ks_to_time(rec, KS)
+    assert ks == [1] and set(cut) == {"2", "3"} and all(v < 1.0 for v in cut.values())
+
+
 def test_bound_is_above_the_measured_speedup(tiny_tokenizer):
     """The bound against a timed pair: a tiny Llama drafting for itself (greedy, every token
     accepted, so E(k) = k + 1 exactly and its CI is [k + 1, k + 1]), every forward of it slowed by
@@ -289,3 +332,60 @@ def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_
     pair = json.loads((run / "latency" / "bf16__self-big.json").read_text())
     assert "screened" not in pair and "screen" not in pair and pair["rows"] == [{"k": 1}]
     assert json.loads((run / "latency" / "batched" / "bf16__self-big.json").read_text())["cells"]
+
+
+def test_the_stage_times_a_pair_only_at_the_k_that_may_pay(tmp_path, tiny_model, tiny_tokenizer, capsys,
+                                                           monkeypatch):
+    """The latency stage with a draft far dearer than the target, E_hi(1) huge and E_hi(2) = 1 (at
+    B = 1 and under batching): the pair is timed at k = 1 only (the timing functions are stand-ins
+    that record the k they are given), its JSONs and meta.json name k = 2 with its bound, a line
+    says so; a re-run keeps the pair; with latency.screen off it is timed at every k."""
+    from pipeline.__main__ import STAGES
+    from pipeline.core.stage import run_stage
+    from pipeline.stages import latency as stage
+
+    build = stage.build_draft
+    monkeypatch.setattr(stage, "build_draft", lambda spec, *a: ModelDraft(spec, slow(build(spec, *a).model),
+                                                                            len(tiny_tokenizer)))
+    timed = []
+    monkeypatch.setattr(stage, "speculative_pair",
+                        lambda target, spec, model, draft, prompts, lat, acc, device, conf, seed, ks, **kw:
+                        timed.append(("b1", list(ks))) or {"variant": target, "draft": spec,
+                                                           "rows": [{"k": k} for k in ks], "memory_plan": {},
+                                                           "compile": {}})
+    monkeypatch.setattr(stage, "batched_pair", lambda target, spec, model, draft, tok, ks, *a, **kw:
+                        timed.append(("batched", list(ks))) or {"variant": target, "draft": spec,
+                                                                "cells": [{"batch": 2, "k": k} for k in ks],
+                                                                "compile": {}})
+    run = tmp_path / "run"
+    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
+    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "big")
+    _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"}})
+    _fake_stage(run, "drafts")
+    _fake_stage(run, "acceptance")
+    acc = fake_acceptance({1: 1e6, 2: 1.0}, {2: {1: 1e6, 2: 1.0}}, temps=("0.0",))
+    (run / "acceptance" / "bf16__self-big.json").write_text(json.dumps(acc))
+    raw = {"device": "cpu", "drafts": ["self:big"],
+           "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
+           "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
+           "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
+                       "spec_batch_sizes": [2], "closed_loop_waves": 0}}
+    cfg = Config.model_validate(raw)
+    meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES, force=True).read_text())
+    assert timed == [("b1", [1]), ("batched", [1])]
+    err = capsys.readouterr().err
+    assert "latency: bf16 + self:big: k = 2 not timed: speedup at most" in err
+    assert "latency: bf16 + self:big (batched): k = 2 not timed: speedup at most" in err
+    for path in (run / "latency" / "bf16__self-big.json", run / "latency" / "batched" / "bf16__self-big.json"):
+        doc = json.loads(path.read_text())
+        assert doc["ks_asked"] == [1, 2] and doc["ks_timed"] == [1] and set(doc["ks_not_timed"]) == {"2"}
+        assert doc["ks_not_timed"]["2"] < 1.0 and doc["screen"]["ks_not_timed"] == doc["ks_not_timed"]
+    for phase in ("speculative", "batched"):
+        assert set(meta["screened"]["bf16__self-big"][phase]["ks_not_timed"]) == {"2"}
+    run_stage(STAGES["latency"], run, cfg, {}, STAGES)
+    assert len(timed) == 2  # resumed: the cut pair is current
+    off = Config.model_validate({**raw, "latency": {**raw["latency"], "screen": False}})
+    run_stage(STAGES["latency"], run, off, {}, STAGES)
+    assert timed[2:] == [("b1", [1, 2]), ("batched", [1, 2])]
+    doc = json.loads((run / "latency" / "bf16__self-big.json").read_text())
+    assert doc["ks_timed"] == [1, 2] and doc["ks_not_timed"] == {}

@@ -280,3 +280,22 @@ def test_reads_what_the_acceptance_stage_writes():
         assert row["tokens_per_round_ci"][0] < e < row["tokens_per_round_ci"][1]
         assert row["round_ms"] == pytest.approx(12.5 + 2 * row["mean_drafted"])
     assert rep["acceptance_per_position"] == per["per_position"]
+
+
+def test_a_pair_timed_below_k_max_reports_the_k_it_cut():
+    """A pair the latency stage timed at k = 1..2 of 1..4 (the screen's bound is below 1 past 2:
+    pipeline/latency/screen.py ks_to_time): the tables stop at 2, the report names the k cut with
+    their bound, and the Markdown says they were not timed."""
+    from pipeline.report.marginal import render_markdown
+
+    lat = _latency(2)
+    lat.update(ks_asked=[1, 2, 3, 4], ks_timed=[1, 2], ks_not_timed={"3": 0.97, "4": 0.9})
+    rep = pair_report(_acceptance(0.9, 4), lat)
+    assert [r["k"] for r in rep["rows"]] == [1, 2]
+    assert all([r["k"] for r in t["rows"]] == [1, 2] for temps in rep["slices"].values() for t in temps.values())
+    assert rep["ks_not_timed"] == {"3": 0.97, "4": 0.9}
+    assert rep["ks_not_timed_note"] == "k = 3..4 not timed: speedup at most 0.97 there (at k = 3; timed at k = 1..2)"
+    assert rep["ks_not_timed_note"] + ": they cannot be recommended" in render_markdown(rep)
+    full = pair_report(_acceptance(0.9, 4), _latency(4))
+    assert full["ks_not_timed"] == {} and full["ks_not_timed_note"] is None
+    assert "not timed" not in render_markdown(full)

@@ -35,6 +35,14 @@ change the recommendation, and the latency stage writes the pair's JSON with `sc
 of timing it. The bound is on the pooled slice: a category whose own E CI is higher is listed in
 `categories_not_ruled_out` (its k is not measured either).
 
+A pair that may pay is timed only at the k that can still be recommended (`ks_to_time`, since
+2026-12-03): 1..k_hi, k_hi the largest k whose bound is at least 1 (at any batch size, for the
+batched cells); the k past it are recorded with their bounds (`ks_not_timed` in the pair's JSON)
+and the marginal tables stop at k_hi. A model draft's round at k costs about k draft steps, so the
+k past the cut are the dearest part of a repeat (on the default config's self-draft, k = 3..6 were
+about two thirds of each B = 1 repeat). As for a whole pair, a k is cut only when the second
+probe, pooled with the first, agrees. What the per-category recommendations see is cut the same way.
+
 Drafts that propose without a model forward (prompt lookup: `draft.model` is None) are never
 screened and not probed: a round that drafts nothing is a plain decode step, so a round costs at
 least a plain step and the bound is E_hi(k) x T_plain_hi / T_plain_lo >= 1.
@@ -226,9 +234,9 @@ def pool(a: dict, b: dict) -> dict:
 
 def _one_batch(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, acceptance: dict | None,
                acc_cfg, seed: int, prompt_id: str | None = None) -> dict:
-    """The bound at one batch size (ids: [B, T]). A pair is only screened when a second probe,
-    its samples pooled with the first's, still puts the bound below 1 everywhere: a burst of load
-    during one probe's round-part measurements would otherwise screen a pair that pays."""
+    """The bound at one batch size (ids: [B, T]). A pair (or a k: ks_to_time) is only ruled out
+    when a second probe, its samples pooled with the first's, still puts its bound below 1: a burst
+    of load during one probe's round-part measurements would otherwise rule out one that pays."""
     b = int(ids.shape[0])
     hottest = max(acc_cfg.temperatures, default=0.0)
     plain_sampling = sampling_of(acc_cfg.sampling, hottest)
@@ -237,7 +245,7 @@ def _one_batch(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, a
     probe = probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed)
     probes = 1
     rows = bound_rows(upper, probe, ks)
-    if verdict_of(rows)[0] == DOES_NOT_PAY:
+    if any(r["bound"] < 1.0 for r in rows):  # a k it would rule out (the pair, or k past the cut: ks_to_time)
         probe = pool(probe, probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed + 1))
         probes = 2
         rows = bound_rows(upper, probe, ks)
@@ -288,6 +296,38 @@ def screen_batched(model, draft, prompts: dict[int, torch.Tensor], cache_lens: d
     return rec
 
 
+def ks_to_time(rec: dict, ks: list[int]) -> tuple[list[int], dict[str, float]]:
+    """The k a pair that may pay is timed at, and the bound of each k it is not: 1..k_hi, k_hi the
+    largest k whose bound is at least 1 (at any batch size of a batched record). A k past k_hi
+    cannot be recommended at the bound's level (its speedup is below 1, and the marginal stage
+    recommends a k only where the speedup CI lies above 1), so timing it cannot change the
+    recommendation. The k are kept a prefix 1..k_hi (a k below k_hi whose own bound is under 1 is
+    still timed): the marginal stage reads a pair's k up to the largest timed drafted count.
+    A model-free or unscreened record keeps every k."""
+    per_k: dict[int, float] = {}
+    blocks = list((rec.get("by_batch") or {}).values()) if "batch_sizes" in rec else [rec]
+    for block in blocks:
+        for row in block.get("rows") or []:
+            per_k[int(row["k"])] = max(per_k.get(int(row["k"]), 0.0), float(row["bound"]))
+    if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not per_k or any(k not in per_k for k in ks):
+        return list(ks), {}
+    paying = [k for k in ks if per_k[k] >= 1.0]
+    k_hi = max(paying, default=max(ks))
+    return [k for k in ks if k <= k_hi], {str(k): round(per_k[k], 4) for k in ks if k > k_hi}
+
+
+def cut_line(ks: list[int], cut: dict[str, float]) -> str:
+    """'k = 3..6 not timed: speedup at most 0.97 there (at k = 3; timed at k = 1..2)', or '' when
+    none is cut (ks: the k timed)."""
+    if not cut:
+        return ""
+    cut_ks = sorted(int(k) for k in cut)
+    span = f"{cut_ks[0]}" if len(cut_ks) == 1 else f"{cut_ks[0]}..{cut_ks[-1]}"
+    top = max(cut_ks, key=lambda k: (cut[str(k)], -k))
+    timed = f"; timed at k = {min(ks)}..{max(ks)}" if len(ks) > 1 else (f"; timed at k = {ks[0]}" if ks else "")
+    return f"k = {span} not timed: speedup at most {cut[str(top)]:.2f} there (at k = {top}{timed})"
+
+
 def reason(rec: dict) -> str:
     """'speedup at most 0.62 at k=1' (and B) in words, or the model-free line."""
     if rec.get("model_free"):
@@ -312,7 +352,8 @@ def summary(rec: dict) -> dict:
     """The stage meta.json's few keys of a screen record."""
     return {"verdict": rec["verdict"], "max_bound": rec.get("max_bound"), "at_k": rec.get("at_k"),
             **({"at_batch": rec.get("at_batch")} if "batch_sizes" in rec else {}),
-            "model_free": rec.get("model_free", False), "reason": reason(rec)}
+            "model_free": rec.get("model_free", False), "reason": reason(rec),
+            **({"ks_not_timed": rec["ks_not_timed"]} if rec.get("ks_not_timed") else {})}
 
 
 def skipped_b1(ks: list[int], prompts: dict, temperatures: list[float]) -> str:

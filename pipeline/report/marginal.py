@@ -115,6 +115,9 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
     note = footnote(rows, "speedup")
     if note:
         out += ["", note]
+    if report.get("ks_not_timed_note"):
+        out += ["", f"{report['ks_not_timed_note']}: they cannot be recommended, so the latency stage did not "
+                "time them (latency.screen)."]
     out += ["", "How to read it: E[tokens/round] comes from the acceptance stage (emitted tokens / "
             "expected rounds at that k, from one teacher-forced pass over the target's own text, "
             "checked against direct runs below); the round time (draft up to k tokens + verify them "

@@ -104,6 +104,8 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
         if m and m.get("screened"):
             screened.append(f"{pair}: {m.get('screened_note')}; skipped: "
                             f"{m['screened'].get('skipped') or 'its timing'}")
+        elif m and m.get("ks_not_timed_note"):  # timed at the k that may pay only (screen.ks_to_time)
+            screened.append(f"{pair}: {m['ks_not_timed_note']}")
         shown = MISSING if rec is None else str(rec) + (" (does not pay, not timed)" if (m or {}).get("screened") else "")
         rows.append([pair, loss.get("decision", "unchecked"), shown,
                      f"{number(at['speedup'], 2)}x {interval(at.get('speedup_ci'), 2)}" if at else MISSING,
@@ -121,7 +123,8 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
         out.append(("p", "Screened before timing (latency.screen): an upper bound on the speedup at every k, "
                          "from the upper end of acceptance's E(k) CI times the slowest probed plain step over the "
                          "fastest probed draft + verify, is below 1, so no k can be recommended and the pair was "
-                         "not timed (plain ms/token there is the probe's). " + " ".join(f"{x}." for x in screened)))
+                         "not timed (plain ms/token there is the probe's); where the bound is below 1 only past "
+                         "some k, the k past it were not timed. " + " ".join(f"{x}." for x in screened)))
     for pair in pairs:
         out.append(("h3", pair))
         m = marginal.get(pair)

@@ -231,7 +231,9 @@ def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, s
     return {
         "by_batch": {"rows": rows, "plain": plain, "batch_sizes": batched.get("batch_sizes"),
                      "prompt_tokens": batched.get("prompt_tokens"), "new_tokens": batched.get("new_tokens"),
-                     "repeats": batched.get("repeats")},
+                     "repeats": batched.get("repeats"),
+                     # The k not timed under batching: their bound is below 1 at every B (screen.ks_to_time).
+                     "ks_not_timed": batched.get("ks_not_timed") or {}},
         "recommended_k_by_batch": {str(b): k for b, k in rec.items()},
         "speculative_config_by_batch": speculative_config(rec),
     }

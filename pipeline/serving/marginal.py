@@ -47,7 +47,7 @@ import numpy as np
 
 from pipeline.core.stage import StageError
 from pipeline.latency.modes import comparable, compare
-from pipeline.latency.screen import screened_note
+from pipeline.latency.screen import cut_line, screened_note
 from pipeline.latency.speculative import MIN_TIMING_REPEATS
 from pipeline.speculation.acceptance_stats import MIN_PROMPTS, ratio_t_draws, ratio_t_interval
 from pipeline.stats.intervals import median_ci, percentile_interval
@@ -385,6 +385,9 @@ def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -
                           "the acceptance artifact has no workload block (made before issue 28)"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
+        # The k the latency stage did not time (their speedup bound is below 1: screen.ks_to_time).
+        "ks_not_timed": latency.get("ks_not_timed") or {},
+        "ks_not_timed_note": cut_line(latency.get("ks_timed") or [], latency.get("ks_not_timed") or {}) or None,
         "latency_new_tokens": latency.get("new_tokens"),
         "latency_rows": [],
     }
@@ -446,6 +449,9 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> di
                           "are the built-in ones, and the serving simulation uses fixed lengths"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
+        # The k the latency stage did not time (their speedup bound is below 1: screen.ks_to_time).
+        "ks_not_timed": latency.get("ks_not_timed") or {},
+        "ks_not_timed_note": cut_line(latency.get("ks_timed") or [], latency.get("ks_not_timed") or {}) or None,
         "latency_new_tokens": latency.get("new_tokens"),
         "latency_rows": [{k: r[k] for k in ("k", "draft_ms", "verify_ms", "overhead_ms", "round_ms") if k in r}
                          for r in by_temp[primary_temp].get("rows", [])],

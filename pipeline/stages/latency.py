@@ -32,7 +32,9 @@ and empty `rows` / `by_temperature` (batched: empty `cells`); a timed pair carri
 under `screen`. Prompt lookup is never screened, nor is any pair where the steps compile with
 inductor (pipeline/latency/plan.py: why_not_screened; the probe is eager). meta.json's `screen` says
 "on" or why not, and `screened` has each pair's verdict. A screened pair is re-screened when its
-acceptance JSON changes and timed once latency.screen is off.
+acceptance JSON changes and timed once latency.screen is off. A pair that may pay is timed at
+k = 1..k_hi only, the k whose bound reaches 1 (screen.ks_to_time); its JSON has `ks_asked`,
+`ks_timed` and `ks_not_timed` (k -> bound), and it is re-timed on the same two conditions.
 
 Before any cell runs, a memory plan (pipeline/latency/plan.py) drops the cells that cannot fit
 (one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
@@ -66,7 +68,8 @@ from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
 from pipeline.latency.plan import compile_session, draft_label, why_not_screened
 from pipeline.latency.roofline import measure_bandwidth
-from pipeline.latency.screen import (DOES_NOT_PAY, progress_line, screen_batched, screen_pair, skipped_b1,
+from pipeline.latency.screen import (DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_batched, screen_pair,
+                                     skipped_b1,
                                      skipped_batched, summary)
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
@@ -205,8 +208,12 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
                                                              "draft_meta": draft_input_hash(ctx.run_dir, slug)},
                         is_dir=False)
         screened = item.meta.get("screened") if item.fresh else None
-        if screened and (not ctx.config.latency.screen
-                         or (screened.get("acceptance") or {}).get("sha256") != _acceptance_sha(ctx, target, spec)):
+        # A pair timed at fewer k than asked (the screen cut the k past its bound) depends on the
+        # screen the same way: re-timed once the screen is off or its acceptance JSON changed.
+        cut = item.meta.get("screen") if item.fresh and item.meta.get("ks_not_timed") else None
+        rec = screened or cut
+        if rec and (not ctx.config.latency.screen
+                    or (rec.get("acceptance") or {}).get("sha256") != _acceptance_sha(ctx, target, spec)):
             item.fresh = False
         if not item.fresh:
             pending[spec] = item
@@ -252,6 +259,20 @@ def _screening(ctx: StageContext, lat, device) -> bool:
         progress(f"latency: screen {why}")
     ctx.meta["screen"] = "on" if why is None else why
     return why is None
+
+
+def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[int],
+         phase: str) -> tuple[list[int], dict[str, float]]:
+    """The k a pair that may pay is timed at (pipeline/latency/screen.py: ks_to_time) and the
+    bound of each k cut; says so in a line, in the screen record and in meta.json."""
+    if rec is None:
+        return list(ks), {}
+    pair_ks, cut = ks_to_time(rec, ks)
+    if cut:
+        rec["ks_not_timed"] = cut
+        progress(f"latency: {target} + {spec}{' (batched)' if phase == 'batched' else ''}: {cut_line(pair_ks, cut)}")
+        _note_screen(ctx, target, spec, phase, rec)
+    return pair_ks, cut
 
 
 def _note_screen(ctx: StageContext, target: str, spec: str, phase: str, rec: dict) -> None:
@@ -322,9 +343,11 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 t0 = time.time()
                 left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
                 pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
+                pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks, "speculative")
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
-                                       device, lat.confidence, cfg.seed, ks, session=session,
+                                       device, lat.confidence, cfg.seed, pair_ks, session=session,
                                        budget=phase.piece(f"{target} + {spec}", left))
+                doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)
                 doc["workload"] = workload_summary(prompts)
                 if spec in screens:
                     doc["screen"] = screens[spec]
@@ -383,9 +406,11 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
             for spec, item in pending.items():
                 left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
                 pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-                doc = batched_pair(target, spec, model, drafts[spec], tok, ks, lat, device, lat.confidence,
+                pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks, "batched")
+                doc = batched_pair(target, spec, model, drafts[spec], tok, pair_ks, lat, device, lat.confidence,
                                    cfg.seed, session=session, rows=rows,
                                    budget=phase.piece(f"{target} + {spec} batched", left))
+                doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)
                 doc["workload"] = workload_summary(drawn)
                 if spec in screens:
                     doc["screen"] = screens[spec]

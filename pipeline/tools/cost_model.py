@@ -148,11 +148,15 @@ class Cost:
         """The largest over k of the screen's upper speedup (pipeline/latency/screen.py) under this
         model: E(k) at the guessed rate + SCREEN_RATE_MARGIN, over the round's verify and k draft
         steps, against a plain step, all eager (the screen runs only where the steps do)."""
+        return max(self.screen_bounds(target, spec, rows, context, ks).values())
+
+    def screen_bounds(self, target: str, spec: str, rows: int, context: float, ks) -> dict[int, float]:
+        """k -> the screen's upper speedup at k under this model (screen_bound is their largest)."""
         rate = min(1.0, ACCEPTANCE_RATE.get(spec.split(":")[0], ACCEPTANCE_RATE["hf"]) + SCREEN_RATE_MARGIN)
         plain = self.decode_step(target, rows, context)
-        return max(tokens_per_round(k, rate, rows) * plain
-                   / (self.forward(target, rows, k + 1, context) + k * self.draft(spec, target, rows, 1, context))
-                   for k in ks)
+        return {k: tokens_per_round(k, rate, rows) * plain
+                / (self.forward(target, rows, k + 1, context) + k * self.draft(spec, target, rows, 1, context))
+                for k in ks}
 
     def load(self, variant: str) -> float:
         return self.held_bytes(variant) / self.dev.disk

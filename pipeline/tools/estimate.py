@@ -146,6 +146,20 @@ def acceptance(c: Cost) -> Stage:
     return st
 
 
+def _timed_ks(ks: list[int], bounds: list[dict[int, float]]) -> list[int]:
+    """The stage's cut (pipeline/latency/screen.py: ks_to_time) under the predicted bounds: k = 1..k_hi,
+    k_hi the largest k whose bound reaches 1 at any batch size; every k without a prediction or
+    where no k reaches 1 (then the pair is predicted screened out whole)."""
+    paying = [k for k in ks if any(b[k] >= 1.0 for b in bounds)]
+    return [k for k in ks if k <= max(paying)] if bounds and paying else list(ks)
+
+
+def _cut_note(target: str, spec: str, where: str, pair_ks: list[int], ks: list[int]) -> str:
+    return (f"latency: {target} + {spec} at {where} predicted timed at k = {min(pair_ks)}..{max(pair_ks)} of "
+            f"{min(ks)}..{max(ks)} (the screen's bound is below 1 past k = {max(pair_ks)} at the guessed acceptance "
+            "rate + 0.1); the stage decides on acceptance's measured CI")
+
+
 def _screened_note(target: str, spec: str, where: str, bound: float) -> str:
     return (f"latency: {target} + {spec} at {where} predicted screened out (speedup bound {bound:.2f} < 1 at the "
             f"guessed acceptance rate + {SCREEN_RATE_MARGIN:g}); the stage decides on acceptance's measured CI")
@@ -203,14 +217,18 @@ def latency(c: Cost) -> Stage:
             # pair it screens out is probed, not timed. Here the verdict is predicted (screen_bound).
             screened = screening and not spec.startswith("ngram")
             probe = SCREEN_PROBE_S if screened else 0.0
+            bounds = c.screen_bounds(target, spec, 1, sum(spec_lengths) / len(spec_lengths) + lat.new_tokens / 2,
+                                     ks) if screened else None
+            bound = max(bounds.values()) if bounds else None
+            pair_ks = _timed_ks(ks, [bounds] if bounds else [])  # the k a pair that may pay is timed at
+            if len(pair_ks) < len(ks) and bound is not None and bound >= 1:
+                st.notes.append(_cut_note(target, spec, "B = 1", pair_ks, ks))
             one = temps * sum(c.generate(target, 1, p, lat.new_tokens, eager=eager)
-                              + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in ks)
+                              + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in pair_ks)
                               for p in spec_lengths)
             p0 = min(spec_lengths)  # a warm-up: per temperature, plain and every k once on the shortest prompt
             warm = lat.warmup * temps * (c.generate(target, 1, p0, warm_new, eager=eager)
-                                         + sum(c.speculate(target, spec, 1, p0, warm_new, k, eager) for k in ks))
-            bound = c.screen_bound(target, spec, 1, sum(spec_lengths) / len(spec_lengths) + lat.new_tokens / 2,
-                                   ks) if screened else None
+                                         + sum(c.speculate(target, spec, 1, p0, warm_new, k, eager) for k in pair_ks))
             if bound is not None and bound < 1:
                 st.add(f"{target} + {spec}: B = 1 probe; predicted screened out (bound {bound:.2f})", probe)
                 st.notes.append(_screened_note(target, spec, "B = 1", bound))
@@ -230,20 +248,24 @@ def latency(c: Cost) -> Stage:
             if compiled:  # the draft's own graphs: the pair's session less the target's
                 g1, s1 = _compiles(batched_shapes(lens, k_max, labels), lat, d)
                 graphs, secs = g1 - target_graphs[0], s1 - target_graphs[1]
-            bound = max(c.screen_bound(target, spec, b, row_len + lat.new_tokens / 2, ks)
-                        for b in sizes) if screened else None
+            by_b = ([c.screen_bounds(target, spec, b, row_len + lat.new_tokens / 2, ks) for b in sizes]
+                    if screened else [])
+            bound = max(max(x.values()) for x in by_b) if by_b else None
+            pair_ks = _timed_ks(ks, by_b)
+            if len(pair_ks) < len(ks) and bound is not None and bound >= 1:
+                st.notes.append(_cut_note(target, spec, "every batch size", pair_ks, ks))
             if bound is not None and bound < 1:
                 st.add(f"{target} + {spec}: batched probe; predicted screened out (bound {bound:.2f})", probe)
                 st.notes.append(_screened_note(target, spec, "every batch size", bound))
                 continue
 
-            def cells(new: int) -> float:  # every batched cell once: plain and every k at each B
+            def cells(new: int) -> float:  # every batched cell once: plain and every timed k at each B
                 return sum(c.generate(target, b, row_len, new, eager=eager)
-                           + sum(c.speculate(target, spec, b, row_len, new, k, eager) for k in ks) for b in sizes)
+                           + sum(c.speculate(target, spec, b, row_len, new, k, eager) for k in pair_ks) for b in sizes)
             cell = cells(lat.new_tokens)
             tokens, wave = lat.closed_loop_tokens, 0.0
             for b in loops:  # one wave at each B: plain and speculative at the fastest k
-                fastest = min(c.speculate(target, spec, b, row_len, tokens, k, eager) for k in ks)
+                fastest = min(c.speculate(target, spec, b, row_len, tokens, k, eager) for k in pair_ks)
                 wave += c.generate(target, b, row_len, tokens, eager=eager) + fastest
             # As at B = 1, the warm-up and the first MIN_TIMING_REPEATS repeats run whatever the budget, and
             # with repeat r the closed loop's waves r, r + R, ... (pipeline/latency/batched.py spreads the
