@@ -195,6 +195,7 @@ def test_ks_to_time_keeps_the_prefix_up_to_the_last_k_that_may_pay():
         "k = 3..4 not timed: speedup at most 0.97 there (at k = 3; timed at k = 1..2)"
     assert cut_line([1], {"2": 0.5}) == "k = 2 not timed: speedup at most 0.50 there (at k = 2; timed at k = 1)"
     assert cut_line([1, 2, 3], {}) == ""
+    assert "at most 0.997 there" in cut_line([1], {"2": 0.9966})
 
 
 def test_a_k_past_the_bound_is_cut_only_after_a_second_probe(tiny_model, tiny_tokenizer, costly_draft):

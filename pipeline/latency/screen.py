@@ -325,7 +325,9 @@ def cut_line(ks: list[int], cut: dict[str, float]) -> str:
     span = f"{cut_ks[0]}" if len(cut_ks) == 1 else f"{cut_ks[0]}..{cut_ks[-1]}"
     top = max(cut_ks, key=lambda k: (cut[str(k)], -k))
     timed = f"; timed at k = {min(ks)}..{max(ks)}" if len(ks) > 1 else (f"; timed at k = {ks[0]}" if ks else "")
-    return f"k = {span} not timed: speedup at most {cut[str(top)]:.2f} there (at k = {top}{timed})"
+    bound = cut[str(top)]
+    shown = f"{bound:.2f}" if bound < 0.995 else f"{bound:.3f}"  # below 1, never printed as 1.00
+    return f"k = {span} not timed: speedup at most {shown} there (at k = {top}{timed})"
 
 
 def reason(rec: dict) -> str:
