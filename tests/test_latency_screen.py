@@ -247,6 +247,30 @@ def _fake_stage(run, name, **extra):
     (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name, **extra}))
 
 
+def _screen_run(tmp_path, tiny_model, tiny_tokenizer, monkeypatch, acc: dict):
+    """A run folder for the latency stage: variants bf16 and big (the same tiny Llama), the draft
+    self:big slowed (every forward >= SLEEP_S), the given acceptance JSON; returns (run, raw config)."""
+    from pipeline.stages import latency as stage
+
+    build = stage.build_draft
+    monkeypatch.setattr(stage, "build_draft", lambda spec, *a: ModelDraft(spec, slow(build(spec, *a).model),
+                                                                            len(tiny_tokenizer)))
+    run = tmp_path / "run"
+    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
+    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "big")
+    _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"}})
+    _fake_stage(run, "drafts")
+    _fake_stage(run, "acceptance")
+    (run / "acceptance" / "bf16__self-big.json").write_text(json.dumps(acc))
+    raw = {"device": "cpu", "drafts": ["self:big"],
+           "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
+           "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
+           "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
+                       "spec_batch_sizes": [2], "closed_loop_waves": 0},
+           "serving": {"requests": 10, "seeds": 1, "rate_points": 2, "validation_resamples": 5}}
+    return run, raw
+
+
 def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_model, tiny_tokenizer, capsys,
                                                                 monkeypatch):
     """A draft far costlier than the target (self:big, slowed) with E(k) near 1: the latency stage
@@ -261,26 +285,11 @@ def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_
     from pipeline.report.speculation import speculation_blocks
     from pipeline.stages import latency as stage
 
-    build = stage.build_draft
-    monkeypatch.setattr(stage, "build_draft", lambda spec, *a: ModelDraft(spec, slow(build(spec, *a).model),
-                                                                            len(tiny_tokenizer)))
-    run = tmp_path / "run"
-    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
-    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "big")
-    _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"}})
-    _fake_stage(run, "drafts")
-    _fake_stage(run, "acceptance")
     acc = fake_acceptance({1: 1.08, 2: 1.1}, {2: {1: 1.05, 2: 1.06}}, temps=("0.0",))
     acc["slices"]["all"]["0.0"]["per_position"] = [
         {"position": i, "conditional": 0.05, "prefix": 0.05 ** i, "expected_beta": 0.1, "n": 10,
          "ci": [0.0, 0.2]} for i in (1, 2)]
-    (run / "acceptance" / "bf16__self-big.json").write_text(json.dumps(acc))
-    raw = {"device": "cpu", "drafts": ["self:big"],
-           "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
-           "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
-           "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
-                       "spec_batch_sizes": [2], "closed_loop_waves": 0},
-           "serving": {"requests": 10, "seeds": 1, "rate_points": 2, "validation_resamples": 5}}
+    run, raw = _screen_run(tmp_path, tiny_model, tiny_tokenizer, monkeypatch, acc)
     cfg = Config.model_validate(raw)
     meta = {}
     for _ in range(3):  # contention only raises the bound (module docstring)
@@ -345,9 +354,8 @@ def test_the_stage_times_a_pair_only_at_the_k_that_may_pay(tmp_path, tiny_model,
     from pipeline.core.stage import run_stage
     from pipeline.stages import latency as stage
 
-    build = stage.build_draft
-    monkeypatch.setattr(stage, "build_draft", lambda spec, *a: ModelDraft(spec, slow(build(spec, *a).model),
-                                                                            len(tiny_tokenizer)))
+    run, raw = _screen_run(tmp_path, tiny_model, tiny_tokenizer, monkeypatch,
+                           fake_acceptance({1: 1e6, 2: 1.0}, {2: {1: 1e6, 2: 1.0}}, temps=("0.0",)))
     timed = []
     monkeypatch.setattr(stage, "speculative_pair",
                         lambda target, spec, model, draft, prompts, lat, acc, device, conf, seed, ks, **kw:
@@ -358,19 +366,6 @@ def test_the_stage_times_a_pair_only_at_the_k_that_may_pay(tmp_path, tiny_model,
                         timed.append(("batched", list(ks))) or {"variant": target, "draft": spec,
                                                                 "cells": [{"batch": 2, "k": k} for k in ks],
                                                                 "compile": {}})
-    run = tmp_path / "run"
-    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "bf16")
-    save_as_prepared(tiny_model, tiny_tokenizer, run / "variants" / "big")
-    _fake_stage(run, "variants", variants={"bf16": {"scheme": "none", "dir": "variants/bf16"}})
-    _fake_stage(run, "drafts")
-    _fake_stage(run, "acceptance")
-    acc = fake_acceptance({1: 1e6, 2: 1.0}, {2: {1: 1e6, 2: 1.0}}, temps=("0.0",))
-    (run / "acceptance" / "bf16__self-big.json").write_text(json.dumps(acc))
-    raw = {"device": "cpu", "drafts": ["self:big"],
-           "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
-           "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
-           "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
-                       "spec_batch_sizes": [2], "closed_loop_waves": 0}}
     cfg = Config.model_validate(raw)
     meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES, force=True).read_text())
     assert timed == [("b1", [1]), ("batched", [1])]
