@@ -440,10 +440,10 @@ def test_the_estimate_times_a_pair_at_the_k_the_stage_would():
     """The estimate's form of the stage's cut (pipeline/latency/screen.py: ks_to_time) on predicted
     bounds: 1..k_hi where some batch size's bound reaches 1 at k_hi; every k when no bound is
     predicted (prompt lookup, compiled runs) or none reaches 1 (the pair is predicted screened)."""
-    from pipeline.tools.estimate import _timed_ks
+    from pipeline.latency.screen import timed_prefix  # the estimate calls the stage's own cut
 
     ks = [1, 2, 3, 4]
-    assert _timed_ks(ks, [{1: 1.05, 2: 1.01, 3: 0.97, 4: 0.9}]) == [1, 2]
-    assert _timed_ks(ks, [{1: 1.1, 2: 0.9, 3: 0.8, 4: 0.7}, {1: 0.8, 2: 0.7, 3: 1.02, 4: 0.6}]) == [1, 2, 3]
-    assert _timed_ks(ks, [{1: 0.9, 2: 0.8, 3: 0.7, 4: 0.6}]) == ks
-    assert _timed_ks(ks, []) == ks
+    assert timed_prefix(ks, [{1: 1.05, 2: 1.01, 3: 0.97, 4: 0.9}]) == [1, 2]
+    assert timed_prefix(ks, [{1: 1.1, 2: 0.9, 3: 0.8, 4: 0.7}, {1: 0.8, 2: 0.7, 3: 1.02, 4: 0.6}]) == [1, 2, 3]
+    assert timed_prefix(ks, [{1: 0.9, 2: 0.8, 3: 0.7, 4: 0.6}]) == ks
+    assert timed_prefix(ks, []) == ks

@@ -39,8 +39,8 @@ A pair that may pay is timed only at the k that can still be recommended (`ks_to
 2026-12-03): 1..k_hi, k_hi the largest k whose bound is at least 1 (at any batch size, for the
 batched cells); the k past it are recorded with their bounds (`ks_not_timed` in the pair's JSON)
 and the marginal tables stop at k_hi. A model draft's round at k costs about k draft steps, so the
-k past the cut are the dearest part of a repeat (on the default config's self-draft, k = 3..6 were
-about two thirds of each B = 1 repeat). As for a whole pair, a k is cut only when the second
+k past the cut are the dearest part of a repeat (on the default config's self-draft, timing k = 1..3
+of 1..6 took its B = 1 repeat from 119 s to 62 s). As for a whole pair, a k is cut only when the second
 probe, pooled with the first, agrees. What the per-category recommendations see is cut the same way.
 
 Drafts that propose without a model forward (prompt lookup: `draft.model` is None) are never
@@ -304,16 +304,21 @@ def ks_to_time(rec: dict, ks: list[int]) -> tuple[list[int], dict[str, float]]:
     recommendation. The k are kept a prefix 1..k_hi (a k below k_hi whose own bound is under 1 is
     still timed): the marginal stage reads a pair's k up to the largest timed drafted count.
     A model-free or unscreened record keeps every k."""
-    per_k: dict[int, float] = {}
     blocks = list((rec.get("by_batch") or {}).values()) if "batch_sizes" in rec else [rec]
-    for block in blocks:
-        for row in block.get("rows") or []:
-            per_k[int(row["k"])] = max(per_k.get(int(row["k"]), 0.0), float(row["bound"]))
-    if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not per_k or any(k not in per_k for k in ks):
+    bounds = [{int(row["k"]): float(row["bound"]) for row in block.get("rows") or []} for block in blocks]
+    if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not any(bounds) \
+            or any(k not in b for b in bounds for k in ks):
         return list(ks), {}
-    paying = [k for k in ks if per_k[k] >= 1.0]
-    k_hi = max(paying, default=max(ks))
-    return [k for k in ks if k <= k_hi], {str(k): round(per_k[k], 4) for k in ks if k > k_hi}
+    timed = timed_prefix(ks, bounds)
+    return timed, {str(k): round(max(b[k] for b in bounds), 4) for k in ks if k not in timed}
+
+
+def timed_prefix(ks: list[int], bounds: list[dict[int, float]]) -> list[int]:
+    """The cut itself (ks_to_time; the estimate applies it to predicted bounds): k = 1..k_hi, k_hi
+    the largest k whose bound reaches 1 in any of `bounds` (one k -> bound dict per batch size);
+    every k when none does or no bound is given."""
+    paying = [k for k in ks if any(b[k] >= 1.0 for b in bounds)]
+    return [k for k in ks if k <= max(paying)] if paying else list(ks)
 
 
 def cut_line(ks: list[int], cut: dict[str, float]) -> str:

@@ -385,9 +385,6 @@ def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -
                           "the acceptance artifact has no workload block (made before issue 28)"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
-        # The k the latency stage did not time (their speedup bound is below 1: screen.ks_to_time).
-        "ks_not_timed": latency.get("ks_not_timed") or {},
-        "ks_not_timed_note": cut_line(latency.get("ks_timed") or [], latency.get("ks_not_timed") or {}) or None,
         "latency_new_tokens": latency.get("new_tokens"),
         "latency_rows": [],
     }

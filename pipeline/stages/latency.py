@@ -69,8 +69,7 @@ from pipeline.latency.memory import cache_len
 from pipeline.latency.plan import compile_session, draft_label, why_not_screened
 from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.screen import (DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_batched, screen_pair,
-                                     skipped_b1,
-                                     skipped_batched, summary)
+                                     skipped_b1, skipped_batched, summary)
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels

@@ -44,6 +44,7 @@ from pipeline.decode.compiled import graph_groups
 from pipeline.latency.memory import cache_len, plan_grid
 from pipeline.latency.plan import batched_shapes, draft_label, speculative_shapes, why_not_screened
 from pipeline.gate.looks import plan as plan_looks
+from pipeline.latency.screen import timed_prefix
 from pipeline.latency.speculative import MIN_TIMING_REPEATS, WARMUP_TOKENS
 from pipeline.speculation.measure import MIN_DIRECT_PROMPTS
 from pipeline.quality.items import BENCHMARKS
@@ -146,14 +147,6 @@ def acceptance(c: Cost) -> Stage:
     return st
 
 
-def _timed_ks(ks: list[int], bounds: list[dict[int, float]]) -> list[int]:
-    """The stage's cut (pipeline/latency/screen.py: ks_to_time) under the predicted bounds: k = 1..k_hi,
-    k_hi the largest k whose bound reaches 1 at any batch size; every k without a prediction or
-    where no k reaches 1 (then the pair is predicted screened out whole)."""
-    paying = [k for k in ks if any(b[k] >= 1.0 for b in bounds)]
-    return [k for k in ks if k <= max(paying)] if bounds and paying else list(ks)
-
-
 def _cut_note(target: str, spec: str, where: str, pair_ks: list[int], ks: list[int]) -> str:
     return (f"latency: {target} + {spec} at {where} predicted timed at k = {min(pair_ks)}..{max(pair_ks)} of "
             f"{min(ks)}..{max(ks)} (the screen's bound is below 1 past k = {max(pair_ks)} at the guessed acceptance "
@@ -220,8 +213,8 @@ def latency(c: Cost) -> Stage:
             bounds = c.screen_bounds(target, spec, 1, sum(spec_lengths) / len(spec_lengths) + lat.new_tokens / 2,
                                      ks) if screened else None
             bound = max(bounds.values()) if bounds else None
-            pair_ks = _timed_ks(ks, [bounds] if bounds else [])  # the k a pair that may pay is timed at
-            if len(pair_ks) < len(ks) and bound is not None and bound >= 1:
+            pair_ks = timed_prefix(ks, [bounds] if bounds else [])  # the k a pair that may pay is timed at
+            if len(pair_ks) < len(ks):
                 st.notes.append(_cut_note(target, spec, "B = 1", pair_ks, ks))
             one = temps * sum(c.generate(target, 1, p, lat.new_tokens, eager=eager)
                               + sum(c.speculate(target, spec, 1, p, lat.new_tokens, k, eager) for k in pair_ks)
@@ -251,8 +244,8 @@ def latency(c: Cost) -> Stage:
             by_b = ([c.screen_bounds(target, spec, b, row_len + lat.new_tokens / 2, ks) for b in sizes]
                     if screened else [])
             bound = max(max(x.values()) for x in by_b) if by_b else None
-            pair_ks = _timed_ks(ks, by_b)
-            if len(pair_ks) < len(ks) and bound is not None and bound >= 1:
+            pair_ks = timed_prefix(ks, by_b)
+            if len(pair_ks) < len(ks):
                 st.notes.append(_cut_note(target, spec, "every batch size", pair_ks, ks))
             if bound is not None and bound < 1:
                 st.add(f"{target} + {spec}: batched probe; predicted screened out (bound {bound:.2f})", probe)
