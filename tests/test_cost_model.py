@@ -12,6 +12,7 @@ import pytest
 from pipeline.core.config import load_config
 from pipeline.tools import cost_model as cm
 from pipeline.tools import estimate as est
+from pipeline.tools import estimate_quality as estq
 from pipeline.tools import cost_devices as cd
 from pipeline.tools.cost_devices import DEVICES, SLOWDOWN_GPU
 
@@ -98,18 +99,18 @@ def test_quality_grows_linearly_in_items():
 
 def test_quality_first_look_is_the_first_wave_of_every_slice_and_task():
     c = cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
-    assert est.quality_items(c, "long_context") == (999, 201)  # whole haystacks of 3; the first end >= 200
-    assert est.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
+    assert estq.quality_items(c, "long_context") == (999, 201)  # whole haystacks of 3; the first end >= 200
+    assert estq.quality_items(c, "bfcl") == (762, 200)  # one item per cluster
     # HumanEval's 164 problems are under one wave of 200: gpu.yaml gives the slice waves of 82.
-    assert est.quality_items(c, "code") == (164, 82)
+    assert estq.quality_items(c, "code") == (164, 82)
     # lm-eval tasks in waves too (issue 27): every document in a seeded order, capped at max_items.
-    assert est.quality_items(c, "gsm8k") == (1000, 200)
-    assert est.quality_items(c, "mmlu") == (1000, 200)
-    assert est.quality_items(c, "mgsm_direct") == (990, 209)  # task_clusters doc_id: 90 problems x 11 languages
+    assert estq.quality_items(c, "gsm8k") == (1000, 200)
+    assert estq.quality_items(c, "mmlu") == (1000, 200)
+    assert estq.quality_items(c, "mgsm_direct") == (990, 209)  # task_clusters doc_id: 90 problems x 11 languages
     # The floor holds each task's first wave for every model, not the task whole.
     doc = est.estimate(load_config(GPU), "8b", DEVICES["h100"])
     ref = next(p for p in _stage(doc, "quality")["parts"] if p["what"].startswith("bf16: load, first look"))
-    whole = sum(est.slice_cost(c, "bf16", t, 1000) for t in ("gsm8k", "mmlu"))
+    whole = sum(estq.slice_cost(c, "bf16", t, 1000) for t in ("gsm8k", "mmlu"))
     assert ref["seconds"] < whole
 
 
@@ -128,7 +129,7 @@ def test_waves_of_is_the_stages_selection_and_looks(pool, cluster, asked, wave):
     n = len(chosen.splitlines())
     sequential = bool(wave) and wave < (asked or pool)
     looks = plan(n, wave if sequential else None, ends if sequential else None)
-    got_n, got_looks, per = est.waves_of(pool, cluster, asked, wave)
+    got_n, got_looks, per = estq.waves_of(pool, cluster, asked, wave)
     assert (got_n, got_looks) == (n, looks)
     assert per == n // len(ends)  # items a cluster holds in the selection
 
@@ -149,9 +150,9 @@ def test_generated_slices_are_planned_as_the_stage_plans_them():
             if name in ("bfcl", "code"):
                 continue
             _, stage_plan = _slice_data(name, cfg.quality, cfg.seed, None)
-            n, looks, _ = est.quality_plan(c, name)
+            n, looks, _ = estq.quality_plan(c, name)
             assert (n, looks) == (stage_plan["n_max"], stage_plan["looks"]), name
-    assert est.quality_plan(cm.Cost(short, "tiny", DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
+    assert estq.quality_plan(cm.Cost(short, "tiny", DEVICES["h100"]), "long_context")[:2] == (334, [200, 334])
 
 
 def test_a_slices_own_wave_items_plans_its_looks_in_the_stage_and_the_estimate():
@@ -165,10 +166,10 @@ def test_a_slices_own_wave_items_plans_its_looks_in_the_stage_and_the_estimate()
     for name, looks in (("reasoning", [80, 160, 240]), ("language", [40, 80, 120, 160, 200, 240])):
         _, stage_plan = _slice_data(name, cfg.quality, cfg.seed, None)
         assert stage_plan["looks"] == looks, name
-        assert est.quality_plan(c, name)[:2] == (240, looks), name
+        assert estq.quality_plan(c, name)[:2] == (240, looks), name
     # The code slice on gpu.yaml: two looks of 82, so its first look is half the problems.
     gpu = cm.Cost(load_config(GPU), "8b", DEVICES["h100"])
-    assert est.quality_plan(gpu, "code")[:2] == (164, [82, 164])
+    assert estq.quality_plan(gpu, "code")[:2] == (164, [82, 164])
 
 
 def test_a_warm_up_is_short_runs_not_a_repeat():
