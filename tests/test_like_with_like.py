@@ -180,7 +180,9 @@ def test_tpot_ratio_vs_reference_flags_other_modes_and_fallback_kernels():
     # GPTQModel's pure-torch kernel is a fallback: a ratio against the reference says so.
     gptq = {"details": {"TorchFusedQuantLinear": {"library": "gptqmodel", "QUANT_TYPE": "torch_fused"}}}
     marlin = {"details": {"MarlinQuantLinear": {"library": "gptqmodel", "QUANT_TYPE": "marlin"}}}
+    avx512 = {"details": {"TorchCpuAvx512Linear": {"library": "gptqmodel", "QUANT_TYPE": "torch_cpu_avx512"}}}
     assert kernel_fallback(gptq) == "TorchFusedQuantLinear" and kernel_fallback(marlin) is None
+    assert kernel_fallback(avx512) is None  # GPTQModel's SIMD int4 kernel for bf16 on CPU
     var = grid("w4", [run_mode({"target B=1 w=1 L=64": {"ran": "compiled", "reason": None}}, gptq)] * 2)
     add_reference_ratios(var, ref, 0.95, 0)
     ratio = var["grid"][0]["tpot_ratio_vs_reference"]

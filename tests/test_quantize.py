@@ -80,8 +80,8 @@ def test_every_variant_has_meta_and_loads(quantized):
     for name, spec in VARIANTS.items():
         meta = json.loads((run / "variants" / name / "meta.json").read_text())
         assert META_KEYS <= set(meta), f"{name}: missing {META_KEYS - set(meta)}"
-        # dtype auto: unquantized weights compute in bf16 on a CPU with native bf16, the rest in float32.
-        want = "bfloat16" if spec["scheme"] == "none" and cpu_bf16_native() else "float32"
+        # dtype auto: every variant computes in bf16 on a CPU with native bf16, else in float32.
+        want = "bfloat16" if cpu_bf16_native() else "float32"
         assert meta["scheme"] == spec["scheme"] and meta["dtype_compute"] == want, (name, meta.get("dtype_reason"))
         model, tok = load_variant(run / "variants" / name)
         assert meta["bytes_in_memory"] > 0 and math_finite(meta["perplexity"])
@@ -122,12 +122,12 @@ def test_kernel_actually_used_is_recorded_per_variant(quantized):
     gptq = found["gptq"]
     assert gptq["library"] == "gptqmodel" and sum(gptq["kernels"].values()) == decoder_linears
     (kernel,) = gptq["kernels"]  # one kernel class for every layer, chosen by GPTQModel at load time
-    info = gptq["details"][kernel]  # on CPU: TorchFusedLinear, QUANT_TYPE torch_fused
+    info = gptq["details"][kernel]  # on CPU: TorchFusedLinear (float32) or TorchCpuAvx512Linear (bf16)
     assert info["module"].startswith("gptqmodel.nn_modules.qlinear.") and info["QUANT_TYPE"]
     assert info["bits"] == "4" and info["group_size"] == "32"
     assert found["int8"]["kernels"] == {"Linear8bitLt": decoder_linears}
     assert found["nf4"]["kernels"] == {"Linear4bit": decoder_linears}
-    assert found["nf4"]["details"]["Linear4bit"]["compute_dtype"] == "float32"
+    assert found["nf4"]["details"]["Linear4bit"]["compute_dtype"] == ("bfloat16" if cpu_bf16_native() else "float32")
     assert found["nf4"]["details"]["Linear4bit"]["quant_type"] == "nf4"
     torchao = found["w8a16"]
     assert torchao["library"] == "torchao" and sum(torchao["kernels"].values()) == decoder_linears
@@ -261,8 +261,8 @@ def test_embedded_model_nf4_is_smaller_and_still_sensible(tmp_path, embedded_mod
     ref = json.loads((run / "variants/ref/meta.json").read_text())
     nf4 = json.loads((run / "variants/nf4/meta.json").read_text())
     assert nf4["bytes_on_disk"] < 0.5 * ref["bytes_on_disk"]
-    # nf4's reference perplexity is the reference at nf4's compute dtype (float32 on CPU); ref's own
-    # is at its own (bf16 on a CPU with native bf16): equal when the dtypes are.
+    # nf4's reference perplexity is the reference at nf4's compute dtype; ref's own is at its own
+    # (both bf16 on a CPU with native bf16, float32 elsewhere): equal when the dtypes are.
     if nf4["dtype_compute"] == ref["dtype_compute"]:
         assert nf4["reference_perplexity"] == ref["perplexity"]
     else:

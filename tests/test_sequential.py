@@ -149,3 +149,88 @@ def test_items_spent_table():
             assert np.all(status == "pass") and spent.max() <= 300  # OBF spends little early
         if label == "clear fail":
             assert np.mean(status == "fail") > 0.95 and spent.mean() < 500  # 408 measured
+
+
+def aimed_gate(rng, sims: int, cells: list[tuple[float, float]], looks: list[int], spending: str,
+               aim: bool = True, budget: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One variant's cells (each (worse, better) on independent items) under the budgeted stage's
+    order of looks (pipeline/quality/sequential.py: aimed_look): after each look, while an open
+    cell's difference is below -margin only the most negative such cell gets its next look,
+    otherwise every open cell; a failed cell stops the variant. `aim=False`: every open cell
+    each time (the exhaustive loop). `budget`: the cell looks (one cell's next look each) a
+    simulation may take after the first looks; a step that needs more than are left is not taken
+    (the stage's allowance). Returns (status per cell and simulation, variant decision)."""
+    n_max, m = looks[-1], len(cells)
+    lp = Q.nominal_levels(looks, n_max, ALPHA, spending)
+    lf = Q.nominal_levels(looks, n_max, ALPHA / m, spending)  # the fail side at alpha / m
+    better, worse = [], []
+    for w, b in cells:
+        u = rng.random((sims, n_max))
+        better.append(np.cumsum(u >= 1 - b, 1))
+        worse.append(np.cumsum(u < w, 1))
+    k = np.zeros((m, sims), dtype=int)
+    status = np.full((m, sims), "open", dtype=object)
+    every = np.arange(sims)
+    left = np.full(sims, np.inf if budget is None else budget)
+
+    def test(c: int, who: np.ndarray) -> None:
+        for j, n in enumerate(looks):
+            sel = who[k[c, who] == j]
+            if not sel.size:
+                continue
+            split = S.cluster_split(np.arange(n))
+            b, w = better[c][sel, n - 1], worse[c][sel, n - 1]
+            passed = S.binary_p(b, w, split, MARGIN, "pass") < lp[j]
+            failed = ~passed & (S.binary_p(b, w, split, MARGIN, "fail") < lf[j])
+            status[c, sel[passed]], status[c, sel[failed]] = "pass", "fail"
+
+    for c in range(m):
+        test(c, every)
+    for _ in range(m * len(looks)):
+        no_go = (status == "fail").any(0)
+        open_ = (status == "open") & (k < len(looks) - 1) & ~no_go[None, :]
+        if not open_.any():
+            break
+        n_now = np.asarray(looks)[k]
+        diff = np.stack([(better[c][every, n_now[c] - 1] - worse[c][every, n_now[c] - 1]) / n_now[c]
+                         for c in range(m)])
+        heading = open_ & (diff < -MARGIN)
+        choice = np.where(heading, diff, np.inf).argmin(0)
+        aimed = (np.arange(m)[:, None] == choice[None, :]) & heading.any(0)[None, :]
+        advance = np.where(heading.any(0)[None, :], aimed, open_) if aim else open_
+        advance &= (advance.sum(0) <= left)[None, :]
+        left -= advance.sum(0)
+        k[advance] += 1
+        for c in range(m):
+            test(c, every[advance[c]])
+    decision = np.where((status == "fail").any(0), "no-go", np.where((status == "pass").all(0), "go", "inconclusive"))
+    return status, decision
+
+
+@pytest.mark.parametrize("spending,budget", [("obf", None), (Q.fitted("obf", 40 / 240, 0.5), 6)])
+def test_aimed_looks_keep_the_variants_errors_at_their_levels(spending, budget):
+    """A false no-go (every cell exactly at -margin) and a false go (one cell at -margin, the
+    others equivalent) under the aimed order of looks, by simulation (3000 runs a case): each at
+    most its level + 3 MC SE. On the same items, every run the aimed order calls no-go (or go)
+    the loop over every open cell calls so too: each cell is tested only at its planned looks,
+    and the aim only changes which looks are taken. Under a budget of 6 cell looks after the
+    first, a variant with one damaged cell (10% of items worse) is found no-go more often aimed."""
+    looks, sims = [40, 80, 120, 160, 200, 240], 3000
+    limit = ALPHA + 3 * np.sqrt(ALPHA * (1 - ALPHA) / sims)
+    cases = {"no-go": [(0.06, 0.01), (0.05, 0.0), (0.10, 0.05)],
+             "go": [(0.06, 0.01), (0.02, 0.02), (0.0, 0.0)]}
+    for i, (wrong, cells) in enumerate(cases.items()):
+        aimed = aimed_gate(np.random.default_rng(20 + i), sims, cells, looks, spending, True, budget)[1]
+        every = aimed_gate(np.random.default_rng(20 + i), sims, cells, looks, spending, False, budget)[1]
+        print(f"\nfalse {wrong} ({spending}, budget {budget}): aimed {np.mean(aimed == wrong):.4f}, "
+              f"every open cell {np.mean(every == wrong):.4f}")
+        assert np.mean(aimed == wrong) <= limit and np.mean(every == wrong) <= limit
+        if budget is None:
+            assert not np.any((aimed == wrong) & (every != wrong))
+    if budget is not None:
+        cells = [(0.10, 0.0), (0.02, 0.02), (0.02, 0.02)]
+        aimed = aimed_gate(np.random.default_rng(30), sims, cells, looks, spending, True, budget)[1]
+        every = aimed_gate(np.random.default_rng(30), sims, cells, looks, spending, False, budget)[1]
+        print(f"one damaged cell: no-go aimed {np.mean(aimed == 'no-go'):.3f}, "
+              f"every open cell {np.mean(every == 'no-go'):.3f}")
+        assert np.mean(aimed == "no-go") > np.mean(every == "no-go") + 0.1

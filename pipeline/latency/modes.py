@@ -28,7 +28,9 @@ not flagged, because nothing says the sides differed.
 
 Fallback kernels (read off pipeline/models/kernels.py's record of the loaded model): GPTQModel's
 pure-torch kernels (QUANT_TYPE "torch" / "torch_fused": dequantize, then a dense matmul), which it
-picks where none of its fused kernels (Marlin, ExLlama, Triton) can run. bitsandbytes and torchao
+picks where none of its fused kernels (Marlin, ExLlama, Triton) can run. Its CPU int4 kernels
+(QUANT_TYPE "torch_cpu_avx512": an AVX512-BF16 SIMD kernel, loaded for bf16 activations;
+"torch_aten_kernel": ATen's int4pack matmul) are not fallbacks. bitsandbytes and torchao
 choose their path inside one class, which the record cannot tell apart: not flagged.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ def kernel_fallback(kernels: dict | None) -> str | None:
     for name, info in ((kernels or {}).get("details") or {}).items():
         if info.get("library") in ("gptqmodel", "auto_gptq"):
             quant_type = str(info.get("QUANT_TYPE") or "").lower()
-            if quant_type.startswith("torch") or name.lower().startswith("torch"):
+            if quant_type in ("torch", "torch_fused") or (not quant_type and name.lower().startswith("torch")):
                 found.append(name)
     return ", ".join(sorted(found)) or None
 

@@ -8,7 +8,7 @@ which the quality stage spends its looks over the variants (score_variants).
     score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
 A variant scores its first look, then a look at a time for the slices whose cells are still open
-(the gate's own replay, pipeline/gate/decision.py: open_slices), the reference first scoring what
+(the gate's own replay, pipeline/gate/decision.py: open_rows), the reference first scoring what
 the look needs. Without a time budget each variant is scored to the end before the next (every
 open cell to its last look: the exhaustive run).
 
@@ -24,7 +24,14 @@ do, so their items cannot change a verdict (its meta.json says `stopped_on: "ver
 them; the gate shows them open, "variant already no-go"). Neither stop changes an error rate: a
 cell stopped at look j was tested at looks 1..j at their planned levels and never reaches the
 later ones (pipeline/gate/looks.py). The cost: a variant left open by its first look is loaded
-twice."""
+twice.
+
+Within a budgeted variant's later looks, the look is aimed (aimed_look): while one of its rows
+heads to fail (its difference below -margin), only the slice that would settle soonest for its
+seconds is scored, and its passing slices wait. One failed row settles the variant (no-go), and
+it cannot be go unless that row turns, so items on its other slices cannot settle it first. On
+the default config (2026-12-03) the exhaustive run failed w4a16-gptq on tool_args at 200 items,
+while the budget's looks over all six slices at once never got past the first 40."""
 from __future__ import annotations
 
 import json
@@ -34,7 +41,7 @@ from pathlib import Path
 
 from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, hash_obj, progress, read_json
-from pipeline.gate.decision import open_slices
+from pipeline.gate.decision import open_rows
 from pipeline.quality import lm_tasks
 from pipeline.quality.calibration import CALIBRATION_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
@@ -79,7 +86,7 @@ class Waves:
         d, h = item.path, hash_obj(scored_with)
         self.items[d.name] = item
         self.hashes[d.name] = h
-        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None}
+        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None, "aimed": []}
         state = d / "scoring.json"
         try:
             old = read_json(state, "quality scoring state") if state.is_file() else {}
@@ -123,6 +130,11 @@ class Waves:
         """Record that `name`'s next looks (`need`: slice -> items) were not taken, and why: on the
         "budget", or on the "verdict" (the variant is no-go already)."""
         self.stats[name]["stop"] = {"need": dict(need), "why": why, "kind": kind}
+
+    def aim(self, name: str, look: dict[str, int], why: str) -> None:
+        """Record (and say) that a budgeted look of `name` was narrowed to `look` (aimed_look)."""
+        self.stats[name]["aimed"].append({"look": dict(look), "why": why})
+        progress(f"quality: {name}: next look on {', '.join(f'{s} to {n}' for s, n in look.items())} only: {why}")
 
     def _save_state(self, name: str) -> None:
         atomic_write_json(self.out_dir / name / "scoring.json",
@@ -171,7 +183,8 @@ class Waves:
                 rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
             slices[s] = rec
         return {**(allowance.to_json() if allowance else {"allowance_s": None, "spent_s": None}),
-                "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
+                "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices,
+                "aimed_looks": list(self.stats[name]["aimed"])}
 
     def first_look(self, name: str, score) -> None:
         self.cover(name, score, {s: p["looks"][0] for s, p in self.plans.items()})
@@ -285,45 +298,89 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
     waves.first_look(name, score)
 
 
-def next_need(waves: Waves, reference: str, name: str, cfg, budgeted: bool) -> tuple[dict[str, int], list[str]]:
-    """(the look each open slice of `name` needs next, slice -> items; the rows a look has failed).
-    Budgeted, a variant with a failed row needs nothing more (its no-go is settled): the rows
-    are returned so the caller can record why it stopped."""
-    open_now, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans, with_failed=True)
-    need = waves.next_looks(name, open_now)
+def next_need(waves: Waves, reference: str, name: str, cfg,
+              budgeted: bool) -> tuple[dict[str, int], list[str], list[dict]]:
+    """(the look each open slice of `name` needs next, slice -> items; the rows a look has failed;
+    the open rows, pipeline/gate/decision.py: open_rows). Budgeted, a variant with a failed row
+    needs nothing more (its no-go is settled): the failed rows are returned so the caller can
+    record why it stopped."""
+    rows, failed = open_rows(waves.out_dir, reference, name, cfg, waves.plans)
+    need = waves.next_looks(name, {r["slice"] for r in rows})
     if budgeted and failed and need:
-        return need, failed
-    return need, []
+        return need, failed, rows
+    return need, [], rows
+
+
+def aimed_look(waves: Waves, reference: str, name: str, rows: list[dict],
+               need: dict[str, int]) -> tuple[dict[str, int], str | None]:
+    """Under a budget, the part of the next look (`need`: every open slice's) to take first: while
+    a row heads to fail (its difference below -margin), only one slice, the one whose row would
+    settle soonest for the seconds it costs (items to settle at a fixed-n test, at the variant's
+    and the reference's measured seconds per item). One failed row makes the variant no-go,
+    whatever its other rows do, and a variant with a row heading to fail can be go only if that
+    row turns; so its passing rows' items are spent last. With no row heading to fail (the
+    variant can be go only if every open row passes), every open slice's look, as without a
+    budget. Returns (the look to take, why it is narrowed: None when it is not).
+
+    This chooses which cells get items from their data. Each cell is still tested only at its
+    planned looks, at their planned levels: a cell given fewer looks than the exhaustive loop
+    gives it crosses a boundary on a subset of the paths where that loop's would, so each side's
+    error stays at or below its level (tests/test_quality_budget.py simulates it)."""
+    have_ref, have = waves.scored(reference), waves.scored(name)
+    best = None
+    for r in rows:
+        s, to = r["slice"], r["items_to_settle"]
+        if r["side"] != "fail" or s not in need or to is None or to > waves.plans[s]["n_max"]:
+            continue
+        want = max(to, need[s])
+        cost = waves.model_cost(name, {s: max(want - have[s], 0)}, reference)
+        ref = waves.model_cost(reference, {s: max(want - have_ref[s], 0)}, reference)
+        if cost is None or ref is None:
+            continue
+        if best is None or cost + ref < best[0]:
+            best = (cost + ref, r, want)
+    if best is None or len(need) == 1:
+        return need, None
+    seconds, r, want = best
+    s = r["slice"]
+    return {s: need[s]}, (f"{r['row']} heads to fail (difference {r['diff']:+.3f}, margin -{r['margin']:g}); "
+                          f"~{want} items (~{fmt_s(seconds)}) would settle it: the other open slices "
+                          f"({', '.join(sorted(x for x in need if x != s))}) wait")
 
 
 def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                 allowance: Allowance | None = None) -> None:
     """A look at a time for the slices of `name` whose cells are open, the reference first
-    scoring whatever the look needs. With an active `allowance`, before each look its cost is
-    estimated (the items the variant and the reference lack for it, at each one's measured
-    seconds per item) and a look that does not fit what is left is not taken: the variant stops
-    there, its open cells stay open and its meta.json says which looks were skipped and why; a
-    variant that has a failed cell stops too (its no-go is settled). None, or no budget: every
-    look of every open cell."""
+    scoring whatever the look needs. With an active `allowance`, while a row heads to fail the
+    look is narrowed to the slice that would settle soonest (aimed_look); before each look its
+    cost is estimated (the items the variant and the reference lack for it, at each one's
+    measured seconds per item) and a look that does not fit what is left is not taken: the
+    variant stops there, its open cells stay open and its meta.json says which looks were
+    skipped and why; a variant that has a failed cell stops too (its no-go is settled). None, or
+    no budget: every look of every open cell."""
     budgeted = allowance is not None and allowance.active
     if allowance is not None:
         waves.allowances[name] = allowance
     while True:
-        need, failed = next_need(waves, reference, name, cfg, budgeted)
+        need, failed, rows = next_need(waves, reference, name, cfg, budgeted)
         if not need:
             return
         if failed:
             _stop_on_verdict(waves, name, need, failed, allowance.parent)
             return
+        take = need
         if budgeted:
-            est = waves.look_cost(reference, name, need)
+            take, aimed = aimed_look(waves, reference, name, rows, need)
+            est = waves.look_cost(reference, name, take)
             if not allowance.affords(est):
                 why = allowance.why_not(est)
                 waves.stop(name, need, why)
                 allowance.parent.skip(_looks_skipped(name, need), why)
                 return
-        waves.cover(reference, ref_score, need)
-        waves.cover(name, score, need)
+            if aimed:
+                waves.aim(name, take, aimed)
+        waves.cover(reference, ref_score, take)
+        waves.cover(name, score, take)
         if budgeted:
             progress(f"quality: {name}: allowance {fmt_s(max(allowance.left(), 0.0))} left of "
                      f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.parent.left(), 0.0))} left")
@@ -364,7 +421,7 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
     for i, name in enumerate(pending):
         first_look(waves, reference, name, scorer(name), Allowance(budget, len(pending) - i))
         after_first(name)
-        need, failed = next_need(waves, reference, name, cfg, budgeted=True)
+        need, failed, _ = next_need(waves, reference, name, cfg, budgeted=True)
         if failed:
             _stop_on_verdict(waves, name, need, failed, budget)
         elif need:
