@@ -501,3 +501,17 @@ def test_a_budgeted_look_is_aimed_at_the_cheapest_cell_heading_to_fail(tmp_path)
     assert old["variants"]["v"]["decision"] == "inconclusive"
     assert old["variants"]["v"]["slices"]["a"]["items_spent"] == 100
     assert old["variants"]["v"]["slices"]["a"]["stopped_on"] == "budget"
+
+
+def test_a_variant_near_a_decision_may_take_what_it_needs_up_to_half_the_time_left(tmp_path):
+    """The second pass's allowance: the even split, or (wants_s: a cell heading to fail is
+    predicted to settle in that many seconds) as much as it needs, up to half of what is left;
+    the last variant takes everything left either way."""
+    clock = Clock()
+    budget = StageBudget(budget_config(tmp_path, ["v"], 10, 0.5), "quality", clock=clock)  # 300 s
+    assert Allowance(budget, 4).seconds == pytest.approx(75.0)
+    assert Allowance(budget, 4, wants_s=120.0).seconds == pytest.approx(120.0)
+    assert Allowance(budget, 4, wants_s=400.0).seconds == pytest.approx(150.0)
+    assert Allowance(budget, 4, wants_s=30.0).seconds == pytest.approx(75.0)
+    assert Allowance(budget, 1, wants_s=30.0).seconds == pytest.approx(300.0)
+    assert Allowance(budget, 4, reserve_s=10.0, wants_s=120.0).seconds == pytest.approx(110.0)

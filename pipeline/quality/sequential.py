@@ -46,6 +46,10 @@ from pipeline.quality import lm_tasks
 from pipeline.quality.calibration import CALIBRATION_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
 
+# What a variant with a cell heading to fail may take in the second pass, against the seconds the
+# fixed-n items-to-settle predict: the sequential looks need more than a fixed-n test would.
+AIM_SLACK = 1.5
+
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
     """Add the evaluator's counts in `new` to `into` (a float sum rounded to `digits`); its
@@ -311,21 +315,12 @@ def next_need(waves: Waves, reference: str, name: str, cfg,
     return need, [], rows
 
 
-def aimed_look(waves: Waves, reference: str, name: str, rows: list[dict],
-               need: dict[str, int]) -> tuple[dict[str, int], str | None]:
-    """Under a budget, the part of the next look (`need`: every open slice's) to take first: while
-    a row heads to fail (its difference below -margin), only one slice, the one whose row would
-    settle soonest for the seconds it costs (items to settle at a fixed-n test, at the variant's
-    and the reference's measured seconds per item). One failed row makes the variant no-go,
-    whatever its other rows do, and a variant with a row heading to fail can be go only if that
-    row turns; so its passing rows' items are spent last. With no row heading to fail (the
-    variant can be go only if every open row passes), every open slice's look, as without a
-    budget. Returns (the look to take, why it is narrowed: None when it is not).
-
-    This chooses which cells get items from their data. Each cell is still tested only at its
-    planned looks, at their planned levels: a cell given fewer looks than the exhaustive loop
-    gives it crosses a boundary on a subset of the paths where that loop's would, so each side's
-    error stays at or below its level (tests/test_quality_budget.py simulates it)."""
+def _best_aim(waves: Waves, reference: str, name: str, rows: list[dict],
+              need: dict[str, int]) -> tuple[float, dict, int] | None:
+    """(seconds, row, items) of the row of `name` heading to fail that would settle soonest for
+    its seconds: items to settle at a fixed-n test (at least its next look, at most the slice's
+    maximum), priced at the variant's and the reference's measured seconds per item; None when no
+    open row heads to fail within reach."""
     have_ref, have = waves.scored(reference), waves.scored(name)
     best = None
     for r in rows:
@@ -339,7 +334,33 @@ def aimed_look(waves: Waves, reference: str, name: str, rows: list[dict],
             continue
         if best is None or cost + ref < best[0]:
             best = (cost + ref, r, want)
-    if best is None or len(need) == 1:
+    return best
+
+
+def aim_cost(waves: Waves, reference: str, name: str, cfg) -> float | None:
+    """Seconds `name`'s aimed looks are predicted to need to settle its nearest row heading to
+    fail (_best_aim), None when it has none: the order and the allowance of the second pass."""
+    need, _, rows = next_need(waves, reference, name, cfg, budgeted=True)
+    best = _best_aim(waves, reference, name, rows, need) if need else None
+    return None if best is None else best[0]
+
+
+def aimed_look(waves: Waves, reference: str, name: str, rows: list[dict],
+               need: dict[str, int]) -> tuple[dict[str, int], str | None]:
+    """Under a budget, the part of the next look (`need`: every open slice's) to take first: while
+    a row heads to fail (its difference below -margin), only one slice, the one whose row would
+    settle soonest for the seconds it costs (_best_aim). One failed row makes the variant no-go,
+    whatever its other rows do, and a variant with a row heading to fail can be go only if that
+    row turns; so its passing rows' items are spent last. With no row heading to fail (the
+    variant can be go only if every open row passes), every open slice's look, as without a
+    budget. Returns (the look to take, why it is narrowed: None when it is not).
+
+    This chooses which cells get items from their data. Each cell is still tested only at its
+    planned looks, at their planned levels: a cell given fewer looks than the exhaustive loop
+    gives it crosses a boundary on a subset of the paths where that loop's would, so each side's
+    error stays at or below its level (tests/test_sequential.py simulates it)."""
+    best = _best_aim(waves, reference, name, rows, need) if len(need) > 1 else None
+    if best is None:
         return need, None
     seconds, r, want = best
     s = r["slice"]
@@ -431,8 +452,18 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
             park(name)
             continue
         finish(name)
+    # The open variants nearest a decision first (a row heading to fail, cheapest to settle), each
+    # allowed what it is predicted to need (x AIM_SLACK) up to half the time left, where the even
+    # split is less: a no-go within reach is not starved by variants that are far from one.
+    costs = {name: aim_cost(waves, reference, name, cfg) for name in later}
+    later.sort(key=lambda n: (costs[n] is None, costs[n] or 0.0))
     for i, name in enumerate(later):
-        later_looks(waves, reference, name, ref_score, scorer(name), cfg, Allowance(budget, len(later) - i))
+        wants = None if costs[name] is None else AIM_SLACK * costs[name]
+        allowance = Allowance(budget, len(later) - i, wants_s=wants)
+        if wants is not None:
+            progress(f"quality: {name}: its nearest cell heading to fail needs ~{fmt_s(costs[name])} to settle; "
+                     f"allowance {fmt_s(allowance.seconds)} of {fmt_s(max(budget.left(), 0.0))} left")
+        later_looks(waves, reference, name, ref_score, scorer(name), cfg, allowance)
         finish(name)
 
 
