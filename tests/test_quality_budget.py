@@ -515,3 +515,26 @@ def test_a_variant_near_a_decision_may_take_what_it_needs_up_to_half_the_time_le
     assert Allowance(budget, 4, wants_s=30.0).seconds == pytest.approx(75.0)
     assert Allowance(budget, 1, wants_s=30.0).seconds == pytest.approx(300.0)
     assert Allowance(budget, 4, reserve_s=10.0, wants_s=120.0).seconds == pytest.approx(110.0)
+
+
+def test_a_variants_prior_pace_is_its_timed_forward_over_the_references(tmp_path):
+    """pace_priors reads the quantize stage's timed forwards; a variant without one has no prior
+    (the fit then takes VARIANT_PACE for it); model_cost prices a variant that has not scored at
+    the reference's pace times its prior, and at its own pace once it has."""
+    from pipeline.quality.design import pace_priors
+
+    metas = {"bf16": {"forward_seconds": {"tokens": 512, "seconds": 0.25}},
+             "w4": {"forward_seconds": {"tokens": 512, "seconds": 0.31}},
+             "nf4": {"forward_seconds": {"tokens": 512, "seconds": 0.86}}, "old": {}}
+    prior = pace_priors(metas, "bf16")
+    assert prior == pytest.approx({"w4": 1.24, "nf4": 3.44})
+    assert pace_priors({"bf16": {}, "w4": metas["w4"]}, "bf16") == {}
+    waves = Waves(tmp_path, {}, {"a": {"looks": [10], "n_max": 10}}, [], lambda f: f, {})
+    waves.pace["bf16"] = Pace()
+    waves.pace["bf16"].record({"a": 10}, 20.0)  # 2 s an item
+    waves.prior = prior
+    assert waves.model_cost("nf4", {"a": 5}, "bf16") == pytest.approx(10.0 * 3.44)
+    assert waves.model_cost("old", {"a": 5}, "bf16") == pytest.approx(10.0)
+    waves.pace["nf4"] = Pace()
+    waves.pace["nf4"].record({"a": 10}, 50.0)
+    assert waves.model_cost("nf4", {"a": 5}, "bf16") == pytest.approx(25.0)

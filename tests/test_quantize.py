@@ -22,7 +22,7 @@ from pipeline.variants.schemes import load_variant
 
 META_KEYS = {"scheme", "bits", "group_size", "library", "library_version", "bytes_on_disk", "bytes_in_memory",
              "quantize_seconds", "calibration_sha256", "calibration_tokens", "perplexity",
-             "reference_perplexity", "release", "dtype_compute", "device_fallback"}
+             "reference_perplexity", "release", "dtype_compute", "device_fallback", "forward_seconds"}
 VARIANTS = {
     "ref": {"scheme": "none", "release": False},
     "noisy": {"scheme": "none", "weight_noise": 0.5},
@@ -85,6 +85,7 @@ def test_every_variant_has_meta_and_loads(quantized):
         assert meta["scheme"] == spec["scheme"] and meta["dtype_compute"] == want, (name, meta.get("dtype_reason"))
         model, tok = load_variant(run / "variants" / name)
         assert meta["bytes_in_memory"] > 0 and math_finite(meta["perplexity"])
+        assert meta["forward_seconds"]["seconds"] > 0 and meta["forward_seconds"]["tokens"] > 1
         out = logits(model)
         corr = torch.corrcoef(torch.stack([out.flatten(), ref.flatten()]))[0, 1].item()
         if name == "ref":

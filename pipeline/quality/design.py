@@ -17,15 +17,36 @@ from pipeline.quality.sequential import Waves
 from pipeline.stats.sequential import fitted
 
 
-# What the fit assumes a variant's item costs against the reference's, its drift included: on a
-# CPU a quantized variant's matmuls dequantize in software. Measured on a 2-core AVX2 CPU:
+# What the fit assumes a variant's item costs against the reference's, its drift included, where
+# the variant's meta.json lacks the quantize stage's timed forward (made before it; pace_priors
+# otherwise). Measured on a 2-core AVX2 CPU, every variant in float32:
 # 2026-12-02, w4a16-gptq's first look 622 s against the reference's 492 s (1.26x), 1.45x with its
 # 92 s of drift (README: "What a run costs"); 2026-12-03, w8a16 and nf4 at 1.09x and 1.11x the
 # reference's seconds per item over 240 items of two slices. A misprediction costs power, never
 # an error rate: too high, and looks after the fitted one have half of alpha left; too low, and
-# the budget stops before the fitted look, whose alpha is then partly unspent.
+# the budget stops before the fitted look, whose alpha is then partly unspent. On the AVX-512 Xeon,
+# every variant in bf16 (2026-12-03), the first looks ran at 1.1-3.1x: one constant fits no CPU.
 VARIANT_PACE = 1.3
 DESIGN_FILE = "design.json"
+
+
+def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
+    """variant -> its forward's seconds over the reference's, both timed by the quantize stage on
+    the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
+    that has one: its seconds per item against the reference's before it has scored one. A
+    prefill's ratio, where the first looks also decode; measured 2026-12-03 (2-core Xeon with
+    AVX-512 bf16, every variant in bf16): w4a16-gptq 1.24, int8 2.86, w8a16 1.24, nf4 3.44 against
+    first looks at 1.1, 3.1, 1.7 and 2.5x the reference's seconds; the sum, which is what the fit
+    prices, 8.8 against 8.4 (VARIANT_PACE would say 5.2)."""
+    ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
+    if not ref:
+        return {}
+    out = {}
+    for name, meta in metas.items():
+        got = ((meta or {}).get("forward_seconds") or {}).get("seconds")
+        if name != reference and got:
+            out[name] = float(got) / float(ref)
+    return out
 
 
 def fit_design(out_dir: Path, waves: Waves, reference: str, variants: list[str], pending: list[str], budget,
@@ -37,8 +58,8 @@ def fit_design(out_dir: Path, waves: Waves, reference: str, variants: list[str],
     variant, each slice's spending is fitted (pipeline/stats/sequential.py: fitted) so that
     gate.budget_alpha_share of each side's alpha is spent by the last look the budget affords:
     the largest look index j whose looks, for the reference and every pending variant, cost at
-    most the stage's time left, at the reference's measured seconds per item (VARIANT_PACE times
-    that for a variant). A budget that affords only the first looks then tests them at that share
+    most the stage's time left, at the reference's measured seconds per item (times the variant's
+    prior, pace_priors, for a variant; VARIANT_PACE where it has none). A budget that affords only the first looks then tests them at that share
     of alpha, where O'Brien-Fleming spending alone would test them at almost none. Otherwise the
     base spending (gate.spending).
 
@@ -99,8 +120,9 @@ def _fit(waves: Waves, reference: str, pending: list[str], budget, base: str, sh
     def cost(j: int) -> float | None:  # no variant holds items here (held is empty): each scores all of it
         want = need(j)
         ref = waves.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in want.items()}, reference)
-        var = [waves.model_cost(v, want, reference) for v in pending]
-        return None if ref is None or None in var else ref + VARIANT_PACE * sum(var)
+        var = [None if c is None else c * (1.0 if v in waves.prior else VARIANT_PACE)
+               for v, c in ((v, waves.model_cost(v, want, reference)) for v in pending)]
+        return None if ref is None or None in var else ref + sum(var)
 
     left, fit, fit_s = budget.left(), None, None
     for j in range(looks_max):

@@ -35,6 +35,7 @@ while the budget's looks over all six slices at once never got past the first 40
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -46,9 +47,12 @@ from pipeline.quality import lm_tasks
 from pipeline.quality.calibration import CALIBRATION_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
 
-# What a variant with a cell heading to fail may take in the second pass, against the seconds the
-# fixed-n items-to-settle predict: the sequential looks need more than a fixed-n test would.
-AIM_SLACK = 1.5
+# The items an aimed cell is priced for (what orders the aims and what a variant may take in the
+# second pass), as a multiple of its fixed-n items to settle, up to the slice's maximum: the
+# sequential looks test at lower levels than a fixed-n test, and a difference first seen beyond
+# -margin tends to shrink (w4a16-gptq's tool_args on the default config, 2026-12-03: -0.175 at
+# 40 items, 108 to settle at fixed n; it failed at 200, at -0.130).
+AIM_SLACK = 2.0
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
@@ -83,6 +87,9 @@ class Waves:
         self.hashes: dict[str, str] = {}
         self.pace: dict[str, Pace] = {}  # model -> seconds per item per slice (kept in scoring.json)
         self.allowances: dict[str, Allowance] = {}
+        # model -> its seconds per item against the reference's before it has scored one (the
+        # quantize stage's timed forward, pipeline/quality/design.py: pace_priors)
+        self.prior: dict[str, float] = {}
 
     def open(self, item, scored_with: dict):
         """Fresh (finished with these inputs), resumed (lines scored with the same model, items
@@ -156,11 +163,13 @@ class Waves:
 
     def model_cost(self, name: str, items: dict[str, int], fallback: str) -> float | None:
         """Seconds for `name` to score `items` at its measured pace (before it has one: `fallback`'s,
-        the reference's, which runs the same architecture on the same items)."""
-        pace = self.pace.get(name)
+        the reference's, which runs the same architecture on the same items, times `name`'s prior
+        ratio where it has one)."""
+        pace, ratio = self.pace.get(name), 1.0
         if pace is None or not pace.known:
-            pace = self.pace.get(fallback)
-        return None if pace is None else pace.cost(items)
+            pace, ratio = self.pace.get(fallback), self.prior.get(name, 1.0)
+        cost = None if pace is None else pace.cost(items)
+        return None if cost is None else cost * ratio
 
     def look_cost(self, reference: str, name: str, need: dict[str, int]) -> float | None:
         """Seconds the look `need` (slice -> items) costs: the items the reference lacks for it and
@@ -318,16 +327,17 @@ def next_need(waves: Waves, reference: str, name: str, cfg,
 def _best_aim(waves: Waves, reference: str, name: str, rows: list[dict],
               need: dict[str, int]) -> tuple[float, dict, int] | None:
     """(seconds, row, items) of the row of `name` heading to fail that would settle soonest for
-    its seconds: items to settle at a fixed-n test (at least its next look, at most the slice's
-    maximum), priced at the variant's and the reference's measured seconds per item; None when no
-    open row heads to fail within reach."""
+    its seconds: AIM_SLACK times its items to settle at a fixed-n test (at least its next look, at
+    most the slice's maximum), priced at the variant's and the reference's measured seconds per
+    item; None when no open row heads to fail within reach (its fixed-n items to settle past the
+    slice's maximum)."""
     have_ref, have = waves.scored(reference), waves.scored(name)
     best = None
     for r in rows:
         s, to = r["slice"], r["items_to_settle"]
         if r["side"] != "fail" or s not in need or to is None or to > waves.plans[s]["n_max"]:
             continue
-        want = max(to, need[s])
+        want = max(min(math.ceil(AIM_SLACK * to), waves.plans[s]["n_max"]), need[s])
         cost = waves.model_cost(name, {s: max(want - have[s], 0)}, reference)
         ref = waves.model_cost(reference, {s: max(want - have_ref[s], 0)}, reference)
         if cost is None or ref is None:
@@ -365,7 +375,7 @@ def aimed_look(waves: Waves, reference: str, name: str, rows: list[dict],
     seconds, r, want = best
     s = r["slice"]
     return {s: need[s]}, (f"{r['row']} heads to fail (difference {r['diff']:+.3f}, margin -{r['margin']:g}); "
-                          f"~{want} items (~{fmt_s(seconds)}) would settle it: the other open slices "
+                          f"priced to settle by {want} items (~{fmt_s(seconds)}): the other open slices "
                           f"({', '.join(sorted(x for x in need if x != s))}) wait")
 
 
@@ -453,12 +463,12 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
             continue
         finish(name)
     # The open variants nearest a decision first (a row heading to fail, cheapest to settle), each
-    # allowed what it is predicted to need (x AIM_SLACK) up to half the time left, where the even
+    # allowed what it is predicted to need (aim_cost) up to half the time left, where the even
     # split is less: a no-go within reach is not starved by variants that are far from one.
     costs = {name: aim_cost(waves, reference, name, cfg) for name in later}
     later.sort(key=lambda n: (costs[n] is None, costs[n] or 0.0))
     for i, name in enumerate(later):
-        wants = None if costs[name] is None else AIM_SLACK * costs[name]
+        wants = costs[name]
         allowance = Allowance(budget, len(later) - i, wants_s=wants)
         if wants is not None:
             progress(f"quality: {name}: its nearest cell heading to fail needs ~{fmt_s(costs[name])} to settle; "

@@ -93,7 +93,7 @@ from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, a
 from pipeline.decode.release import collect
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
-from pipeline.quality.design import fit_design
+from pipeline.quality.design import fit_design, pace_priors
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import KNOWN_SLICES, builtin_task_config
 from pipeline.quality.plans import cost_weights, prompt_tokens_of, slice_data, task_plan
@@ -225,6 +225,7 @@ def run(ctx: StageContext) -> None:
     weights = {**cost_weights(qcfg, data_files, prompt_tokens),
                **{s.name: lm_tasks.cost_weight(s, ref_tokenizer) for s in named}}
     waves = Waves(ctx.out_dir, lines, plans, named, builtin_configs, timings, weights=weights)
+    waves.prior = pace_priors({n: _read_meta(variant_dir(n)) for n in order}, reference)
     items, inputs_of = {}, {}
     for name in order:
         scored_with, inputs_of[name] = item_inputs(ctx, variant_dir(name), ref_dir, data_hashes, named,
@@ -369,6 +370,15 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
     def inputs_for(stopped: bool) -> dict:
         return {**inputs, "budget": stage_budget} if stopped else inputs
     return scored_with, inputs_for
+
+
+def _read_meta(vdir: Path) -> dict:
+    """A variant directory's meta.json, {} where it is missing or unreadable (only a prior reads it)."""
+    try:
+        meta = json.loads((vdir / "meta.json").read_text())
+    except (json.JSONDecodeError, OSError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _budget_stopped(meta_path: Path) -> bool:

@@ -44,7 +44,7 @@ from pipeline.variants.calibration import load_calibration
 from pipeline.variants.checks import check_variant, reference_matrices
 from pipeline.variants.files import weight_bytes
 from pipeline.variants.quantizers import Job
-from pipeline.variants.sanity import SANITY_MODULES, perplexity, sample_text, sanity_ids
+from pipeline.variants.sanity import SANITY_MODULES, perplexity, sample_text, sanity_ids, timed_forward
 from pipeline.variants.schemes import SCHEMES, load_variant
 
 
@@ -170,6 +170,7 @@ def run(ctx: StageContext) -> None:
                 meta["bytes_in_memory"] = bytes_in_memory(model)
                 meta["bytes_on_disk"] = weight_bytes(tmp)
                 meta["perplexity"] = round(perplexity(model, ids), 4)
+                meta["forward_seconds"] = timed_forward(model, ids)
                 meta["sample"] = sample_text(model, tok)
                 del model
                 if spec.scheme == "none" and spec.weight_noise == 0:  # the same weights: no second pass

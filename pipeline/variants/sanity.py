@@ -53,6 +53,27 @@ def perplexity(model, ids: list[int], window: int = 512) -> float:
     return math.exp(nll / max(count, 1))
 
 
+@torch.no_grad()
+def timed_forward(model, ids: list[int], window: int = 512) -> dict:
+    """Seconds of one forward over the first `window` held-out tokens, timed after the perplexity
+    pass has warmed the kernels (the best of two): what the quality stage takes as a variant's
+    pace against the reference's before it has scored an item (pipeline/quality/design.py)."""
+    import time
+
+    device = next(model.parameters()).device
+    chunk = torch.tensor([ids[:window]], device=device)
+    best = math.inf
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        model(chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return {"tokens": int(chunk.shape[1]), "seconds": round(best, 4)}
+
+
 def sample_text(model, tokenizer, prompt: str = "The capital of France is", n: int = 12) -> str:
     """A short greedy continuation, recorded so a broken variant shows at a glance."""
     device = next(model.parameters()).device
