@@ -35,7 +35,7 @@ How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have
    O'Brien-Fleming-type nominal level of the alphas above; a cell is decided at the first look
    that passes or fails it, else inconclusive at its last. gate.json records every look (n,
    bounds, levels, status), the items spent and the planned looks. The quality stage stops
-   scoring with the same function (open_slices), so the two cannot disagree.
+   scoring with the same function (open_rows), so the two cannot disagree.
    The time budget (issue 27): the quality stage may stop a variant before a look its cells
    need (the look would not fit the variant's allowance; quality/meta.json's `budget` says which
    slices and why). Such a cell is replayed at the looks it reached, each at its planned level:
@@ -303,7 +303,10 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
     quality stage writes to quality/meta.json. A record: the row's `slice`, its `diff` and
     `margin` at its last look, `side` ("fail" when the difference is below -margin, where only a
     fail can settle it; else "pass"), `n` and `items_to_settle` (at a fixed-n test on that side,
-    at `gate.power`: a guide to which row is nearest a decision, never a level)."""
+    at `gate.power`: a guide to which row is nearest a decision, never a level). Whether the next
+    look is affordable is the stage's question (its time budget), not this one's: a row it stops
+    on stays open, and the gate reports it open on the budget. One failed row makes the variant
+    no-go whatever its open rows do, which a budgeted stage uses to stop scoring it."""
     gcfg = cfg.gate
     alpha = (1.0 - gcfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
@@ -325,18 +328,6 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
         elif record[-1]["status"] == "fail":
             failed.append(key)
     return out, failed
-
-
-def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict, with_failed: bool = False):
-    """The slices of variant `name` with a row that no look has settled yet and a planned look
-    left (open_rows): what the quality stage scores next. Whether the next look is affordable
-    is the stage's question (its time budget), not this one's: a slice it stops on stays in this
-    set, and the gate reports it open on the budget. `with_failed`: (that set, the row keys a
-    look has failed): one failed row makes the variant no-go whatever its open rows do, which a
-    budgeted stage uses to stop scoring it."""
-    rows, failed = open_rows(quality, reference, name, cfg, scheds)
-    out = {r["slice"] for r in rows}
-    return (out, failed) if with_failed else out
 
 
 def build_gate(run_dir: Path, cfg) -> dict:

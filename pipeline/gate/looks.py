@@ -5,7 +5,7 @@
     k, record = settle({0: est40, 1: est80}, looks, 240, margin=0.05, alpha_pass=0.025, alpha_fail=0.005)
 
 The quality stage scores each slice in waves (a fixed seeded order, the reference and the variants
-on the same items) and, after every wave, asks the gate (pipeline/gate/decision.py: open_slices)
+on the same items) and, after every wave, asks the gate (pipeline/gate/decision.py: open_rows)
 which (variant, slice) rows are still open; the gate stage later replays the same looks from the
 same files with the same function, so the stage's stopping and gate.json's decision cannot differ.
 

@@ -34,10 +34,11 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
     """variant -> its forward's seconds over the reference's, both timed by the quantize stage on
     the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
     that has one: its seconds per item against the reference's before it has scored one. A
-    prefill's ratio, where the first looks also decode; measured 2026-12-03 (2-core Xeon with
-    AVX-512 bf16, every variant in bf16): w4a16-gptq 1.24, int8 2.86, w8a16 1.24, nf4 3.44 against
-    first looks at 1.1, 3.1, 1.7 and 2.5x the reference's seconds; the sum, which is what the fit
-    prices, 8.8 against 8.4 (VARIANT_PACE would say 5.2)."""
+    prefill's ratio, where the first looks also decode. In the cold default run of 2026-12-03
+    (2-core Xeon with AVX-512 bf16, every variant in bf16) the stage's priors were w4a16-gptq 2.0,
+    int8 6.0, w8a16 2.1, nf4 4.6 against first looks at 1.0, 2.9, 1.6 and 2.2x the reference's
+    seconds: about 2x high (a forward timed in a fresh process, a prefill only), where
+    VARIANT_PACE's 1.3 was up to 2.2x low; a cautious fit loses power, never an error rate."""
     ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
     if not ref:
         return {}
@@ -120,9 +121,10 @@ def _fit(waves: Waves, reference: str, pending: list[str], budget, base: str, sh
     def cost(j: int) -> float | None:  # no variant holds items here (held is empty): each scores all of it
         want = need(j)
         ref = waves.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in want.items()}, reference)
-        var = [None if c is None else c * (1.0 if v in waves.prior else VARIANT_PACE)
-               for v, c in ((v, waves.model_cost(v, want, reference)) for v in pending)]
-        return None if ref is None or None in var else ref + sum(var)
+        var = [waves.model_cost(v, want, reference) for v in pending]
+        if ref is None or None in var:
+            return None
+        return ref + sum(c * (1.0 if v in waves.prior else VARIANT_PACE) for v, c in zip(pending, var))
 
     left, fit, fit_s = budget.left(), None, None
     for j in range(looks_max):

@@ -331,19 +331,15 @@ def _best_aim(waves: Waves, reference: str, name: str, rows: list[dict],
     most the slice's maximum), priced at the variant's and the reference's measured seconds per
     item; None when no open row heads to fail within reach (its fixed-n items to settle past the
     slice's maximum)."""
-    have_ref, have = waves.scored(reference), waves.scored(name)
     best = None
     for r in rows:
         s, to = r["slice"], r["items_to_settle"]
         if r["side"] != "fail" or s not in need or to is None or to > waves.plans[s]["n_max"]:
             continue
         want = max(min(math.ceil(AIM_SLACK * to), waves.plans[s]["n_max"]), need[s])
-        cost = waves.model_cost(name, {s: max(want - have[s], 0)}, reference)
-        ref = waves.model_cost(reference, {s: max(want - have_ref[s], 0)}, reference)
-        if cost is None or ref is None:
-            continue
-        if best is None or cost + ref < best[0]:
-            best = (cost + ref, r, want)
+        cost = waves.look_cost(reference, name, {s: want})
+        if cost is not None and (best is None or cost < best[0]):
+            best = (cost, r, want)
     return best
 
 
@@ -471,7 +467,7 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
         wants = costs[name]
         allowance = Allowance(budget, len(later) - i, wants_s=wants)
         if wants is not None:
-            progress(f"quality: {name}: its nearest cell heading to fail needs ~{fmt_s(costs[name])} to settle; "
+            progress(f"quality: {name}: its nearest cell heading to fail needs ~{fmt_s(wants)} to settle; "
                      f"allowance {fmt_s(allowance.seconds)} of {fmt_s(max(budget.left(), 0.0))} left")
         later_looks(waves, reference, name, ref_score, scorer(name), cfg, allowance)
         finish(name)

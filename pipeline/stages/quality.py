@@ -12,7 +12,7 @@ missing), then score the reference and each variant in waves (group-sequential g
 every slice's items are put in a seeded cluster order once (pipeline/quality/waves.py) and
 scored `quality.wave_items` at a time, up to the slice's pool or `quality.max_items`. A variant
 scores its first look, then after each look the gate's own replay (pipeline/gate/decision.py:
-open_slices, the same function the gate stage decides with) says which of its slices still
+open_rows, the same function the gate stage decides with) says which of its slices still
 have an unsettled cell; only those get the next look, and the reference scores first whatever a
 variant needs (the union over variants). lm-eval tasks (`quality.tasks`) are sequential the same
 way: their documents in a seeded cluster order (lm_tasks.py: the first per_slice items, capped by
@@ -373,7 +373,7 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
 
 
 def _read_meta(vdir: Path) -> dict:
-    """A variant directory's meta.json, {} where it is missing or unreadable (only a prior reads it)."""
+    """A directory's meta.json, {} where it is missing or unreadable."""
     try:
         meta = json.loads((vdir / "meta.json").read_text())
     except (json.JSONDecodeError, OSError):
@@ -383,11 +383,7 @@ def _read_meta(vdir: Path) -> dict:
 
 def _budget_stopped(meta_path: Path) -> bool:
     """Whether a variant's last finished scoring skipped a look on the budget (its meta.json)."""
-    try:
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    except (json.JSONDecodeError, OSError):
-        return False
-    return bool(isinstance(meta, dict) and (meta.get("budget") or {}).get("stopped"))
+    return bool((_read_meta(meta_path.parent).get("budget") or {}).get("stopped"))
 
 
 def _announce_plan(budget: StageBudget, waves: "Waves", reference: str, pending: list[str], first: bool) -> None:
