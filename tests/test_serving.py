@@ -93,6 +93,33 @@ def test_k_by_batch_known_answer_and_the_vllm_table():
     assert speculative_config({1: 0, 4: 0})["vllm_speculative_config"] is None
 
 
+def test_b1_takes_the_b1_phases_k_and_keeps_the_batched_rules_own():
+    """One answer per batch size in a run (batch_k.B1_RULE): with the B = 1 phase's recommended k
+    given, B = 1 takes it, whatever the batched rows' own rule gives there (kept beside it), B > 1
+    keeps the batched rule, the vLLM table follows the answer, and the report says why they differ."""
+    from pipeline.report.batching import b1_line
+    from pipeline.serving.batch_k import by_batch_section
+
+    exact = {b: {k: 1 + sum(0.8 ** (i * b) for i in range(1, k + 1)) for k in range(1, 5)} for b in (1, 4)}
+    cells = _cells({1: 10.0, 4: 12.0}, lambda b, k: 10 + 2 * k if b == 1 else 12 + 2 * k, [1, 2, 3, 4])
+    doc = {"cells": cells}
+    alone = by_batch_section(_slice(exact, [0.5] * 4), doc, 0.95)
+    own = {int(b): k for b, k in alone["recommended_k_by_batch"].items()}
+    assert own[1] >= 1 and own[4] >= 1 and alone["recommended_k_by_batch_own"] == alone["recommended_k_by_batch"]
+    assert set(alone["recommended_k_by_batch_source"].values()) == {"batched rows"}
+    section = by_batch_section(_slice(exact, [0.5] * 4), doc, 0.95, at_one=0)
+    assert section["recommended_k_by_batch"] == {"1": 0, "4": own[4]}
+    assert section["recommended_k_by_batch_own"] == {"1": own[1], "4": own[4]}
+    assert section["recommended_k_by_batch_source"]["1"].startswith("B = 1 phase")
+    assert section["speculative_config_by_batch"]["rows"] == [[1, 3, 0], [4, 4, own[4]]]
+    report = {**section, "rows": [{"k": 1, "timing_repeats": 3}]}
+    line = b1_line(report)
+    assert "recommended k is 0" in line and f"would give k = {own[1]}" in line and "the B = 1 phase: 3" in line
+    same = by_batch_section(_slice(exact, [0.5] * 4), doc, 0.95, at_one=own[1])
+    assert same["recommended_k_by_batch"] == alone["recommended_k_by_batch"]
+    assert b1_line({**same, "rows": []}) == ""
+
+
 def test_round_time_is_weighted_by_the_acceptance_chains_verify_widths():
     """The latency run's own B prompts offered a lookup draft nothing (its cells' round time is a
     plain step's) while the acceptance prompts' chain verifies mostly k: ms/token must use the

@@ -114,6 +114,20 @@ def speedup_matrix(report: dict) -> tuple[list[str], list[list[str]]]:
             f"accepted tokens thrown away at k={ks[-1]}: model / measured"], out
 
 
+def b1_line(report: dict) -> str:
+    """The sentence saying where B = 1's recommended k comes from when the batched rows' own rule
+    differs (pipeline/serving/batch_k.py B1_RULE), or ""."""
+    own = (report.get("recommended_k_by_batch_own") or {}).get("1")
+    rec = (report.get("recommended_k_by_batch") or {}).get("1")
+    if own is None or rec is None or own == rec:
+        return ""
+    one = [r for r in report["by_batch"]["rows"] if r["batch"] == 1]
+    phase = [r.get("timing_repeats") for r in report.get("rows") or []]
+    reps = f" ({one[0].get('timing_repeats')} timing repeats; the B = 1 phase: {phase[0]})" if one and phase else ""
+    return (f"At B = 1 the recommended k is {rec}, the B = 1 phase's (it times one row in detail, on every "
+            f"temperature); the batched rows alone, one prompt{reps}, would give k = {own}.")
+
+
 def mode_footnote(report: dict) -> str:
     """The footnote of the (B, k) speedups whose cell and plain cell ran differently, or ""."""
     return footnote(report["by_batch"]["rows"], "speedup", lambda r: f"B={r['batch']} k={r['k']}")
@@ -216,6 +230,9 @@ def batch_markdown(report: dict, batch_png: str, serving_png: str) -> str:
     note = mode_footnote(report)
     if note:
         out += ["", note]
+    b1 = b1_line(report)
+    if b1:
+        out += ["", b1]
     out += ["", ROUND_NOTE, "", "| " + " | ".join(ROUND_HEADER) + " |", "|" + "---|" * len(ROUND_HEADER)]
     out += ["| " + " | ".join(r) + " |" for r in round_rows(report)]
     out += ["", f"vLLM dynamic speculation (`{cfg['config_key']}`): {cfg['note']}", "", "```json",

@@ -24,10 +24,15 @@ acceptance prompts (the delete-one-prompt jackknife of the whole acceptance fact
 sum_w share_w T_w / E_B, `by_batch_jackknife`). A latency or acceptance JSON without the width
 keys falls back to the cells' own round time at k (`round_ms_source` says which). The accepted
 tokens thrown away against each row running alone are a share 1 - E_B(k) / E_1(k).
-recommended_k_by_batch applies marginal.RULE at each B. Each row carries whether its (B, k) cell
-and the plain cell at B ran the same way (`like_with_like`, both modes when not; the latency
-stage's `run_mode`, pipeline/latency/modes.py): a flagged row stays in the table and out of
-recommended_k_by_batch and so out of the vLLM table.
+recommended_k_by_batch applies marginal.RULE at each B > 1; at B = 1 it takes the B = 1 phase's
+recommended_k (B1_RULE: one quantity, one answer per run; the batched rows' own rule at every B is
+`recommended_k_by_batch_own`, and `recommended_k_by_batch_source` says which applies). On the
+default config the two disagreed for the self-draft at B = 1 in a budgeted run: the batched rows,
+two repeats on one prompt, modelled 1.10 [1.06, 1.13] at k = 1 while the B = 1 phase gave 1.03
+[0.995, 1.07] and the exhaustive run's five batched repeats 1.03 [0.99, 1.08]. Each row carries
+whether its (B, k) cell and the plain cell at B ran the same way (`like_with_like`, both modes
+when not; the latency stage's `run_mode`, pipeline/latency/modes.py): a flagged row stays in the
+table and out of recommended_k_by_batch and so out of the vLLM table.
 
 Beside E_B, for comparison only: `tokens_per_round_independent_rows` = 1 + sum_{i<=k} prefix_i^B,
 the formula this module used before (prefix rates from the k_max rounds and rows' accepted
@@ -222,10 +227,31 @@ def speculative_config(by_batch: dict[int, int]) -> dict:
     }
 
 
-def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, seed: int = 0) -> dict:
-    """Everything the marginal JSON gets from one pair's batched latency and its primary acceptance slice."""
+B1_RULE = (
+    "At B = 1 the recommended k is the B = 1 phase's (recommended_k): the latency stage times one "
+    "row there in detail (every temperature, round time by drafted count, its own repeats and screen), and "
+    "the batched phase's B = 1 cell runs the same single-row engine on one prompt, as the bridge to "
+    "B > 1. One quantity gets one answer in a run: the batched rows' own rule at B = 1 is kept as "
+    "`recommended_k_by_batch_own` and reported beside it when the two differ."
+)
+
+
+def with_b1(own: dict[int, int], at_one: int | None) -> tuple[dict[int, int], dict[int, str]]:
+    """(B -> k, B -> where its k comes from): the batched rows' own rule at every B, except B = 1,
+    which takes the B = 1 phase's recommended k (B1_RULE) when given (None: the batched rule)."""
+    rec, source = dict(own), {b: "batched rows" for b in own}
+    if 1 in rec and at_one is not None:
+        rec[1], source[1] = int(at_one), "B = 1 phase (recommended_k)"
+    return rec, source
+
+
+def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, seed: int = 0,
+                     at_one: int | None = None) -> dict:
+    """Everything the marginal JSON gets from one pair's batched latency and its primary acceptance
+    slice. at_one: the pair's recommended k from the B = 1 phase (B1_RULE; None: the batched rows decide B = 1 too)."""
     rows = batch_rows(acceptance_slice, batched["cells"], confidence, seed, batched)
-    rec = recommended_by_batch(rows)
+    own = recommended_by_batch(rows)
+    rec, source = with_b1(own, at_one)
     plain = [{"batch": c["batch"], "ms_per_token": c["ms_per_token"]["median"], "ci": c["ms_per_token"]["ci"],
               "prefill_ms": c["prefill_ms"]["median"]} for c in batched["cells"] if c["k"] == 0]
     return {
@@ -235,5 +261,8 @@ def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, s
                      # The k not timed under batching: their bound is below 1 at every B (screen.ks_to_time).
                      "ks_not_timed": batched.get("ks_not_timed") or {}},
         "recommended_k_by_batch": {str(b): k for b, k in rec.items()},
+        "recommended_k_by_batch_own": {str(b): k for b, k in own.items()},
+        "recommended_k_by_batch_source": {str(b): v for b, v in source.items()},
+        "b1_rule": B1_RULE,
         "speculative_config_by_batch": speculative_config(rec),
     }

@@ -247,7 +247,7 @@ def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: d
     pipeline/serving/lengths.py request_lengths returns for the pair (None: fixed lengths)."""
     lengths = lengths or {"lengths": "fixed", "pairs": None, "source": None}
     pairs = lengths.get("pairs") if lengths.get("lengths") == "workload" else None
-    section = by_batch_section(acceptance_slice, batched, confidence, seed)
+    section = by_batch_section(acceptance_slice, batched, confidence, seed, at_one=report.get("recommended_k"))
     rows = section["by_batch"]["rows"]
     by_batch = {int(b): k for b, k in section["recommended_k_by_batch"].items()}
     fixed_k = report.get("recommended_k") or 0
