@@ -35,6 +35,11 @@ def test_evaluate_smoke_end_to_end(embedded_model_dir, tmp_path, capsys):
         assert acc["lossless"]["greedy_lossless"] is True, acc["lossless"]  # bf16 on a CPU with native bf16: near-ties allowed
         marginal = json.loads((run / "marginal" / f"bf16__{draft}.json").read_text())
         assert marginal["recommended_k"] in range(0, 4)
+        # The speedup CIs' timing part: the run's pooled repeat noise, or the pair's own repeats when
+        # the run has too few (timing_noise.py); each table says which.
+        noise = marginal.get("timing_noise")
+        assert "timing_noise" in marginal and (noise is None or noise["df"] >= 4)
+        assert marginal.get("timing_ci", "").startswith("timing part") or marginal.get("screened")
         assert marginal["baseline_ms_per_token"] > 0
         # Speculation under batching: k per B, the vLLM-shaped table, the simulation and its check.
         assert set(marginal["recommended_k_by_batch"]) == {"1", "2"}

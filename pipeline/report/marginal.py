@@ -81,7 +81,8 @@ def render_markdown(report: dict, png_name: str | None = None) -> str:
     out.append(f"Device: {report.get('device') or 'unknown'}. Acceptance: slice `{p['slice']}`, "
                f"temperature {_temp_label(p['temperature'])}. All intervals are {conf}% CIs "
                f"({report.get('ci_unit', 'timing repeats')}"
-               + (f"; {report['ci_method']}" if report.get("ci_method") else "") + ").")
+               + (f"; {report['ci_method']}" if report.get("ci_method") else "")
+               + (f"; {report['timing_ci']}" if report.get("timing_ci") else "") + ").")
     out.append(workload_line(report))
     out.append("")
     out.append(f"Plain decoding of `{v}`: **{number(base, 2)} ms/token** {interval(base_ci, 2)}.")

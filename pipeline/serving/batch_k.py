@@ -48,6 +48,7 @@ import numpy as np
 
 from pipeline.latency.modes import compare
 from pipeline.serving.marginal import by_drafted_matrix, recommend_k
+from pipeline.serving.timing_noise import noise_line, timing_factors
 from pipeline.stats.intervals import jackknife_se, median_ci, normal_se, percentile_interval
 
 # vLLM's dynamic speculative decoding (DSD): speculative_config.num_speculative_tokens_per_batch_size,
@@ -100,9 +101,10 @@ def _width_block(acceptance_slice: dict, batched: dict, b: int, k: int):
 
 
 def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, seed: int = 0,
-               batched: dict | None = None) -> list[dict]:
+               batched: dict | None = None, noise: dict | None = None) -> list[dict]:
     """One row per measured (B, k): E_B(k), ms/token, speedup with CIs, the thrown-away share.
-    `batched` (the latency JSON) supplies round_ms_by_width; without it the cells' round time."""
+    `batched` (the latency JSON) supplies round_ms_by_width; without it the cells' round time.
+    `noise`: the run's pooled timing noise (pipeline/serving/timing_noise.py; None: the rows' own repeats)."""
     k_max = max((int(c["k"]) for c in cells), default=0)
     prefix = prefix_rates(acceptance_slice.get("per_position") or [], k_max)
     plain = {c["batch"]: c for c in cells if c["k"] == 0}
@@ -152,15 +154,18 @@ def batch_rows(acceptance_slice: dict, cells: list[dict], confidence: float, see
                "measured_speedup_ci": c["speedup"]["ci"],
                **compare(c.get("run_mode"), plain[b].get("run_mode"), ("speculative", "plain"))}
         row["ms_per_token_ci"], row["speedup_ci"], row["ci_unit"] = _cis(
-            round_ms, ratio, e_b, e_ci, k, confidence, seed + 31 * b + k, jack_factor)
+            round_ms, ratio, e_b, e_ci, k, confidence, seed + 31 * b + k, jack_factor, timing=noise)
+        row["timing_ci"] = noise_line(noise)
         rows.append(row)
     return rows
 
 
 def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[float], k: int, confidence: float,
-         seed: int, jack_factor: np.ndarray | None = None, resamples: int = 2000) -> tuple[list[float], list[float], str]:
+         seed: int, jack_factor: np.ndarray | None = None, resamples: int = 2000,
+         timing: dict | None = None) -> tuple[list[float], list[float], str]:
     """CIs of ms/token and speedup from two independent sources: the timing repeats (median of a
-    bootstrap resample) and acceptance. With `jack_factor` (the delete-one-prompt replicates of
+    bootstrap resample; with `timing`, the run's pooled noise, pipeline/serving/timing_noise.py: a t
+    draw of the median of these n repeats) and acceptance. With `jack_factor` (the delete-one-prompt replicates of
     sum_w share_w T_w / E_B) acceptance moves the whole factor: a normal draw with its jackknife
     relative SE; without it only E_B moves (a normal draw with the SE its CI implies). Written out
     because scipy.stats.bootstrap resamples data only, and acceptance's uncertainty is given as a
@@ -169,6 +174,10 @@ def _cis(round_ms: np.ndarray, ratio: np.ndarray, e_point: float, e_ci: list[flo
     med_round = np.median(rng.choice(round_ms, (resamples, round_ms.size)), axis=1)
     med_ratio = np.median(rng.choice(ratio, (resamples, ratio.size)), axis=1)
     noise = rng.standard_normal(resamples)
+    if timing is not None:
+        n = min(round_ms.size, ratio.size)
+        med_round = float(np.median(round_ms)) * timing_factors(rng, timing["round_sd"], n, timing["df"], resamples)
+        med_ratio = float(np.median(ratio)) * timing_factors(rng, timing["ratio_sd"], n, timing["df"], resamples)
     if jack_factor is not None and jack_factor.size >= 2 and np.all(np.isfinite(jack_factor)):
         rel_se = jackknife_se(jack_factor) / jack_factor.mean()
         scale = np.clip(1.0 + rel_se * noise, 0.05, None)  # multiplies ms/token, divides speedup
@@ -246,10 +255,11 @@ def with_b1(own: dict[int, int], at_one: int | None) -> tuple[dict[int, int], di
 
 
 def by_batch_section(acceptance_slice: dict, batched: dict, confidence: float, seed: int = 0,
-                     at_one: int | None = None) -> dict:
+                     at_one: int | None = None, noise: dict | None = None) -> dict:
     """Everything the marginal JSON gets from one pair's batched latency and its primary acceptance
-    slice. at_one: the pair's recommended k from the B = 1 phase (B1_RULE; None: the batched rows decide B = 1 too)."""
-    rows = batch_rows(acceptance_slice, batched["cells"], confidence, seed, batched)
+    slice. at_one: the pair's recommended k from the B = 1 phase (B1_RULE; None: the batched rows decide
+    B = 1 too); noise: the run's pooled timing noise (batch_rows)."""
+    rows = batch_rows(acceptance_slice, batched["cells"], confidence, seed, batched, noise)
     own = recommended_by_batch(rows)
     rec, source = with_b1(own, at_one)
     plain = [{"batch": c["batch"], "ms_per_token": c["ms_per_token"]["median"], "ci": c["ms_per_token"]["ci"],

@@ -242,12 +242,13 @@ def _cost_sources(grid: dict, batched: dict) -> dict:
 
 
 def batching_report(report: dict, acceptance_slice: dict, batched: dict, grid: dict, serving, confidence: float,
-                    seed: int = 0, lengths: dict | None = None) -> dict:
+                    seed: int = 0, lengths: dict | None = None, noise: dict | None = None) -> dict:
     """The keys the marginal JSON gets for one pair (module docstring). lengths: what
     pipeline/serving/lengths.py request_lengths returns for the pair (None: fixed lengths)."""
     lengths = lengths or {"lengths": "fixed", "pairs": None, "source": None}
     pairs = lengths.get("pairs") if lengths.get("lengths") == "workload" else None
-    section = by_batch_section(acceptance_slice, batched, confidence, seed, at_one=report.get("recommended_k"))
+    section = by_batch_section(acceptance_slice, batched, confidence, seed, at_one=report.get("recommended_k"),
+                               noise=noise)
     rows = section["by_batch"]["rows"]
     by_batch = {int(b): k for b, k in section["recommended_k_by_batch"].items()}
     fixed_k = report.get("recommended_k") or 0

@@ -29,6 +29,12 @@ and each replicate of ms_per_token and speedup takes its E(k) from that interval
 prompts (tests/sim_direct_check.py coverage, toy records through marginal_table) is in README,
 "Derived vs direct E(k) per category".
 
+Timing from few repeats: given the run's pooled timing noise (`noise`, pipeline/serving/timing_noise.py),
+the timing part of each replicate is a t draw of the median of the table's n repeats at that
+noise instead of a resample of its own repeats, whose range holds the true median only with
+probability 1 - 2^(1 - n) (0.5 at two repeats). `timing_ci` in each table and `timing_noise` in
+the report say which.
+
 Per category (issue #28): `recommended_k_by_category` gives, for every category of the workload
 (the acceptance slices other than "all") and temperature, the recommended k by RULE on that
 slice's own table, with E(k) and speedup at it and CIs, and whether the data settle it
@@ -50,6 +56,7 @@ from pipeline.latency.modes import comparable, compare
 from pipeline.latency.screen import cut_line, screened_note
 from pipeline.latency.speculative import MIN_TIMING_REPEATS
 from pipeline.speculation.acceptance_stats import MIN_PROMPTS, ratio_t_draws, ratio_t_interval
+from pipeline.serving.timing_noise import noise_line, timing_factors
 from pipeline.stats.intervals import median_ci, percentile_interval
 
 RULE = (
@@ -135,12 +142,15 @@ def _prompt_arrays(acc: dict, ks: list[int], d_max: int):
     return tokens, rounds, drafted
 
 
-def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int = 0, resamples: int = 2000) -> dict:
+def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int = 0, resamples: int = 2000,
+                   noise: dict | None = None) -> dict:
     """The marginal-cost table for one (pair, slice, temperature).
 
     acc: the acceptance JSON's block for the slice and temperature (expected_tokens_per_round,
     per_prompt, per_position); timing: the latency pair JSON's block for the temperature
-    (plain_ms_per_token, round_ms_by_drafted, draft_ms_by_drafted)."""
+    (plain_ms_per_token, round_ms_by_drafted, draft_ms_by_drafted); noise: the run's pooled
+    timing noise (pipeline/serving/timing_noise.py pooled_noise; None: the table's own repeats
+    are resampled)."""
     # Only the k whose drafted counts were all timed (latency.k_max may stop below acceptance's).
     timed = max((int(d) for d in timing["round_ms_by_drafted"]), default=0)
     ks = sorted(int(k) for k in acc["expected_tokens_per_round"] if 1 <= int(k) <= timed)
@@ -179,6 +189,18 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
             e_c = np.broadcast_to(e_point, round_b.shape)
         ms_c = round_b / e_c
         sp_c = np.median(plain_ms[idx], axis=1)[:, None] / ms_c
+        if noise is not None:
+            # The timing part from the run's pooled noise (timing_noise.py), the prompts' part as
+            # above: a replicate's round time moves with its resampled drafted shares (relative to
+            # the point's) and a t draw of the median over n repeats; the ratio plain / round by its own.
+            n_rep = int(min(plain_ms.size, t_round.shape[0]))
+            t_med = np.median(t_round, axis=0)  # [D]
+            moved = (share_b @ t_med) / (share @ t_med)[None, :]  # [B, K]
+            round_b = round_point[None, :] * moved * timing_factors(rng, noise["round_sd"], n_rep, noise["df"],
+                                                                     resamples)[:, None]
+            ratio = (t_plain / round_point)[None, :] / moved * timing_factors(rng, noise["ratio_sd"], n_rep,
+                                                                               noise["df"], resamples)[:, None]
+            ms_c, sp_c = round_b / e_c, ratio * e_c
     alphas = _position_rates(acc.get("per_position") or [])
     lat_modes = {int(r["k"]): r.get("run_mode") for r in timing.get("rows", [])}
     c = _cost_ratio(by_drafted_matrix(timing.get("draft_ms_by_drafted") or {}, d_max)[0]
@@ -235,6 +257,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         "prompts": n_prompts,
         "ci_unit": ("acceptance prompts and timing repeats, resampled independently" if n_prompts >= 2 else
                     "timing repeats only (one prompt: acceptance not resampled)"),
+        "timing_ci": noise_line(noise),
         # tokens_per_round_ci is the acceptance stage's E(k) interval; ms_per_token_ci and speedup_ci
         # draw E(k)'s part from it; round_ms_ci and baseline_ci are plain percentile intervals.
         "ci_method": ("percentile over resampled timing repeats and prompts' drafted shares, E(k) drawn from "
@@ -390,7 +413,7 @@ def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -
     }
 
 
-def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
+def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise: dict | None = None) -> dict:
     """The whole marginal artifact for one pair: the primary table (slice "all", greedy when
     measured) at the top level, and one table per slice and temperature under "slices". A pair
     the latency stage screened out (`screened`): screened_report."""
@@ -411,7 +434,7 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> di
                 raise StageError(f"marginal: latency has no round times at temperature {temp_key} "
                                  f"(it has {', '.join(by_temp)}): re-run make latency")
             try:
-                table = tables.setdefault(slice_name, {})[temp_key] = marginal_table(acc, by_temp[temp_key], confidence)
+                table = tables.setdefault(slice_name, {})[temp_key] = marginal_table(acc, by_temp[temp_key], confidence, noise=noise)
                 table.update({key: acc[key] for key in ("few_prompts", "min_prompts") if key in acc})
             except (KeyError, TypeError, ValueError) as e:
                 raise StageError(f"marginal: acceptance slice {slice_name}/{temp_key} or latency at T={temp_key} "
@@ -436,6 +459,8 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> di
         "primary": {"slice": primary_slice, "temperature": primary_temp},
         **primary,
         "rule": RULE,
+        # The run's pooled timing noise behind every speedup CI's timing part (None: each table's own repeats).
+        "timing_noise": noise,
         "slices": tables,
         # Issue #28: k per category, and the workload the acceptance prompts came from.
         "recommended_k_by_category": by_category(tables, slices, (acceptance.get("workload") or {}).get("categories")),

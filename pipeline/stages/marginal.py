@@ -11,6 +11,11 @@ JSON carries k per category (`recommended_k_by_category`) and names the acceptan
 serving simulation draws its request lengths from that workload (pipeline/serving/lengths.py), or
 keeps fixed ones for an acceptance JSON made before workloads, and says which.
 
+Every speedup CI's timing part uses timing noise pooled over the figures of its timing loop (the
+run's, where a loop has too few; pipeline/serving/timing_noise.py; `timing_noise` in meta and in
+each JSON), so a cell timed twice is not judged by the spread of its own two repeats alone. A
+pair's item depends on the run's pool, so a re-timed pair re-derives the others.
+
 A pair the latency stage screened out (`screened` in its latency JSON, pipeline/latency/screen.py)
 gets recommended_k 0 and the screen's record and sentence (serving/marginal.py screened_report);
 screened under batching, k = 0 at every batch size and no simulation (serving/batching.py
@@ -26,6 +31,7 @@ from pipeline.report.marginal import write_markdown, write_plot
 from pipeline.serving.batching import batching_report, screened_batching
 from pipeline.serving.lengths import request_lengths
 from pipeline.serving.marginal import pair_report
+from pipeline.serving.timing_noise import noise_for, noise_line, pooled_noise
 
 
 def _pair_files(d: Path) -> dict[str, Path]:
@@ -44,7 +50,14 @@ def _batching_inputs(run_dir: Path, pair: str, config) -> dict:
             "grid": sha256_file(grid) if grid.is_file() else None, "serving": config.section("serving")}
 
 
-def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict) -> str:
+def _run_noise(run_dir: Path, lat_files: dict[str, Path]) -> dict | None:
+    """The run's pooled timing noise over every pair's B = 1 and batched figures (timing_noise.py)."""
+    batched = {pair: read_json(path, "batched latency") for pair in lat_files
+               for path in [_batching_paths(run_dir, pair)[0]] if path.is_file()}
+    return pooled_noise({pair: read_json(path, "latency artifact") for pair, path in lat_files.items()}, batched)
+
+
+def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict, noise: dict | None) -> str:
     """Add the batching keys to `report` and write its two figures; returns the Markdown section."""
     batched_path, grid_path = _batching_paths(ctx.run_dir, pair)
     if not batched_path.is_file() or not grid_path.is_file():
@@ -63,7 +76,7 @@ def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict) 
         progress(f"marginal: {pair}: serving simulation at fixed lengths ({lengths['source']})")
     report.update(batching_report(report, acc_slice, batched,
                                   read_json(grid_path, "latency grid"), ctx.config.serving, report["confidence"],
-                                  ctx.config.seed, lengths))
+                                  ctx.config.seed, lengths, noise_for(noise, f"{pair} batched")))
     dpi = ctx.config.report.dpi
     atomic_write_bytes(ctx.out_dir / f"{pair}.batch.png", speedup_plot(report, dpi))
     atomic_write_bytes(ctx.out_dir / f"{pair}.serving.png", serving_plot(report, dpi))
@@ -86,11 +99,13 @@ def run(ctx: StageContext) -> None:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
     confidence = ctx.config.marginal.confidence
+    noise = _run_noise(ctx.run_dir, lat_files)
+    progress("marginal: " + noise_line({k: v for k, v in noise.items() if k != "phases"} if noise else None))
     recommended, by_batch, by_category = {}, {}, {}
     for pair, acc_path in acc_files.items():
         item = ctx.item(f"{pair}.json", {"acceptance": sha256_file(acc_path),
                                           "latency": sha256_file(lat_files[pair]),
-                                          "confidence": confidence,
+                                          "confidence": confidence, "timing_noise": noise,
                                           **_batching_inputs(ctx.run_dir, pair, ctx.config)}, is_dir=False)
         if item.fresh:
             recommended[pair] = item.meta.get("recommended_k")
@@ -98,8 +113,8 @@ def run(ctx: StageContext) -> None:
             by_category[pair] = _k_by_category(item.meta)
             continue
         acc = read_json(acc_path, "acceptance artifact")
-        report = pair_report(acc, read_json(lat_files[pair], "latency artifact"), confidence)
-        extra = _add_batching(ctx, pair, report, acc)
+        report = pair_report(acc, read_json(lat_files[pair], "latency artifact"), confidence, noise_for(noise, pair))
+        extra = _add_batching(ctx, pair, report, acc, noise)
         # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
         write_plot(report, ctx.out_dir / f"{pair}.png")
         write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png", extra)
@@ -113,6 +128,7 @@ def run(ctx: StageContext) -> None:
                  f"{report.get('recommended_k_by_batch')}, by category {by_category[pair]}")
         if report.get("workload_note"):
             progress(f"marginal: {pair}: {report['workload_note']}")
+    ctx.meta["timing_noise"] = noise
     ctx.meta["recommended_k"] = recommended
     ctx.meta["recommended_k_by_batch"] = by_batch
     ctx.meta["recommended_k_by_category"] = by_category

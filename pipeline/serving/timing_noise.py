@@ -1,0 +1,178 @@
+"""The run's timing noise, pooled over every timed figure, for speedup intervals from few repeats.
+
+    from pipeline.serving.timing_noise import noise_for, pooled_noise, timing_factors
+    noise = pooled_noise(latency_pair_docs, batched_docs)   # None when the run has too few repeats
+    marginal_table(..., noise=noise_for(noise, "bf16__ngram"))            # or "bf16__ngram batched"
+
+Why: the marginal stage recommends k from a speedup interval with two independent parts, the
+acceptance prompts and the timing repeats. With the timing repeats resampled (a percentile
+bootstrap of the median), n repeats give at most the repeats' range, which holds the true median
+with probability 1 - 2^(1 - n): 0.50 at the 2 repeats a budget often leaves, 0.75 at 3
+(tests/sim_timing_coverage.py measures the whole interval). On the default config a budgeted run's two
+plain repeats of the self-draft's batched cell at B = 1 agreed to 0.07% (43.68 and 43.65 ms),
+while the exhaustive run's five spread over 6% (40.45-42.89): the two-repeat interval had almost
+no timing width, and excluded what the other runs measured.
+
+What: a noise figure pooled over the timed figures of one timing loop (a pair's B = 1 repeats,
+or its batched repeats: the figures timed in the same repeats, under the same load), with the
+whole run's pool where a loop holds fewer than MIN_DF degrees of freedom. The unit is one
+timing repeat. For each figure (a drafted count d at one temperature of a B = 1
+pair, or a verify width w at one batch size of a batched pair) with n >= 2 repeats that all
+carry at least MIN_ROUNDS rounds, the per-repeat log ratio q_r = log(plain_r / T_r) (plain
+ms/token over the round time, same repeat) and log T_r; the pooled variance is the sum of squared
+deviations from each figure's mean over the sum of (n - 1). So a cell timed twice borrows the
+spread of every other figure of its loop (7 drafted counts x 2 temperatures at B = 1 on the
+default config), instead of trusting the spread of its own two repeats, which is itself a chi-square draw with 1 df (two repeats
+of the same noise differ by a factor of 30 in spread between their 5th and 95th percentiles).
+The figures' ratios share the plain time of their repeat, so their deviations are correlated
+and the degrees of freedom counted are an upper bound: the t quantile uses them as they are.
+
+How it is used (marginal_table, batch_k._cis): the timing part of each bootstrap replicate is
+the point times exp(sd * m_n / sqrt(n) * t_df), with m_n = sqrt(n Var(median of n standard
+normals)) (the statistic is a median of the n repeats: m_2 = 1, m_3 = 1.16, m_5 = 1.20, to sqrt(pi / 2)),
+and t_df a Student t draw on the pooled degrees of freedom. The acceptance part is unchanged.
+Assumed: the relative noise of a repeat is the same for every figure of the loop (checked by
+simulation with figures whose noise differs by a lognormal factor of sd 0.5:
+tests/sim_timing_coverage.py, README "Timing intervals from few repeats"). A figure is a mean
+over its rounds, so it carries that sampling noise too, which a k's round time (a mix of
+drafted counts) partly averages away: on that account the pooled figure is conservative.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+MIN_ROUNDS = 10  # per repeat: a figure averaged over fewer rounds is noisier than a repeat's load
+MIN_DF = 4  # below this the pool says nothing the figure's own repeats do not: fall back to them
+
+UNIT = ("one timing repeat; pooled over every figure of the run (per-repeat log plain / round time, and "
+        "log round time, per drafted count or verify width with every repeat holding at least "
+        f"{MIN_ROUNDS} rounds)")
+
+
+def _samples(col) -> list | None:
+    if isinstance(col, dict):
+        col = col.get("samples")
+    return list(col) if isinstance(col, (list, tuple)) else None
+
+
+def _logs(samples, n: int | None = None) -> np.ndarray | None:
+    """log of the first n samples (all when None), or None where one is missing or not positive."""
+    x = samples[:n] if n is not None else samples
+    if len(x) < 2 or any(v is None or v <= 0 for v in x):
+        return None
+    return np.log(np.asarray(x, float))
+
+
+def _ss(x: np.ndarray) -> float:
+    return float(np.sum((x - x.mean()) ** 2))
+
+
+class _Pool:
+    """Sums of squared deviations: per-repeat log plain / round (`ratio`) and log round time over
+    the figures, log plain ms/token over the plain sequences (one per temperature or batch size)."""
+
+    def __init__(self) -> None:
+        self.ratio_ss = self.round_ss = self.plain_ss = 0.0
+        self.df = self.plain_df = self.figures = 0
+
+    def add(self, plain, cols: list[dict]) -> None:
+        """One plain sequence (per-repeat plain ms/token) and the round-time blocks {"samples",
+        "rounds"} timed in the same repeats."""
+        plain = _samples(plain) or []
+        used = False
+        for col in cols:
+            rounds = _samples(col) or []
+            n = min(len(rounds), len(plain))
+            t, p = _logs(rounds, n), _logs(plain, n)
+            if t is None or p is None or (col.get("rounds") or 0) < MIN_ROUNDS * n:
+                continue
+            self.ratio_ss += _ss(p - t)
+            self.round_ss += _ss(t)
+            self.df += n - 1
+            self.figures += 1
+            used = True
+        p = _logs(plain)
+        if used and p is not None:
+            self.plain_ss += _ss(p)
+            self.plain_df += p.size - 1
+
+    def figure(self, over: str) -> dict | None:
+        """The pooled figure, or None below MIN_DF plain or effective degrees of freedom. The figures of one
+        plain sequence share its repeats, so the ratio's variance is only as sure as the plain part's:
+        the effective df is Welch-Satterthwaite's for var(log plain) + var(log round) on plain_df
+        and df (an upper bound on the ratio's: it ignores the covariance the paired ratio removes)."""
+        if self.df < 1 or self.plain_df < MIN_DF:  # Satterthwaite's df is itself a guess on fewer
+            return None
+        v_p, v_r = self.plain_ss / self.plain_df, self.round_ss / self.df
+        parts = v_p ** 2 / self.plain_df + v_r ** 2 / self.df
+        df_eff = (v_p + v_r) ** 2 / parts if parts > 0 else float(self.df)
+        if df_eff < MIN_DF:
+            return None
+        return {"ratio_sd": math.sqrt(self.ratio_ss / self.df), "round_sd": math.sqrt(v_r), "df": round(df_eff, 2),
+                "figure_df": self.df, "plain_df": self.plain_df, "figures": self.figures, "pooled_over": over,
+                "unit": UNIT}
+
+
+def pooled_noise(pairs: dict[str, dict], batched: dict[str, dict] | None = None) -> dict | None:
+    """The run's pooled timing noise, from its B = 1 latency pair documents (pair ->
+    latency/<pair>.json) and batched ones (pair -> latency/batched/<pair>.json):
+    {"ratio_sd", "round_sd", "df" (effective), "figure_df", "plain_df", "figures", "pooled_over": "the run",
+    "unit", "phases": {phase: the same over one document's figures, or None}}, phases named `<pair>`
+    and `<pair> batched`. None when the run holds fewer than MIN_DF effective degrees of freedom."""
+    run, phases = _Pool(), {}
+
+    def phase(name: str, sequences) -> None:
+        own = _Pool()
+        for plain, cols in sequences:
+            own.add(plain, cols)
+            run.add(plain, cols)
+        phases[name] = own.figure(f"{name}: its own figures")
+
+    for pair, doc in pairs.items():
+        if isinstance(doc, dict) and not doc.get("screened"):
+            phase(pair, [(block.get("plain_ms_per_token"), list((block.get("round_ms_by_drafted") or {}).values()))
+                         for block in (doc.get("by_temperature") or {}).values()])
+    for pair, doc in (batched or {}).items():
+        if isinstance(doc, dict) and not doc.get("screened"):
+            plain = {int(c["batch"]): c["ms_per_token"] for c in doc.get("cells") or [] if c.get("k") == 0}
+            phase(f"{pair} batched", [(plain.get(int(b)), list(widths.values()))
+                                      for b, widths in (doc.get("round_ms_by_width") or {}).items()])
+    whole = run.figure("the run")
+    return None if whole is None else {**whole, "phases": phases}
+
+
+def noise_for(noise: dict | None, phase: str) -> dict | None:
+    """The noise one phase's intervals use: its own figures' pool when it holds MIN_DF degrees of
+    freedom (the figures timed in the same repeats, under the same load), else the run's."""
+    if noise is None:
+        return None
+    own = (noise.get("phases") or {}).get(phase)
+    return own or {k: v for k, v in noise.items() if k != "phases"}
+
+
+@lru_cache(maxsize=None)
+def median_factor(n: int) -> float:
+    """sqrt(n Var(median of n standard normals)): the median's standard error over sigma / sqrt(n)
+    (1 for n <= 2; Monte Carlo, 200,000 draws, fixed seed: about 0.3% error)."""
+    if n <= 2:
+        return 1.0
+    z = np.random.default_rng(20261203).standard_normal((200_000, n))
+    return float(np.median(z, axis=1).std() * math.sqrt(n))
+
+
+def timing_factors(rng, sd: float, n: int, df: int, size: int) -> np.ndarray:
+    """`size` multiplicative draws of a median of n repeats around its point: exp(sd m_n / sqrt(n) t_df)."""
+    return np.exp(sd * median_factor(max(int(n), 1)) / math.sqrt(max(int(n), 1)) * rng.standard_t(df, size))
+
+
+def noise_line(noise: dict | None) -> str:
+    """A sentence for the reports."""
+    if not noise:
+        return ("timing part: the pair's own repeats resampled (the run had too few repeated figures to pool "
+                "their noise)")
+    return (f"timing part: pooled repeat noise ({noise.get('pooled_over', 'the run')}), {100 * noise['ratio_sd']:.2f}% "
+            f"per repeat on plain / round time ({noise['figures']} figures, {noise['df']} df), as a t draw around "
+            "each median")
