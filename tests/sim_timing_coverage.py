@@ -16,8 +16,8 @@ of the median) and, independently, the acceptance prompts. The world:
 - acceptance: "exact" (every prompt realises E(k): the interval is the timing part alone), or
   24 prompts, each prompt's E(k) the population's times a lognormal factor of sd `--spread`,
   drawn afresh per table, so the acceptance part of the interval is a real sampling interval too
-  (spread 0.05 puts E(1)'s interval near the self-draft's +-3.7% on the default config, 0.15
-  near prompt lookup's +-8%).
+  (spread 0.05 gives E(1) an interval of about +-2.1%, against the self-draft's +-3.7% on the
+  default config; 0.15 about +-6%, against prompt lookup's +-8%).
 
 The truth is 10 E(k) / (12 + k) with the population's E(k). For n continuous i.i.d. repeats the
 bootstrap interval of the median is at most the repeats' range, which holds the true median with
