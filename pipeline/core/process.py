@@ -8,11 +8,46 @@ effect of being imported.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
 
-def set_up_process() -> None:
+# Loggers whose lines fill a run's log between specq's own stage lines, and the level they keep:
+# GPTQModel's tokenizer fixer, accelerate's tie-weights notice on every quantized load, torch's
+# "no CUDA runtime" notice on a CPU box.
+CHATTY_LOGGERS = {"tokenicer": logging.WARNING, "accelerate": logging.ERROR, "torch.utils.cpp_extension": logging.ERROR}
+
+# Progress bars and notices of third-party libraries, off by default in `python -m pipeline`: each
+# stage prints its own progress with the time left. A variable the user set is left alone.
+QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def _quiet_logbar() -> None:
+    """GPTQModel logs through LogBar (its banner, kernel selection, load map: about 40 INFO lines per
+    quantized load), a logger of its own that python's logging levels do not reach; warnings stay.
+    LogBar imports in milliseconds and without torch. Nothing when it is not installed or its API moved."""
+    if importlib.util.find_spec("logbar") is None:
+        return
+    try:
+        from logbar import LogBar
+
+        LogBar.shared().setLevel("WARN")
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+
+
+def set_up_process(quiet: bool = False) -> None:
+    """quiet: third-party progress bars and INFO logs off (QUIET_ENV, CHATTY_LOGGERS), unless
+    SPECQ_VERBOSE is set to something other than 0 (make evaluate VERBOSE=1). Before the libraries
+    are imported: tqdm reads its TQDM_ variables when it is imported."""
+    if quiet and os.environ.get("SPECQ_VERBOSE", "0") in ("", "0"):
+        for key, value in QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+        for name, level in CHATTY_LOGGERS.items():
+            logging.getLogger(name).setLevel(level)
+        _quiet_logbar()
     # torchao registers Enum pytree constants on import, which torch 2.14 logs as a deprecation
     # warning on every process start; it says nothing about specq's run.
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
