@@ -174,11 +174,10 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
     idx = rng.integers(0, plain_ms.size, (resamples, plain_ms.size))
     with np.errstate(divide="ignore", invalid="ignore"):
         share_b = np.einsum("bp,pkd->bkd", w, drafted) / (w @ rounds)[..., None]
-        round_b = np.median(np.einsum("bkd,brd->bkr", share_b, t_round[idx]), axis=2)  # [B, K]
         # Small-sample calibration (issue 28): E(k)'s part of each replicate is a draw from the
         # acceptance stage's own E(k) interval (summarize_slice: t on n - 1 df, log(E - 1) scale),
-        # one t draw per replicate shared by every k; the rounds' drafted shares and the timing
-        # stay resampled as above. A percentile bootstrap of E over a handful of prompts is too
+        # one t draw per replicate shared by every k; the rounds' drafted shares stay resampled
+        # as above, and the timing part follows. A percentile bootstrap of E over a handful of prompts is too
         # narrow (it sees the plug-in spread, a normal quantile and no skew).
         if n_prompts >= 2:
             t_b = rng.standard_t(n_prompts - 1, size=resamples)
@@ -186,10 +185,12 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
                                           bounds=(1.0, k + 1.0))
                             for j, k in enumerate(ks)], axis=1)  # [B, K]: feasible, in [1, k + 1]
         else:
-            e_c = np.broadcast_to(e_point, round_b.shape)
-        ms_c = round_b / e_c
-        sp_c = np.median(plain_ms[idx], axis=1)[:, None] / ms_c
-        if noise is not None:
+            e_c = np.broadcast_to(e_point, (resamples, len(ks)))
+        if noise is None:  # the timing part: this table's own repeats, resampled
+            round_b = np.median(np.einsum("bkd,brd->bkr", share_b, t_round[idx]), axis=2)  # [B, K]
+            ms_c = round_b / e_c
+            sp_c = np.median(plain_ms[idx], axis=1)[:, None] / ms_c
+        else:
             # The timing part from the run's pooled noise (timing_noise.py), the prompts' part as
             # above: a replicate's round time moves with its resampled drafted shares (relative to
             # the point's) and a t draw of the median over n repeats; the ratio plain / round by its own.

@@ -1,4 +1,4 @@
-"""The run's timing noise, pooled over every timed figure, for speedup intervals from few repeats.
+"""Timing noise pooled over a timing loop's figures (or the run's), for speedup intervals from few repeats.
 
     from pipeline.serving.timing_noise import noise_for, pooled_noise, timing_factors
     noise = pooled_noise(latency_pair_docs, batched_docs)   # None when the run has too few repeats
@@ -13,19 +13,20 @@ plain repeats of the self-draft's batched cell at B = 1 agreed to 0.07% (43.68 a
 while the exhaustive run's five spread over 6% (40.45-42.89): the two-repeat interval had almost
 no timing width, and excluded what the other runs measured.
 
-What: a noise figure pooled over the timed figures of one timing loop (a pair's B = 1 repeats,
-or its batched repeats: the figures timed in the same repeats, under the same load), with the
-whole run's pool where a loop holds fewer than MIN_DF degrees of freedom. The unit is one
-timing repeat. For each figure (a drafted count d at one temperature of a B = 1
-pair, or a verify width w at one batch size of a batched pair) with n >= 2 repeats that all
-carry at least MIN_ROUNDS rounds, the per-repeat log ratio q_r = log(plain_r / T_r) (plain
-ms/token over the round time, same repeat) and log T_r; the pooled variance is the sum of squared
-deviations from each figure's mean over the sum of (n - 1). So a cell timed twice borrows the
+What: the unit is one timing repeat. A timing loop is a pair's B = 1 repeats or its batched
+repeats: the figures timed in the same repeats, under the same load. A figure is a drafted count
+d at one temperature (B = 1) or a verify width w at one batch size (batched) with n >= 2 repeats
+that each carry at least MIN_ROUNDS rounds. Pooled over a loop's figures: the squared deviations
+of the per-repeat log ratio q_r = log(plain_r / T_r) (plain ms/token over the round time, same
+repeat) and of log T_r from each figure's mean, over the sum of (n - 1); and of log plain over
+the loop's plain sequences (one per temperature or batch size). So a cell timed twice borrows the
 spread of every other figure of its loop (7 drafted counts x 2 temperatures at B = 1 on the
-default config), instead of trusting the spread of its own two repeats, which is itself a chi-square draw with 1 df (two repeats
-of the same noise differ by a factor of 30 in spread between their 5th and 95th percentiles).
-The figures' ratios share the plain time of their repeat, so their deviations are correlated
-and the degrees of freedom counted are an upper bound: the t quantile uses them as they are.
+default config), instead of trusting the spread of its own two repeats, which is itself a
+chi-square draw with 1 df (two repeats of the same noise differ by a factor of 30 in spread
+between their 5th and 95th percentiles). The figures of one plain sequence share its repeats, so
+the ratio's variance is only as sure as the plain part's: the degrees of freedom are
+Welch-Satterthwaite's for var(log plain) + var(log round) (_Pool.figure). A loop with fewer than
+MIN_DF plain or effective degrees of freedom takes the whole run's pool (noise_for).
 
 How it is used (marginal_table, batch_k._cis): the timing part of each bootstrap replicate is
 the point times exp(sd * m_n / sqrt(n) * t_df), with m_n = sqrt(n Var(median of n standard
@@ -45,11 +46,11 @@ from functools import lru_cache
 import numpy as np
 
 MIN_ROUNDS = 10  # per repeat: a figure averaged over fewer rounds is noisier than a repeat's load
-MIN_DF = 4  # below this the pool says nothing the figure's own repeats do not: fall back to them
+MIN_DF = 4  # plain and effective df a pool needs: a loop below takes the run's, a run below is no pool
 
-UNIT = ("one timing repeat; pooled over every figure of the run (per-repeat log plain / round time, and "
-        "log round time, per drafted count or verify width with every repeat holding at least "
-        f"{MIN_ROUNDS} rounds)")
+UNIT = ("one timing repeat; pooled over the figures of a timing loop, or of the run (per-repeat log plain / "
+        "round time, and log round time, per drafted count or verify width with every repeat holding at "
+        f"least {MIN_ROUNDS} rounds)")
 
 
 def _samples(col) -> list | None:
@@ -144,12 +145,13 @@ def pooled_noise(pairs: dict[str, dict], batched: dict[str, dict] | None = None)
     return None if whole is None else {**whole, "phases": phases}
 
 
-def noise_for(noise: dict | None, phase: str) -> dict | None:
+def noise_for(noise: dict | None, phase: str | None = None) -> dict | None:
     """The noise one phase's intervals use: its own figures' pool when it holds MIN_DF degrees of
-    freedom (the figures timed in the same repeats, under the same load), else the run's."""
+    freedom (the figures timed in the same repeats, under the same load), else the run's (phase
+    None: the run's)."""
     if noise is None:
         return None
-    own = (noise.get("phases") or {}).get(phase)
+    own = (noise.get("phases") or {}).get(phase) if phase is not None else None
     return own or {k: v for k, v in noise.items() if k != "phases"}
 
 

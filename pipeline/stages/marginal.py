@@ -50,22 +50,24 @@ def _batching_inputs(run_dir: Path, pair: str, config) -> dict:
             "grid": sha256_file(grid) if grid.is_file() else None, "serving": config.section("serving")}
 
 
-def _run_noise(run_dir: Path, lat_files: dict[str, Path]) -> dict | None:
-    """The run's pooled timing noise over every pair's B = 1 and batched figures (timing_noise.py)."""
+def _latency_docs(run_dir: Path, lat_files: dict[str, Path]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every pair's latency document and, where it has one, its batched one, read once: the run's
+    timing noise pools over all of them (timing_noise.py), and each pair's report reads its own."""
     batched = {pair: read_json(path, "batched latency") for pair in lat_files
                for path in [_batching_paths(run_dir, pair)[0]] if path.is_file()}
-    return pooled_noise({pair: read_json(path, "latency artifact") for pair, path in lat_files.items()}, batched)
+    return {pair: read_json(path, "latency artifact") for pair, path in lat_files.items()}, batched
 
 
-def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict, noise: dict | None) -> str:
-    """Add the batching keys to `report` and write its two figures; returns the Markdown section."""
+def _add_batching(ctx: StageContext, pair: str, report: dict, acceptance: dict, batched: dict | None,
+                  noise: dict | None) -> str:
+    """Add the batching keys to `report` and write its two figures; returns the Markdown section.
+    batched: the pair's latency/batched document (None: it has none)."""
     batched_path, grid_path = _batching_paths(ctx.run_dir, pair)
-    if not batched_path.is_file() or not grid_path.is_file():
+    if batched is None or not grid_path.is_file():
         report["recommended_k_by_batch"] = None
         report["speculative_config_by_batch"] = None
         report["by_batch_note"] = f"no {batched_path.relative_to(ctx.run_dir)} (re-run make latency)"
         return ""
-    batched = read_json(batched_path, "batched latency")
     if isinstance(batched, dict) and batched.get("screened"):  # not timed under batching: k = 0 at every B
         report.update(screened_batching(batched))
         return screened_batch_markdown(report)
@@ -99,8 +101,9 @@ def run(ctx: StageContext) -> None:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
     confidence = ctx.config.marginal.confidence
-    noise = _run_noise(ctx.run_dir, lat_files)
-    progress("marginal: " + noise_line({k: v for k, v in noise.items() if k != "phases"} if noise else None))
+    lat_docs, batched_docs = _latency_docs(ctx.run_dir, lat_files)
+    noise = pooled_noise(lat_docs, batched_docs)
+    progress("marginal: " + noise_line(noise_for(noise)))
     recommended, by_batch, by_category = {}, {}, {}
     for pair, acc_path in acc_files.items():
         item = ctx.item(f"{pair}.json", {"acceptance": sha256_file(acc_path),
@@ -113,8 +116,8 @@ def run(ctx: StageContext) -> None:
             by_category[pair] = _k_by_category(item.meta)
             continue
         acc = read_json(acc_path, "acceptance artifact")
-        report = pair_report(acc, read_json(lat_files[pair], "latency artifact"), confidence, noise_for(noise, pair))
-        extra = _add_batching(ctx, pair, report, acc, noise)
+        report = pair_report(acc, lat_docs[pair], confidence, noise_for(noise, pair))
+        extra = _add_batching(ctx, pair, report, acc, batched_docs.get(pair), noise)
         # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
         write_plot(report, ctx.out_dir / f"{pair}.png")
         write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png", extra)
