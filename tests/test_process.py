@@ -47,3 +47,15 @@ def test_verbose_and_the_library_default_leave_everything_on(clean):
     set_up_process()  # what the tests and the benches call: never quiet
     assert not any(k in os.environ for k in QUIET_ENV)
     assert LogBar.shared().level == logging.INFO
+
+
+def test_bars_off_follows_tqdm_disable_for_bars_made_with_an_explicit_disable(clean):
+    """The quality evaluator's own bars pass disable= explicitly, which overrides tqdm's reading of
+    TQDM_DISABLE: they ask bars_off, so quiet reaches them and VERBOSE=1 brings them back."""
+    from pipeline.core.process import bars_off
+
+    assert not bars_off()
+    set_up_process(quiet=True)
+    assert bars_off()
+    clean.setenv("TQDM_DISABLE", "0")
+    assert not bars_off()

@@ -24,6 +24,12 @@ QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFOR
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
+def bars_off() -> bool:
+    """Whether tqdm's bars are off for this process (TQDM_DISABLE, which quiet sets): for a bar
+    created with an explicit `disable=`, which overrides tqdm's own reading of the variable."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes")
+
+
 def _quiet_logbar() -> None:
     """GPTQModel logs through LogBar (its banner, kernel selection, load map: about 40 INFO lines per
     quantized load), a logger of its own that python's logging levels do not reach; warnings stay.

@@ -54,6 +54,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from pipeline.core.process import bars_off
 from pipeline.decode.cache import cache_kwarg
 from pipeline.quality import calibration
 from pipeline.quality.batch_plan import StopCheck, common_prefix, plan_batches
@@ -349,7 +350,7 @@ class PrefixCachedLM(HFLM):
         res: list = [None] * len(requests)
         walk = PrefixWalk(self.model, self.device, self._fwd)
         start = time.perf_counter()
-        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0 or bars_off(),
                    desc="Running loglikelihood requests (prefix-shared)")
         with torch.inference_mode(), gqa_attention(self.device):
             for head, members in plan_batches(inputs, need, self._bs, call_tokens):
@@ -398,7 +399,7 @@ class PrefixCachedLM(HFLM):
         cal = self.calibrate()
         call_tokens, kv_budget = cal["call_tokens"], cal["decode_kv_tokens"]
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        bar = tqdm(total=len(requests) - len(fallback), disable=disable_tqdm or self.rank != 0,
+        bar = tqdm(total=len(requests) - len(fallback), disable=disable_tqdm or self.rank != 0 or bars_off(),
                    desc="Running generate_until requests (prefix-shared)")
         walk = PrefixWalk(self.model, self.device, self._fwd)
         prefill_s = decode_s = 0.0
