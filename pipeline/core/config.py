@@ -264,6 +264,46 @@ class BudgetConfig(Section):
         return merged
 
 
+class VllmOpenLoopConfig(Section):
+    """The recommendation checked under open-loop load: Poisson arrivals at these shares of the
+    plain engine's measured capacity (its closed-loop requests/s at the largest concurrency)."""
+    loads: list[PositiveFloat] = Field(default_factory=lambda: [0.5, 0.9])
+    requests: PositiveInt = 24  # per load and engine
+
+
+class VllmEngineConfig(Section):
+    """Speculation measured in vLLM (pipeline/stages/vllm_engine.py), in the venv `make install`
+    builds (.venv-vllm): one engine per (target, draft, k), started on 127.0.0.1 and always stopped."""
+    # Target variants; null = the reference and every release variant vLLM can serve here.
+    targets: list[str] | None = None
+    # Draft lengths 1..k_max, one engine each; null = acceptance.k_max.
+    k_max: PositiveInt | None = None
+    # Closed-loop concurrencies measured besides B = 1 (each k's own table, and k per batch size).
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
+    # Compute dtype; auto = bfloat16.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: PositiveInt = 2048
+    # CUDA graphs off; null = on CPU (where vLLM compiles nothing useful for a small model) only.
+    enforce_eager: bool | None = None
+    kv_cache_gib: PositiveFloat = 2.0  # CPU: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: PositiveFloat = 0.9
+    tensor_parallel_size: PositiveInt = 1
+    startup_timeout_s: PositiveFloat = 600.0
+    request_timeout_s: PositiveFloat = 600.0
+    # Check the recommendation under open-loop load against no speculation and the best fixed k.
+    open_loop_check: bool = True
+    open_loop: VllmOpenLoopConfig = Field(default_factory=VllmOpenLoopConfig)
+    # More api_server flags, as --<key> <value> (true: the bare flag).
+    engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+    @field_validator("concurrency")
+    @classmethod
+    def _conc(cls, v: list[int]) -> list[int]:
+        if any(c < 2 for c in v):
+            raise ValueError("concurrencies are >= 2 (B = 1 is always measured)")
+        return v
+
+
 class MarginalConfig(Section):
     confidence: float = 0.95
 
@@ -364,6 +404,9 @@ class ReportConfig(Section):
 class Config(Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The engine whose measurements choose k: "vllm" (the serving engine; its venv must be
+    # installed), "specq" (specq's own decode engine), or "auto": vllm where it is installed.
+    speculation_engine: Literal["auto", "vllm", "specq"] = "auto"
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
     drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
@@ -371,6 +414,7 @@ class Config(Section):
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
     marginal: MarginalConfig = Field(default_factory=MarginalConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)

@@ -104,7 +104,9 @@ class NgramDraft:
     """Prompt lookup, a model-free draft.
 
     Match the last n tokens of the committed sequence (n = max_n down to 1) against earlier text,
-    take the most recent earlier occurrence, and propose the (up to k) tokens that followed it. q
+    take the earliest occurrence of the longest match (vLLM's prompt lookup does the same:
+    v1/spec_decode/ngram_proposer.py; `latest=True` takes the most recent one instead), and
+    propose the (up to k) tokens that followed it. q
     is one-hot on the proposal, so beta_i = p_i(d_i) and the accept test is u < p_i(d_i). When no
     suffix occurs earlier the draft proposes nothing and the round is a plain decode step
     (drafted = 0): the cheapest fallback, and honest in the acceptance figures (such rounds emit
@@ -113,28 +115,29 @@ class NgramDraft:
 
     reads_host_tokens = True  # the engine hands propose() its host copy of the sequence
 
-    def __init__(self, spec: str, max_n: int = 3):
+    def __init__(self, spec: str, max_n: int = 3, latest: bool = False):
         self.spec = spec
         self.max_n = max_n
+        self.latest = latest
 
     def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
         pass  # stateless: everything it needs is the committed sequence
 
     def match(self, seq: np.ndarray, k: int) -> tuple[int, int]:
-        """seq: [L] -> (start, count): seq[start:start+count] (count <= k) followed the latest
-        earlier match of the longest suffix; count = 0 when no suffix occurs earlier."""
+        """seq: [L] -> (start, count): seq[start:start+count] (count <= k) followed the earliest
+        (latest: the most recent) earlier match of the longest suffix; count = 0 when none."""
         length = seq.shape[0]
         for n in range(min(self.max_n, length - 1), 0, -1):
             tail = seq[length - n:]
             windows = sliding_window_view(seq[: length - 1], n)  # starts 0..L-1-n: never the tail itself
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1] if self.latest else hits[0]) + n
                 return start, min(k, length - start)
         return 0, 0
 
     def lookup(self, seq: np.ndarray, k: int) -> np.ndarray:
-        """seq: [L] -> up to k tokens that followed the latest earlier match of the longest suffix."""
+        """seq: [L] -> up to k tokens that followed the chosen earlier match of the longest suffix."""
         start, count = self.match(seq, k)
         return seq[start: start + count]
 

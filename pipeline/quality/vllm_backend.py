@@ -45,26 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.stage import StageError, library_version, read_json
-
-# config.json quant_method values vLLM reads (its QUANTIZATION_METHODS, 0.6 to 0.11), used only
-# where vLLM is not importable (tests; precheck reasons); with vLLM installed its own list is read.
-VLLM_METHODS = frozenset({
-    "awq", "awq_marlin", "gptq", "gptq_marlin", "gptq_marlin_24", "gptq_bitblas", "marlin", "bitblas",
-    "fp8", "fbgemm_fp8", "ptpc_fp8", "compressed-tensors", "bitsandbytes", "modelopt", "modelopt_fp4",
-    "experts_int8", "hqq", "quark", "moe_wna16", "auto-round", "mxfp4", "deepspeedfp", "gguf",
-})
-
-# Methods vLLM lists but does not read in the form specq's variants are written in.
-NOT_READ = {
-    "torchao": "torchao tensors saved by transformers' save_pretrained (safetensors) are not a "
-               "checkpoint format vLLM loads",
-}
-
-# Schemes (meta.json `scheme`) whose directories vLLM does not read, whatever their config says.
-SCHEME_NOT_READ = {"torchao-int8wo": "scheme torchao-int8wo: " + NOT_READ["torchao"]}
-
-BITSANDBYTES = {"quantization": "bitsandbytes", "load_format": "bitsandbytes"}
-
+from pipeline.vllm.spec_config import BITSANDBYTES, SCHEME_NOT_READ, method_reason
 
 def unavailable() -> str | None:
     """Why `backend: vllm` cannot run here (one line), or None where vLLM is importable."""
@@ -83,18 +64,6 @@ def supported_methods() -> frozenset[str] | None:
     except Exception:  # an import error inside vLLM: fall back to the static list
         return None
     return frozenset(QUANTIZATION_METHODS)
-
-
-def method_reason(method: str | None, supported: frozenset[str] | None = None) -> str | None:
-    """None when vLLM reads checkpoints quantized with `method` (None = unquantized), else why not."""
-    if method is None:
-        return None
-    if method in NOT_READ:
-        return NOT_READ[method]
-    methods = VLLM_METHODS if supported is None else supported
-    if method not in methods:
-        return f"quantization method '{method}' is not one vLLM reads"
-    return None
 
 
 def _quant_method(vdir: Path) -> str | None:

@@ -1,0 +1,160 @@
+"""Which k to deploy, from what vLLM itself measured: speedup per k at B = 1 and per concurrency,
+the recommendation as the `speculative_config` vLLM takes, and the derivation checked against it.
+
+    from pipeline.serving.served_k import engine_tables, recommend, derived_vs_engine
+    tables = engine_tables(plain_doc, pair_doc, confidence, seed)     # temperature -> B -> rows per k
+    rec = recommend(tables, pair_doc, run_dir)                        # k at B = 1, k per B, config, command
+
+A row's ms/token is sum(decode time) / sum(decode tokens) over the workload's prompts (TPOT pooled
+over requests), the speedup is the plain engine's over it on the same prompts, and its interval a
+paired bootstrap over prompts (the unit every request is one draw of). k is chosen by
+marginal.RULE, leaving out any k whose lossless check failed at that temperature.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.serving.batch_k import vllm_rows
+from pipeline.serving.marginal import RULE, recommend_k
+from pipeline.speculation.acceptance_stats import ratio_difference
+from pipeline.stats.intervals import percentile_interval
+from pipeline.vllm.spec_config import serve_command, speculative_config
+
+RESAMPLES = 2000
+
+
+def _pooled(records: list[dict], w: np.ndarray) -> np.ndarray:
+    """ms per decode token per bootstrap replicate (w: [R, P] prompt weights)."""
+    dec = np.array([r["decode_ms"] for r in records], float)
+    tok = np.array([max(r["tokens"] - 1, 0) for r in records], float)
+    return (w @ dec) / np.maximum(w @ tok, 1e-9)
+
+
+def speed_row(k: int, plain: list[dict], spec: list[dict], confidence: float, seed: int) -> dict:
+    """ms/token and speedup of `spec` over `plain` on the prompts both ran (matched by id)."""
+    by_id = {r["id"]: r for r in plain}
+    pairs = [(by_id[r["id"]], r) for r in spec if r["id"] in by_id]
+    p, s = [a for a, _ in pairs], [b for _, b in pairs]
+    n = len(pairs)
+    ones = np.ones((1, n))
+    base, ms = float(_pooled(p, ones)[0]), float(_pooled(s, ones)[0])
+    rng = np.random.default_rng(seed)
+    w = rng.multinomial(n, np.full(n, 1.0 / n), size=RESAMPLES).astype(float) if n > 1 else ones
+    base_b, ms_b = _pooled(p, w), _pooled(s, w)
+    return {"k": k, "prompts": n, "ms_per_token": ms, "baseline_ms_per_token": base, "speedup": base / ms,
+            "ms_per_token_ci": percentile_interval(ms_b, confidence, ms),
+            "speedup_ci": percentile_interval(base_b / ms_b, confidence, base / ms),
+            "ci_unit": "prompt (paired bootstrap)"}
+
+
+def engine_tables(plain: dict, pair: dict, confidence: float = 0.95, seed: int = 0) -> dict:
+    """temperature -> {"1": rows, "<C>": rows}: one row per k, B = 1 and each closed loop."""
+    out: dict = {}
+    sampled = next((r["lossless"]["sampled"] for r in pair["by_k"].values() if r["lossless"].get("sampled")), None)
+    for k_key, run in sorted(pair["by_k"].items(), key=lambda kv: int(kv[0])):
+        k = int(k_key)
+        for t, spec_recs in run["b1"].items():
+            row = speed_row(k, plain["measure"]["b1"][t], spec_recs, confidence, seed)
+            row.update(_acceptance_cells(run, t), lossless=_lossless_ok(run, t, sampled))
+            out.setdefault(t, {}).setdefault("1", []).append(row)
+        for c, temps in run.get("closed_loop", {}).items():
+            for t, block in temps.items():
+                base = plain["measure"]["closed_loop"].get(c, {}).get(t)
+                if base is None:
+                    continue
+                row = speed_row(k, base["records"], block["records"], confidence, seed)
+                row.update(tpot_p50_ms=block["tpot_ms"]["p50"] if block.get("tpot_ms") else None,
+                           output_tokens_per_s=block.get("output_tokens_per_s"),
+                           baseline_output_tokens_per_s=base.get("output_tokens_per_s"),
+                           lossless=_lossless_ok(run, t, sampled))
+                out.setdefault(t, {}).setdefault(c, []).append(row)
+    return out
+
+
+def _acceptance_cells(run: dict, t: str) -> dict:
+    s = run["summary"]["all"][t]
+    return {"tokens_per_step": s["expected_tokens_per_step"], "tokens_per_step_ci": s["expected_tokens_per_step_ci"],
+            "mean_acceptance_length": s["mean_acceptance_length"], "drafted_share": s["drafted_share"]}
+
+
+def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
+    """False where speculation measurably changed the output at temperature t: greedy, this k's
+    greedy check; sampled, the pair's sampled check (run once, at k_max: the rejection sampler is
+    one code path for every k and every temperature above 0)."""
+    if float(t) == 0.0:
+        g = run.get("lossless", {}).get("greedy")
+        return True if g is None else bool(g["greedy_lossless"])
+    return True if sampled is None else bool(sampled["passed"])
+
+
+def _pick(rows: list[dict]) -> int:
+    return recommend_k([r for r in rows if r.get("lossless", True)])
+
+
+def recommend(tables: dict, pair: dict, run_dir) -> dict:
+    """The k to deploy at the primary temperature (greedy when measured): at B = 1, per measured
+    concurrency, the speculative_config (with vLLM's per-batch-size schedule where k differs by B)
+    and the `vllm serve` line; per temperature the same for reference."""
+    per_temp = {}
+    for t, by_b in tables.items():
+        by_batch = {int(b): _pick(rows) for b, rows in by_b.items()}
+        lossy = sorted({r["k"] for rows in by_b.values() for r in rows if not r.get("lossless", True)})
+        per_temp[t] = {"recommended_k": by_batch.get(1, 0), "recommended_k_by_batch": by_batch,
+                       "not_lossless_k": lossy}
+    primary = min(per_temp, key=float)
+    rec = per_temp[primary]
+    by_batch = rec["recommended_k_by_batch"]
+    top = max(by_batch.values(), default=0)
+    config, schedule = None, None
+    if top > 0:
+        rows = vllm_rows(by_batch)
+        schedule = rows if len({r[2] for r in rows}) > 1 else None
+        config = speculative_config(pair["draft"], top, run_dir, by_batch=schedule)
+        if isinstance(config, str):
+            config = None
+    fixed = None
+    if rec["recommended_k"] > 0:
+        fixed = speculative_config(pair["draft"], rec["recommended_k"], run_dir)
+    return {
+        "primary_temperature": primary, "recommended_k": rec["recommended_k"],
+        "recommended_k_by_batch": by_batch, "by_temperature": per_temp,
+        "speculative_config": config, "best_fixed_config": fixed if isinstance(fixed, dict) else None,
+        "serve_command": serve_command(pair["target_dir"], config),
+        "rule": RULE + " A k whose lossless check failed at that temperature is never recommended.",
+        "verdict": ("do not speculate" if config is None else
+                    f"k = {rec['recommended_k']} at B = 1" + (f", by batch size {schedule}" if schedule else "")),
+    }
+
+
+def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0.95) -> dict | None:
+    """specq's teacher-forced E(k) beside vLLM's measured E[tokens per step] on the same prompts and
+    temperature, paired by prompt: the difference and its t interval (acceptance_stats.ratio_difference).
+    None without an acceptance artifact for the pair."""
+    if not acceptance:
+        return None
+    out = {}
+    for k_key, run in pair["by_k"].items():
+        k = int(k_key)
+        for t, recs in run["b1"].items():
+            block = acceptance.get("slices", {}).get("all", {}).get(t)
+            if not block or str(k) not in block.get("expected_tokens_per_round", {}):
+                continue
+            derived = {r["prompt"]: r for r in block.get("per_prompt", [])}
+            both = [(derived[r["id"]], r) for r in recs if r["id"] in derived]
+            if not both:
+                continue
+            d_tok = [a["tokens"] for a, _ in both]
+            d_rnd = [a["expected_rounds"][str(k)] for a, _ in both]
+            e_tok = [b["tokens"] - 1 for _, b in both]
+            e_rnd = [b["steps"] for _, b in both]
+            diff, ci = ratio_difference(d_tok, d_rnd, e_tok, e_rnd, confidence, (-float(k), float(k)))
+            engine = run["summary"]["all"][t]
+            agree = None if ci is None else bool(ci[0] <= 0.0 <= ci[1])
+            out.setdefault(t, {})[str(k)] = {
+                "derived": float(np.sum(d_tok) / np.sum(d_rnd)), "engine": float(np.sum(e_tok) / np.sum(e_rnd)),
+                "difference": diff, "difference_ci": ci, "agree": agree, "prompts": len(both),
+                "derived_prefix": [p.get("prefix") for p in block.get("per_position", [])][:k],
+                "engine_prefix": [p["prefix"] for p in engine["per_position"]],
+                "flag": agree is False,
+            }
+    return out

