@@ -64,11 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("evaluate", "prepare"):  # make evaluate starts with prepare: refuse
             from pipeline.speculation.workload import precheck as workload_precheck  # a bad workload file
             from pipeline.stages.quality import precheck  # unknown quality tasks before any work
+            from pipeline.stages.vllm_engine import precheck as vllm_precheck  # vLLM asked for, not installed
 
             workload_precheck(cfg, {})
             precheck(cfg, {})
+            vllm_precheck(cfg, {})
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}
+            if name == "vllm":  # installing (or upgrading) vLLM re-runs the stage that uses it
+                from pipeline.stages.vllm_engine import engine_args
+
+                stage_args = engine_args(cfg)
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
             if name == "prepare":  # the run's first stage (make evaluate runs it first), once MODEL is known good
                 progress(f"specq: {plan_line(cfg)}")

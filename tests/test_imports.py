@@ -18,7 +18,7 @@ PACKAGES = ("pipeline", "draft_models", "evals")
 # parts of one rank do not import each other. core and decode import nothing else of specq.
 RANKS = {
     "core": 0, "evals": 0,
-    "decode": 1, "stats": 1, "models": 1,
+    "decode": 1, "stats": 1, "models": 1, "vllm": 1,
     "variants": 2, "speculation": 2, "gate": 2,
     "latency": 3, "quality": 3,
     "serving": 4,

@@ -170,5 +170,6 @@ def open_loop_run(url: str, prompts: dict, settings: Settings, rate: float, requ
     return {"rate": rate, "requests": requests, "failed": requests - len(ok), "wall_s": wall,
             "goodput_rps": good / wall if wall > 0 else 0.0, "slo_met": good,
             "tpot_ms": summary["tpot_ms"], "ttft_ms": summary["ttft_ms"],
+            "tpot_per_request_ms": [r["tpot_ms"] for r in recs if r["tpot_ms"] is not None],
             "output_tokens_per_s": summary.get("output_tokens_per_s")}
 

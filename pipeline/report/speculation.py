@@ -19,6 +19,7 @@ from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number
 from pipeline.report.inputs import json_files
 from pipeline.report.marginal import CATEGORY_HEADER, category_rows, workload_line
+from pipeline.report.served import served_blocks
 
 
 def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
@@ -107,17 +108,20 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
         elif m and m.get("ks_not_timed_note"):  # timed at the k that may pay only (screen.ks_to_time)
             screened.append(f"{pair}: {m['ks_not_timed_note']}")
         shown = MISSING if rec is None else str(rec) + (" (does not pay, not timed)" if (m or {}).get("screened") else "")
-        rows.append([pair, loss.get("decision", "unchecked"), shown,
+        if m and m.get("engine") == "vllm":
+            loss = {"decision": "go" if m.get("lossless_ok") else "no-go"}
+        rows.append([pair, (m or {}).get("engine", "specq"), loss.get("decision", "unchecked"), shown,
                      f"{number(at['speedup'], 2)}x {interval(at.get('speedup_ci'), 2)}" if at else MISSING,
                      number(at["ms_per_token"], 2) if at else MISSING,
                      number(at["tokens_per_round"], 2) if at else MISSING,
                      number(m["baseline_ms_per_token"], 2) if m else MISSING])
-        classes.append([None, {"go": "pass", "no-go": "fail"}.get(loss.get("decision"), "inconclusive"),
+        classes.append([None, None, {"go": "pass", "no-go": "fail"}.get(loss.get("decision"), "inconclusive"),
                         None, None, None, None, None])
-    out += [("p", "Lossless: greedy speculative output identical to the target's own, and the "
-                  "sampling test (p adjusted across pairs); a pair that fails is no-go for "
-                  "speculation whatever its speed. It does not change the variant's quality decision."),
-            ("table", ["pair", "lossless", "recommended k", "speedup at k [CI]", "ms/token at k",
+    out += [("p", "Lossless: greedy speculative output identical to the target's own (up to near-ties), and the "
+                  "sampling test, in the engine that measured the pair (specq's own engine, or vLLM against its "
+                  "own plain output); a pair that fails is no-go for speculation whatever its speed. It does not "
+                  "change the variant's quality decision."),
+            ("table", ["pair", "measured in", "lossless", "recommended k", "speedup at k [CI]", "ms/token at k",
                        "E[tokens/round] at k", "plain ms/token"], rows, classes)]
     if screened:  # issue 27: pairs screened out before timing
         out.append(("p", "Screened before timing (latency.screen): an upper bound on the speedup at every k, "
@@ -128,6 +132,8 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
     for pair in pairs:
         out.append(("h3", pair))
         m = marginal.get(pair)
+        if m and m.get("engine") == "vllm":
+            out += served_blocks(m)
         if m and m.get("screened"):
             out.append(("p", f"This pair {m['screened_note']}. "
                              + (m.get("recommended_k_by_category_note") or "") + "."))

@@ -42,6 +42,7 @@ def speed_row(k: int, plain: list[dict], spec: list[dict], confidence: float, se
     w = rng.multinomial(n, np.full(n, 1.0 / n), size=RESAMPLES).astype(float) if n > 1 else ones
     base_b, ms_b = _pooled(p, w), _pooled(s, w)
     return {"k": k, "prompts": n, "ms_per_token": ms, "baseline_ms_per_token": base, "speedup": base / ms,
+            "baseline_ci": percentile_interval(base_b, confidence, base),
             "ms_per_token_ci": percentile_interval(ms_b, confidence, ms),
             "speedup_ci": percentile_interval(base_b / ms_b, confidence, base / ms),
             "ci_unit": "prompt (paired bootstrap)"}
@@ -158,3 +159,47 @@ def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0
                 "flag": agree is False,
             }
     return out
+
+
+def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95) -> dict:
+    """The marginal artifact of a pair measured in vLLM: DESIGN.md's keys (baseline_ms_per_token,
+    rows with k / tokens_per_round / round_ms / ms_per_token / speedup / marginal_ms_per_token,
+    recommended_k) from the engine's B = 1 table at the primary temperature, the recommendation as
+    vLLM takes it, and the derived-vs-engine check."""
+    rec = pair["recommendation"]
+    t = rec["primary_temperature"]
+    table = pair["tables"][t]["1"]
+    base = table[0]["baseline_ms_per_token"]
+    rows, prev_round, prev_e = [], base, 1.0
+    for r in table:
+        e = r["tokens_per_step"]
+        round_ms = r["ms_per_token"] * e
+        marginal = (round_ms - prev_round) / (e - prev_e) if e > prev_e + 1e-9 else None
+        rows.append({**r, "tokens_per_round": e, "tokens_per_round_ci": r["tokens_per_step_ci"], "round_ms": round_ms,
+                     "marginal_ms_per_token": marginal,
+                     "marginal_pays": marginal is not None and marginal < (prev_round / prev_e)})
+        prev_round, prev_e = round_ms, e
+    k_top = str(max(int(k) for k in pair["by_k"]))
+    derived = derived_vs_engine(acceptance, pair, confidence)
+    flagged = [f"T={tt} k={k}" for tt, ks in (derived or {}).items() for k, c in ks.items() if c["flag"]]
+    lossless = {k: run["lossless"] for k, run in pair["by_k"].items()}
+    return {
+        "variant": pair["variant"], "draft": pair["draft"], "engine": "vllm",
+        "engine_info": pair.get("engine"), "device": f"vLLM {(pair.get('engine') or {}).get('vllm')} "
+                                                     f"({(pair.get('engine') or {}).get('platform')})",
+        "confidence": confidence, "primary": {"slice": "all", "temperature": t},
+        "baseline_ms_per_token": base, "baseline_ci": table[0].get("baseline_ci"),
+        "rows": rows, "recommended_k": rec["recommended_k"],
+        "recommended_k_by_batch": {str(b): k for b, k in rec["recommended_k_by_batch"].items()},
+        "recommended_k_by_temperature": {tt: v["recommended_k"] for tt, v in rec["by_temperature"].items()},
+        "speculative_config": rec["speculative_config"], "serve_command": rec["serve_command"],
+        "verdict": rec["verdict"], "rule": rec["rule"], "tables": pair["tables"],
+        "per_position": {tt: blk["per_position"] for tt, blk in pair["by_k"][k_top]["summary"]["all"].items()},
+        "per_position_k": int(k_top),
+        "derived_vs_engine": derived, "derived_vs_engine_flagged": flagged,
+        "lossless": lossless, "lossless_ok": all(
+            (v.get("greedy") or {}).get("greedy_lossless", True) and (v.get("sampled") or {}).get("passed", True)
+            for v in lossless.values()),
+        "validation": pair.get("validation"), "workload": pair.get("workload"),
+        "ci_unit": "prompt (paired bootstrap of the engine's per-request times)",
+    }

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import time
 
-from draft_models.registry import build_draft, draft_slug
+from draft_models.registry import build_draft, draft_slug, engine_specs
 from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
@@ -159,7 +159,7 @@ def run(ctx: StageContext) -> None:
     todo: dict[str, list] = {}  # variant -> the pairs to measure: (spec, slug, name, item)
     for variant in targets:
         vmeta = read_json(ctx.run_dir / "variants" / variant / "meta.json", f"variant '{variant}' meta.json")
-        for spec in ctx.config.drafts:
+        for spec in engine_specs(ctx.config.drafts, "acceptance", progress if variant == targets[0] else None):
             slug = draft_slug(spec)
             dmeta = read_json(ctx.run_dir / "drafts" / slug / "meta.json", f"draft '{spec}' meta.json")
             name = f"{variant}__{slug}"

@@ -6,12 +6,14 @@ For each spec in `drafts` it builds the draft against the reference variant (a b
 layer count out of range, a missing variant or a tokenizer that differs from the target's stops
 the stage with one line), and writes runs/<run>/drafts/<draft_slug>/meta.json. The drafts hold no
 weights of their own here: layerskip shares the target's tensors, self:<variant> points at the
-variant directory, hf:<source> records the source and is loaded again where it is used.
+variant directory, hf:<source> records the source and is loaded again where it is used; an
+eagle3:<dir> head is checked against the reference's config (it runs in vLLM only).
 """
 from __future__ import annotations
 
 import torch
 
+from draft_models import eagle3
 from draft_models.registry import build_draft, draft_slug, parse_spec
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, StageError, progress, read_json
@@ -68,9 +70,14 @@ def run(ctx: StageContext) -> None:
         made[slug] = {"spec": spec, "dir": f"drafts/{slug}"}
         if item.fresh:
             continue
+        progress(f"drafts: {spec}")
+        if parse_spec(spec)[0] == "eagle3":  # served only: checked against the target's config, not built
+            item.meta = {"spec": spec, "kind": "eagle3", "slug": slug, **eagle3.check(spec, AutoConfig.from_pretrained(ref))}
+            with item.writing():
+                pass
+            continue
         if target is None:
             target, tokenizer = load_variant(ref, device=device)
-        progress(f"drafts: {spec}")
         with torch.inference_mode():
             draft = build_draft(spec, target, tokenizer, ctx.run_dir, device)
         item.meta = describe(spec, draft, target, ctx.run_dir)

@@ -8,7 +8,8 @@ peak memory, bytes per step and the share of the measured device bandwidth it re
 `tpot_ratio_vs_reference` (this variant's TPOT / the reference's, with a CI) beside the roofline's
 prediction; `latency/tpot_ratio.png` plots that against B x context. And
 `latency/<variant>__<draft_slug>.json`: speculative round times on the acceptance prompts and
-temperatures at k = 1..k_max, as a function of the drafted count (pipeline/latency/speculative.py).
+temperatures at k = 1..k_max, as a function of the drafted count (pipeline/latency/speculative.py),
+for the pairs the vllm stage did not measure (those are timed in vLLM, the engine they are served with).
 
 And `latency/batched/<variant>__<draft_slug>.json`: speculative round time and ms/token per (batch
 size, k) and a measured closed loop (pipeline/latency/batched.py).
@@ -57,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from draft_models.registry import build_draft, draft_slug
+from draft_models.registry import build_draft, draft_slug, engine_specs
 from pipeline.core.budget import StageBudget
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
@@ -193,6 +194,12 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
             atomic_write_bytes(ctx.out_dir / "tpot_ratio.png", png)
 
 
+def served_pairs(run_dir: Path) -> set[str]:
+    """The pairs the vllm stage measured: their speed is vLLM's, so this stage does not time them."""
+    meta = run_dir / "vllm" / "meta.json"
+    return set((read_json(meta, "vllm meta.json").get("measured") or {}) if meta.is_file() else ())
+
+
 def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder: str, inputs: dict) -> dict:
     """draft spec -> the item of (target, draft) under `folder` that is not yet current. A screened
     item (not timed) is current only while latency.screen is on and its acceptance JSON is the one
@@ -200,8 +207,12 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
     target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
     phase = "batched" if folder else "speculative"
     pending = {}
-    for spec in ctx.config.drafts:
+    served = served_pairs(ctx.run_dir)
+    for spec in engine_specs(ctx.config.drafts, "latency"):
         slug = draft_slug(spec)
+        if f"{target}__{slug}" in served:  # measured where it is served (the vllm stage): not timed here
+            ctx.meta.setdefault("measured_in_vllm", []).append(f"{folder}{target}__{slug}")
+            continue
         # latency.screen is not an input of a pair's timing: turning it off times the screened pairs only.
         item = ctx.item(f"{folder}{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec,
                                                              "draft_meta": draft_input_hash(ctx.run_dir, slug)},

@@ -20,17 +20,24 @@ A pair the latency stage screened out (`screened` in its latency JSON, pipeline/
 gets recommended_k 0 and the screen's record and sentence (serving/marginal.py screened_report);
 screened under batching, k = 0 at every batch size and no simulation (serving/batching.py
 screened_batching). Its .md page and plot show the bound per k instead of a measured table.
+
+A pair the vllm stage measured (vllm/<pair>.json) is reported from vLLM's own figures instead
+(pipeline/serving/served_k.py: served_report; pipeline/report/served.py), with the acceptance
+stage's derived E(k) beside the engine's where the acceptance stage measured the pair.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, progress, read_json, sha256_file
+from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_text, progress, read_json,
+                                 sha256_file)
 from pipeline.report.batching import batch_markdown, screened_batch_markdown, serving_plot, speedup_plot
 from pipeline.report.marginal import write_markdown, write_plot
+from pipeline.report.served import render_served, served_plot
 from pipeline.serving.batching import batching_report, screened_batching
 from pipeline.serving.lengths import request_lengths
 from pipeline.serving.marginal import pair_report
+from pipeline.serving.served_k import served_report
 from pipeline.serving.timing_noise import noise_for, noise_line, pooled_noise
 
 
@@ -91,21 +98,53 @@ def _k_by_category(report: dict) -> dict | None:
     return None if cats is None else {c: {t: e["k"] for t, e in temps.items()} for c, temps in cats.items()}
 
 
+def _served_pairs(run_dir: Path) -> dict[str, Path]:
+    """The pairs the vllm stage measured (its meta.json names them)."""
+    meta = run_dir / "vllm" / "meta.json"
+    if not meta.is_file():
+        return {}
+    measured = read_json(meta, "vllm meta.json").get("measured") or {}
+    return {pair: run_dir / "vllm" / f"{pair}.json" for pair in measured}
+
+
+def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, confidence: float) -> dict:
+    item = ctx.item(f"{pair}.json", {"vllm": sha256_file(path), "acceptance": sha256_file(acc_path) if acc_path else None,
+                                      "confidence": confidence}, is_dir=False)
+    if item.fresh:
+        return item.meta
+    acc = read_json(acc_path, "acceptance artifact") if acc_path else None
+    report = served_report(read_json(path, "vllm pair result"), acc, confidence)
+    atomic_write_bytes(ctx.out_dir / f"{pair}.png", served_plot(report, ctx.config.report.dpi))
+    atomic_write_text(ctx.out_dir / f"{pair}.md", render_served(report))
+    item.write_json(report)
+    for line in report["derived_vs_engine_flagged"]:
+        progress(f"marginal: {pair}: derived and vLLM-measured E(k) disagree beyond the CI at {line}")
+    progress(f"marginal: {pair} (vLLM): {report['verdict']}")
+    return report
+
+
 def run(ctx: StageContext) -> None:
     acc_files = _pair_files(ctx.run_dir / "acceptance")
     lat_files = _pair_files(ctx.run_dir / "latency")
-    if not acc_files:
+    served = _served_pairs(ctx.run_dir)
+    if not acc_files and not served:
         raise StageError(f"marginal: no acceptance/<variant>__<draft>.json in {ctx.run_dir}")
-    missing = sorted(set(acc_files) - set(lat_files))
+    missing = sorted(set(acc_files) - set(lat_files) - set(served))
     if missing:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
     confidence = ctx.config.marginal.confidence
-    lat_docs, batched_docs = _latency_docs(ctx.run_dir, lat_files)
+    lat_docs, batched_docs = _latency_docs(ctx.run_dir, {p: f for p, f in lat_files.items() if p not in served})
     noise = pooled_noise(lat_docs, batched_docs)
     progress("marginal: " + noise_line(noise_for(noise)))
-    recommended, by_batch, by_category = {}, {}, {}
+    recommended, by_batch, by_category, engines = {}, {}, {}, {}
+    for pair, path in served.items():
+        report = _served(ctx, pair, path, acc_files.get(pair), confidence)
+        recommended[pair], by_batch[pair], engines[pair] = report["recommended_k"], report["recommended_k_by_batch"], "vllm"
     for pair, acc_path in acc_files.items():
+        if pair in served:
+            continue
+        engines[pair] = "specq"
         item = ctx.item(f"{pair}.json", {"acceptance": sha256_file(acc_path),
                                           "latency": sha256_file(lat_files[pair]),
                                           "confidence": confidence, "timing_noise": noise,
@@ -135,3 +174,4 @@ def run(ctx: StageContext) -> None:
     ctx.meta["recommended_k"] = recommended
     ctx.meta["recommended_k_by_batch"] = by_batch
     ctx.meta["recommended_k_by_category"] = by_category
+    ctx.meta["engine"] = engines

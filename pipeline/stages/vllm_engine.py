@@ -43,6 +43,12 @@ def resolve_engine(config) -> tuple[str, str | None]:
     return "specq", why
 
 
+def engine_args(config) -> dict:
+    """What the stage's hash takes from the machine: which engine runs it, and vLLM's version."""
+    engine, why = resolve_engine(config)
+    return {"engine": engine, "vllm": engine_info().get("vllm") if engine == "vllm" else None}
+
+
 def precheck(config, args: dict | None = None) -> None:
     """Before any work: vLLM asked for and not installed, or an unknown target, is one line."""
     if config.speculation_engine == "vllm":
@@ -158,7 +164,7 @@ def _measure_k(eng: _Engines, name: str, vdir, spec: str, k: int, last: bool, ac
 
     def work(url):
         m = measure(url, eng.prompts, s, k, progress=eng.b1_progress(f"{name} k={k}"))
-        samples = (sampled_texts(url, ids, acc.lossless_samples, acc.lossless_temperature, s.seed,
+        samples = (sampled_texts(url, ids, acc.lossless_samples, acc.lossless_temperature, s.seed + 1,
                                  timeout_s=s.request_timeout_s) if last else None)
         return {"measure": m, "samples": samples}
     out, start_s = eng.run(f"{name}.k{k}", vdir, config, work)
@@ -207,34 +213,57 @@ def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict) -> dict:
     return out
 
 
+def _median_ci(xs: list[float]) -> list[float] | None:
+    """95% percentile-bootstrap interval of the median (requests resampled)."""
+    import numpy as np
+
+    from pipeline.stats.intervals import percentile_interval
+    if len(xs) < 2:
+        return None
+    a = np.asarray(xs, float)
+    idx = np.random.default_rng(0).integers(0, a.size, size=(2000, a.size))
+    return percentile_interval(np.median(a[idx], axis=1), 0.95, float(np.median(a)))
+
+
+def _compare(a: dict, b: dict) -> str:
+    """a against b: fewer requests within the SLO is worse; else by TPOT p50 when the CIs part."""
+    if a["slo_met"] != b["slo_met"]:
+        return "better" if a["slo_met"] > b["slo_met"] else "worse"
+    ca, cb = a.get("tpot_p50_ci"), b.get("tpot_p50_ci")
+    if ca and cb and ca[1] < cb[0]:
+        return "faster"
+    if ca and cb and cb[1] < ca[0]:
+        return "slower"
+    return "indistinguishable"
+
+
 def _verdict(v: dict) -> dict:
-    """Per load, which of no speculation / best fixed k / recommended served most requests within
-    the SLO (the same arrivals for each, so the counts compare), then the lower TPOT p50."""
-    per = []
+    """Per load: each config's requests within the SLO and TPOT p50 [CI], and the recommendation
+    against no speculation and the best fixed k (the same arrivals for each)."""
+    per, sentences, beat = [], [], []
     for i, rate in enumerate(v["rates"]):
         cands = {"no speculation": v["plain"][i] if i < len(v["plain"]) else None,
                  **{lab: c["runs"][i] for lab, c in v["configs"].items() if "runs" in c and i < len(c["runs"])}}
-        cands = {k: x for k, x in cands.items() if x}
-
-        def rank(lab):
-            x = cands[lab]
-            return (x["slo_met"], -((x["tpot_ms"] or {}).get("p50") or 1e9))
-        best = max(cands, key=rank)
-        per.append({"rate": rate, "best": best,
-                    **{f"{lab}": {"slo_met": x["slo_met"], "requests": x["requests"], "goodput_rps": x["goodput_rps"],
-                                  "tpot_p50_ms": (x["tpot_ms"] or {}).get("p50"),
-                                  "tpot_p99_ms": (x["tpot_ms"] or {}).get("p99"),
-                                  "output_tokens_per_s": x.get("output_tokens_per_s")} for lab, x in cands.items()}})
-    won = [p["best"] in ("recommended", "best_fixed_k") and
-           rank_equal(p, "recommended", p["best"]) for p in per]
-    return {"per_rate": per, "recommended_best_everywhere": bool(per) and all(won),
-            "rule": "per load: most requests within the SLO, then the lower TPOT p50",
-            "sentence": (f"measured in vLLM under open-loop load, the recommended config was best at {sum(won)} of "
-                         f"{len(per)} loads" if per else "no open-loop load was run")}
-
-
-def rank_equal(p: dict, a: str, b: str) -> bool:
-    return a == b or (p.get(a) == p.get(b))
+        row = {"rate": rate}
+        for lab, x in cands.items():
+            if x:
+                row[lab] = {"slo_met": x["slo_met"], "requests": x["requests"], "goodput_rps": x["goodput_rps"],
+                            "tpot_p50_ms": (x["tpot_ms"] or {}).get("p50"), "tpot_p99_ms": (x["tpot_ms"] or {}).get("p99"),
+                            "tpot_p50_ci": _median_ci(x.get("tpot_per_request_ms") or []),
+                            "output_tokens_per_s": x.get("output_tokens_per_s")}
+        rec = row.get("recommended")
+        if rec and row.get("no speculation"):
+            row["recommended_vs_no_speculation"] = _compare(rec, row["no speculation"])
+            row["recommended_vs_best_fixed_k"] = (_compare(rec, row["best_fixed_k"]) if row.get("best_fixed_k")
+                                                  and v["configs"]["best_fixed_k"].get("same_as") is None else "same config")
+            beat.append(row["recommended_vs_no_speculation"] in ("better", "faster")
+                        and row["recommended_vs_best_fixed_k"] not in ("worse", "slower"))
+            sentences.append(f"at {rate:.2f} requests/s, {row['recommended_vs_no_speculation']} than no speculation "
+                             f"and {row['recommended_vs_best_fixed_k']} against the best fixed k")
+        per.append(row)
+    return {"per_rate": per, "recommendation_beat_alternatives": bool(beat) and all(beat),
+            "rule": "requests within the SLO first, then TPOT p50 where the 95% CIs (requests resampled) part",
+            "sentence": ("the recommended config, " + "; ".join(sentences)) if sentences else "no open-loop load was run"}
 
 
 def run(ctx: StageContext) -> None:

@@ -101,12 +101,14 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
         if resp.status != 200:
             detail = resp.read().decode(errors="replace")[:300]
             raise StageError(f"vLLM answered {resp.status} to a completion: {detail}")
+        finished = False
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                finished = True
                 break
             chunk = json.loads(data)
             now = time.perf_counter() - t0
@@ -120,6 +122,8 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
                     out.logprobs.extend(_read_logprobs(choice.get("logprobs"), len(ids)))
                 if choice.get("finish_reason"):
                     out.finish_reason = choice["finish_reason"]
+        if not finished:  # the stream ended without vLLM's closing line: the server went away
+            raise EngineDied("vLLM stopped answering mid-request (the stream ended before [DONE])")
     except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
         raise EngineDied(f"vLLM stopped answering mid-request ({type(e).__name__}: {e})") from None
     finally:

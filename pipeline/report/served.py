@@ -1,0 +1,180 @@
+"""The page of a pair measured in vLLM: what to deploy first, then the tables behind it.
+
+    from pipeline.report.served import render_served, served_plot
+    text = render_served(report)            # report: pipeline.serving.served_k.served_report(...)
+
+Sections: the `vllm serve` line (or "do not speculate"), the open-loop check of it, the table per
+k at B = 1 and per concurrency, per-position acceptance, the derivation beside the engine's
+counts, and the lossless checks. Terms: E[tokens/step] is specq's (every decode step counted),
+vLLM's mean acceptance length counts drafted steps only.
+"""
+from __future__ import annotations
+
+from pipeline.report.figures import png_bytes, pyplot
+from pipeline.report.format import interval, number
+
+DEFINITIONS = (
+    "E[tokens/step]: tokens the decode steps emitted / decode steps (every step, drafted or not: specq's "
+    "E[tokens/round]). Mean acceptance length: vLLM's own, 1 + accepted / drafted steps (steps where the "
+    "draft proposed nothing are left out, so for prompt lookup it is larger). ms/token: decode time / decode "
+    "tokens pooled over the workload's requests; speedup: the plain engine's ms/token on the same prompts over "
+    "it, with a paired bootstrap over prompts.")
+
+
+def _temp(t: str) -> str:
+    return f"T = {t}" + (" (greedy)" if float(t) == 0.0 else "")
+
+
+def _lossless_cell(row: dict) -> str:
+    return "yes" if row.get("lossless", True) else "**no**"
+
+
+def deploy_lines(r: dict) -> list[str]:
+    if r.get("speculative_config"):
+        out = [f"**Deploy: {r['verdict']}.**", "", "```", r["serve_command"], "```"]
+    else:
+        out = ["**Do not speculate** with this draft: no k was measurably faster than plain decoding in vLLM "
+               "(or its lossless check failed)."]
+    v = (r.get("validation") or {}).get("verdict")
+    if v:
+        out += ["", f"Open-loop check: {v['sentence']} ({v['rule']})."]
+    return out
+
+
+def render_served(r: dict) -> str:
+    conf = int(round(r["confidence"] * 100))
+    out = [f"# Draft length k for `{r['variant']}` drafted by `{r['draft']}`, measured in {r['device']}", ""]
+    out += deploy_lines(r) + [""]
+    out += [f"All intervals are {conf}% CIs over prompts. {DEFINITIONS}", ""]
+    for t, by_b in r["tables"].items():
+        for b, rows in sorted(by_b.items(), key=lambda kv: int(kv[0])):
+            base = rows[0]["baseline_ms_per_token"]
+            out += [f"## {_temp(t)}, {'B = 1' if b == '1' else f'closed loop at concurrency {b}'}", "",
+                    f"Plain decoding: {number(base, 2)} ms/token {interval(rows[0].get('baseline_ci'), 2)}.", "",
+                    "| k | E[tokens/step] | mean acceptance length | drafted share | ms/token | speedup | lossless |",
+                    "|---:|---:|---:|---:|---:|---:|---|"]
+            for row in rows:
+                out.append(f"| {row['k']} | {number(row.get('tokens_per_step'), 2)} "
+                           f"{interval(row.get('tokens_per_step_ci'), 2)} | {number(row.get('mean_acceptance_length'), 2)} "
+                           f"| {number(row.get('drafted_share'), 2)} | {number(row['ms_per_token'], 2)} "
+                           f"{interval(row['ms_per_token_ci'], 2)} | {number(row['speedup'], 2)}x "
+                           f"{interval(row['speedup_ci'], 2)} | {_lossless_cell(row)} |")
+            out.append("")
+    out += ["## Recommended k per temperature and batch size", "",
+            ", ".join(f"{_temp(t)}: {k}" for t, k in r["recommended_k_by_temperature"].items())
+            + f". By batch size at the primary temperature: {r['recommended_k_by_batch']}.", "", r["rule"], ""]
+    k = r["per_position_k"]
+    out += [f"## Per-position acceptance at k = {k}", "",
+            "prefix: steps accepting positions 1..i over all steps (specq's); per draft: over drafted steps "
+            "(vLLM's accepted_per_pos / num_drafts); conditional: over steps that reached position i.", "",
+            "| temperature | position | prefix [CI] | per draft [CI] | conditional [CI] |", "|---|---:|---:|---:|---:|"]
+    for t, pos in r["per_position"].items():
+        for p in pos:
+            out.append(f"| {t} | {p['position']} | {number(p['prefix'], 3)} {interval(p['prefix_ci'], 3)} "
+                       f"| {number(p['per_draft'], 3)} {interval(p['per_draft_ci'], 3)} "
+                       f"| {number(p['conditional'], 3)} {interval(p['ci'], 3)} |")
+    out.append("")
+    out += derived_lines(r) + lossless_lines(r) + validation_lines(r)
+    return "\n".join(out) + "\n"
+
+
+def derived_lines(r: dict) -> list[str]:
+    d = r.get("derived_vs_engine")
+    if d is None:
+        return ["## Derived vs engine", "", "No acceptance artifact for this pair (acceptance.targets does not "
+                "include the target): nothing to check the engine's figures against.", ""]
+    out = ["## Derived (specq, teacher-forced) vs measured in vLLM", "",
+           "The acceptance stage derives E(k) from one teacher-forced pass over the target's text; vLLM measured it "
+           "on the same prompts. The difference's paired t CI (prompts) should contain 0, up to kernel-level "
+           "near-ties (bf16, another GPTQ kernel). A flag marks a disagreement beyond the CI.", "",
+           "| temperature | k | derived | vLLM | vLLM - derived [CI] | agree |", "|---|---:|---:|---:|---:|---|"]
+    for t, ks in d.items():
+        for k, c in sorted(ks.items(), key=lambda kv: int(kv[0])):
+            verdict = "too few prompts" if c["agree"] is None else "yes" if c["agree"] else "**no (flagged)**"
+            out.append(f"| {t} | {k} | {number(c['derived'], 3)} | {number(c['engine'], 3)} | "
+                       f"{number(c['difference'], 3)} {interval(c['difference_ci'], 3)} | {verdict} |")
+    return out + [""]
+
+
+def lossless_lines(r: dict) -> list[str]:
+    out = ["## Lossless in vLLM", "", "Greedy: speculative output against the plain engine's on every prompt; a "
+           "divergence is forgiven only at a near-tie (the rule below). Sampled: the distribution of each output "
+           "position, speculative against plain.", "", "| k | greedy identical | diverged (explained) | sampled p |",
+           "|---:|---:|---:|---:|"]
+    rule = ""
+    for k, ll in sorted(r["lossless"].items(), key=lambda kv: int(kv[0])):
+        g, s = ll.get("greedy") or {}, ll.get("sampled")
+        div = g.get("diverged") or {}
+        rule = g.get("rule", rule)
+        out.append(f"| {k} | {g.get('identical', '-')} of {g.get('prompts', '-')} | {len(div)} "
+                   f"({sum(v['explained'] for v in div.values())}) | "
+                   + (f"{s['p_value']:.2g} ({'pass' if s['passed'] else '**FAIL**'}, {s['test']}, T = "
+                      f"{s['temperature']})" if s else "-") + " |")
+    return out + ["", rule, ""] if rule else out + [""]
+
+
+def validation_lines(r: dict) -> list[str]:
+    v = r.get("validation")
+    if not v:
+        return []
+    out = ["## The recommendation under open-loop load", "",
+           "Poisson arrivals at shares of the plain engine's closed-loop capacity, the same arrivals for each "
+           "config; each config started exactly as written above. Requests within the SLO, TPOT p50 [95% CI, "
+           "requests resampled] and p99 (ms), output tokens/s.", "",
+           "| requests/s | config | within SLO | TPOT p50 | TPOT p99 | tokens/s |", "|---:|---|---:|---:|---:|---:|"]
+    for p in v["verdict"]["per_rate"]:
+        for lab in ("no speculation", "best_fixed_k", "recommended"):
+            x = p.get(lab)
+            if x:
+                out.append(f"| {number(p['rate'], 2)} | {lab} | {x['slo_met']} / {x['requests']} | "
+                           f"{number(x['tpot_p50_ms'], 1)} {interval(x.get('tpot_p50_ci'), 1)} | "
+                           f"{number(x['tpot_p99_ms'], 1)} | {number(x['output_tokens_per_s'], 1)} |")
+    return out + ["", f"Measured in vLLM: {v['verdict']['sentence']}.", ""]
+
+
+def served_plot(r: dict, dpi: int) -> bytes:
+    """ms/token vs k at B = 1 (each temperature) with CIs, and the plain lines."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for t, by_b in r["tables"].items():
+        rows = by_b["1"]
+        ks, ms = [x["k"] for x in rows], [x["ms_per_token"] for x in rows]
+        cis = [x["ms_per_token_ci"] for x in rows]
+        line = ax.errorbar(ks, ms, yerr=[[m - c[0] for m, c in zip(ms, cis)], [c[1] - m for m, c in zip(ms, cis)]],
+                           marker="o", capsize=3, label=f"{_temp(t)} speculative")
+        ax.axhline(rows[0]["baseline_ms_per_token"], ls="--", color=line[0].get_color(), alpha=0.7,
+                   label=f"{_temp(t)} plain")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("ms / token (vLLM, B = 1)")
+    ax.set_title(f"{r['variant']}__{r['draft']}: measured in vLLM", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return png_bytes(fig, dpi)
+
+
+def served_blocks(r: dict) -> list:
+    """The report's blocks for a vLLM-measured pair: what to deploy, the open-loop check, the
+    derived-vs-engine flags and the lossless verdict (the full tables are on the pair's page)."""
+    out = [("p", f"Measured in {r['device']}. " + (f"Deploy: {r['verdict']}: {r['serve_command']}"
+                                                   if r.get("speculative_config") else
+                                                   "Do not speculate with this draft (no k was measurably faster "
+                                                   "than plain decoding in vLLM, or its lossless check failed)."))]
+    v = (r.get("validation") or {}).get("verdict")
+    if v:
+        out.append(("p", f"Open-loop check: {v['sentence']} ({v['rule']})."))
+    if r.get("derived_vs_engine") is None:
+        out.append(("p", "No specq derivation for this pair (its target is not in acceptance.targets)."))
+    elif r.get("derived_vs_engine_flagged"):
+        out.append(("p", "Derived and vLLM-measured E(k) disagree beyond the CI at "
+                         + ", ".join(r["derived_vs_engine_flagged"]) + " (see the pair's page)."))
+    else:
+        out.append(("p", "The teacher-forced E(k) agrees with vLLM's measured E[tokens/step] within the CI at every "
+                         "k and temperature checked."))
+    if not r.get("lossless_ok"):
+        bad = [f"k={k}" for k, ll in r["lossless"].items()
+               if not (ll.get("greedy") or {}).get("greedy_lossless", True)
+               or not (ll.get("sampled") or {}).get("passed", True)]
+        out.append(("p", "vLLM's speculative output differs from its plain output beyond near-ties at "
+                         + ", ".join(bad) + ": speculation with this engine is not lossless here."))
+    return out

@@ -1,0 +1,220 @@
+"""Speculation measured in real vLLM (the .venv-vllm `make install` builds), CI-sized: the embedded
+model as target, prompt lookup and the GPTQ self-draft at k = 1..2 (configs/vllm-smoke.yaml), the
+engine's own counters against the per-request counts, the marginal report from vLLM's figures
+beside specq's derivation, a stage interrupted mid-run, vLLM's prompt-lookup rule against specq's,
+and an EAGLE-3 head's plumbing on a tiny target. Skipped only where the vLLM environment is absent."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.__main__ import main
+from pipeline.vllm.env import unavailable, vllm_python
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "configs/vllm-smoke.yaml")
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"vLLM environment: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def served_run(embedded_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("vllm") / "run"
+    shutil.copytree(embedded_model_dir, run / "model")
+    argv = ["--run", str(run), "--config", CONFIG, "--model", "smollm2-135m"]
+    for stage in ("prepare", "quantize", "drafts", "acceptance", "vllm", "latency", "marginal"):
+        assert main([stage, *argv]) == 0, stage
+    return run
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_pairs_measured_in_vllm(served_run):
+    meta = _json(served_run / "vllm" / "meta.json")
+    assert meta["engine"] == "vllm" and meta["vllm"]["vllm"]
+    assert set(meta["measured"]) == {"bf16__ngram", "bf16__self-w4a16-gptq"}
+    assert "no layer-skip" in meta["skipped"]["bf16__layerskip-4"]
+    plain = _json(served_run / "vllm" / "bf16.json")
+    for name in meta["measured"]:
+        doc = _json(served_run / "vllm" / f"{name}.json")
+        assert sorted(doc["by_k"]) == ["1", "2"]
+        for k, run in doc["by_k"].items():
+            k = int(k)
+            assert run["speculative_config"]["num_speculative_tokens"] == k
+            block = run["summary"]["all"]["0.0"]
+            assert len(block["per_position"]) == k and 1.0 <= block["expected_tokens_per_step"] <= k + 1
+            lo, hi = block["expected_tokens_per_step_ci"]
+            assert lo <= block["expected_tokens_per_step"] <= hi
+            # The per-request counts add up to the engine's own /metrics counters over the same requests.
+            recs = run["b1"]["0.0"]
+            counters = run["counters"]["b1 T=0.0"]
+            assert counters["num_drafts"] == sum(r["drafts"] for r in recs)
+            assert counters["accepted_per_pos"][:k] == [sum(r["accepted_per_pos"][i] for r in recs) for i in range(k)]
+            assert all(r["steps_from"] == "stream" for r in recs)
+            # Greedy speculative output equals plain greedy output, up to bf16 near-ties.
+            assert run["lossless"]["greedy"]["greedy_lossless"] is True, run["lossless"]["greedy"]
+            lat = run["latency"]["0.0"]
+            assert lat["tpot_ms"]["p50"] > 0 and lat["itl_ms"]["p99"] >= lat["itl_ms"]["p50"]
+            assert run["closed_loop"]["2"]["0.0"]["output_tokens_per_s"] > 0
+        assert "p_value" in doc["by_k"]["2"]["lossless"]["sampled"]
+        rec = doc["recommendation"]
+        assert rec["recommended_k"] in (0, 1, 2) and set(rec["recommended_k_by_batch"]) == {"1", "2"}
+        if rec["speculative_config"]:
+            assert rec["serve_command"].startswith("vllm serve ") and "--speculative-config" in rec["serve_command"]
+            # The emitted config was handed to vLLM as written, and it started.
+            assert doc["validation"]["configs"]["recommended"]["started"] is True
+            assert doc["validation"]["configs"]["recommended"]["speculative_config"] == rec["speculative_config"]
+        else:
+            assert rec["serve_command"] == f"vllm serve {doc['target_dir']}"
+    assert plain["measure"]["b1"]["0.0"] and plain["capacity_rps"] > 0
+
+
+def test_marginal_reports_vllm_pairs_beside_the_derivation(served_run):
+    meta = _json(served_run / "marginal" / "meta.json")
+    assert meta["engine"] == {"bf16__ngram": "vllm", "bf16__self-w4a16-gptq": "vllm", "bf16__layerskip-4": "specq"}
+    for name in ("bf16__ngram", "bf16__self-w4a16-gptq"):
+        m = _json(served_run / "marginal" / f"{name}.json")
+        assert m["engine"] == "vllm" and m["baseline_ms_per_token"] > 0 and m["recommended_k"] in (0, 1, 2)
+        assert [r["k"] for r in m["rows"]] == [1, 2]
+        for r in m["rows"]:
+            assert {"tokens_per_round", "round_ms", "ms_per_token", "speedup", "marginal_ms_per_token"} <= set(r)
+        derived = m["derived_vs_engine"]["0.0"]
+        assert set(derived) == {"1", "2"}
+        for c in derived.values():
+            assert c["prompts"] == 8 and c["difference_ci"] is not None
+        page = (served_run / "marginal" / f"{name}.md").read_text()
+        assert "Derived (specq, teacher-forced) vs measured in vLLM" in page and "Lossless in vLLM" in page
+    # The pairs vLLM measured are not timed again by specq's engine; layer-skip is.
+    lat = _json(served_run / "latency" / "meta.json")
+    assert "bf16__ngram" in lat["measured_in_vllm"]
+    assert not (served_run / "latency" / "bf16__ngram.json").exists()
+    assert (served_run / "latency" / "bf16__layerskip-4.json").exists()
+
+
+def _engines_of(run: Path) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "api_server" in cmd and str(run) in cmd:
+                out.append(int(proc.name))
+    return out
+
+
+def test_interrupted_stage_leaves_no_engine_and_no_half_artifact(served_run):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "pipeline", "vllm", "--run", str(served_run), "--config", CONFIG,
+           "--drafts", "ngram:2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "engine up" in line:
+            break
+    assert _engines_of(served_run), "".join(seen)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, "".join(seen) + rest
+    deadline = time.time() + 15
+    while _engines_of(served_run) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _engines_of(served_run) == []
+    assert not (served_run / "vllm" / "bf16__ngram-2.json").exists()
+    assert not (served_run / "vllm" / "meta.json").exists()  # the stage did not finish: it will re-run
+    assert not list((served_run / "vllm").rglob("*.tmp"))
+
+
+def test_specq_prompt_lookup_follows_vllms_rule(tmp_path):
+    """vLLM's own proposer (run in its venv) and specq's NgramDraft on the same random sequences."""
+    from pipeline.decode.drafts import NgramDraft
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(2, 40))).tolist() for _ in range(300)]
+    script = (
+        "import json, sys, numpy as np\n"
+        "from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as f\n"
+        "seqs = json.load(sys.stdin)\n"
+        "print(json.dumps([f(np.array(s, dtype=np.int32), 1, 3, 4096, 4).tolist() for s in seqs]))\n")
+    out = subprocess.run([str(vllm_python()), "-c", script], input=json.dumps(seqs), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    d = NgramDraft("ngram", max_n=3)
+    ours = [d.lookup(np.array(s), 4).tolist() for s in seqs]
+    assert ours == theirs
+
+
+def _tiny_target_and_head(root: Path, tokenizer) -> tuple[Path, Path]:
+    """A tiny random Llama (head_dim 64) and a random EAGLE-3 head in vLLM's LlamaForCausalLMEagle3
+    layout (one midlayer reading [embedding, hidden], fc over 3 target layers' hidden states)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import make_tiny_llama
+
+    target = root / "target"
+    model = make_tiny_llama(tokenizer, layers=4, hidden=256)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    h, v, heads, kv, d = 256, len(tokenizer), 4, 2, 64
+    head = root / "eagle3"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": 2 * h, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+        "num_hidden_layers": 1, "vocab_size": v, "draft_vocab_size": v, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(torch.bfloat16)
+    weights = {"midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h),
+               "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+               "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h),
+               "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+               "midlayer.mlp.gate_proj.weight": w(2 * h, h), "midlayer.mlp.up_proj.weight": w(2 * h, h),
+               "midlayer.mlp.down_proj.weight": w(h, 2 * h),
+               "midlayer.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "midlayer.hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "midlayer.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "fc.weight": w(h, 3 * h), "norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "lm_head.weight": w(v, h)}
+    save_file(weights, str(head / "model.safetensors"))
+    return target, head
+
+
+def test_eagle3_head_plumbing(tmp_path, tiny_tokenizer):
+    from transformers import AutoConfig
+
+    from draft_models import eagle3
+    from pipeline.latency.served import Settings, serve
+    from pipeline.vllm.client import complete
+    from pipeline.vllm.spec_config import speculative_config
+
+    target, head = _tiny_target_and_head(tmp_path, tiny_tokenizer)
+    spec = f"eagle3:{head}"
+    assert eagle3.check(spec, AutoConfig.from_pretrained(target))["runs_in"] == "vllm"
+    config = speculative_config(spec, 2, None)
+    assert config == {"method": "eagle3", "model": str(head.resolve()), "num_speculative_tokens": 2}
+    s = Settings(platform="cpu", dtype="bfloat16", max_model_len=512, seed=0, enforce_eager=True, max_num_seqs=4,
+                 max_new_tokens=12, temperatures=[0.0], kv_cache_gib=1)
+    # The target directory is not a specq variant: serve() reads its quantization from config.json.
+    (target / "meta.json").write_text(json.dumps({"scheme": "none"}))
+    with serve(s, target, config, tmp_path / "eagle3.log", "eagle3") as srv:
+        c = complete(srv.url, {"prompt": [1, 5, 9, 14, 22], "max_tokens": 12, "temperature": 0.0})
+    assert len(c.tokens) == 12
+    assert c.spec is not None and c.spec["num_spec_steps"] >= 1 and c.spec["num_spec_tokens"] == 2
