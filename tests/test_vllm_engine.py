@@ -167,7 +167,9 @@ def _tiny_target_and_head(root: Path, tokenizer) -> tuple[Path, Path]:
     from conftest import make_tiny_llama
 
     target = root / "target"
-    model = make_tiny_llama(tokenizer, layers=4, hidden=256)
+    # 8 layers: the target's default auxiliary layers for EAGLE-3, (2, L // 2, L - 3), are three
+    # distinct ones (with 4 they collapse to two, and fc's 3 x hidden input does not match).
+    model = make_tiny_llama(tokenizer, layers=8, hidden=256)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     h, v, heads, kv, d = 256, len(tokenizer), 4, 2, 64

@@ -276,8 +276,9 @@ class VllmEngineConfig(Section):
     builds (.venv-vllm): one engine per (target, draft, k), started on 127.0.0.1 and always stopped."""
     # Target variants; null = the reference and every release variant vLLM can serve here.
     targets: list[str] | None = None
-    # Draft lengths 1..k_max, one engine each; null = acceptance.k_max.
-    k_max: PositiveInt | None = None
+    # Draft lengths 1..k_max, one engine each (about half a minute to start on a 2-core CPU, seconds
+    # of it on a GPU box); null = acceptance.k_max.
+    k_max: PositiveInt | None = 3
     # Closed-loop concurrencies measured besides B = 1 (each k's own table, and k per batch size).
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
     # Compute dtype; auto = bfloat16.

@@ -112,6 +112,10 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
                 break
             chunk = json.loads(data)
             now = time.perf_counter() - t0
+            if chunk.get("error"):  # vLLM reports a failure inside the stream
+                err = chunk["error"]
+                msg = (err.get("message") if isinstance(err, dict) else str(err)) or "unknown error"
+                raise EngineDied(f"vLLM failed mid-request: {msg.splitlines()[0][:200]}")
             if chunk.get("metrics") and chunk["metrics"].get("speculative_decoding"):
                 out.spec = chunk["metrics"]["speculative_decoding"]
             for choice in chunk.get("choices") or []:
