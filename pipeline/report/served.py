@@ -60,6 +60,7 @@ def render_served(r: dict) -> str:
                            f"{interval(row['ms_per_token_ci'], 2)} | {number(row['speedup'], 2)}x "
                            f"{interval(row['speedup_ci'], 2)} | {_lossless_cell(row)} |")
             out.append("")
+    out += percentile_lines(r)
     out += ["## Recommended k per temperature and batch size", "",
             ", ".join(f"{_temp(t)}: {k}" for t, k in r["recommended_k_by_temperature"].items())
             + f". By batch size at the primary temperature: {r['recommended_k_by_batch']}.", "", r["rule"], ""]
@@ -76,6 +77,24 @@ def render_served(r: dict) -> str:
     out.append("")
     out += derived_lines(r) + lossless_lines(r) + validation_lines(r)
     return "\n".join(out) + "\n"
+
+
+def percentile_lines(r: dict) -> list[str]:
+    lat = r.get("latency_percentiles") or {}
+    if not lat:
+        return []
+    out = ["## Latency across k (ms; k = 0 is plain decoding)", "",
+           "| temperature | B | k | TTFT p50 / p90 / p99 | TPOT p50 / p90 / p99 | ITL p50 / p90 / p99 |",
+           "|---|---:|---:|---:|---:|---:|"]
+
+    def p3(x):
+        return " / ".join(number((x or {}).get(q), 1) for q in ("p50", "p90", "p99")) if x else "-"
+    for t, by_b in lat.items():
+        for b, by_k in sorted(by_b.items(), key=lambda kv: int(kv[0])):
+            for k, c in sorted(by_k.items(), key=lambda kv: int(kv[0])):
+                out.append(f"| {t} | {b} | {k} | {p3(c['ttft_ms'])} | {p3(c['tpot_ms'])} | {p3(c['itl_ms'])} |")
+    return out + ["", "ITL is the gap between chunks of the stream: a speculative step delivers several tokens in "
+                  "one chunk, so its ITL is per step, not per token.", ""]
 
 
 def derived_lines(r: dict) -> list[str]:

@@ -161,7 +161,26 @@ def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0
     return out
 
 
-def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95) -> dict:
+def latency_percentiles(plain: dict, pair: dict) -> dict:
+    """temperature -> B -> k (0: plain) -> TTFT / TPOT / ITL percentiles, as vLLM measured them."""
+    def cells(block: dict) -> dict:
+        return {m: block.get(m) for m in ("ttft_ms", "tpot_ms", "itl_ms")}
+    out: dict = {}
+    for t, block in (plain.get("latency") or {}).items():
+        out.setdefault(t, {}).setdefault("1", {})["0"] = cells(block)
+    for c, temps in (plain.get("measure") or {}).get("closed_loop", {}).items():
+        for t, block in temps.items():
+            out.setdefault(t, {}).setdefault(c, {})["0"] = cells(block)
+    for k, run in pair["by_k"].items():
+        for t, block in run.get("latency", {}).items():
+            out.setdefault(t, {}).setdefault("1", {})[k] = cells(block)
+        for c, temps in run.get("closed_loop", {}).items():
+            for t, block in temps.items():
+                out.setdefault(t, {}).setdefault(c, {})[k] = cells(block)
+    return out
+
+
+def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95, plain: dict | None = None) -> dict:
     """The marginal artifact of a pair measured in vLLM: DESIGN.md's keys (baseline_ms_per_token,
     rows with k / tokens_per_round / round_ms / ms_per_token / speedup / marginal_ms_per_token,
     recommended_k) from the engine's B = 1 table at the primary temperature, the recommendation as
@@ -201,5 +220,6 @@ def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95)
             (v.get("greedy") or {}).get("greedy_lossless", True) and (v.get("sampled") or {}).get("passed", True)
             for v in lossless.values()),
         "validation": pair.get("validation"), "workload": pair.get("workload"),
+        "latency_percentiles": latency_percentiles(plain or {}, pair),
         "ci_unit": "prompt (paired bootstrap of the engine's per-request times)",
     }

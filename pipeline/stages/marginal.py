@@ -108,12 +108,17 @@ def _served_pairs(run_dir: Path) -> dict[str, Path]:
 
 
 def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, confidence: float) -> dict:
+    plain_path = path.parent / f"{pair.split('__')[0]}.json"
     item = ctx.item(f"{pair}.json", {"vllm": sha256_file(path), "acceptance": sha256_file(acc_path) if acc_path else None,
+                                      "plain": sha256_file(plain_path) if plain_path.is_file() else None,
                                       "confidence": confidence}, is_dir=False)
     if item.fresh:
         return item.meta
     acc = read_json(acc_path, "acceptance artifact") if acc_path else None
-    report = served_report(read_json(path, "vllm pair result"), acc, confidence)
+    pair_doc = read_json(path, "vllm pair result")
+    plain_path = path.parent / f"{pair_doc['variant']}.json"
+    plain = read_json(plain_path, "vllm plain result") if plain_path.is_file() else None
+    report = served_report(pair_doc, acc, confidence, plain)
     atomic_write_bytes(ctx.out_dir / f"{pair}.png", served_plot(report, ctx.config.report.dpi))
     atomic_write_text(ctx.out_dir / f"{pair}.md", render_served(report))
     item.write_json(report)

@@ -72,8 +72,11 @@ def server_args(*, dtype: str, max_model_len: int, seed: int, platform: str, enf
                 method: str | None = None, spec: dict | None = None, extra: dict | None = None) -> list[str]:
     """The api_server flags after --model; with a speculative config, per-request speculative
     metrics are on, so each response carries its steps' accepted counts."""
+    # Prefix caching off: the workload's prompts are sent once per phase, and a cached prompt would
+    # make every phase after the first report a TTFT without its prefill.
     args = ["--served-model-name", "specq", "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--seed", str(seed), "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log"]
+            "--seed", str(seed), "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log",
+            "--no-enable-prefix-caching"]
     if enforce_eager:
         args.append("--enforce-eager")
     if platform != "cpu":
