@@ -122,8 +122,7 @@ gate: $(RUN)/gate/meta.json
 	$(PIPE) gate-check $(ARGS)
 
 evaluate: $(RUN)/report/meta.json
-	$(PIPE) gate-check $(ARGS) --no-exit-code
-	@echo "specq: results in $(RUN)/  (report: $(RUN)/report/index.html, $(RUN)/report/report.md)"
+	@$(PIPE) summary $(ARGS)
 
 # Not a test: engine vs transformers (static cache; assisted generation), plain and speculative,
 # then the quality evaluator vs lm-eval's HFLM (batch_size auto), on MODEL (<run>/bench.json,

@@ -4,6 +4,7 @@
     python -m pipeline quantize --run runs/smollm2-135m --config configs/default.yaml
     python -m pipeline gate-check --run runs/smollm2-135m      # the table; exit 0 go, 1 no-go, 3 inconclusive
     python -m pipeline config   --config configs/default.yaml  # prints the resolved config
+    python -m pipeline summary  --run runs/smollm2-135m        # the decision and what to deploy (make evaluate's end)
 
 Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
 the input is bad (a config, stage or decode-engine error); gate-check exits 1 on no-go and 3 on
@@ -34,7 +35,7 @@ def slug(model: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name in [*STAGES, "gate-check", "config", "evaluate"]:
+    for name in [*STAGES, "gate-check", "config", "evaluate", "summary"]:
         sp = sub.add_parser(name)
         sp.add_argument("--config", default="configs/default.yaml")
         sp.add_argument("--run", default=None, help="run directory (default runs/<slug of MODEL>)")
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
         run_dir = Path(args.run or f"runs/{slug(args.model)}")
+        if args.command == "summary":
+            from pipeline.report.summary import summary_lines
+
+            print("\n".join(summary_lines(run_dir)))
+            return 0
         if args.command == "gate-check":
             from pipeline.stages.gate import gate_check
 

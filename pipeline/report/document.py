@@ -5,7 +5,8 @@
     page = to_html(title, blocks, figures, decision)   # figures: name -> PNG bytes, embedded as base64
 
 A block is one of
-    ("h2" | "h3" | "p" | "pre", text)
+    ("h2" | "h3" | "p" | "pre", text)    pre: JSON, folded in the page
+    ("code", text)                        plain preformatted text, shown as it is
     ("table", headers, rows, classes)     rows of str; classes per cell (CSS: pass, fail, ...) or None
     ("img", name, caption[, "wide"])      name is a key of `figures` (and a file beside report.md)
 Both renderers read the same blocks, so the Markdown and the page say the same thing.
@@ -27,6 +28,8 @@ def to_markdown(title: str, blocks: list[Block]) -> str:
             out += [b[1], ""]
         elif b[0] == "pre":
             out += ["```json", b[1], "```", ""]
+        elif b[0] == "code":
+            out += ["```text", b[1], "```", ""]
         elif b[0] == "img":
             out += [f"![{b[2]}]({b[1]})", ""]
         elif b[0] == "table":
@@ -57,6 +60,8 @@ def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision
             out.append(f"<{b[0]}>{e(b[1])}</{b[0]}>")
         elif b[0] == "pre":
             out.append(f"<details><summary>show</summary><pre>{e(b[1])}</pre></details>")
+        elif b[0] == "code":
+            out.append(f"<pre class='summary'>{e(b[1])}</pre>")
         elif b[0] == "img":
             data = base64.b64encode(figures[b[1]]).decode()
             wide = " class='wide'" if len(b) > 3 and b[3] == "wide" else ""

@@ -10,7 +10,7 @@ vLLM's mean acceptance length counts drafted steps only.
 """
 from __future__ import annotations
 
-from pipeline.report.figures import png_bytes, pyplot
+from pipeline.report.figures import finish_axes, png_bytes, pyplot
 from pipeline.report.format import interval, number
 
 DEFINITIONS = (
@@ -163,12 +163,7 @@ def served_plot(r: dict, dpi: int) -> bytes:
                            marker="o", capsize=3, label=f"{_temp(t)} speculative")
         ax.axhline(rows[0]["baseline_ms_per_token"], ls="--", color=line[0].get_color(), alpha=0.7,
                    label=f"{_temp(t)} plain")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("draft length k")
-    ax.set_ylabel("ms / token (vLLM, B = 1)")
-    ax.set_title(f"{r['variant']}__{r['draft']}: measured in vLLM", fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "draft length k", "ms / token (vLLM, B = 1)", f"{r['variant']}__{r['draft']}: measured in vLLM")
     return png_bytes(fig, dpi)
 
 

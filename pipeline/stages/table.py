@@ -38,7 +38,7 @@ STAGES: dict[str, StageSpec] = {
                   precheck="pipeline.stages.quality:precheck"),
         StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
                   ["import:pipeline.stages.gate"], "pipeline.stages.gate:run"),
-        StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],
+        StageSpec("report", ["report"], ["gate", "marginal", "vllm", "latency", "acceptance", "quality"],
                   "report", ["import:pipeline.stages.report"], "pipeline.stages.report:run"),
     ]
 }

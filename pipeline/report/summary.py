@@ -1,0 +1,94 @@
+"""The screen that ends `make evaluate`: the release decision and, per target, what to deploy.
+
+    python -m pipeline summary --run runs/smollm2-135m      # what `make evaluate` prints last
+
+Per release variant: go / no-go / inconclusive and the cell that decided it (its difference and
+CI; for an open cell, how many items would settle it). Per speculation target: the draft and k to
+deploy with the measured speedup and its CI, and the `vllm serve` line where vLLM measured it; or
+"do not speculate" with the best speedup seen. Then where the full tables are. Reads gate.json
+and marginal/*.json; about 25 lines of at most 100 columns (the serve lines are longer: they are
+meant to be copied).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.report.format import interval, number
+from pipeline.report.inputs import json_files, optional_json
+
+
+def _deciding_cell(entry: dict) -> str:
+    cells = {s: c for s, c in entry.get("slices", {}).items()}
+    fails = {s: c for s, c in cells.items() if c["status"] == "fail"}
+    if fails:
+        s, c = min(fails.items(), key=lambda kv: kv[1]["ci"][1])
+        return f"{s} {number(c['diff'], 3)} {interval(c['ci'], 3)}, margin -{c['margin']:g}"
+    open_ = {s: c for s, c in cells.items() if c["status"] == "inconclusive"}
+    if open_:
+        s, c = max(open_.items(), key=lambda kv: kv[1].get("items_to_settle") or 0)
+        more = (f"; ~{c['items_to_settle']} items/slice settle it" if c.get("items_to_settle")
+                else "; the difference sits on the margin")
+        return f"{s} {number(c['diff'], 3)} {interval(c['ci'], 3)} at n={c['n']}{more}"
+    if entry.get("missing"):
+        return f"missing: {', '.join(entry['missing'])}"
+    return f"all {len(cells)} cells pass"
+
+
+def _best_pair(pairs: dict[str, dict]) -> tuple[str, dict, dict | None] | None:
+    """(pair, report, row at its recommended k) of the target's best draft: the largest speedup
+    among the pairs that recommend k > 0, else the best speedup seen at any k (k = 0 stays)."""
+    paying = [(p, m, next(r for r in m["rows"] if r["k"] == m["recommended_k"])) for p, m in pairs.items()
+              if m.get("recommended_k") and m.get("rows")]
+    if paying:
+        return max(paying, key=lambda x: x[2]["speedup"])
+    seen = [(p, m, max(m["rows"], key=lambda r: r["speedup"])) for p, m in pairs.items() if m.get("rows")]
+    return max(seen, key=lambda x: x[2]["speedup"]) if seen else None
+
+
+def summary_lines(run_dir: Path) -> list[str]:
+    run_dir = Path(run_dir)
+    gate = optional_json(run_dir / "gate.json", "gate result") or {}
+    out = [f"specq: {run_dir.name}: release decision {str(gate.get('decision', 'not decided')).upper()}", ""]
+    if gate:
+        out.append(f"Quality, each release variant against {gate.get('reference')} "
+                   f"(margin per slice; {int(round(gate.get('confidence', 0.95) * 100))}% CIs):")
+        for name in gate.get("release_variants", []):
+            entry = gate["variants"][name]
+            out.append(f"  {name:<14} {entry['decision']:<13} {_deciding_cell(entry)}")
+        out.append("")
+    marginal = json_files(run_dir / "marginal", "*__*.json", "marginal report")
+    by_target: dict[str, dict] = {}
+    for pair, m in marginal.items():
+        by_target.setdefault(pair.split("__")[0], {})[pair] = m
+    if by_target:
+        out.append("Speculation, per target (speedup over plain decoding at B = 1, greedy, 95% CI):")
+    for target, pairs in sorted(by_target.items()):
+        best = _best_pair(pairs)
+        if best is None:
+            out.append(f"  {target:<14} no timed pair")
+            continue
+        pair, m, row = best
+        draft = pair.split("__", 1)[1]
+        engine = m.get("engine", "specq")
+        if m.get("recommended_k"):
+            by_b = m.get("recommended_k_by_batch")
+            batch = (", by batch size " + ", ".join(f"B={b}: {k}" for b, k in sorted(by_b.items(), key=lambda x: int(x[0])))
+                     if by_b and len(set(by_b.values())) > 1 else "")
+            out.append(f"  {target:<14} {draft} k = {m['recommended_k']}{batch}: {number(row['speedup'], 2)}x "
+                       f"{interval(row['speedup_ci'], 2)} (measured in {engine})")
+            if m.get("serve_command"):
+                out.append(f"      {m['serve_command']}")
+            elif (m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config"):
+                out.append(f"      speculative_config: {m['speculative_config_by_batch']['vllm_speculative_config']}")
+        else:
+            out.append(f"  {target:<14} do not speculate (best seen: {draft} k = {row['k']}, "
+                       f"{number(row['speedup'], 2)}x {interval(row['speedup_ci'], 2)}, {engine})")
+    vmeta = optional_json(run_dir / "vllm" / "meta.json", "vllm meta.json") or {}
+    if vmeta.get("skipped"):
+        not_served = sorted(k for k in vmeta["skipped"] if "__" not in k)
+        if not_served:
+            out.append(f"  not measured in vLLM: {', '.join(not_served)} (vLLM cannot serve them here)")
+    out += ["", f"Report:     {run_dir / 'report' / 'index.html'}  (and gate.json beside report/)",
+            f"Per pair:   {run_dir / 'marginal'}/<target>__<draft>.md",
+            f"Full table: python -m pipeline gate-check --run {run_dir}"]
+    return out

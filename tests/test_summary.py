@@ -1,0 +1,41 @@
+"""The screen that ends make evaluate: the decision per release variant with the cell that decided
+it, and per target the draft and k to deploy (or not), in about 25 lines."""
+from __future__ import annotations
+
+import json
+
+from pipeline.report.summary import summary_lines
+
+
+def _cell(status, diff, ci, n=40, settle=None):
+    return {"status": status, "diff": diff, "ci": ci, "margin": 0.05, "n": n, "items_to_settle": settle}
+
+
+def test_summary_answers_both_questions(tmp_path):
+    run = tmp_path / "smollm2-135m"
+    (run / "marginal").mkdir(parents=True)
+    gate = {"decision": "no-go", "reference": "bf16", "confidence": 0.95, "release_variants": ["w4a16-gptq", "int8"],
+            "variants": {
+                "w4a16-gptq": {"decision": "no-go", "missing": [], "slices": {
+                    "tool_args": _cell("fail", -0.12, [-0.18, -0.07]), "reasoning": _cell("pass", 0.0, [-0.03, 0.03])}},
+                "int8": {"decision": "inconclusive", "missing": [], "slices": {
+                    "tool_args": _cell("inconclusive", -0.03, [-0.09, 0.02], settle=96)}}}}
+    (run / "gate.json").write_text(json.dumps(gate))
+    rows = [{"k": 1, "speedup": 1.1, "speedup_ci": [0.98, 1.2]}, {"k": 2, "speedup": 1.4, "speedup_ci": [1.2, 1.7]}]
+    (run / "marginal" / "bf16__ngram.json").write_text(json.dumps({
+        "engine": "vllm", "recommended_k": 2, "rows": rows, "recommended_k_by_batch": {"1": 2, "4": 1},
+        "serve_command": "vllm serve runs/x/variants/bf16 --speculative-config '{...}'"}))
+    (run / "marginal" / "bf16__layerskip-8.json").write_text(json.dumps({
+        "recommended_k": 0, "rows": [{"k": 1, "speedup": 0.9, "speedup_ci": [0.85, 0.95]}]}))
+    (run / "marginal" / "w4a16-gptq__ngram.json").write_text(json.dumps({
+        "engine": "vllm", "recommended_k": 0, "rows": [{"k": 1, "speedup": 0.97, "speedup_ci": [0.9, 1.04]}]}))
+    lines = summary_lines(run)
+    text = "\n".join(lines)
+    assert lines[0] == "specq: smollm2-135m: release decision NO-GO"
+    assert "w4a16-gptq     no-go         tool_args -0.120 [-0.180, -0.070], margin -0.05" in text
+    assert "int8           inconclusive  tool_args -0.030 [-0.090, 0.020] at n=40; ~96 items/slice settle it" in text
+    assert "bf16           ngram k = 2, by batch size B=1: 2, B=4: 1: 1.40x [1.20, 1.70] (measured in vllm)" in text
+    assert "vllm serve runs/x/variants/bf16" in text
+    assert "w4a16-gptq     do not speculate (best seen: ngram k = 1, 0.97x [0.90, 1.04], vllm)" in text
+    assert "gate-check --run" in text
+    assert len(lines) <= 25 and all(len(x) <= 100 for x in lines if "vllm serve" not in x and str(run) not in x)
