@@ -242,7 +242,7 @@ def test_prepare_dir_without_config_json(tmp_path, capsys):
 
 def test_stage_registry_is_consistent():
     for spec in STAGES.values():
-        for up in spec.upstream:
+        for up in spec.upstream + spec.after:
             assert list(STAGES).index(up) < list(STAGES).index(spec.name)
         assert spec.sections, spec.name
 

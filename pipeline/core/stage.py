@@ -315,6 +315,9 @@ class StageSpec:
     # Optional "module:function(config, args)" that validates input cheaply before anything is
     # printed or created, so bad input costs one line and leaves nothing behind.
     precheck: str | None = None
+    # Stages whose output is read when it exists (and hashed: it changing re-runs this stage), but
+    # which need not have run: the vllm stage, which latency, marginal and report take into account.
+    after: list[str] = field(default_factory=list)
 
 
 def stage_meta_path(run_dir: Path, spec: StageSpec) -> Path:
@@ -332,6 +335,9 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
         if not meta_path.exists():
             raise StageError(f"{spec.name}: stage '{up}' has not run for {run_dir} (make {up} first)")
         upstream[up] = read_json(meta_path, f"{up} meta.json")
+    for up in spec.after:
+        meta_path = stage_meta_path(run_dir, specs[up])
+        upstream[up] = read_json(meta_path, f"{up} meta.json") if meta_path.exists() else {}
     code = code_hash(spec.code + RUNNER_CODE)
     inputs = {
         "stage": spec.name,
