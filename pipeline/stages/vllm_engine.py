@@ -28,6 +28,7 @@ from pipeline.speculation.engine_stats import greedy_lossless, latency_summary, 
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import workload_prompts, workload_summary
 from pipeline.vllm.env import engine_info, unavailable
+from pipeline.vllm.server import EngineStartError
 from pipeline.vllm.spec_config import draft_method, speculative_config
 
 
@@ -171,6 +172,17 @@ def _measure_k(eng: _Engines, name: str, vdir, spec: str, k: int, last: bool, ac
     return {"k": k, "speculative_config": config, "engine_start_s": start_s, **out}
 
 
+def _part(ctx: StageContext, eng: _Engines, name: str, vdir, spec: str, k: int, k_max: int, pair_inputs: dict,
+          acc) -> dict:
+    """One (pair, k) measurement: its own item, so a stopped stage resumes at the next k."""
+    item = ctx.item(f"parts/{name}.k{k}.json", {**pair_inputs, "k": k}, is_dir=False)
+    if item.fresh:
+        return item.meta
+    part = _measure_k(eng, name, vdir, spec, k, k == k_max, acc)
+    item.write_json(part)
+    return part
+
+
 def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
     k, m = part["k"], part["measure"]
     out = {"speculative_config": part["speculative_config"], "engine_start_s": part["engine_start_s"],
@@ -204,10 +216,15 @@ def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict) -> dict:
         def work(url, config=config):
             return [open_loop_run(url, eng.prompts, eng.settings, r, cfg.vllm.open_loop.requests, eng.settings.seed,
                                   cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms) for r in rates]
-        runs, start_s = eng.run(f"{name}.{label}", vdir, config, work)
+        try:
+            runs, start_s = eng.run(f"{name}.{label}", vdir, config, work)
+        except EngineStartError as e:  # the config as written does not start: that is the finding
+            progress(f"vllm: {name}: the {label} config did not start: {e}")
+            out["configs"][label] = {"speculative_config": config, "started": False, "error": str(e)}
+            continue
         out["configs"][label] = {"speculative_config": config, "started": True, "engine_start_s": start_s,
                                  "runs": runs}
-    if "best_fixed_k" not in out["configs"]:
+    if "best_fixed_k" not in out["configs"] and "runs" in out["configs"]["recommended"]:
         out["configs"]["best_fixed_k"] = {**out["configs"]["recommended"], "same_as": "recommended"}
     out["verdict"] = _verdict(out)
     return out
@@ -261,6 +278,8 @@ def _verdict(v: dict) -> dict:
             sentences.append(f"at {rate:.2f} requests/s, {row['recommended_vs_no_speculation']} than no speculation "
                              f"and {row['recommended_vs_best_fixed_k']} against the best fixed k")
         per.append(row)
+    if not v["configs"].get("recommended", {}).get("started", True):
+        sentences = [f"did not start ({v['configs']['recommended']['error']})"]
     return {"per_rate": per, "recommendation_beat_alternatives": bool(beat) and all(beat),
             "rule": "requests within the SLO first, then TPOT p50 where the 95% CIs (requests resampled) part",
             "sentence": ("the recommended config, " + "; ".join(sentences)) if sentences else "no open-loop load was run"}
@@ -304,7 +323,12 @@ def run(ctx: StageContext) -> None:
         plain_item = ctx.item(f"{target}.json", inputs, is_dir=False)
         plain = plain_item.meta if plain_item.fresh else None
         if plain is None:
-            plain = _measure_plain(eng, target, vdir, acc)
+            try:
+                plain = _measure_plain(eng, target, vdir, acc)
+            except EngineStartError as e:  # a target vLLM does not start with: its pairs stay on specq's engine
+                skipped[target] = str(e)
+                progress(f"vllm: {target}: not measured in vLLM: {e}")
+                continue
             plain_item.write_json(plain)
         for spec in ctx.config.drafts:
             name = f"{target}__{draft_slug(spec)}"
@@ -329,12 +353,14 @@ def run(ctx: StageContext) -> None:
                    "engine": info, "speculative_method": base, "k_values": list(range(1, k_max + 1)),
                    "temperatures": [temp_key(t) for t in s.temperatures], "concurrency": s.concurrency,
                    "workload": common["workload"], "by_k": {}}
-            for k in range(1, k_max + 1):
-                part_item = ctx.item(f"parts/{name}.k{k}.json", {**pair_inputs, "k": k}, is_dir=False)
-                part = part_item.meta if part_item.fresh else None
-                if part is None:
-                    part = _measure_k(eng, name, vdir, spec, k, k == k_max, acc)
-                    part_item.write_json(part)
+            try:
+                parts = [_part(ctx, eng, name, vdir, spec, k, k_max, pair_inputs, acc) for k in range(1, k_max + 1)]
+            except EngineStartError as e:  # e.g. a draft vLLM cannot load: the pair is skipped, said once
+                skipped[name] = str(e)
+                progress(f"vllm: {name}: not measured in vLLM: {e}")
+                continue
+            for part in parts:
+                k = part["k"]
                 doc["by_k"][str(k)] = _summarize_k(part, plain, acc, confidence)
                 b = doc["by_k"][str(k)]["summary"]["all"]
                 progress(f"vllm: {name} k={k}: " + "; ".join(

@@ -39,6 +39,10 @@ PORT_TAKEN = ("address already in use", "errno 98")
 _LIVE: set["Server"] = set()
 
 
+class EngineStartError(StageError):
+    """vLLM did not come up (it exited, timed out, or found no port); the message is one line."""
+
+
 def free_port() -> int:
     """A port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -136,10 +140,10 @@ class Server:
             if why == "exited" and any(m in tail for m in PORT_TAKEN) and attempt + 1 < PORT_RETRIES:
                 continue  # someone took the port between choosing and binding: another one
             if why == "timeout":
-                raise StageError(f"{self.name}: vLLM was not ready after {self.startup_timeout_s:.0f} s "
+                raise EngineStartError(f"{self.name}: vLLM was not ready after {self.startup_timeout_s:.0f} s "
                                  f"(log: {self.log})")
-            raise StageError(f"{self.name}: vLLM exited while starting: {last_error_line(self.log)} (log: {self.log})")
-        raise StageError(f"{self.name}: vLLM could not bind a port in {PORT_RETRIES} tries (log: {self.log})")
+            raise EngineStartError(f"{self.name}: vLLM exited while starting: {last_error_line(self.log)} (log: {self.log})")
+        raise EngineStartError(f"{self.name}: vLLM could not bind a port in {PORT_RETRIES} tries (log: {self.log})")
 
     def _wait_ready(self) -> str | None:
         """None once /health answers 200; "exited" if the process ended; "timeout"."""
