@@ -44,7 +44,7 @@ VLLM_STAMP    := $(if $(filter none,$(VLLM)),,$(VLLM_VENV)/.installed)
 PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} SPECQ_VERBOSE=$${SPECQ_VERBOSE:-$(VERBOSE)} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
-.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality gpu-check \
+.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality bench-engines gpu-check \
         estimate \
         clean FORCE
 all: evaluate
@@ -132,6 +132,11 @@ BENCH_QUALITY_ARGS ?=
 bench: $(RUN)/model/meta.json
 	$(PY) -m pipeline.tools.bench $(ARGS) $(BENCH_ARGS)
 	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)
+
+# Not a test: vLLM against specq's engine on the same prompts (plain TPOT at B = 1 and 4, a speculative
+# step at k = 3 for ngram and the self-draft), ratios with CIs over prompts (<run>/bench_engines.json).
+bench-engines: $(RUN)/variants/meta.json $(VLLM_STAMP)
+	$(PY) -m pipeline.tools.bench_engines --run '$(RUN)' --config '$(CONFIG)'
 
 bench-quality: $(RUN)/model/meta.json
 	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)
