@@ -119,6 +119,7 @@ SPECS = {
     "b": StageSpec("b", ["gate"], ["a"], "b", [], "test_foundation:stage_b"),
     "c": StageSpec("c", ["gate"], ["a"], "c", [], "test_foundation:stage_c"),
     "fail": StageSpec("fail", [], [], "f", [], "test_foundation:stage_fail"),
+    "d": StageSpec("d", ["gate"], [], "d", [], "test_foundation:stage_b", after=["a"]),
 }
 
 
@@ -171,6 +172,17 @@ def test_failed_stage_leaves_no_directory(tmp_path):
 def test_missing_upstream_is_a_clear_error(tmp_path):
     with pytest.raises(StageError, match="stage 'a' has not run"):
         run_stage(SPECS["b"], tmp_path, Config(), {}, SPECS)
+
+
+def test_an_after_stage_is_optional_and_hashed_once_it_ran(tmp_path):
+    CALLS.clear()
+    cfg = Config()
+    run_stage(SPECS["d"], tmp_path, cfg, {}, SPECS)  # "a" has not run: d runs anyway
+    run_stage(SPECS["d"], tmp_path, cfg, {}, SPECS)  # unchanged: no-op
+    assert CALLS.count("b") == 1
+    run_stage(SPECS["a"], tmp_path, cfg, {}, SPECS)
+    run_stage(SPECS["d"], tmp_path, cfg, {}, SPECS)  # a's output appeared: d re-runs
+    assert CALLS.count("b") == 2
 
 
 def test_atomic_dir_replaces_only_on_success(tmp_path):
