@@ -267,8 +267,8 @@ class BudgetConfig(Section):
 class VllmOpenLoopConfig(Section):
     """The recommendation checked under open-loop load: Poisson arrivals at these shares of the
     plain engine's measured capacity (its closed-loop requests/s at the largest concurrency)."""
-    loads: list[PositiveFloat] = Field(default_factory=lambda: [0.5, 0.9])
-    requests: PositiveInt = 24  # per load and engine
+    loads: list[PositiveFloat] = Field(default_factory=lambda: [0.8])
+    requests: PositiveInt = 16  # per load and engine
 
 
 class VllmEngineConfig(Section):
@@ -278,7 +278,7 @@ class VllmEngineConfig(Section):
     targets: list[str] | None = None
     # Draft lengths 1..k_max, one engine each (about half a minute to start on a 2-core CPU, seconds
     # of it on a GPU box); null = acceptance.k_max.
-    k_max: PositiveInt | None = 3
+    k_max: PositiveInt | None = 2
     # Closed-loop concurrencies measured besides B = 1 (each k's own table, and k per batch size).
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
     # Compute dtype; auto = bfloat16.

@@ -254,6 +254,11 @@ def _compare(a: dict, b: dict) -> str:
     return "indistinguishable"
 
 
+PHRASE = {"better": "served more requests within the SLO than", "worse": "served fewer requests within the SLO than",
+          "faster": "had a lower TPOT p50 than", "slower": "had a higher TPOT p50 than",
+          "indistinguishable": "was indistinguishable from", "same config": "is"}
+
+
 def _verdict(v: dict) -> dict:
     """Per load: each config's requests within the SLO and TPOT p50 [CI], and the recommendation
     against no speculation and the best fixed k (the same arrivals for each)."""
@@ -275,8 +280,8 @@ def _verdict(v: dict) -> dict:
                                                   and v["configs"]["best_fixed_k"].get("same_as") is None else "same config")
             beat.append(row["recommended_vs_no_speculation"] in ("better", "faster")
                         and row["recommended_vs_best_fixed_k"] not in ("worse", "slower"))
-            sentences.append(f"at {rate:.2f} requests/s, {row['recommended_vs_no_speculation']} than no speculation "
-                             f"and {row['recommended_vs_best_fixed_k']} against the best fixed k")
+            sentences.append(f"at {rate:.2f} requests/s, {PHRASE[row['recommended_vs_no_speculation']]} no speculation "
+                             f"and {PHRASE.get(row['recommended_vs_best_fixed_k'], 'the same config as')} the best fixed k")
         per.append(row)
     if not v["configs"].get("recommended", {}).get("started", True):
         sentences = [f"did not start ({v['configs']['recommended']['error']})"]
