@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             vllm_precheck(cfg, {})
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}
-            if name == "vllm":  # installing (or upgrading) vLLM re-runs the stage that uses it
-                from pipeline.stages.vllm_engine import engine_args
+            if name in ("acceptance", "vllm", "latency"):  # installing vLLM re-runs the stages it changes
+                from pipeline.stages.targets import engine_args
 
                 stage_args = engine_args(cfg)
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)

@@ -277,12 +277,36 @@ def test_vllm_asked_for_but_not_installed_stops_before_work(tmp_path, monkeypatc
 
 def test_auto_without_vllm_falls_back_to_specq(tmp_path, monkeypatch):
     from pipeline.core.config import load_config
-    from pipeline.stages.vllm_engine import engine_args, resolve_engine
+    from pipeline.stages.targets import engine_args
+    from pipeline.vllm.env import speculation_engine
     import pipeline.vllm.env as env
 
     monkeypatch.setenv("SPECQ_VLLM_PYTHON", str(tmp_path / "none"))
     env._probe.cache_clear()
     cfg = load_config(REPO / "configs/default.yaml")
-    engine, why = resolve_engine(cfg)
+    engine, why = speculation_engine(cfg)
     assert engine == "specq" and "not installed" in why
     assert engine_args(cfg) == {"engine": "specq", "vllm": None}
+
+
+def test_speculation_targets_follow_the_engine(tmp_path, monkeypatch):
+    """By default specq's engine derives acceptance for the reference, and, where vLLM measures,
+    for every release variant vLLM serves; a self-draft is never paired with itself."""
+    import pipeline.stages.targets as targets
+    from pipeline.core.config import load_config
+
+    cfg = load_config(REPO / "configs/default.yaml")
+    for v in cfg.quantize.variants:
+        (tmp_path / "variants" / v).mkdir(parents=True)
+        (tmp_path / "variants" / v / "meta.json").write_text("{}")
+    monkeypatch.setattr(targets, "speculation_engine", lambda c: ("specq", "not installed"))
+    assert targets.speculation_targets(cfg, tmp_path) == ["bf16"]
+    monkeypatch.setattr(targets, "speculation_engine", lambda c: ("vllm", None))
+    monkeypatch.setattr(targets, "engine_info", lambda: {"platform": "cpu"})
+    monkeypatch.setattr(targets, "serve_reason", lambda d, p: None if d.name in ("bf16", "w4a16-gptq") else "no")
+    assert targets.speculation_targets(cfg, tmp_path) == ["bf16", "w4a16-gptq"]
+    written = cfg.model_copy(update={"acceptance": cfg.acceptance.model_copy(update={"targets": ["nf4"]})})
+    assert targets.speculation_targets(written, tmp_path) == ["nf4"]
+    said = []
+    assert targets.engine_drafts(["ngram", "self:w4a16-gptq"], "w4a16-gptq", "acceptance", said.append) == ["ngram"]
+    assert "the draft is the target itself" in said[0]

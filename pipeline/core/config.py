@@ -99,7 +99,8 @@ def workload_file_sha256(workload: str) -> str | None:
 
 
 class AcceptanceConfig(Section):
-    # Target variants to pair with every draft; empty = the reference only.
+    # Target variants specq's engine pairs with every draft; empty = the reference and, where vLLM
+    # measures speculation, every release variant it serves (the derivation beside its figures).
     targets: list[str] = Field(default_factory=list)
     k_max: int = 6
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])

@@ -104,6 +104,20 @@ def _record(cat: str, pid: str, comp, k: int) -> dict:
     return rec
 
 
+def b1_records(url: str, prompts: dict, settings: Settings, temperature: float, k: int, seed_base: int,
+               progress=None) -> list[dict]:
+    """Every workload prompt alone at `temperature` (B = 1): one record per request."""
+    rows = _rows(prompts)
+    tk = f"{float(temperature):.1f}" if round(temperature, 1) == temperature else repr(float(temperature))
+    recs = []
+    for j, (cat, pid, ids) in enumerate(rows):
+        comp = complete(url, body(settings, ids, temperature, seed_base + j), settings.request_timeout_s)
+        recs.append(_record(cat, pid, comp, k))
+        if progress:
+            progress(len(recs), len(rows), tk)
+    return recs
+
+
 def measure(url: str, prompts: dict, settings: Settings, k: int, progress=None) -> dict:
     """B = 1 over every prompt and temperature, then each closed loop; k = 0 for the plain engine."""
     rows = _rows(prompts)
@@ -112,13 +126,7 @@ def measure(url: str, prompts: dict, settings: Settings, k: int, progress=None) 
     for ti, t in enumerate(settings.temperatures):
         tk = f"{float(t):.1f}" if round(t, 1) == t else repr(float(t))
         before = spec_counters(url)
-        recs = []
-        for j, (cat, pid, ids) in enumerate(rows):
-            comp = complete(url, body(settings, ids, t, settings.seed * 1000 + ti * 100 + j), settings.request_timeout_s)
-            recs.append(_record(cat, pid, comp, k))
-            if progress:
-                progress(len(recs), len(rows), tk)
-        out["b1"][tk] = recs
+        out["b1"][tk] = b1_records(url, prompts, settings, t, k, settings.seed * 1000 + ti * 100, progress)
         out["counters"][f"b1 T={tk}"] = counter_delta(spec_counters(url), before)
         for c in settings.concurrency:
             before = spec_counters(url)

@@ -35,10 +35,20 @@ def deploy_lines(r: dict) -> list[str]:
     else:
         out = ["**Do not speculate** with this draft: no k was measurably faster than plain decoding in vLLM "
                "(or its lossless check failed)."]
-    v = (r.get("validation") or {}).get("verdict")
+    val = r.get("validation") or {}
+    if val.get("b1_check"):
+        out += ["", b1_sentence(val["b1_check"])]
+    v = val.get("verdict")
     if v:
         out += ["", f"Open-loop check: {v['sentence']} ({v['rule']})."]
     return out
+
+
+def b1_sentence(c: dict) -> str:
+    return (f"Started as written, the config's own B = 1 speedup at T = {c['temperature']} was "
+            f"{number(c['measured_speedup'], 2)}x {interval(c['measured_ci'], 2)}, against the "
+            f"{number(c['report_speedup'], 2)}x {interval(c['report_ci'], 2)} reported for k = {c['k']}: "
+            + ("within the report's CI." if c["within_report_ci"] else "**outside the report's CI**."))
 
 
 def render_served(r: dict) -> str:
@@ -174,7 +184,10 @@ def served_blocks(r: dict) -> list:
                                                    if r.get("speculative_config") else
                                                    "Do not speculate with this draft (no k was measurably faster "
                                                    "than plain decoding in vLLM, or its lossless check failed)."))]
-    v = (r.get("validation") or {}).get("verdict")
+    val = r.get("validation") or {}
+    if val.get("b1_check"):
+        out.append(("p", b1_sentence(val["b1_check"]).replace("**", "")))
+    v = val.get("verdict")
     if v:
         out.append(("p", f"Open-loop check: {v['sentence']} ({v['rule']})."))
     if r.get("derived_vs_engine") is None:

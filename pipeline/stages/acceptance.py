@@ -2,7 +2,8 @@
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/default.yaml
 
-For each target variant (acceptance.targets, default the reference), each temperature and each
+For each target variant (acceptance.targets; default the reference and, where vLLM measures
+speculation, every release variant it serves: stages/vllm_engine.py speculation_targets), each temperature and each
 prompt of the workload's categories (the slices; acceptance.workload: the built-in prompts,
 ShareGPT or the user's file, drawn by pipeline/speculation/workload.py), the target generates its
 text once with plain decoding (pipeline.decode.engine.generate; speculation is lossless, so that
@@ -61,6 +62,7 @@ from pipeline.models.architecture import context_length
 from pipeline.speculation.acceptance_stats import agree_mark
 from pipeline.speculation.measure import CheckPlan, generate_texts, measure_pair
 from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
+from pipeline.stages.targets import engine_drafts, speculation_targets
 from pipeline.variants.schemes import load_variant
 
 # The stage's plan before any pair is measured, in plain texts' time (SmolLM2-135M on 2 CPU cores,
@@ -151,7 +153,7 @@ def run(ctx: StageContext) -> None:
     cfg = ctx.config.acceptance
     device = resolve_device(ctx.config.device)
     budget = StageBudget(ctx.config, "acceptance", run_dir=ctx.run_dir)
-    targets = cfg.targets or [ctx.config.quantize.reference]
+    targets = speculation_targets(ctx.config, ctx.run_dir)
     # Every B from 2 to the largest speculative batch size: the serving simulation's running batch
     # takes every size in between, and draws its rounds' n_min from the chain at that B.
     batch_sizes = list(range(2, max([1, *map(int, ctx.config.latency.spec_batch_sizes)]) + 1))
@@ -159,7 +161,8 @@ def run(ctx: StageContext) -> None:
     todo: dict[str, list] = {}  # variant -> the pairs to measure: (spec, slug, name, item)
     for variant in targets:
         vmeta = read_json(ctx.run_dir / "variants" / variant / "meta.json", f"variant '{variant}' meta.json")
-        for spec in engine_specs(ctx.config.drafts, "acceptance", progress if variant == targets[0] else None):
+        for spec in engine_drafts(engine_specs(ctx.config.drafts, "acceptance", progress if variant == targets[0] else None),
+                                  variant, "acceptance", progress):
             slug = draft_slug(spec)
             dmeta = read_json(ctx.run_dir / "drafts" / slug / "meta.json", f"draft '{spec}' meta.json")
             name = f"{variant}__{slug}"

@@ -77,6 +77,7 @@ from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.report.latency import tpot_ratio_plot
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import interleave, prompt_limit_inputs, workload_prompts, workload_summary
+from pipeline.stages.targets import engine_drafts, speculation_targets
 from pipeline.variants.schemes import load_variant
 
 
@@ -128,7 +129,7 @@ def run(ctx: StageContext) -> None:
     if not names:
         raise StageError(f"latency: no variants in {ctx.run_dir / 'variants'} (run make quantize first)")
     dirs = {n: _resolve_dir(ctx, n, (listed.get(n) or {}).get("dir")) for n in names}
-    targets = cfg.acceptance.targets or [cfg.quantize.reference]
+    targets = speculation_targets(cfg, ctx.run_dir)
     for target in targets:
         if target not in dirs:
             raise StageError(f"latency: target '{target}' is not a variant ({', '.join(dirs)})")
@@ -208,7 +209,7 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
     phase = "batched" if folder else "speculative"
     pending = {}
     served = served_pairs(ctx.run_dir)
-    for spec in engine_specs(ctx.config.drafts, "latency"):
+    for spec in engine_drafts(engine_specs(ctx.config.drafts, "latency"), target, "latency"):
         slug = draft_slug(spec)
         if f"{target}__{slug}" in served:  # measured where it is served (the vllm stage): not timed here
             ctx.meta.setdefault("measured_in_vllm", []).append(f"{folder}{target}__{slug}")

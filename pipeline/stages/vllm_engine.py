@@ -22,32 +22,16 @@ import time
 
 from draft_models.registry import draft_slug
 from pipeline.core.stage import StageContext, StageError, progress, read_json
-from pipeline.latency.served import Settings, measure, open_loop_run, sampled_texts, serve, serve_reason
-from pipeline.serving.served_k import engine_tables, recommend
+from pipeline.latency.served import (Settings, b1_records, measure, open_loop_run, sampled_texts, serve,
+                                     serve_reason)
+from pipeline.serving.served_k import engine_tables, recommend, speed_row
 from pipeline.speculation.engine_stats import greedy_lossless, latency_summary, sampled_lossless, summarize_requests
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import workload_prompts, workload_summary
-from pipeline.vllm.env import engine_info, unavailable
+from pipeline.stages.targets import vllm_targets
+from pipeline.vllm.env import engine_info, speculation_engine, unavailable
 from pipeline.vllm.server import EngineStartError
 from pipeline.vllm.spec_config import draft_method, speculative_config
-
-
-def resolve_engine(config) -> tuple[str, str | None]:
-    """("vllm" | "specq", why vLLM is not used); speculation_engine vllm without vLLM is an error."""
-    if config.speculation_engine == "specq":
-        return "specq", "speculation_engine: specq"
-    why = unavailable()
-    if why is None:
-        return "vllm", None
-    if config.speculation_engine == "vllm":
-        raise StageError(f"speculation_engine vllm: {why}")
-    return "specq", why
-
-
-def engine_args(config) -> dict:
-    """What the stage's hash takes from the machine: which engine runs it, and vLLM's version."""
-    engine, why = resolve_engine(config)
-    return {"engine": engine, "vllm": engine_info().get("vllm") if engine == "vllm" else None}
 
 
 def precheck(config, args: dict | None = None) -> None:
@@ -60,13 +44,6 @@ def precheck(config, args: dict | None = None) -> None:
     for t in config.vllm.targets or []:
         if t not in known:
             raise StageError(f"vllm.targets: unknown variant '{t}' (variants: {', '.join(known)})")
-
-
-def targets(config) -> list[str]:
-    q = config.quantize
-    if config.vllm.targets:
-        return list(dict.fromkeys(config.vllm.targets))
-    return [q.reference] + [v for v, spec in q.variants.items() if spec.release and v != q.reference]
 
 
 def settings_for(config, platform: str) -> Settings:
@@ -203,7 +180,19 @@ def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
     return out
 
 
-def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict) -> dict:
+def _b1_check(plain: dict, b1: list[dict], rec: dict, tables: dict, t: str, confidence: float) -> dict:
+    """The deployed config's B = 1 speedup over plain decoding, measured again on its own engine,
+    against the interval the report gives for that k."""
+    k = rec["recommended_k"]
+    row = speed_row(k, plain["measure"]["b1"][t], b1, confidence, 0)
+    report = next(r for r in tables[t]["1"] if r["k"] == k)
+    lo, hi = report["speedup_ci"]
+    return {"k": k, "temperature": t, "report_speedup": report["speedup"], "report_ci": report["speedup_ci"],
+            "measured_speedup": row["speedup"], "measured_ci": row["speedup_ci"],
+            "within_report_ci": bool(lo <= row["speedup"] <= hi)}
+
+
+def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict, tables: dict, confidence: float) -> dict:
     """Open loop at the plain engine's loads: the recommended config, and the best fixed k where it
     differs; each config is started exactly as written (so it is shown to start)."""
     cfg = eng.ctx.config
@@ -212,18 +201,24 @@ def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict) -> dict:
     if rec.get("best_fixed_config") and rec["best_fixed_config"] != rec["speculative_config"]:
         configs["best_fixed_k"] = rec["best_fixed_config"]
     out = {"rates": rates, "plain": plain.get("open_loop") or [], "configs": {}}
+    t = rec["primary_temperature"]
     for label, config in configs.items():
-        def work(url, config=config):
-            return [open_loop_run(url, eng.prompts, eng.settings, r, cfg.vllm.open_loop.requests, eng.settings.seed,
-                                  cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms) for r in rates]
+        def work(url, config=config, label=label):
+            # The recommended config's own B = 1 speedup, on the same prompts: within the report's CI?
+            b1 = (b1_records(url, eng.prompts, eng.settings, float(t), rec["recommended_k"], eng.settings.seed * 1000)
+                  if label == "recommended" else None)
+            return b1, [open_loop_run(url, eng.prompts, eng.settings, r, cfg.vllm.open_loop.requests, eng.settings.seed,
+                                      cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms) for r in rates]
         try:
-            runs, start_s = eng.run(f"{name}.{label}", vdir, config, work)
+            (b1, runs), start_s = eng.run(f"{name}.{label}", vdir, config, work)
         except EngineStartError as e:  # the config as written does not start: that is the finding
             progress(f"vllm: {name}: the {label} config did not start: {e}")
             out["configs"][label] = {"speculative_config": config, "started": False, "error": str(e)}
             continue
         out["configs"][label] = {"speculative_config": config, "started": True, "engine_start_s": start_s,
                                  "runs": runs}
+        if b1 is not None:
+            out["b1_check"] = _b1_check(plain, b1, rec, tables, t, confidence)
     if "best_fixed_k" not in out["configs"] and "runs" in out["configs"]["recommended"]:
         out["configs"]["best_fixed_k"] = {**out["configs"]["recommended"], "same_as": "recommended"}
     out["verdict"] = _verdict(out)
@@ -291,7 +286,7 @@ def _verdict(v: dict) -> dict:
 
 
 def run(ctx: StageContext) -> None:
-    engine, why = resolve_engine(ctx.config)
+    engine, why = speculation_engine(ctx.config)
     ctx.meta["engine"] = engine
     if engine == "specq":
         ctx.meta["reason"] = why
@@ -314,7 +309,7 @@ def run(ctx: StageContext) -> None:
     measured, skipped, recs = {}, {}, {}
     progress(f"vllm: vLLM {info.get('vllm')} ({info.get('platform')}), {sum(map(len, prompts.values()))} prompts x "
              f"{len(s.temperatures)} temperatures, k = 1..{k_max}, closed loops at {s.concurrency or 'none'}")
-    for target in targets(ctx.config):
+    for target in vllm_targets(ctx.config):
         vdir = ctx.run_dir / "variants" / target
         vmeta = read_json(vdir / "meta.json", f"variant '{target}' meta.json")
         reason = serve_reason(vdir, info["platform"])
@@ -374,7 +369,7 @@ def run(ctx: StageContext) -> None:
             doc["tables"] = tables
             doc["recommendation"] = recommend(tables, doc, ctx.run_dir)
             if ctx.config.vllm.open_loop_check and doc["recommendation"]["speculative_config"] and plain.get("open_loop"):
-                doc["validation"] = _validate(eng, name, vdir, plain, doc["recommendation"])
+                doc["validation"] = _validate(eng, name, vdir, plain, doc["recommendation"], tables, confidence)
             item.write_json(doc)
             measured[name], recs[name] = item.path.name, doc["recommendation"]["verdict"]
             progress(f"vllm: {name}: {doc['recommendation']['verdict']}")

