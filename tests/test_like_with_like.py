@@ -318,6 +318,7 @@ def test_acceptance_stage_frees_drafts_and_each_variant_before_the_next(tmp_path
                                                                              "b": {"scheme": "none"}}},
                                  "acceptance": {"targets": ["a", "b"]}})
     monkeypatch.setattr(stage, "draft_slug", lambda spec: spec)
+    monkeypatch.setattr(stage, "engine_specs", lambda specs, *a, **k: list(specs))
     run_stage(STAGES["acceptance"], run, cfg, {}, STAGES)
     # Each draft is gone before the next is built; variant a (and its drafts) before b loads.
     assert spy.events == [("load", "a", []), ("draft", "d1", ["a"]), ("draft", "d2", ["a"]),
