@@ -162,7 +162,7 @@ def run(ctx: StageContext) -> None:
     for variant in targets:
         vmeta = read_json(ctx.run_dir / "variants" / variant / "meta.json", f"variant '{variant}' meta.json")
         for spec in engine_drafts(engine_specs(ctx.config.drafts, "acceptance", progress if variant == targets[0] else None),
-                                  variant, "acceptance", progress):
+                                  variant, "acceptance", progress, reference=ctx.config.quantize.reference):
             slug = draft_slug(spec)
             dmeta = read_json(ctx.run_dir / "drafts" / slug / "meta.json", f"draft '{spec}' meta.json")
             name = f"{variant}__{slug}"

@@ -209,7 +209,8 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
     phase = "batched" if folder else "speculative"
     pending = {}
     served = served_pairs(ctx.run_dir)
-    for spec in engine_drafts(engine_specs(ctx.config.drafts, "latency"), target, "latency"):
+    for spec in engine_drafts(engine_specs(ctx.config.drafts, "latency"), target, "latency",
+                              reference=ctx.config.quantize.reference):
         slug = draft_slug(spec)
         if f"{target}__{slug}" in served:  # measured where it is served (the vllm stage): not timed here
             ctx.meta.setdefault("measured_in_vllm", []).append(f"{folder}{target}__{slug}")

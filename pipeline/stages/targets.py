@@ -45,11 +45,12 @@ def speculation_targets(config, run_dir) -> list[str]:
     return [ref, *served]
 
 
-def engine_drafts(specs: list[str], target: str, stage: str, say=None) -> list[str]:
-    """The drafts specq's engine pairs with `target`: not the target itself (self:<target>)."""
+def engine_drafts(specs: list[str], target: str, stage: str, say=None, reference: str | None = None) -> list[str]:
+    """The drafts specq's engine pairs with `target`: not the target itself (self:<target>), except
+    on the reference, where it is the sanity pair a config may ask for (every draft accepted)."""
     out = []
     for spec in specs:
-        if spec == f"self:{target}":
+        if spec == f"self:{target}" and target != reference:
             if say:
                 say(f"{stage}: {target} + {spec}: the draft is the target itself; not measured")
             continue
