@@ -29,7 +29,6 @@ from pipeline.quality import vllm_backend
 from pipeline.quality.vllm_backend import Choice, choose, vllm_args
 
 REPO = Path(__file__).resolve().parent.parent
-HAVE_VLLM = vllm_backend.unavailable() is None
 
 
 def _one_line(capsys) -> str:
@@ -79,40 +78,40 @@ def test_vllm_settings_defaults_and_good_values(tmp_path):
 # ---------------------------------------------------------------- the refusal where vLLM is missing
 
 
-@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is importable here: nothing to refuse")
 def test_backend_vllm_without_vllm_is_refused_before_any_work(tmp_path):
-    """`prepare` (the first stage of make evaluate) refuses `backend: vllm` where vLLM is not
-    importable: one stderr line, exit 2, no run folder. `config` still prints the config (the
+    """`prepare` (the first stage of make evaluate) refuses `backend: vllm` where the vLLM
+    environment is missing (SPECQ_VLLM_PYTHON names no python): one stderr line, exit 2, no run folder. `config` still prints the config (the
     schema is the same on every machine; the GPU box that has vLLM reads the same file)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"quality": {"backend": "vllm", "vllm": {"tensor_parallel_size": 2}}}))
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECQ_VLLM_PYTHON": str(tmp_path / "no-venv" / "python")}
     proc = subprocess.run([sys.executable, "-m", "pipeline", "prepare", "--run", str(run), "--config", str(cfg),
                            "--model", str(tmp_path / "nope")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[0].startswith("specq: quality.backend vllm: the Python package vllm is not installed"), lines
+    assert lines[0].startswith("specq: quality.backend vllm: the vLLM environment is not installed"), lines
     assert not run.exists()
     shown = subprocess.run([sys.executable, "-m", "pipeline", "config", "--config", str(cfg)], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0 and json.loads(shown.stdout)["quality"]["vllm"]["tensor_parallel_size"] == 2
 
 
-@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is importable here: nothing to refuse")
 def test_quality_precheck_refusals(tmp_path, monkeypatch):
     from pipeline.stages.quality import precheck
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"quality": {"backend": "vllm", "slices": ["reasoning"]}}))
-    with pytest.raises(StageError, match="^quality.backend vllm: the Python package vllm is not installed"):
+    monkeypatch.setenv("SPECQ_VLLM_PYTHON", str(tmp_path / "no-venv" / "python"))
+    with pytest.raises(StageError, match="^quality.backend vllm: the vLLM environment is not installed"):
         precheck(load_config(cfg), {})
     precheck(load_config(cfg, {"quality": {"backend": "hf", "slices": ["reasoning"]}}), {})  # hf: nothing to check
     # Where vLLM is importable: drift thresholds need quality.vllm.distribution; fallback: stop
     # refuses a variant the config already shows vLLM cannot load.
     monkeypatch.setattr(vllm_backend, "unavailable", lambda: None)
+    monkeypatch.setattr(vllm_backend, "platform", lambda: "cuda")
     precheck(load_config(cfg), {})
     with pytest.raises(StageError, match="gate.max_kl needs the distribution drift"):
         precheck(load_config(cfg, {"gate": {"max_kl": 0.1}}), {})
@@ -129,6 +128,13 @@ def test_quality_precheck_refusals(tmp_path, monkeypatch):
         precheck(load_config(cfg, {"quality": stop, "quantize": {"reference": "ref", "variants": variants}}), {})
     (ckpt / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     precheck(load_config(cfg, {"quality": stop, "quantize": {"reference": "ref", "variants": variants}}), {})
+    # vLLM's CPU build: bitsandbytes and fp8 are not run there, said before any work.
+    monkeypatch.setattr(vllm_backend, "platform", lambda: "cpu")
+    with pytest.raises(StageError, match="variant 'ck': vLLM's CPU backend does not run 'fp8'"):
+        precheck(load_config(cfg, {"quality": stop, "quantize": {"reference": "ref", "variants": variants}}), {})
+    nf4 = {"ref": {"scheme": "none"}, "nf4": {"scheme": "bnb-nf4"}}
+    with pytest.raises(StageError, match="variant 'nf4': vLLM's CPU backend does not run 'bitsandbytes'"):
+        precheck(load_config(cfg, {"quality": stop, "quantize": {"reference": "ref", "variants": nf4}}), {})
 
 
 # ---------------------------------------------------------------- the argument builder
@@ -148,7 +154,7 @@ def _dir(root: Path, name: str, scheme: str, quantization: dict | None = None, w
     return d
 
 
-BASE = {"dtype": "auto", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "seed": 7, "batch_size": "auto"}
+BASE = {"dtype": "auto", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "seed": 7, "batch_size": 32}
 
 
 def test_vllm_args_for_each_kind_of_variant(tmp_path):
@@ -184,7 +190,7 @@ def test_vllm_args_for_each_kind_of_variant(tmp_path):
     d = tmp_path / "nf4"
     assert vllm_args(d, {"scheme": "bnb-nf4"}, v2, seed=0) == {
         "pretrained": str(d), "tokenizer": str(d), "dtype": "float16", "tensor_parallel_size": 8,
-        "gpu_memory_utilization": 0.8, "seed": 0, "batch_size": "auto", "max_model_len": 32768,
+        "gpu_memory_utilization": 0.8, "seed": 0, "batch_size": 32, "max_model_len": 32768,
         **vllm_backend.BITSANDBYTES, "enforce_eager": True, "max_num_seqs": 64}
 
 
@@ -206,6 +212,11 @@ def test_vllm_args_refuse_what_vllm_does_not_load(tmp_path):
     d = _dir(tmp_path, "gguf", "checkpoint", weights="model-Q4_K_M.gguf")
     assert "GGUF" in vllm_args(d, {"scheme": "checkpoint"}, v, seed=0)
     # What vLLM lists is what it reads: with the installed vLLM's list, a method missing from it is refused.
+    # vLLM's CPU build runs GPTQ and AWQ, not bitsandbytes or fp8.
+    nf4 = _dir(tmp_path, "nf4-cpu", "bnb-nf4", {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    assert "CPU backend does not run 'bitsandbytes'" in vllm_args(nf4, {"scheme": "bnb-nf4"}, v, 0, platform="cpu")
+    gptq = _dir(tmp_path, "gptq-cpu", "gptq", {"quant_method": "gptq", "bits": 4, "group_size": 64})
+    assert isinstance(vllm_args(gptq, {"scheme": "gptq"}, v, 0, platform="cpu"), dict)
     fp8 = _dir(tmp_path, "fp8", "checkpoint", {"quant_method": "fp8"})
     assert isinstance(vllm_args(fp8, {"scheme": "checkpoint"}, v, 0, supported=frozenset({"fp8"})), dict)
     assert "'fp8' is not one vLLM reads" in vllm_args(fp8, {"scheme": "checkpoint"}, v, 0,
@@ -278,7 +289,7 @@ def test_engines_hold_one_engine_at_a_time(monkeypatch):
     built, shut = [], []
 
     class Fake:
-        def __init__(self, kwargs):
+        def __init__(self, name, kwargs):
             self.kwargs = kwargs
             built.append(kwargs["pretrained"])
 
@@ -362,14 +373,15 @@ def test_stage_with_a_stand_in_engine_writes_the_same_records_and_what_ran(tmp_p
     cfg = load_config(cfg_path)
     built = []
 
-    def stand_in(kwargs):
+    def stand_in(name, kwargs, host):
         built.append(dict(kwargs))
         return HFLM(pretrained=kwargs["pretrained"], tokenizer=kwargs["tokenizer"], device="cpu", dtype="float32",
                     batch_size=4)
 
     monkeypatch.setattr(vllm_backend, "unavailable", lambda: None)
-    monkeypatch.setattr(vllm_backend, "library_version", lambda dist: "0.0-stand-in" if dist == "vllm" else None)
-    monkeypatch.setattr(vllm_backend, "_build_vllm", stand_in)
+    monkeypatch.setattr(vllm_backend, "platform", lambda: "cuda")
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "0.0-stand-in")
+    monkeypatch.setattr(vllm_backend, "serve", stand_in)
     meta = json.loads(run_stage(STAGES["quality"], run, cfg, {}, STAGES).read_text())
 
     ref_dir = str(run / "variants" / "bf16")
@@ -393,3 +405,209 @@ def test_stage_with_a_stand_in_engine_writes_the_same_records_and_what_ran(tmp_p
         var = [json.loads(x) for x in (q / "w8a16" / f"{s}.jsonl").read_text().splitlines()]
         assert [r["id"] for r in ref] == [r["id"] for r in var] and len(ref) == 4
         assert [set(r) for r in ref] == [set(r) for r in var]  # the same record shape from either backend
+
+
+# ---------------------------------------------------------------- many GPUs: one engine per group
+
+
+def test_device_groups_cut_the_gpus_in_order():
+    from pipeline.quality.gpu_groups import device_groups, visible_gpus
+
+    eight = [str(i) for i in range(8)]
+    assert device_groups(eight, 2) == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert device_groups(eight, 3) == [("0", "1", "2"), ("3", "4", "5")]  # two GPUs left over
+    assert device_groups(eight, 1) == [(d,) for d in eight]
+    assert device_groups([], 1) == []  # no GPU: nothing side by side
+    with pytest.raises(StageError, match="tensor_parallel_size 4 needs that many GPUs; this machine shows 2"):
+        device_groups(["0", "1"], 4)
+    assert visible_gpus(["3", 5]) == ["3", "5"]
+
+
+def test_side_by_side_keeps_one_variant_per_group_and_the_order_of_names():
+    """Eight variants on three fake groups, each taking a random time: no group ever holds two
+    at once, three run at once, and the results come back in the order asked whatever the
+    finishing order; an error stops what has not started and is raised once the rest finish."""
+    import random
+    import threading
+    import time as _time
+
+    from pipeline.quality.gpu_groups import side_by_side
+
+    groups = [("0", "1"), ("2", "3"), ("4", "5")]
+    busy, peak, lock, finished = set(), [0], threading.Lock(), []
+    rng = random.Random(3)
+    delays = {f"v{i}": rng.uniform(0.0, 0.05) for i in range(8)}
+
+    def work(name, group):
+        with lock:
+            assert group not in busy
+            busy.add(group)
+            peak[0] = max(peak[0], len(busy))
+        _time.sleep(delays[name])
+        with lock:
+            busy.discard(group)
+            finished.append(name)
+        return (name, len(group))
+
+    names = list(delays)
+    assert side_by_side(names, groups, work) == [(n, 2) for n in names]
+    assert peak[0] == 3 and sorted(finished) == sorted(names)
+
+    started = []
+
+    def failing(name, group):
+        started.append(name)
+        if name == "v0":
+            raise StageError("v0 broke")
+        _time.sleep(0.02)
+        return name
+
+    with pytest.raises(StageError, match="v0 broke"):
+        side_by_side(names, [("0",)], failing)
+    assert started == ["v0"]
+
+
+def _stand_in_run(tmp_path, tiny_model_dir, names: list[str], extra: str = "") -> tuple[Path, object]:
+    """A run of plain copies of the tiny model (the first is the reference) and a config scoring
+    it with backend vllm: two slices, 4 items in looks of 2."""
+    run = tmp_path / "run"
+    for name in names:
+        shutil.copytree(tiny_model_dir, run / "variants" / name)
+    variants = {n: {"scheme": "none", "dir": f"variants/{n}"} for n in names}
+    (run / "variants" / "meta.json").write_text(json.dumps({"stage": "quantize", "input_hash": "t", "variants": variants}))
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(
+        "device: cpu\nbudget: {minutes: null}\nquantize:\n  reference: " + names[0] + "\n  variants:\n"
+        + "".join(f"    {n}: {{scheme: none}}\n" for n in names)
+        + "quality:\n  slices: [reasoning, calibration]\n  items_per_slice: 4\n  wave_items: 2\n  max_new_tokens: 4\n"
+          "  batch_size: 4\n  backend: vllm\n" + extra)
+    return run, load_config(cfg_path)
+
+
+def _hflm(vdir: str):
+    """lm-eval's HFLM on the variant as specq loads it (float32 on CPU): the engine's stand-in."""
+    from lm_eval.models.huggingface import HFLM
+
+    from pipeline.variants.schemes import load_variant
+
+    model, tok = load_variant(vdir, "cpu")
+    return HFLM(pretrained=model, tokenizer=tok, batch_size=4)
+
+
+def _lines(run: Path, names: list[str]) -> dict:
+    return {(n, s): (run / "quality" / n / f"{s}.jsonl").read_text() for n in names for s in ("reasoning", "calibration")}
+
+
+def test_stage_scores_variants_side_by_side_on_fake_gpus(tmp_path, tiny_model_dir, monkeypatch):
+    """Four fake GPUs, tensor_parallel_size 2: the three variants are scored on two engines at
+    once, each engine on one group of two GPUs, finishing in a scrambled order; every line is
+    the one the one-GPU-group run writes."""
+    import random
+    import threading
+    import time as _time
+
+    from pipeline.__main__ import STAGES
+    from pipeline.core.stage import run_stage
+
+    names = ["ref", "a", "b", "c"]
+    seen, lock = [], threading.Lock()
+    rng = random.Random(0)
+
+    def stand_in(name, kwargs, host):
+        with lock:  # (transformers' loading is not thread-safe; a real engine is its own process)
+            seen.append((name, host.devices))
+            lm = _hflm(kwargs["pretrained"])
+        slow = lm.generate_until
+
+        def generate_until(requests, *a, **k):  # variants finish in an order of their own
+            _time.sleep(rng.uniform(0.0, 0.3))
+            return slow(requests, *a, **k)
+
+        lm.generate_until = generate_until
+        return lm
+
+    monkeypatch.setattr(vllm_backend, "unavailable", lambda: None)
+    monkeypatch.setattr(vllm_backend, "platform", lambda: "cuda")
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "0.0-stand-in")
+    monkeypatch.setattr(vllm_backend, "serve", stand_in)
+    run, cfg = _stand_in_run(tmp_path / "many", tiny_model_dir, names,
+                             "  vllm: {tensor_parallel_size: 2, devices: ['0', '1', '2', '3']}\n")
+    run_stage(STAGES["quality"], run, cfg, {}, STAGES)
+    groups = {devices for name, devices in seen if name != "ref"}
+    assert sorted(n for n, _ in seen if n != "ref") == ["a", "b", "c"]
+    assert groups <= {("0", "1"), ("2", "3")} and len(groups) == 2
+    seen.clear()
+    one, cfg1 = _stand_in_run(tmp_path / "one", tiny_model_dir, names,
+                              "  vllm: {tensor_parallel_size: 2, devices: ['0', '1']}\n")
+    run_stage(STAGES["quality"], one, cfg1, {}, STAGES)
+    assert {d for _, d in seen} == {None}  # one group: the engines see every GPU, one at a time
+    assert _lines(run, names) == _lines(one, names)
+
+
+def test_an_engine_that_dies_mid_look_loses_no_answered_request(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The variant's engine answers some of its second look's requests, then dies: the stage
+    fails in one line, the first look's lines and the answered requests (lm-eval's request
+    cache) are kept; the next run asks only for the rest and writes what an unbroken run writes."""
+    from pipeline.__main__ import STAGES
+    from pipeline.core.stage import run_stage
+
+    names = ["ref", "v"]
+    asked = {"v": 0}
+    plan = {"die_after": 3}
+
+    class Gone:
+        log = tmp_path / "engine.log"
+
+        def __init__(self):
+            self.up = True
+
+        def alive(self):
+            return self.up
+
+        def __exit__(self, *exc):
+            self.up = False
+
+    def stand_in(name, kwargs, host):
+        lm = _hflm(kwargs["pretrained"])
+        lm.server = Gone()
+        for method in ("generate_until", "loglikelihood"):
+            real = getattr(lm, method)
+
+            def one_by_one(requests, *a, _real=real, **k):
+                out = []
+                for r in requests:
+                    if name == "v":
+                        if plan["die_after"] is not None and asked["v"] >= plan["die_after"]:
+                            lm.server.up = False
+                            raise ConnectionError("connection refused")
+                        asked["v"] += 1
+                    out += _real([r], *a, **k)
+                return out
+
+            setattr(lm, method, one_by_one)
+        return lm
+
+    Gone.log.write_text("RuntimeError: the engine core died\n")
+    monkeypatch.setattr(vllm_backend, "unavailable", lambda: None)
+    monkeypatch.setattr(vllm_backend, "platform", lambda: "cuda")
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "0.0-stand-in")
+    monkeypatch.setattr(vllm_backend, "serve", stand_in)
+    whole, cfg = _stand_in_run(tmp_path / "whole", tiny_model_dir, names)
+    plan["die_after"] = None
+    run_stage(STAGES["quality"], whole, cfg, {}, STAGES)
+    per_run = asked["v"]
+
+    run, cfg = _stand_in_run(tmp_path / "broken", tiny_model_dir, names)
+    first_look = 2 * 2 + 2 * 4  # 2 reasoning generations + 2 calibration items of 4 options each
+    plan["die_after"], asked["v"] = first_look + 3, 0
+    with pytest.raises(StageError, match=r"^quality: v: its vLLM engine exited \(log .*engine.log: RuntimeError: "
+                                         r"the engine core died\).*run again to resume"):
+        run_stage(STAGES["quality"], run, cfg, {}, STAGES)
+    q = run / "quality" / "v"
+    assert [len((q / f"{s}.jsonl").read_text().splitlines()) for s in ("reasoning", "calibration")] == [2, 2]
+    assert list(q.glob("requests-*.db"))  # the answered requests of the broken look
+    plan["die_after"], asked["v"] = None, 0
+    run_stage(STAGES["quality"], run, cfg, {}, STAGES)
+    assert asked["v"] == per_run - first_look - 3  # only what the dead engine had not answered
+    assert _lines(run, names) == _lines(whole, names)
+    assert not list(q.glob("requests-*.db"))  # gone once the variant's lines are written

@@ -2,7 +2,8 @@
 model as target, prompt lookup and the GPTQ self-draft at k = 1..2 (configs/vllm-smoke.yaml), the
 engine's own counters against the per-request counts, the marginal report from vLLM's figures
 beside specq's derivation, a stage interrupted mid-run, vLLM's prompt-lookup rule against specq's,
-and an EAGLE-3 head's plumbing on a tiny target. Skipped only where the vLLM environment is absent."""
+an EAGLE-3 head's plumbing on a tiny target, and the quality slices scored through vLLM (records
+the shape hf writes; hf and vLLM agree on the same items up to near-ties). Skipped only where the vLLM environment is absent."""
 from __future__ import annotations
 
 import json
@@ -136,6 +137,40 @@ def test_interrupted_stage_leaves_no_engine_and_no_half_artifact(served_run):
     assert not (served_run / "vllm" / "bf16__ngram-2.json").exists()
     assert not (served_run / "vllm" / "meta.json").exists()  # the stage did not finish: it will re-run
     assert not list((served_run / "vllm").rglob("*.tmp"))
+
+
+def test_quality_scored_through_vllm_agrees_with_hf(served_run, tmp_path):
+    """quality.backend vllm on the embedded model and its GPTQ variant (both served here), then
+    the reference scored by hf and by vLLM on the same items: the same record shape, every
+    calibration choice the same, no generation that differs beyond a near-tie."""
+    import yaml
+
+    from pipeline.core.config import load_config
+    from pipeline.quality.equivalence import measure, render
+
+    small = {"slices": ["reasoning", "calibration"], "items_per_slice": 6, "wave_items": 6, "max_new_tokens": 16,
+             "batch_size": 6}
+    cfg = yaml.safe_load(Path(CONFIG).read_text())
+    cfg["quality"] = {**small, "backend": "vllm"}
+    path = tmp_path / "quality-vllm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["quality", "--run", str(served_run), "--config", str(path)]) == 0
+    meta = _json(served_run / "quality" / "meta.json")
+    assert {n: b["backend"] for n, b in meta["backends"].items()} == {"bf16": "vllm", "w4a16-gptq": "vllm"}
+    assert not list((served_run / "quality").glob("*/requests-*.db"))
+    served = [json.loads(x) for x in (served_run / "quality" / "bf16" / "reasoning.jsonl").read_text().splitlines()]
+    assert len(served) == 6
+
+    report = measure(served_run, load_config(path), items=6)
+    print(render(report))
+    assert _json(served_run / "quality-equivalence" / "report.json") == report and report["same_prompts"]
+    slices = report["slices"]
+    assert slices["calibration"]["same_choice"] == 6, slices["calibration"]
+    assert slices["reasoning"]["diverged"] == 0, slices["reasoning"]
+    assert report["equivalent"]
+    # The stage's vLLM records have the keys hf's records have.
+    records = _json(served_run / "quality-equivalence" / "records.json")
+    assert set(served[0]) == set(records["hf"]["reasoning"][0]) == set(records["vllm"]["reasoning"][0])
 
 
 def test_specq_prompt_lookup_follows_vllms_rule(tmp_path):

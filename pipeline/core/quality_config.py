@@ -48,8 +48,10 @@ VLLM_OWN_ARGS = ("pretrained", "model", "tokenizer", "quantization", "load_forma
 
 
 class VllmConfig(Section):
-    """quality.backend: vllm (pipeline/quality/vllm_backend.py): lm-eval's vLLM model scores every
-    variant vLLM can load, so a model larger than one GPU is spread over tensor_parallel_size GPUs."""
+    """quality.backend: vllm (pipeline/quality/vllm_backend.py): a vLLM server (the vLLM venv
+    `make install` builds) scores every variant vLLM can load, through lm-eval's local-completions
+    client; a model larger than one GPU is spread over tensor_parallel_size GPUs. Where the engine
+    runs (CPU KV cache, eager mode, timeouts) comes from the top-level `vllm` section."""
     # GPUs each model is split over (vLLM's tensor parallelism).
     tensor_parallel_size: int = 1
     # Share of each GPU's memory one vLLM engine takes (weights, activations, KV cache).
@@ -57,7 +59,8 @@ class VllmConfig(Section):
     # Context length the engine is built for; null = the model's own. Longer prompts are cut from
     # the left by lm-eval, as with hf.
     max_model_len: int | None = None
-    # Compute dtype; "auto" = vLLM's choice from the checkpoint's config (bf16 stays bf16).
+    # Compute dtype; "auto" = the one the hf backend computes the variant in (its meta.json
+    # dtype_compute), so hf-scored and vLLM-scored variants differ by kernels only.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # A variant vLLM cannot load (torchao int8 weight-only, a quantization method vLLM does not
     # read): "hf" scores it with the hf backend (its quality meta.json says which and why);
@@ -70,8 +73,14 @@ class VllmConfig(Section):
     # not return: true computes it through transformers on `device` after the engines are released
     # (both models must fit there); false leaves it out (gate.max_kl / min_top1_agreement refused).
     distribution: bool = False
-    # More keyword arguments for lm-eval's VLLM model and through it vLLM's LLM (enforce_eager,
-    # max_num_seqs, kv_cache_dtype, pipeline_parallel_size, ...), passed as written.
+    # The GPUs engines may use (ids as CUDA_VISIBLE_DEVICES takes them); null = every visible GPU.
+    # With more GPUs than one engine's tensor_parallel_size and no time budget, the variants are
+    # scored side by side, one engine per group of tensor_parallel_size GPUs.
+    devices: list[str] | None = None
+    # Prompts per completions request (vLLM batches them; also the engine's max_num_seqs, at least 8).
+    batch_size: int = 32
+    # More vLLM server flags, as --<key> <value> (true: the bare flag): enforce_eager,
+    # kv_cache_dtype, pipeline_parallel_size, ...
     engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
 
     @field_validator("tensor_parallel_size")
@@ -79,6 +88,13 @@ class VllmConfig(Section):
     def _tp(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be >= 1 (GPUs each model is split over)")
+        return v
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1 (prompts per completions request)")
         return v
 
     @field_validator("gpu_memory_utilization")

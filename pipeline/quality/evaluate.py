@@ -10,7 +10,8 @@ per-item results). All tasks of a variant go through one lm-eval call. The lm-ev
 computed once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own
 HFLM, which batches requests of a kind after sorting them by length). Both give the same scores up
 to float summation order. `model` may also be an lm-eval model built by the caller (`quality.backend:
-vllm`: lm-eval's VLLM, pipeline/quality/vllm_backend.py); it is used as it is, the rest is shared.
+vllm`: lm-eval's local-completions on a vLLM server, pipeline/quality/vllm_backend.py); it is used
+as it is, the rest is shared.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from pipeline.stats.scoring_rules import calibration_summary
 
 
 def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
-             seed: int) -> tuple[dict, dict]:
+             seed: int, cache: str | None = None, prompts: dict | None = None) -> tuple[dict, dict]:
     """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
-    the evaluator's counters: prompt tokens requested and computed, generated tokens, ...)."""
+    the evaluator's counters: prompt tokens requested and computed, generated tokens, ...).
+    `cache`: a path prefix for lm-eval's request cache (each answer kept as it comes back).
+    `prompts`, when a dict, gets each built-in item's prompt as the model saw it: (slice, id) -> text."""
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.models.huggingface import HFLM
@@ -51,11 +54,14 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
             model=lm, tasks=tasks, log_samples=True, apply_chat_template=use_template,
             samples=lm_tasks.samples_request(named) or None,
             bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed, verbosity="ERROR", task_manager=manager)
+            fewshot_random_seed=seed, verbosity="ERROR", task_manager=manager,
+            use_cache=str(cache) if cache is not None else None)
     samples = res["samples"]
     out = {}
     for name, cfg in task_configs.items():
         out[name] = [_builtin_record(name, s) for s in sorted(samples[cfg["task"]], key=lambda s: s["doc_id"])]
+        if prompts is not None:
+            prompts.update({(name, s["doc"]["id"]): s["arguments"][0][0] for s in samples[cfg["task"]]})
     for s in named:
         recs = lm_tasks.records(s, samples)
         if isinstance(recs, str):

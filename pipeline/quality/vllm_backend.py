@@ -1,69 +1,78 @@
-"""`quality.backend: vllm`: the quality slices scored through lm-eval's vLLM model, for models larger
-than one GPU (tensor parallelism) or simply faster generation.
+"""`quality.backend: vllm`: the quality slices scored through a vLLM engine specq serves.
 
     from pipeline.quality import vllm_backend
-    choice = vllm_backend.choose(cfg.quality, variant_dir, seed=cfg.seed)   # Choice("vllm", kwargs) or ("hf", why)
-    engines = vllm_backend.Engines()
-    lm, load_seconds = engines.get(name, choice.kwargs)     # lm_eval.models.vllm_causallms.VLLM(**kwargs)
+    choice = vllm_backend.choose(cfg.quality, variant_dir, seed=cfg.seed, platform="cpu")  # Choice("vllm", kwargs) or ("hf", why)
+    engines = vllm_backend.Engines(host=vllm_backend.Host.of(cfg, log_dir))
+    lm, load_seconds = engines.get(name, choice.kwargs)     # lm-eval's local-completions on a started server
     records, counters = evaluate(lm, lm.tokenizer, ...)     # pipeline/quality/evaluate.py, unchanged records
+    engines.release()                                       # every server stopped
 
-Only the lm-eval model differs from the hf backend: the same task configs, the same
-simple_evaluate call, the same per-item records (pipeline/quality/evaluate.py), so the gate does
-not care which backend scored a variant.
+How: vLLM's OpenAI server runs from the vLLM environment (pipeline/vllm: its own venv, started on
+127.0.0.1 on a free port, always stopped), and lm-eval's `local-completions` model (its OpenAI
+completions client, in specq's venv) sends it the requests: token ids in, greedy text or echoed
+prompt log-probabilities out. This way, not lm-eval's in-process VLLM model, because vLLM pins its
+own torch and transformers and so cannot share specq's venv; lm-eval's client keeps the task
+configs, the simple_evaluate call and the per-item records (pipeline/quality/evaluate.py) the same
+as with hf, so the gate does not care which backend scored a variant. Each request's answer is
+kept in lm-eval's request cache (sqlite, beside the variant's lines) until its look is written, so
+an engine that dies mid-look loses no answered request: the stage fails in one line, and the
+next run re-sends only what was not answered.
 
-`vllm_args` (a pure function: no vLLM needed) turns a variant directory and its meta.json into
-the keyword arguments of lm-eval's VLLM model: pretrained and tokenizer = the directory (its
-tokenizer is the reference's: quantize wrote it there, or checked a checkpoint's against it),
-dtype, tensor_parallel_size, gpu_memory_utilization, max_model_len, the run's seed, batch_size
-"auto" (every request of a call handed to vLLM at once), and the quantization where vLLM must be
-told. What vLLM reads comes from the directory's config.json `quantization_config` (or an
-auto-gptq quantize_config.json), as pipeline/variants/checkpoint.py reads it:
+`vllm_args` (a pure function: no vLLM needed) turns a variant directory and its meta.json into the
+engine's settings: the directory, dtype, tensor_parallel_size, gpu_memory_utilization,
+max_model_len, the run's seed, the prompts per request (batch_size), and the quantization where
+vLLM must be told. What vLLM reads comes from the directory's config.json `quantization_config`
+(or an auto-gptq quantize_config.json), as pipeline/variants/checkpoint.py reads it:
 
     scheme / quant_method          vLLM
     none, reference, plain ckpt    plain weights
-    gptq (GPTQModel), awq, fp8,    read from config.json by vLLM itself; `quantization` is left
-    compressed-tensors, ...        unset so vLLM picks its fastest kernel (gptq -> gptq_marlin)
-    bnb-int8, bnb-nf4,             quantization and load_format "bitsandbytes" (pre-quantized
-    bitsandbytes checkpoints       bitsandbytes weights need vLLM's bitsandbytes loader)
+    gptq (GPTQModel), awq, fp8,    read from config.json by vLLM itself (gptq -> gptq_marlin on a
+    compressed-tensors, ...        GPU); on CPU only the methods vLLM's CPU build lists (GPTQ, AWQ, ...)
+    bnb-int8, bnb-nf4,             GPU: --quantization/--load-format bitsandbytes; CPU: not loaded
     torchao-int8wo, torchao ckpt   not loaded: a one-line reason
     a method vLLM does not list    not loaded: a one-line reason
     GGUF weights only              not loaded: a one-line reason
 
-A variant vLLM cannot load is scored with the hf backend (quality.vllm.fallback: hf, the default:
-the gate compares per-item records, which have the same shape from either backend; its
-quality/<variant>/meta.json says `backend: hf` and why), or the run is refused before any work
+A variant vLLM cannot load is scored with the hf backend (quality.vllm.fallback: hf, the default;
+its quality/<variant>/meta.json says `backend: hf` and why), or the run is refused before any work
 (fallback: stop). The choice is in what a variant's lines were scored with (stages/quality.py:
 item_inputs), so a changed backend re-scores.
 """
 from __future__ import annotations
 
-import gc
-import importlib.util
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.core.stage import StageError, library_version, read_json
-from pipeline.vllm.spec_config import BITSANDBYTES, SCHEME_NOT_READ, method_reason
+from pipeline.core.stage import StageError, read_json
+from pipeline.vllm.spec_config import BITSANDBYTES, SCHEME_NOT_READ, method_reason, server_args
+
+# Engine settings that say where or how long, never what is scored (left out of the lines' hash).
+NOT_SCORED = ("pretrained", "tokenizer")
+# A local-completions request that fails is retried this many times in all before the look fails.
+CLIENT_TRIES = 2
+
 
 def unavailable() -> str | None:
-    """Why `backend: vllm` cannot run here (one line), or None where vLLM is importable."""
-    if importlib.util.find_spec("vllm") is None:
-        return ("quality.backend vllm: the Python package vllm is not installed here (install it on the GPU "
-                "machine, e.g. pip install vllm, or use quality.backend: hf)")
-    return None
+    """Why `backend: vllm` cannot run here (one line), or None where the vLLM environment runs."""
+    from pipeline.vllm.env import unavailable as env_unavailable
+
+    why = env_unavailable()
+    return f"quality.backend vllm: {why} (or use quality.backend: hf)" if why else None
 
 
-def supported_methods() -> frozenset[str] | None:
-    """The quantization methods the installed vLLM lists, or None where vLLM is not importable."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    try:
-        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-    except Exception:  # an import error inside vLLM: fall back to the static list
-        return None
-    return frozenset(QUANTIZATION_METHODS)
+def platform() -> str:
+    """"cpu" or "cuda": which build of vLLM the environment holds."""
+    from pipeline.vllm.env import engine_info
+
+    return engine_info().get("platform", "cuda")
+
+
+def vllm_version() -> str | None:
+    from pipeline.vllm.env import engine_info
+
+    return engine_info().get("vllm")
 
 
 def _quant_method(vdir: Path) -> str | None:
@@ -73,10 +82,10 @@ def _quant_method(vdir: Path) -> str | None:
 
 
 def vllm_args(vdir: str | Path, meta: dict, vcfg, seed: int,
-              supported: frozenset[str] | None = None) -> dict | str:
-    """lm-eval VLLM keyword arguments for the variant directory `vdir` (meta = its meta.json), or
-    a one-line reason vLLM cannot load it. `vcfg` is quality.vllm; `supported` the quantization
-    methods vLLM lists (None: VLLM_METHODS)."""
+              supported: frozenset[str] | None = None, platform: str = "cuda") -> dict | str:
+    """The engine settings for the variant directory `vdir` (meta = its meta.json), or a one-line
+    reason vLLM cannot load it on `platform`. `vcfg` is quality.vllm; `supported` the quantization
+    methods vLLM lists (None: the static list in pipeline/vllm/spec_config.py)."""
     vdir = Path(vdir)
     scheme = meta.get("scheme", "reference")
     if scheme in SCHEME_NOT_READ:
@@ -84,13 +93,18 @@ def vllm_args(vdir: str | Path, meta: dict, vcfg, seed: int,
     if not any(vdir.glob("*.safetensors")) and not any(vdir.glob("*.bin")) and any(vdir.glob("*.gguf")):
         return "its weights are GGUF only (vLLM loads a single .gguf file, not a directory of them)"
     method = _quant_method(vdir)
-    why = method_reason(method, supported)
+    why = method_reason(method, supported, platform=platform)
     if why:
         return why
-    args = {"pretrained": str(vdir), "tokenizer": str(vdir), "dtype": vcfg.dtype,
+    # auto: the dtype the hf backend computes this variant in (its meta.json), so that a run whose
+    # variants are split between the backends compares like with like.
+    dtype = vcfg.dtype
+    if dtype == "auto" and meta.get("dtype_compute") in ("bfloat16", "float16", "float32"):
+        dtype = meta["dtype_compute"]
+    args = {"pretrained": str(vdir), "tokenizer": str(vdir), "dtype": dtype,
             "tensor_parallel_size": vcfg.tensor_parallel_size,
             "gpu_memory_utilization": vcfg.gpu_memory_utilization,
-            "seed": seed, "batch_size": "auto"}
+            "seed": seed, "batch_size": vcfg.batch_size}
     if vcfg.max_model_len is not None:
         args["max_model_len"] = vcfg.max_model_len
     if method == "bitsandbytes":
@@ -100,7 +114,7 @@ def vllm_args(vdir: str | Path, meta: dict, vcfg, seed: int,
 
 @dataclass(frozen=True)
 class Choice:
-    """What scores a variant: backend "vllm" with lm-eval VLLM kwargs, or "hf" (with why, when
+    """What scores a variant: backend "vllm" with its engine settings, or "hf" (with why, when
     vLLM was asked for and cannot load it)."""
     backend: str
     kwargs: dict | None = None
@@ -110,8 +124,8 @@ class Choice:
 
     def scored_with(self) -> dict:
         """What goes into the hash of what the variant's lines were scored with: the backend, the
-        arguments (not the directory's path: a moved run is not re-scored), the vLLM version."""
-        args = {k: v for k, v in (self.kwargs or {}).items() if k not in ("pretrained", "tokenizer")}
+        settings (not the directory's path: a moved run is not re-scored), the vLLM version."""
+        args = {k: v for k, v in (self.kwargs or {}).items() if k not in NOT_SCORED}
         return {"backend": self.backend, "why": self.why, "args": args, "vllm_version": self.vllm_version}
 
     def record(self, evaluator: str) -> dict:
@@ -123,110 +137,154 @@ class Choice:
 
 
 def choose(qcfg, vdir: str | Path, seed: int, supported: frozenset[str] | None = None,
-           name: str | None = None) -> Choice:
+           name: str | None = None, platform: str = "cuda", version: str | None = None) -> Choice:
     """The backend that scores the variant in `vdir` under quality config `qcfg`: hf when asked;
-    vllm where vllm_args builds its arguments; else hf with the reason (fallback: hf) or a
+    vllm where vllm_args builds its settings; else hf with the reason (fallback: hf) or a
     StageError (fallback: stop)."""
     if qcfg.backend == "hf":
         return Choice("hf")
     vdir = Path(vdir)
     meta = read_json(vdir / "meta.json", "variant meta.json")
-    args = vllm_args(vdir, meta, qcfg.vllm, seed, supported)
+    args = vllm_args(vdir, meta, qcfg.vllm, seed, supported, platform)
     if isinstance(args, str):
         if qcfg.vllm.fallback == "stop":
             raise StageError(f"quality: vLLM cannot load variant '{name or vdir.name}': {args} "
                              "(quality.vllm.fallback: stop; fallback: hf scores it with transformers)")
         return Choice("hf", why=f"vLLM cannot load it: {args}")
-    return Choice("vllm", kwargs=args, quant_method=_quant_method(vdir), vllm_version=library_version("vllm"))
+    return Choice("vllm", kwargs=args, quant_method=_quant_method(vdir), vllm_version=version)
 
 
-def config_reason(spec) -> str | None:
+def config_reason(spec, platform: str = "cuda") -> str | None:
     """Why vLLM cannot load the variant a config entry (quantize.variants.<name>) makes, as far as
     the config and a checkpoint's config.json tell before quantize has run; None when it may."""
     if spec.scheme in SCHEME_NOT_READ:
         return SCHEME_NOT_READ[spec.scheme]
+    if platform == "cpu" and spec.scheme in ("bnb-int8", "bnb-nf4"):
+        return method_reason("bitsandbytes", platform=platform)
     if spec.scheme == "checkpoint" and spec.path:
         path = Path(spec.path).expanduser()
         if (path / "config.json").is_file():
             try:
-                return method_reason(_quant_method(path), supported_methods())
+                return method_reason(_quant_method(path), platform=platform)
             except (StageError, OSError, json.JSONDecodeError):
                 return None  # quantize's own checks say what is wrong with the directory
     return None
 
 
-# ---------------------------------------------------------------- engines (need vLLM)
+# ---------------------------------------------------------------- engines (need the vLLM environment)
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where the engines run and how long to wait for them (the top-level `vllm` section, resolved
+    for this machine): none of it changes a scored line."""
+    platform: str
+    log_dir: Path
+    enforce_eager: bool
+    kv_cache_gib: float
+    startup_timeout_s: float
+    request_timeout_s: float
+    devices: tuple[str, ...] | None = None  # the GPUs its engines see (CUDA_VISIBLE_DEVICES); None: all
+
+    def on(self, devices: tuple[str, ...]) -> "Host":
+        """The same host, its engines on `devices` only (pipeline/quality/gpu_groups.py)."""
+        return replace(self, devices=tuple(devices))
+
+    @classmethod
+    def of(cls, config, log_dir: Path) -> "Host":
+        v, where = config.vllm, platform()
+        return cls(platform=where, log_dir=Path(log_dir),
+                   enforce_eager=(where == "cpu") if v.enforce_eager is None else v.enforce_eager,
+                   kv_cache_gib=v.kv_cache_gib, startup_timeout_s=v.startup_timeout_s,
+                   request_timeout_s=v.request_timeout_s)
 
 
 class Engines:
-    """The vLLM engines loaded, at most one at a time: loading another releases the loaded one's
-    GPU memory first (`keep`, when named, is the reference's engine, left loaded beside it:
-    quality.vllm.keep_reference). An hf model is never loaded while an engine holds the GPUs
-    (the stage calls release() first)."""
+    """The engines started, at most one at a time: starting another stops the running one first
+    (`keep`, when named, is the reference's engine, left running beside it:
+    quality.vllm.keep_reference). An hf model is never loaded while an engine holds the GPUs (the
+    stage calls release() first). `build(name, kwargs)` starts one (default: a served engine on
+    `host`)."""
 
-    def __init__(self, keep: str | None = None, build=None):
+    def __init__(self, keep: str | None = None, build=None, host: Host | None = None):
         self.keep = keep
         self.loaded: dict[str, object] = {}
-        self._build = build or _build_vllm
+        self._build = build or (lambda name, kwargs: serve(name, kwargs, host))
 
     def get(self, name: str, kwargs: dict) -> tuple[object, float]:
-        """(the lm-eval model of `name`, seconds spent loading it now: 0.0 when it was loaded)."""
+        """(the lm-eval model of `name`, seconds spent starting it now: 0.0 when it was running)."""
         if name in self.loaded:
             return self.loaded[name], 0.0
         self.release(keep=self.keep)
         start = time.perf_counter()
-        self.loaded[name] = self._build(kwargs)
+        self.loaded[name] = self._build(name, kwargs)
         return self.loaded[name], time.perf_counter() - start
 
     def release(self, name: str | None = None, keep: str | None = None) -> None:
-        """Shut down engine `name` (None: every engine but `keep`) and free its GPU memory."""
+        """Stop engine `name` (None: every engine but `keep`)."""
         for n in [name] if name is not None else [n for n in self.loaded if n != keep]:
             lm = self.loaded.pop(n, None)
             if lm is not None:
                 _shutdown(lm)
 
+    def died(self, name: str) -> str | None:
+        """One line when `name`'s engine is no longer serving (its log's last error), else None."""
+        server = getattr(self.loaded.get(name), "server", None)
+        if server is None or server.alive():
+            return None
+        from pipeline.vllm.server import last_error_line
 
-def _build_vllm(kwargs: dict):
-    from lm_eval.models.vllm_causallms import VLLM
+        return f"its vLLM engine exited (log {server.log}: {last_error_line(server.log)})"
+
+
+def _model_len(kwargs: dict) -> int:
+    """The context the engine is built for: quality.vllm.max_model_len, else the model's own."""
+    if kwargs.get("max_model_len"):
+        return int(kwargs["max_model_len"])
+    cfg = json.loads((Path(kwargs["pretrained"]) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return int(text.get("max_position_embeddings") or text.get("n_positions") or 2048)
+
+
+def serve(name: str, kwargs: dict, host: Host):
+    """Start vLLM's server on the variant in kwargs["pretrained"] and return lm-eval's
+    local-completions model on it (its `server` attribute is the Server, stopped by _shutdown)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     from pipeline.quality import lm_tasks
+    from pipeline.vllm.server import Server
 
-    with lm_tasks.quiet():
-        return VLLM(**kwargs)
+    own = {"pretrained", "tokenizer", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "seed",
+           "batch_size", "max_model_len", *BITSANDBYTES}
+    length = _model_len(kwargs)
+    args = server_args(dtype=kwargs["dtype"], max_model_len=length, seed=kwargs["seed"], platform=host.platform,
+                       enforce_eager=host.enforce_eager, max_num_seqs=max(8, int(kwargs["batch_size"])),
+                       tensor_parallel_size=kwargs["tensor_parallel_size"],
+                       gpu_memory_utilization=kwargs["gpu_memory_utilization"],
+                       method="bitsandbytes" if "quantization" in kwargs else None,
+                       extra={k: v for k, v in kwargs.items() if k not in own})
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{host.kv_cache_gib:g}"} if host.platform == "cpu" else {}
+    if host.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(host.devices)
+    server = Server(kwargs["pretrained"], args, host.log_dir / f"{name}.log", env=env,
+                    startup_timeout_s=host.startup_timeout_s, name=f"quality {name}")
+    server.__enter__()
+    try:
+        with lm_tasks.quiet():
+            lm = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model="specq",
+                                     tokenizer=kwargs["tokenizer"], tokenizer_backend="huggingface",
+                                     tokenized_requests=True, batch_size=int(kwargs["batch_size"]),
+                                     max_length=length, seed=kwargs["seed"], max_retries=CLIENT_TRIES,
+                                     timeout=int(host.request_timeout_s))
+    except BaseException:
+        server.__exit__(None, None, None)
+        raise
+    lm.server = server
+    return lm
 
 
 def _shutdown(lm) -> None:
-    """Stop an lm-eval VLLM model's engine (and its tensor-parallel worker processes) and return
-    the memory: vLLM frees it when the LLM object is collected; its engine core (a process of its
-    own in vLLM's V1 engine) is shut down first where it exposes shutdown()."""
-    llm = getattr(lm, "model", None)
-    engine = getattr(llm, "llm_engine", None)
-    for obj in (getattr(engine, "engine_core", None), engine):
-        stop = getattr(obj, "shutdown", None)
-        if callable(stop):
-            try:
-                stop()
-            except Exception:
-                pass
-            break
-    if llm is not None:
-        try:
-            del lm.model
-        except AttributeError:
-            pass
-    del llm, engine
-    try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    except Exception:
-        pass
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:
-        pass
+    """Stop the engine behind an lm-eval model `serve` made."""
+    server = getattr(lm, "server", None)
+    if server is not None:
+        server.__exit__(None, None, None)

@@ -55,8 +55,8 @@ counts go into meta.json.
 
 What runs the models (`quality.backend`): `hf` loads each with transformers on `device` (the
 reference stays loaded) and scores it with `quality.evaluator`; `vllm` scores every variant vLLM
-can load through lm-eval's vLLM model (pipeline/quality/vllm_backend.py: the arguments from the
-variant's directory, `quality.vllm`), one engine on the GPUs at a time (the reference's is
+can load through a vLLM server and lm-eval's local-completions client (pipeline/quality/vllm_backend.py:
+the settings from the variant's directory, `quality.vllm`), one engine on the GPUs at a time (the reference's is
 reloaded for each look a variant needs it for, unless `keep_reference`), and a variant vLLM cannot
 load with hf (or, `vllm.fallback: stop`, not at all: refused before any work). The records are the
 same either way (evaluate.py is shared). Distribution drift needs full logits: with vllm it is
@@ -89,7 +89,7 @@ from evals import sandbox
 from pipeline.core.budget import StageBudget, fmt_s, planned
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json,
-                                 progress, read_json, read_jsonl, sha256_file)
+                                 hash_obj, progress, read_json, read_jsonl, sha256_file)
 from pipeline.decode.release import collect
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
@@ -97,7 +97,9 @@ from pipeline.quality.design import fit_design, pace_priors
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import KNOWN_SLICES, builtin_task_config
 from pipeline.quality.plans import cost_weights, prompt_tokens_of, slice_data, task_plan
-from pipeline.quality.sequential import Waves, score_variants
+from pipeline.quality.gpu_groups import device_groups, side_by_side, visible_gpus
+from pipeline.quality.sequential import Waves, score_in_waves, score_variants
+from pipeline.quality.waves import Allowance
 from pipeline.variants.schemes import load_variant
 
 
@@ -106,7 +108,7 @@ def precheck(config, args: dict | None = None) -> None:
     `evaluate` run it too, so a typo costs one line, not the hours before quality): every slice is
     a built-in one and every `quality.tasks` entry is a task, group or tag lm-eval's index knows
     (reading the index only, about 12 s when a name needs lm-eval's own tasks; no data is read).
-    `backend: vllm` needs vLLM importable here; without quality.vllm.distribution it measures no
+    `backend: vllm` needs the vLLM environment (.venv-vllm); without quality.vllm.distribution it measures no
     drift, so gate thresholds on drift are refused; with fallback: stop, a variant the config
     already shows vLLM cannot load (torchao, a checkpoint's method) is refused."""
     qcfg = config.quality
@@ -123,8 +125,9 @@ def precheck(config, args: dict | None = None) -> None:
             raise StageError(f"gate.{drift[0]} needs the distribution drift, which quality.backend vllm does not "
                              "measure unless quality.vllm.distribution is true")
         if qcfg.vllm.fallback == "stop":
+            where = vllm_backend.platform()
             for vname, spec in config.quantize.variants.items():
-                why = vllm_backend.config_reason(spec)
+                why = vllm_backend.config_reason(spec, where)
                 if why:
                     raise StageError(f"quality: vLLM cannot load variant '{vname}': {why} "
                                      "(quality.vllm.fallback: stop; fallback: hf scores it with transformers)")
@@ -154,12 +157,16 @@ def run(ctx: StageContext) -> None:
     # What scores each model (quality.backend; pipeline/quality/vllm_backend.py), decided before any
     # work: a variant vLLM cannot load is scored with hf (said here) or, with fallback: stop, ends
     # the stage in one line.
-    supported = vllm_backend.supported_methods() if qcfg.backend == "vllm" else None
-    backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, supported, name) for name in order}
+    served = qcfg.backend == "vllm"
+    host = vllm_backend.Host.of(cfg, ctx.out_dir / "logs") if served else None
+    version = vllm_backend.vllm_version() if served else None
+    backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, None, name,
+                                          platform=host.platform if host else "cuda", version=version)
+                for name in order}
     for name, chosen in backends.items():
         if chosen.why:
             progress(f"quality: {name}: {chosen.why}; scored with the hf backend")
-    engines = vllm_backend.Engines(keep=reference if qcfg.vllm.keep_reference else None)
+    engines = vllm_backend.Engines(keep=reference if qcfg.vllm.keep_reference else None, host=host)
     drift = qcfg.backend == "hf" or qcfg.vllm.distribution
 
     ref_dir = variant_dir(reference)
@@ -194,7 +201,7 @@ def run(ctx: StageContext) -> None:
     timings: dict = {}
     budget = StageBudget(cfg, "quality", run_dir=ctx.run_dir)
 
-    def scorer(name: str):
+    def scorer(name: str, engines=engines):
         def score(configs: dict, tasks: list):
             loaded = 0.0
             if backends[name].backend == "vllm":
@@ -202,10 +209,22 @@ def run(ctx: StageContext) -> None:
                     models.clear()
                     collect(device)
                 if name not in engines.loaded:
-                    progress(f"quality: {name}: loading {variant_dir(name)} into vLLM "
+                    progress(f"quality: {name}: starting vLLM on {variant_dir(name)} "
                              f"(tensor_parallel_size {qcfg.vllm.tensor_parallel_size})")
                 lm, loaded = engines.get(name, backends[name].kwargs)
-                model, tok = lm, lm.tokenizer
+                # Each answered request is kept until its look is written: a look the engine
+                # dies in is resumed from them (lm-eval's request cache).
+                cache = ctx.out_dir / name / f"requests-{hash_obj(backends[name].scored_with())[:12]}"
+                try:
+                    records, counters = evaluate(lm, lm.tokenizer, configs, tasks, qcfg, cfg.seed, cache=cache)
+                except Exception as e:
+                    why = engines.died(name)
+                    if why is None:
+                        raise
+                    engines.release(name)
+                    raise StageError(f"quality: {name}: {why}; the looks already written are kept and the "
+                                     "requests it answered are cached: run again to resume") from e
+                return records, {**(counters or {}), **({"load_seconds": loaded} if loaded else {})}
             else:
                 if name not in models:
                     engines.release(keep=engines.keep)  # vLLM's engines hold the GPUs' memory
@@ -283,10 +302,34 @@ def run(ctx: StageContext) -> None:
         # ran to the end of its looks is the same under any budget).
         items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
         waves.finish(name, qcfg.evaluator, backends[name].record(qcfg.evaluator))
+        for f in (ctx.out_dir / name).glob("requests-*.db"):  # its lines are written
+            f.unlink()
         unload(name)
 
-    score_variants(waves, reference, pending, ref_score, scorer, cfg, budget,
-                   after_first=measure_drift, finish=finish, park=unload)
+    groups = _side_by_side_groups(qcfg, host, budget, backends, pending)
+    if groups:
+        # One engine per GPU group, each group taking the next variant: the reference is scored
+        # first to every slice's last look, so no variant waits on the reference's engine.
+        waves.cover(reference, ref_score, {s: p["n_max"] for s, p in plans.items()})
+        engines.release()
+        progress(f"quality: {len(pending)} variants side by side on {len(groups)} GPU groups "
+                 f"({'; '.join(','.join(g) for g in groups)})")
+
+        def one(name: str, group: tuple[str, ...]) -> None:
+            own = vllm_backend.Engines(host=host.on(group))
+            try:
+                score_in_waves(waves, reference, name, ref_score, scorer(name, own), cfg,
+                               Allowance(budget, 1))
+            finally:
+                own.release()
+
+        side_by_side(pending, groups, one)
+        for name in pending:  # drift through transformers, one model pair at a time
+            measure_drift(name)
+            finish(name)
+    else:
+        score_variants(waves, reference, pending, ref_score, scorer, cfg, budget,
+                       after_first=measure_drift, finish=finish, park=unload)
     engines.release()
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator, backends[reference].record(qcfg.evaluator))
@@ -327,6 +370,18 @@ def run(ctx: StageContext) -> None:
                    "pace_s_per_item": {n: waves.pace[n].to_json()["per_item_s"] for n in order if n in waves.pace}},
         **({"sandbox": {**qcfg.sandbox.model_dump(), **sandbox.isolation()}} if "code" in qcfg.slices else {}),
     })
+
+
+def _side_by_side_groups(qcfg, host, budget, backends: dict, pending: list[str]) -> list[tuple[str, ...]]:
+    """The GPU groups the pending variants are scored on side by side (pipeline/quality/gpu_groups.py),
+    or [] to score them one after another: vLLM on GPUs, no time budget (a budget's looks are
+    planned one variant at a time), more than one group and more than one variant vLLM scores."""
+    if host is None or host.platform == "cpu" or budget.active:
+        return []
+    if sum(backends[n].backend == "vllm" for n in pending) < 2 or any(backends[n].backend != "vllm" for n in pending):
+        return []
+    groups = device_groups(visible_gpus(qcfg.vllm.devices), qcfg.vllm.tensor_parallel_size)
+    return groups if len(groups) > 1 else []
 
 
 def _one_or_mixed(values: list[str]) -> str:
@@ -418,7 +473,7 @@ STOPPING_KEYS = ("wave_items", "max_items", "items_per_slice", "distribution_doc
                  "distribution_tokens", "confidence")
 # quality.vllm keys that change where engines live or what happens after scoring, never a line:
 # what falling back does is in the variant's backend (item_inputs' `backend`).
-VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback")
+VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback", "devices")
 
 
 def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
