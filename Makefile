@@ -44,7 +44,7 @@ VLLM_STAMP    := $(if $(filter none,$(VLLM)),,$(VLLM_VENV)/.installed)
 PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} SPECQ_VERBOSE=$${SPECQ_VERBOSE:-$(VERBOSE)} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
-.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality bench-engines gpu-check \
+.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality bench-engines quality-equivalence gpu-check \
         estimate \
         clean FORCE
 all: evaluate
@@ -137,6 +137,12 @@ bench: $(RUN)/model/meta.json
 # step at k = 3 for ngram and the self-draft), ratios with CIs over prompts (<run>/bench_engines.json).
 bench-engines: $(RUN)/variants/meta.json $(VLLM_STAMP)
 	$(PY) -m pipeline.tools.bench_engines --run '$(RUN)' --config '$(CONFIG)'
+
+# Not a stage: the reference scored by hf and by vLLM on the same items (the first ITEMS of each slice),
+# agreement per slice and each backend's items per second (<run>/quality-equivalence/report.json).
+ITEMS ?= 40
+quality-equivalence: $(RUN)/variants/meta.json $(VLLM_STAMP)
+	$(PY) -m pipeline.tools.quality_equivalence --run '$(RUN)' --config '$(CONFIG)' --items $(ITEMS)
 
 bench-quality: $(RUN)/model/meta.json
 	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)

@@ -146,7 +146,7 @@ def test_quality_scored_through_vllm_agrees_with_hf(served_run, tmp_path):
     import yaml
 
     from pipeline.core.config import load_config
-    from pipeline.quality.equivalence import measure, render
+    from pipeline.tools.quality_equivalence import measure, render
 
     small = {"slices": ["reasoning", "calibration"], "items_per_slice": 6, "wave_items": 6, "max_new_tokens": 16,
              "batch_size": 6}

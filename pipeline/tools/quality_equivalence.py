@@ -1,7 +1,7 @@
 """hf against vLLM on the same quality items: does the backend change what the gate sees?
 
-    python -m pipeline.quality.equivalence --run runs/smollm2-135m [--items 40] [--config C]
-    from pipeline.quality.equivalence import measure, compare
+    python -m pipeline.tools.quality_equivalence --run runs/smollm2-135m [--items 40] [--config C]
+    from pipeline.tools.quality_equivalence import measure, compare
     report = measure(run_dir, config, items=40)      # writes <run>/quality-equivalence/{report,records}.json
 
 The reference variant is scored twice on the first `items` items of each built-in slice (the
@@ -18,7 +18,7 @@ with transformers (the hf backend, quality.evaluator), in the same compute dtype
   divergence says which backend's token the float32 model prefers.
 - log-likelihood items (calibration): the share with the same choice, and the largest difference
   of an option's probability;
-- the score: vLLM's mean minus hf's, with its cluster-robust CI (pipeline.stats.paired.mean_ci).
+- the score: vLLM's mean minus hf's, with the gate's own paired CI (pipeline.stats.paired).
 
 Equivalent means no divergence beyond near-ties and every choice the same.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, progress, read_json
-from pipeline.stats.paired import mean_ci, merge_clusters
+from pipeline.stats.paired import merge_clusters, paired_difference
 
 # Mantissa bits of each compute dtype: a logit z is rounded to a spacing of 2**(floor(log2|z|) - bits).
 MANTISSA = {"bfloat16": 7, "float16": 10, "float32": 23}
@@ -95,10 +95,15 @@ def compare(hf: dict[str, list[dict]], served: dict[str, list[dict]], prompts: d
         pairs = [(r, other[r["id"]]) for r in recs if r["id"] in other]
         diffs = np.array([b["score"] - a["score"] for a, b in pairs], dtype=float)
         codes = merge_clusters(len(pairs), [a["cluster"] for a, _ in pairs], [a.get("prompt_hash") for a, _ in pairs])
-        mean, ci, _ = mean_ci(diffs, codes, confidence)
         row = {"items": len(pairs), "hf_mean": float(np.mean([a["score"] for a, _ in pairs])),
                "vllm_mean": float(np.mean([b["score"] for _, b in pairs])),
-               "score_difference": mean, "score_difference_ci": ci, "same_score": int(np.sum(diffs == 0))}
+               "score_difference": float(diffs.mean()), "same_score": int(np.sum(diffs == 0))}
+        if np.any(diffs != 0):  # the gate's own paired estimate (Tango's interval for 0/1 scores)
+            est = paired_difference([a["score"] for a, _ in pairs], [b["score"] for _, b in pairs], codes)
+            half = (1.0 - confidence) / 2.0
+            row.update(score_difference_ci=[float(x) for x in est.ci(half, half)], ci_method=est.method)
+        else:
+            row.update(score_difference_ci=[0.0, 0.0], ci_method="every item scored the same")
         if "option_probs" in recs[0]:
             same = sum(a["prediction"] == b["prediction"] for a, b in pairs)
             gap = max(float(np.max(np.abs(np.subtract(a["option_probs"], b["option_probs"])))) for a, b in pairs)
@@ -238,7 +243,7 @@ def render(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     from pipeline.core.config import ConfigError, load_config
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.quality.equivalence", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.tools.quality_equivalence", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="a run directory whose quantize stage has run")
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--items", type=int, default=40, help="items per slice (the first of the stage's order)")
