@@ -99,7 +99,7 @@ $(RUN)/marginal/meta.json: $(RUN)/acceptance/meta.json $(RUN)/latency/meta.json 
 $(RUN)/quality/meta.json: $(RUN)/variants/meta.json FORCE
 	$(PIPE) quality $(ARGS)
 $(RUN)/gate/meta.json: $(RUN)/quality/meta.json $(RUN)/acceptance/meta.json FORCE
-	$(PIPE) gate $(ARGS)
+	$(PIPE) gate --stage-only $(ARGS)
 $(RUN)/report/meta.json: $(RUN)/gate/meta.json $(RUN)/marginal/meta.json FORCE
 	$(PIPE) report $(ARGS)
 
@@ -113,13 +113,14 @@ marginal:   $(RUN)/marginal/meta.json
 quality:    $(RUN)/quality/meta.json
 report:     $(RUN)/report/meta.json
 
-# The gate-check command exits 0 = go, 1 = no-go (a release variant fails a cell),
-# 3 = inconclusive (nothing fails, but not enough items to pass: the table says how many would
-# settle each cell), 2 = bad input. make itself reports any non-zero status as
-# "Error N" and exits 2; a release job that must tell no-go from inconclusive runs
-# `$(PY) -m pipeline gate-check --run ...` (what this target runs) and reads its status.
+# `specq gate` exits 0 = go, 1 = no-go (a release variant fails a cell), 3 = inconclusive (nothing
+# fails, but not enough items to pass), 2 = bad input. make reports a failed recipe as "Error N"
+# (N is specq's code) and itself always exits 2, so a release job that must tell no-go from
+# inconclusive runs `.venv/bin/specq gate --run ...` (what this target runs) and reads its status.
+# GATE_ARGS: e.g. "--variant int8" (decide on one variant), "--table" (the full table).
+GATE_ARGS ?=
 gate: $(RUN)/gate/meta.json
-	$(PIPE) gate-check $(ARGS)
+	$(PIPE) gate $(ARGS) $(GATE_ARGS)
 
 evaluate: $(RUN)/report/meta.json
 	@$(PIPE) summary $(ARGS)

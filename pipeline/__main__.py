@@ -1,14 +1,16 @@
-"""specq's command line: one sub-command per stage.
+"""specq's command line (`specq`, or `python -m pipeline`): one sub-command per stage, the whole
+run, the gate, and a few readers. `specq <command> --help` says what each takes.
 
-    python -m pipeline prepare  --run runs/smollm2-135m --config configs/default.yaml --model smollm2-135m
-    python -m pipeline quantize --run runs/smollm2-135m --config configs/default.yaml
-    python -m pipeline gate-check --run runs/smollm2-135m      # the table; exit 0 go, 1 no-go, 3 inconclusive
-    python -m pipeline config   --config configs/default.yaml  # prints the resolved config
-    python -m pipeline summary  --run runs/smollm2-135m        # the decision and what to deploy (make evaluate's end)
+    specq evaluate --model smollm2-135m                   # every stage, then the summary
+    specq quantize --run runs/smollm2-135m --config configs/default.yaml
+    specq gate     --run runs/smollm2-135m [--variant int8] [--table]   # exit 0 go, 1 no-go, 3 inconclusive
+    specq summary  --run runs/smollm2-135m                # the decision and what to deploy
+    specq config   --config configs/default.yaml          # the resolved config
 
 Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
-the input is bad (a config, stage or decode-engine error); gate-check exits 1 on no-go and 3 on
-inconclusive (pipeline/stages/gate.py).
+the input is bad (a config, stage or decode-engine error). `gate` runs the gate stage where it is
+not up to date and exits with the decision: 0 go, 1 no-go, 3 inconclusive, 2 bad input
+(pipeline/stages/gate.py); `gate-check` is the older spelling of `gate --table` on a gated run.
 """
 from __future__ import annotations
 
@@ -32,23 +34,60 @@ def slug(model: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for name in [*STAGES, "gate-check", "config", "evaluate", "summary"]:
-        sp = sub.add_parser(name)
-        sp.add_argument("--config", default="configs/default.yaml")
-        sp.add_argument("--run", default=None, help="run directory (default runs/<slug of MODEL>)")
-        sp.add_argument("--model", default="smollm2-135m", help="alias, local HF dir or hub id")
-        sp.add_argument("--drafts", default="", help="space-separated drafts; overrides the config")
+STAGE_HELP = {
+    "prepare": "resolve MODEL and write the run's model directory",
+    "quantize": "write each quantized variant beside the reference",
+    "drafts": "build the draft models",
+    "acceptance": "per-position acceptance, derived teacher-forced in specq's engine",
+    "vllm": "speculation measured in vLLM: acceptance, latency across k, the config to deploy",
+    "latency": "decode latency in specq's engine (the pairs vLLM does not measure)",
+    "marginal": "the marginal cost of each k and the recommendation",
+    "quality": "score every variant on the quality slices",
+    "gate": "the release decision (the gate stage)",
+    "report": "the report: HTML and Markdown",
+}
+
+
+def _run_flags(sp: argparse.ArgumentParser, force: bool = True) -> None:
+    """The flags that find (or make) a run: every command that reads one takes them."""
+    sp.add_argument("--config", default="configs/default.yaml", help="config YAML (default: %(default)s)")
+    sp.add_argument("--run", default=None, help="run directory (default: runs/<slug of MODEL>)")
+    sp.add_argument("--model", default="smollm2-135m", help="alias, local HF dir or hub id (default: %(default)s)")
+    sp.add_argument("--drafts", default="", help="space-separated draft specs; overrides the config's drafts")
+    if force:
         sp.add_argument("--force", action="store_true", help="re-run even if up to date")
-        sp.add_argument("--no-exit-code", action="store_true", help="gate-check: print, exit 0")
+
+
+def _parser(prog: str = "specq") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="specq: quantization and speculative-decoding release gate")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    ev = sub.add_parser("evaluate", help="every stage in order, then the summary")
+    _run_flags(ev)
+    for name in STAGES:
+        if name == "gate":
+            continue
+        _run_flags(sub.add_parser(name, help=f"stage: {STAGE_HELP.get(name, name)}"))
+    gate = sub.add_parser("gate", help="the release decision: exit 0 go, 1 no-go, 3 inconclusive, 2 bad input")
+    _run_flags(gate)
+    gate.add_argument("--variant", action="append", default=[], metavar="V",
+                      help="decide on this release variant only (repeat for several)")
+    gate.add_argument("--table", action="store_true", help="print the full table (every variant and slice)")
+    gate.add_argument("--no-exit-code", action="store_true", help="print the decision, exit 0")
+    gate.add_argument("--stage-only", action="store_true", help="run the gate stage, print nothing, exit 0")
+    check = sub.add_parser("gate-check", help="the table of a gated run and its exit status (= gate --table)")
+    _run_flags(check, force=False)
+    check.add_argument("--no-exit-code", action="store_true", help="print the table, exit 0")
+    summ = sub.add_parser("summary", help="the decision and what to deploy, in one screen")
+    _run_flags(summ, force=False)
+    conf = sub.add_parser("config", help="print the resolved config (JSON)")
+    conf.add_argument("--config", default="configs/default.yaml", help="config YAML (default: %(default)s)")
+    conf.add_argument("--drafts", default="", help="space-separated draft specs; overrides the config's drafts")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline") -> int:
     set_up_process(quiet=True)
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     try:
         overrides = {"drafts": args.drafts.split()} if args.drafts.strip() else {}
         cfg = load_config(args.config, overrides)
@@ -65,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.stages.gate import gate_check
 
             rc = gate_check(run_dir)
+            return 0 if args.no_exit_code else rc
+        if args.command == "gate":
+            from pipeline.stages.gate import gate_check
+
+            run_stage(STAGES["gate"], run_dir, cfg, {}, STAGES, force=args.force)
+            if args.stage_only:
+                return 0
+            rc = gate_check(run_dir, variants=args.variant or None, table=args.table)
             return 0 if args.no_exit_code else rc
         names = list(STAGES) if args.command == "evaluate" else [args.command]
         if args.command in ("evaluate", "prepare"):  # make evaluate starts with prepare: refuse
@@ -84,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
             if name == "prepare":  # the run's first stage (make evaluate runs it first), once MODEL is known good
                 progress(f"specq: {plan_line(cfg)}")
+        if args.command == "evaluate":
+            from pipeline.report.summary import summary_lines
+
+            print("\n".join(summary_lines(run_dir)))
         return 0
     except (ConfigError, StageError, EngineError) as e:
         print(f"specq: {e}", file=sys.stderr)
@@ -91,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specq: interrupted; finished items are kept, the stage will resume", file=sys.stderr)
         return 130
+
+
+def cli() -> None:
+    """The `specq` console script."""
+    sys.exit(main(prog="specq"))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.__main__ import main
 from pipeline.gate.decision import decide, overall_decision
+from pipeline.core.stage import StageError
 
 SLICES = ("reasoning", "language", "calibration", "long_context")
 
@@ -87,7 +88,7 @@ def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 
 
 def gate(run: Path, config: Path, force: bool = False) -> tuple[int, int, dict | None]:
     """Run the gate stage, then gate-check; returns (stage rc, check rc, gate.json)."""
-    rc = main(["gate", "--run", str(run), "--config", str(config)] + (["--force"] if force else []))
+    rc = main(["gate", "--stage-only", "--run", str(run), "--config", str(config)] + (["--force"] if force else []))
     check = main(["gate-check", "--run", str(run), "--config", str(config)]) if rc == 0 else None
     path = run / "gate.json"
     return rc, check, json.loads(path.read_text()) if path.exists() else None
@@ -359,6 +360,25 @@ def test_gate_check_exit_status_and_bad_input(tmp_path, capsys):
         assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml"]) == code
         assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml",
                      "--no-exit-code"]) == (0 if code != 2 else 2)
+
+
+def test_gate_decides_on_one_variant_when_asked(tmp_path, capsys):
+    """`gate --variant V` decides on V's cells only (the run's decision is the worst variant's);
+    a name that is not a release variant is bad input, said in one line."""
+    from pipeline.stages.gate import gate_check
+
+    variants = {"a": "go", "b": "no-go", "c": "inconclusive"}
+    (tmp_path / "gate.json").write_text(json.dumps(
+        {"decision": "no-go", "reference": "bf16", "release_variants": list(variants), "method": "m",
+         "variants": {v: {"decision": d, "release": True, "slices": {}, "missing": []} for v, d in variants.items()}}))
+    assert gate_check(tmp_path, table=False) == 1
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()] == [[v, d] for v, d in variants.items()]
+    assert gate_check(tmp_path, ["a"], table=False) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "decision for a: go"
+    assert gate_check(tmp_path, ["c"], table=False) == 3 and gate_check(tmp_path, ["a", "c"], table=False) == 3
+    assert gate_check(tmp_path, ["a", "b"], table=False) == 1
+    with pytest.raises(StageError, match=r"^gate --variant z: not a release variant of this run \(release variants: a, b, c\)$"):
+        gate_check(tmp_path, ["z"])
 
 
 def test_decide():

@@ -37,5 +37,5 @@ def test_summary_answers_both_questions(tmp_path):
     assert "bf16           ngram k = 2, by batch size B=1: 2, B=4: 1: 1.40x [1.20, 1.70] (measured in vllm)" in text
     assert "vllm serve runs/x/variants/bf16" in text
     assert "w4a16-gptq     do not speculate (best seen: ngram k = 1, 0.97x [0.90, 1.04], vllm)" in text
-    assert "gate-check --run" in text
+    assert "specq gate --table --run" in text
     assert len(lines) <= 25 and all(len(x) <= 100 for x in lines if "vllm serve" not in x and str(run) not in x)

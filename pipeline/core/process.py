@@ -36,10 +36,14 @@ def _quiet_logbar() -> None:
     LogBar imports in milliseconds and without torch. Nothing when it is not installed or its API moved."""
     if importlib.util.find_spec("logbar") is None:
         return
-    try:
-        from logbar import LogBar
+    import contextlib
+    import io
 
-        LogBar.shared().setLevel("WARN")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its import writes a blank line to stdout
+            from logbar import LogBar
+
+            LogBar.shared().setLevel("WARN")
     except (ImportError, AttributeError, TypeError, ValueError):
         pass
 

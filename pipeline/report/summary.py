@@ -17,7 +17,7 @@ from pipeline.report.format import interval, number
 from pipeline.report.inputs import json_files, optional_json
 
 
-def _deciding_cell(entry: dict) -> str:
+def deciding_cell(entry: dict) -> str:
     cells = {s: c for s, c in entry.get("slices", {}).items()}
     fails = {s: c for s, c in cells.items() if c["status"] == "fail"}
     if fails:
@@ -54,7 +54,7 @@ def summary_lines(run_dir: Path) -> list[str]:
                    f"(margin per slice; {int(round(gate.get('confidence', 0.95) * 100))}% CIs):")
         for name in gate.get("release_variants", []):
             entry = gate["variants"][name]
-            out.append(f"  {name:<14} {entry['decision']:<13} {_deciding_cell(entry)}")
+            out.append(f"  {name:<14} {entry['decision']:<13} {deciding_cell(entry)}")
         out.append("")
     marginal = json_files(run_dir / "marginal", "*__*.json", "marginal report")
     by_target: dict[str, dict] = {}
@@ -90,5 +90,5 @@ def summary_lines(run_dir: Path) -> list[str]:
             out.append(f"  not measured in vLLM: {', '.join(not_served)} (vLLM cannot serve them here)")
     out += ["", f"Report:     {run_dir / 'report' / 'index.html'}  (and gate.json beside report/)",
             f"Per pair:   {run_dir / 'marginal'}/<target>__<draft>.md",
-            f"Full table: python -m pipeline gate-check --run {run_dir}"]
+            f"Full table: specq gate --table --run {run_dir}"]
     return out

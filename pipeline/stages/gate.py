@@ -1,20 +1,21 @@
 """The gate stage, and gate-check: the release decision from the quality results, as a table and an exit status.
 
-    python -m pipeline gate       --run runs/smollm2-135m --config configs/default.yaml
-    python -m pipeline gate-check --run runs/smollm2-135m   # the table; exit 0 go, 1 no-go, 3 inconclusive
+    specq gate --run runs/smollm2-135m [--variant int8] [--table]   # exit 0 go, 1 no-go, 3 inconclusive
+    specq gate-check --run runs/smollm2-135m                        # the table of a gated run
 
 The gate reads the quality stage's per-item scores and the acceptance stage's lossless checks and
 decides every (variant, slice) cell (pipeline/gate/decision.py says how), then writes
-`runs/<run>/gate.json` and `gate/table.md` (pipeline/report/gate_table.py) and prints the table.
+`runs/<run>/gate.json` and `gate/table.md` (pipeline/report/gate_table.py).
 
-gate-check's exit status: 0 go (every release variant passes every gated cell), 1 no-go (a release
+`specq gate` runs the stage where it is not up to date, then prints the decision. Its exit status
+(and gate-check's): 0 go (every release variant passes every gated cell), 1 no-go (a release
 variant fails a cell), 3 inconclusive (nothing fails, but some release cell lacks the evidence to
 pass; the table says how many items per slice would settle it), 2 bad input (no or corrupt
-gate.json).
+gate.json, a variant that is not a release variant). With --variant, the decision is over those
+variants' cells only.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from pipeline.core.stage import StageContext, StageError, atomic_write_json, atomic_write_text, read_json
@@ -29,16 +30,33 @@ def run(ctx: StageContext) -> None:
     atomic_write_text(ctx.out_dir / "table.md", table)
     ctx.meta["decision"] = gate["decision"]
     ctx.meta["gate_json"] = str(ctx.run_dir / "gate.json")
-    print(table, file=sys.stderr)
 
 
-def gate_check(run_dir: str | Path) -> int:
-    """Print the table of a finished gate; the exit status of its decision (EXIT_CODES)."""
+def gate_check(run_dir: str | Path, variants: list[str] | None = None, table: bool = True) -> int:
+    """Print a finished gate's decision (the whole table, or one line per release variant); the
+    exit status of the decision (EXIT_CODES). `variants`: decide on these release variants only."""
+    from pipeline.gate.decision import overall_decision
+    from pipeline.report.summary import deciding_cell
+
     path = Path(run_dir) / "gate.json"
     gate = read_json(path, "gate result")
     if not isinstance(gate, dict) or gate.get("decision") not in EXIT_CODES:
         raise StageError(f"corrupt artifact: {path} has no decision (go, no-go or inconclusive)")
-    if not gate.get("release_variants"):
+    release = list(gate.get("release_variants") or [])
+    if not release:
         raise StageError(f"{path}: no release variant, nothing was decided (re-run the gate)")
-    print(render_table(gate), end="")
-    return EXIT_CODES[gate["decision"]]
+    chosen = list(dict.fromkeys(variants or release))
+    unknown = [v for v in chosen if v not in release]
+    if unknown:
+        raise StageError(f"gate --variant {unknown[0]}: not a release variant of this run "
+                         f"(release variants: {', '.join(release)})")
+    decision = overall_decision([gate["variants"][v]["decision"] for v in chosen]) if variants else gate["decision"]
+    if table:
+        print(render_table(gate), end="")
+    else:
+        for v in chosen:
+            entry = gate["variants"][v]
+            print(f"{v:<14} {entry['decision']:<13} {deciding_cell(entry)}")
+    if variants:
+        print(f"decision for {', '.join(chosen)}: {decision}")
+    return EXIT_CODES[decision]

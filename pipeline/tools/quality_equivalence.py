@@ -242,7 +242,9 @@ def render(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.core.config import ConfigError, load_config
+    from pipeline.core.process import set_up_process
 
+    set_up_process(quiet=True)
     ap = argparse.ArgumentParser(prog="python -m pipeline.tools.quality_equivalence", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="a run directory whose quantize stage has run")
     ap.add_argument("--config", default="configs/default.yaml")
