@@ -1,5 +1,6 @@
 """The direct check of derived E(k) (issue 28 point 5), simulated through the project's own
-functions. Not a test (pytest collects test_*.py only); run it for a closing note or the README:
+functions. Not a test (pytest collects test_*.py only); run it for a closing note or
+docs/validation/direct-check.md:
 
     .venv/bin/python tests/sim_direct_check.py bias       # is the derived sampled E(k) exact for prompt lookup?
     .venv/bin/python tests/sim_direct_check.py coverage   # does direct_check's interval cover 0 as it claims?

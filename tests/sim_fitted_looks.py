@@ -1,5 +1,5 @@
-"""What looks fitted to the budget buy (README: "Looks fitted to the budget"). Not a test (pytest
-collects test_*.py only); prints the README's table:
+"""What looks fitted to the budget buy (docs/methods/gate.md: "Looks fitted to the budget"). Not a test
+(pytest collects test_*.py only); prints the table in docs/validation/fitted-looks.md:
 
     .venv/bin/python tests/sim_fitted_looks.py
 

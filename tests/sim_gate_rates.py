@@ -1,5 +1,5 @@
 """The gate's error rates, simulated through the project's own functions. Not a test (pytest
-collects test_*.py only); run it for a closing note or the README:
+collects test_*.py only); run it for a closing note or docs/validation/sequential-gate.md:
 
     .venv/bin/python tests/sim_gate_rates.py [--before main]   # issue 13: before vs this tree, a few minutes
     .venv/bin/python tests/sim_gate_rates.py --sequential      # issue 26: the sequential gate (this tree)

@@ -1,5 +1,6 @@
 """How often the speedup interval covers the true speedup when a budget leaves a pair 2-5 timing
-repeats. Not a test (pytest collects test_*.py only); run it for a closing note or the README:
+repeats. Not a test (pytest collects test_*.py only); run it for a closing note or
+docs/validation/timing-coverage.md:
 
     .venv/bin/python tests/sim_timing_coverage.py              # about a minute
     .venv/bin/python tests/sim_timing_coverage.py --reps 2000

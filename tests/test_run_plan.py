@@ -67,7 +67,7 @@ def test_a_gpu_run_writes_the_plan_the_estimate_prints_and_its_stages_read_it(tm
     assert plan["stages"]["acceptance"]["seconds"] < plan["stages"]["acceptance"]["share_s"]
     assert plan["stages"]["latency"]["seconds"] > plan["stages"]["latency"]["share_s"]
     assert "h100 profile" in line and "each stage gets its floor" in line and line == plan_text(plan)
-    # The estimate's total: the fixed stages plus the floors, under the two-hour target (README).
+    # The estimate's total: the fixed stages plus the floors, under the two-hour target (docs/results/2026-12-03-gpu-estimate.md).
     assert doc["planned"] and doc["total"]["budgeted_s"] <= 120 * 60
 
 

@@ -220,7 +220,7 @@ def test_default_config_identical_copy_is_go_and_planted_damage_no_go(tmp_path):
     copy, dmg = g["variants"]["copy"], g["variants"]["damaged"]
     assert copy["decision"] == "go" and dmg["decision"] == "no-go" and g["decision"] == "no-go"
     spent = {k: c["items_spent"] for k, c in copy["slices"].items()}
-    # README "Sequential looks": what an identical copy spends per default slice.
+    # docs/methods/gate.md, "The default CPU config's items": what an identical copy spends per slice.
     assert spent == {"reasoning": 160, "language": 160, "tool_args": 160, "bfcl": 160,
                      "calibration": 160, "calibration:brier": 200, "long_context": 240}
     assert all(c["items_spent"] <= plans[k.split(":")[0]]["n_max"] for k, c in dmg["slices"].items())

@@ -359,7 +359,7 @@ class GateConfig(Section):
     # Alpha spending over a slice's sequential looks (pipeline/stats/sequential.py): "obf"
     # (O'Brien-Fleming type: almost nothing early, the fewest items for a row near the margin) or
     # "pocock" (Pocock type: about evenly, so a clear regression or an identical model stops at an
-    # earlier look; a row near the margin needs more). README: "Sequential looks".
+    # earlier look; a row near the margin needs more). docs/methods/gate.md: "Pocock-type spending".
     spending: Literal["obf", "pocock"] = "obf"
     # With a time budget (`budget.minutes`), the share of each side's alpha that a slice's looks
     # spend by the last look the quality stage predicts its budget affords (the rest in the same
@@ -367,7 +367,7 @@ class GateConfig(Section):
     # variant is scored, from the measured seconds per item, and kept in quality/design.json so a
     # re-run (a larger budget) continues the same design. Without it a budget that affords only
     # the first looks spends almost none of O'Brien-Fleming's alpha there: nothing settles.
-    # null: the looks spend as `spending` says, whatever the budget (README: "Looks fitted to the budget").
+    # null: the looks spend as `spending` says, whatever the budget (docs/methods/gate.md: "Looks fitted to the budget").
     budget_alpha_share: float | None = 0.5
     # A variant is go only if all its cells pass (intersection-union), so the pass side is not
     # adjusted within a variant. Set true when the release picks whichever release variant passes:

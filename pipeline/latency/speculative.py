@@ -138,7 +138,7 @@ def settle_widths(plain, by_d: dict, counts_by_k: dict, confidence: float, seed:
 # The fewest timing repeats a k is recommended from (pipeline/serving/marginal.py, batch_k.py): a
 # speedup CI from one repeat has no timing spread in it. On 2026-12-02 a smoke run's one repeat of
 # prompt lookup, its plain runs slowed by another process, gave 1.56 [1.39, 1.93]; the same pair on
-# the quiet machine gave 0.99 [0.88, 1.23] (README: "What a run costs"). So a timed pair's loop is
+# the quiet machine gave 0.99 [0.88, 1.23] (docs/results/2026-12-03-budgeted-vs-exhaustive.md). So a timed pair's loop is
 # never stopped by the budget before this many repeats (Repeats' `floor`): one repeat would be time
 # spent on a figure no recommendation may use.
 MIN_TIMING_REPEATS = 2

@@ -1,5 +1,5 @@
 """The looks' design: each slice's alpha spending for a run, fitted to the quality stage's time
-budget before any variant is scored (README: "Looks fitted to the budget"), and kept in
+budget before any variant is scored (docs/methods/gate.md: "Looks fitted to the budget"), and kept in
 quality/design.json for the runs that continue it.
 
     from pipeline.quality.design import fit_design
@@ -21,7 +21,7 @@ from pipeline.stats.sequential import fitted
 # the variant's meta.json lacks the quantize stage's timed forward (made before it; pace_priors
 # otherwise). Measured on a 2-core AVX2 CPU, every variant in float32:
 # 2026-12-02, w4a16-gptq's first look 622 s against the reference's 492 s (1.26x), 1.45x with its
-# 92 s of drift (README: "What a run costs"); 2026-12-03, w8a16 and nf4 at 1.09x and 1.11x the
+# 92 s of drift (docs/results/2026-12-03-run-costs.md); 2026-12-03, w8a16 and nf4 at 1.09x and 1.11x the
 # reference's seconds per item over 240 items of two slices. A misprediction costs power, never
 # an error rate: too high, and looks after the fitted one have half of alpha left; too low, and
 # the budget stops before the fitted look, whose alpha is then partly unspent. On the AVX-512 Xeon,
@@ -52,7 +52,7 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
 
 def fit_design(out_dir: Path, waves: Waves, reference: str, variants: list[str], pending: list[str], budget,
                gcfg) -> dict:
-    """Each slice's alpha spending for this run's looks (README: "Looks fitted to the budget"),
+    """Each slice's alpha spending for this run's looks (docs/methods/gate.md: "Looks fitted to the budget"),
     set as waves.plans[slice]["spending"] and kept in quality/design.json.
 
     With an active time budget that is predicted not to afford every look of every pending

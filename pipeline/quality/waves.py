@@ -31,7 +31,7 @@ issue's "cap a cluster's weight", at one item), so the gate's estimand there is 
 difference over clusters, not over items. A regression confined to a few big clusters counts by
 its clusters: with the item-weighted difference at -0.05 but the damage in 5 clusters of 20
 among 900 singletons, the cluster-weighted difference is about -0.022 and the gate passes it
-(README, tests/sim_gate_rates.py --sequential). That is the price of a bound that holds: a few
+(docs/validation/sequential-gate.md, tests/sim_gate_rates.py --sequential). That is the price of a bound that holds: a few
 big clusters cannot estimate their own variance, and taken whole they could only enter at their
 worst case, where no copy, identical or not, could pass.
 

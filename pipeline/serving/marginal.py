@@ -26,8 +26,8 @@ the plug-in spread, a normal quantile, no skew), so tokens_per_round_ci is the a
 E(k) interval (a t interval on n - 1 df on the log(E - 1) scale: acceptance_stats.ratio_t_interval)
 and each replicate of ms_per_token and speedup takes its E(k) from that interval's t distribution
 (ratio_t_draws), with the resampled timing and drafted shares. The speedup CI's coverage by
-prompts (tests/sim_direct_check.py coverage, toy records through marginal_table) is in README,
-"Derived vs direct E(k) per category".
+prompts (tests/sim_direct_check.py coverage, toy records through marginal_table) is in
+docs/validation/direct-check.md, "Coverage of the speedup interval".
 
 Timing from few repeats: given the run's pooled timing noise (`noise`, pipeline/serving/timing_noise.py),
 the timing part of each replicate is a t draw of the median of the table's n repeats at that

@@ -34,7 +34,7 @@ normals)) (the statistic is a median of the n repeats: m_2 = 1, m_3 = 1.16, m_5 
 and t_df a Student t draw on the pooled degrees of freedom. The acceptance part is unchanged.
 Assumed: the relative noise of a repeat is the same for every figure of the loop (checked by
 simulation with figures whose noise differs by a lognormal factor of sd 0.5:
-tests/sim_timing_coverage.py, README "Timing intervals from few repeats"). A figure is a mean
+tests/sim_timing_coverage.py, docs/validation/timing-coverage.md). A figure is a mean
 over its rounds, so it carries that sampling noise too, which a k's round time (a mix of
 drafted counts) partly averages away: on that account the pooled figure is conservative.
 """

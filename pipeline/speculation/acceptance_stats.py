@@ -14,7 +14,7 @@ below. Until issue 28 they were percentile prompt bootstraps (ratio_interval, ke
 simulation), which over a handful of prompts see only the plug-in spread with a normal quantile
 and no skew: the 95% E(k) interval covered the population's E(k) in 44-50% of simulated slices at
 2 prompts and 83-90% at 8; this one in 60-81% at 2, 93-96% at 8 (tests/sim_direct_check.py
-coverage; README, "Derived vs direct E(k) per category"). With fewer than two prompts the interval
+coverage; docs/validation/direct-check.md). With fewer than two prompts the interval
 is the whole range of the quantity. Every interval is clipped to that range and contains its
 point estimate. A rate is also never narrower than the Wilson interval on its (expected) round
 counts: when every prompt accepted nothing, or everything, at a position, the prompts agree and
@@ -172,8 +172,8 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
     text that copies its prompt or wanders off), and with few prompts a slice may hold no text of
     the kind that moves the mean: the 95% E(k) interval covered the population's E(k) in 60-81% of
     simulated slices at 2 prompts, 69-92% at 3, 93-96% at 8 and 94-96% at 12 (the old percentile
-    bootstrap: 44-50%, 58-74%, 83-90%, 87-94%; tests/sim_direct_check.py coverage, the README's
-    table). A per-category figure with `few_prompts` is a point estimate with an indicative
+    bootstrap: 44-50%, 58-74%, 83-90%, 87-94%; tests/sim_direct_check.py coverage, the table in
+    docs/validation/direct-check.md). A per-category figure with `few_prompts` is a point estimate with an indicative
     interval; give the category more prompts (acceptance.prompts_per_kind, or
     acceptance.workload_prompts) to trust it."""
     n_prompts = len(records)

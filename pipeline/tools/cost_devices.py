@@ -40,7 +40,7 @@ START_S = 15.0  # assumed per stage process: imports, CUDA context
 GPTQ_A100_S_PER_PARAM = 4 * 3600 / 175e9
 GPTQ_REF_TOKENS = 128 * 2048
 A100_BPS = 2.039e12
-BUILTIN_CALIBRATION_TOKENS = 10_900  # evals/data/calibration.txt (README: about 10.9k tokens)
+BUILTIN_CALIBRATION_TOKENS = 10_900  # evals/data/calibration.txt (docs/methods/quality-slices.md: about 10.9k tokens)
 QUANTIZE_OTHER_S = 20.0  # assumed: bitsandbytes / torchao quantizing an 8B model at load
 # A quantized variant's forward / what the formula gives for its bytes: stated guesses inside the
 # 1.3-3x an earlier review gave quantized variants against bf16 (dequantizing kernels, more launches).
@@ -50,9 +50,11 @@ SLOWDOWN_GPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.5, "torchao-int8wo": 1
 # bf16 (pipeline/core/device.py), 2.3 ms per prefill row-token (pipeline/quality/calibration.py TOKEN_COST).
 SMOLLM2_FP32_BYTES = 538_060_288
 CPU_FP32_STEP_S = 0.085
-CPU_GPTQ_S = 150.0  # quantize took 170-200 s, GPTQ most of it (README), at 16 x 256 calibration tokens
+# quantize took 170-200 s, GPTQ most of it (docs/results/2026-12-03-run-costs.md), at 16 x 256 calibration tokens
+CPU_GPTQ_S = 150.0
 # Fitted: with the dequantized copy's bytes (CPU kernels dequantize in software), a quantized variant
-# then scores ~1.5x slower than the reference, the spread of the README's 1.4-2.3 items/s per variant.
+# then scores ~1.5x slower than the reference, the spread of the 1.4-2.3 items/s per variant measured on
+# 2026-11-29 (docs/results/2026-12-03-run-costs.md).
 SLOWDOWN_CPU = {"none": 1.0, "checkpoint": 1.0, "gptq": 1.25, "torchao-int8wo": 1.25, "bnb-nf4": 1.25,
                 "bnb-int8": 1.25}
 

@@ -10,8 +10,8 @@ Each is the fastest of `reps` timings after a warm-up (other work on the machine
 (`cpu-2core`: 150 s measured for SmolLM2-135M) is scaled by cpu-2core's FLOP/s over this CPU's: its
 calibration forwards and Hessian updates are matmuls. Everything else is `cpu-2core`'s (disk,
 start-up, the quantized slowdowns). Why it exists: the 2-core machines this project runs on are not all alike; an AVX2-only AMD EPYC
-(no AVX-512, no native bf16) ran the same quality items 2.5x slower than `cpu-2core` predicts (README,
-"What a run costs").
+(no AVX-512, no native bf16) ran the same quality items 2.5x slower than `cpu-2core` predicts
+(docs/results/2026-12-03-run-costs.md, "An AVX2-only CPU").
 
     from pipeline.tools.cost_here import measure
     from pipeline.tools.cost_model import SHAPES

@@ -40,8 +40,8 @@ SHAPES = {  # transformers LlamaConfig fields
 # ---------------------------------------------------------------- drafts and prompts
 
 # Per-token acceptance rate a: E(k) = (1 - a^(k+1)) / (1 - a) tokens a round (Leviathan et al., 2023); a
-# batch keeps its fewest accepted, so E_B(k) is E(k) at a^B (rows independent). ngram: the README's
-# prompt lookup E(3) = 1.49 over the 62 built-in prompts; the others are guesses.
+# batch keeps its fewest accepted, so E_B(k) is E(k) at a^B (rows independent). ngram: prompt lookup's
+# E(3) = 1.49 over the 62 built-in prompts (docs/results/2026-12-02-categories.md); the others are guesses.
 ACCEPTANCE_RATE = {"ngram": 0.33, "layerskip": 0.30, "self": 0.85, "hf": 0.60}
 NGRAM_PROPOSE_S = 2e-4  # host time of a prompt-lookup proposal (guess)
 HF_DRAFT_FRACTION = 0.1  # an external draft's forward / the target's (its size is not known here; guess)

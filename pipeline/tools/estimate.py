@@ -53,7 +53,7 @@ from pipeline.tools.estimate_quality import quality  # quality's part: its slice
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("prepare", "quantize", "drafts", "acceptance", "latency", "quality", "marginal", "gate", "report")
 
-MARGINAL_S_PER_PAIR, GATE_S, REPORT_S = 20.0, 10.0, 30.0  # CPU work (README: a minute, seconds)
+MARGINAL_S_PER_PAIR, GATE_S, REPORT_S = 20.0, 10.0, 30.0  # CPU work (docs/results/2026-12-03-run-costs.md: a minute, seconds)
 
 
 # ---------------------------------------------------------------- the stages

@@ -22,8 +22,8 @@ again: each stage gets max(its floor, lambda x its share).
 Where it is made: on a CUDA device the cost model has a profile for (DEVICE_PROFILES: H100, H200,
 A100 80 GB), with `budget.minutes` set and `budget.rebalance` on. Elsewhere (a CPU, any other GPU)
 no plan is written and each stage takes its share: the CPU profile is one measured machine
-(pipeline/tools/cost_devices.py) and on another CPU the floors can be off by 2-3x (README: "What a
-run costs"), and on a 2-core CPU acceptance's floor is about its share anyway, so there is no slack
+(pipeline/tools/cost_devices.py) and on another CPU the floors can be off by 2-3x
+(docs/results/2026-12-03-run-costs.md), and on a 2-core CPU acceptance's floor is about its share anyway, so there is no slack
 to move. A stale plan (another budget, another device) is removed. The plan is a prediction: each
 stage still stops on its own clock and records what it spent.
 """
