@@ -44,7 +44,7 @@ VLLM_STAMP    := $(if $(filter none,$(VLLM)),,$(VLLM_VENV)/.installed)
 PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} SPECQ_VERBOSE=$${SPECQ_VERBOSE:-$(VERBOSE)} $(PY) -m pipeline
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
-.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality bench-engines quality-equivalence gpu-check \
+.PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality bench-engines quality-equivalence report-screenshot gpu-check \
         estimate \
         clean FORCE
 all: evaluate
@@ -144,6 +144,10 @@ bench-engines: $(RUN)/variants/meta.json $(VLLM_STAMP)
 ITEMS ?= 40
 quality-equivalence: $(RUN)/variants/meta.json $(VLLM_STAMP)
 	$(PY) -m pipeline.tools.quality_equivalence --run '$(RUN)' --config '$(CONFIG)' --items $(ITEMS)
+
+# Not a stage: the report's first screen in headless Chromium (<run>/report/first-screen.png).
+report-screenshot: $(RUN)/report/meta.json
+	$(PY) -m pipeline.tools.screenshot --run '$(RUN)'
 
 bench-quality: $(RUN)/model/meta.json
 	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)

@@ -4,6 +4,7 @@ error, and (when Chromium is installed) that the HTML renders to a non-blank scr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -78,7 +79,7 @@ def add_speed_artifacts(run: Path, variants=("bf16", "good"), latency: bool = Tr
 def report(tmp_path, latency=True, **kw):
     run, config = make_fake_run(tmp_path, gate_yaml="report: {dpi: 60}\n", **kw)
     add_speed_artifacts(run, ("bf16", *(kw.get("variants") or {"good": {}})), latency=latency)
-    assert main(["gate", "--run", str(run), "--config", str(config)]) == 0
+    assert main(["gate", "--stage-only", "--run", str(run), "--config", str(config)]) == 0
     rc = main(["report", "--run", str(run), "--config", str(config)])
     return rc, run
 
@@ -102,6 +103,11 @@ def test_report_contents_and_self_contained_html(tmp_path):
                  "language/fr", "good__ngram", "TPOT ms"):
         assert text in md, text
     assert "| broken | yes | NO-GO |" in md
+    # The page opens with the summary's two tables, and no raw Markdown backticks show.
+    first = page[page.index("<h2>Summary</h2>"):page.index("<h2>Decision")]
+    assert first.count("<table>") >= 1 and "<th>the cell that decided it</th>" in first
+    text = re.sub(r"<pre[^>]*>.*?</pre>", "", page, flags=re.S)
+    assert "`" not in re.sub(r"<[^>]+>", "", text) and "<code>bf16</code>" in page
 
 
 def test_missing_latency_is_a_line_not_a_crash(tmp_path):
@@ -116,10 +122,33 @@ def test_corrupt_marginal_is_an_error(tmp_path, capsys):
     run, config = make_fake_run(tmp_path)
     add_speed_artifacts(run)
     (run / "marginal" / "good__ngram.json").write_text("{oops")
-    assert main(["gate", "--run", str(run), "--config", str(config)]) == 0
+    assert main(["gate", "--stage-only", "--run", str(run), "--config", str(config)]) == 0
     assert main(["report", "--run", str(run), "--config", str(config)]) == 2
     assert "corrupt marginal report" in capsys.readouterr().err
     assert not (run / "report" / "index.html").exists()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install -y chromium)")
+def test_the_first_screen_tool_writes_what_a_browser_shows(tmp_path):
+    """make report-screenshot: the first 1280 x 1000 of the page, the summary's tables on it."""
+    from PIL import Image
+
+    from pipeline.tools.screenshot import main as shoot
+
+    rc, run = report(tmp_path)
+    assert rc == 0 and shoot(["--run", str(run)]) == 0
+    img = Image.open(run / "report" / "first-screen.png")
+    assert img.size == (1280, 1000)
+    ink = np.asarray(img.convert("L"), dtype=float) < 200
+    assert ink.mean() > 0.02  # text and tables, not a blank page
+
+
+def test_the_first_screen_tool_without_a_page_is_one_line(tmp_path, capsys):
+    from pipeline.tools.screenshot import main as shoot
+
+    assert shoot(["--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specq: ")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install -y chromium)")

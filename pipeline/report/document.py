@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 
 Block = tuple
 
@@ -45,9 +46,15 @@ td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}t
 .pass,.go{background:#c8e6c9}.fail,.no-go{background:#ffcdd2}.inconclusive{background:#ffe0b2}
 img{max-width:100%;border:1px solid #eee;margin:.3em 0}
 pre{background:#f7f7f7;padding:.6em;font-size:12px;max-height:30em;overflow:auto}
+pre.summary{white-space:pre-wrap;overflow-wrap:anywhere}code{background:#f3f3f3;padding:0 .2em}
 .banner{font-size:1.6em;padding:.3em .6em;display:inline-block}
 figure{margin:0 1em 1em 0;display:inline-block;vertical-align:top;max-width:48%}
 figure.wide{display:block;max-width:900px}figcaption{font-size:12px;color:#555}"""
+
+
+def _inline(text: str) -> str:
+    """Escaped text with `code` spans as <code> (the Markdown's inline code, rendered)."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
 def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision: str) -> str:
@@ -57,7 +64,7 @@ def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision
            f"<div class='banner {e(decision)}'>release decision: <b>{e(decision.upper())}</b></div>"]
     for b in blocks:
         if b[0] in ("h2", "h3", "p"):
-            out.append(f"<{b[0]}>{e(b[1])}</{b[0]}>")
+            out.append(f"<{b[0]}>{_inline(b[1])}</{b[0]}>")
         elif b[0] == "pre":
             out.append(f"<details><summary>show</summary><pre>{e(b[1])}</pre></details>")
         elif b[0] == "code":
@@ -72,7 +79,7 @@ def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision
             out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr>")
             for i, r in enumerate(rows):
                 cls = classes[i] if classes else [None] * len(r)
-                out.append("<tr>" + "".join((f"<td class='{e(c)}'>" if c else "<td>") + e(v) + "</td>"
+                out.append("<tr>" + "".join((f"<td class='{e(c)}'>" if c else "<td>") + _inline(v) + "</td>"
                                      for v, c in zip(r, cls)) + "</tr>")
             out.append("</table>")
     out.append("</body></html>")

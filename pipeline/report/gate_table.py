@@ -26,6 +26,17 @@ def cell_text(c: dict) -> str:
             f"{open_text(c)}{settle}")
 
 
+def cell_brief(c: dict) -> str:
+    """A cell in few words (its status is the cell's colour): 'diff [CI]', and for an open cell
+    how many items per slice would settle it and why it stopped."""
+    text = f"{number(c['diff'], 3, signed=True)} {interval(c['ci'], 3, signed=True)}"
+    if c["status"] != "inconclusive":
+        return text
+    why = {"budget": ", budget", "verdict": ", variant no-go"}.get(c.get("stopped_on"), "")
+    settle = f"~{c['items_to_settle']} to settle" if c.get("items_to_settle") else "on the margin"
+    return f"{text} (open{why}; {settle})"
+
+
 def open_text(c: dict) -> str:
     """': open (budget) at 80 of 240 items' for a cell whose scoring stopped before its slice's last
     look (the quality stage's time budget; 'variant already no-go' where a budgeted stage stopped
@@ -164,21 +175,24 @@ def gate_blocks(gate: dict, figures: dict[str, bytes], dpi: int) -> list[Block]:
     rows, classes = [], []
     for name, v in gate["variants"].items():
         rows.append([name, "yes" if v["release"] else "no", v["decision"].upper(),
-                     *[cell_text(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
+                     *[cell_brief(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
         classes.append([None, None, v["decision"],
                         *[v["slices"][k]["status"] if k in v["slices"] else None for k in keys]])
     out: list[Block] = [
         ("h2", f"Decision: {gate['decision'].upper()}"),
-        ("p", f"Reference `{gate['reference']}`; release variants: "
-              f"{', '.join(gate['release_variants']) or 'none'}. {gate['method']}. Each cell: "
-              "diff [CI] status; 'items to settle' is the n that would give 80% power to decide "
-              "an inconclusive cell, assuming the observed difference and spread."),
+        ("p", f"Each release variant against `{gate['reference']}`, per slice: the difference (negative = "
+              "worse) and its CI; green passes, red fails, orange is open, with the items per slice that "
+              "would settle it."),
         ("table", ["variant", "release", "decision", *keys], rows, classes),
     ]
     forest = forest_plot(gate, dpi)
     if forest:
         figures["forest.png"] = forest
         out.append(("img", "forest.png", "paired differences (dots) with their CIs; red tick = -margin", "wide"))
+    out += [("h3", "How a cell is decided"),
+            ("p", f"Release variants: {', '.join(gate['release_variants']) or 'none'}. {gate['method']}. "
+                  "'Items to settle' is the n that would give 80% power to decide an open cell, assuming "
+                  "the observed difference and spread.")]
     grows, gclasses = [], []
     for name, v in gate["variants"].items():
         for key, c in v["slices"].items():

@@ -45,50 +45,90 @@ def _best_pair(pairs: dict[str, dict]) -> tuple[str, dict, dict | None] | None:
     return max(seen, key=lambda x: x[2]["speedup"]) if seen else None
 
 
-def summary_lines(run_dir: Path) -> list[str]:
+def summary_data(run_dir: Path) -> dict:
+    """What the summary says, as data: the decision; per release variant (name, decision, deciding
+    cell); per target (target, what to deploy, speedup [CI], engine, serve line or config); the
+    variants vLLM could not serve."""
     run_dir = Path(run_dir)
     gate = optional_json(run_dir / "gate.json", "gate result") or {}
-    out = [f"specq: {run_dir.name}: release decision {str(gate.get('decision', 'not decided')).upper()}", ""]
-    if gate:
-        out.append(f"Quality, each release variant against {gate.get('reference')} "
-                   f"(margin per slice; {int(round(gate.get('confidence', 0.95) * 100))}% CIs):")
-        for name in gate.get("release_variants", []):
-            entry = gate["variants"][name]
-            out.append(f"  {name:<14} {entry['decision']:<13} {deciding_cell(entry)}")
-        out.append("")
+    out = {"run": run_dir.name, "decision": gate.get("decision"), "reference": gate.get("reference"),
+           "confidence": gate.get("confidence", 0.95), "quality": [], "speculation": [], "not_served": []}
+    for name in gate.get("release_variants", []):
+        entry = gate["variants"][name]
+        out["quality"].append((name, entry["decision"], deciding_cell(entry)))
     marginal = json_files(run_dir / "marginal", "*__*.json", "marginal report")
     by_target: dict[str, dict] = {}
     for pair, m in marginal.items():
         by_target.setdefault(pair.split("__")[0], {})[pair] = m
-    if by_target:
-        out.append("Speculation, per target (speedup over plain decoding at B = 1, greedy, 95% CI):")
     for target, pairs in sorted(by_target.items()):
         best = _best_pair(pairs)
         if best is None:
-            out.append(f"  {target:<14} no timed pair")
+            out["speculation"].append((target, "no timed pair", "", "", None))
             continue
         pair, m, row = best
         draft = pair.split("__", 1)[1]
         engine = m.get("engine", "specq")
+        speed = f"{number(row['speedup'], 2)}x {interval(row['speedup_ci'], 2)}"
         if m.get("recommended_k"):
             by_b = m.get("recommended_k_by_batch")
             batch = (", by batch size " + ", ".join(f"B={b}: {k}" for b, k in sorted(by_b.items(), key=lambda x: int(x[0])))
                      if by_b and len(set(by_b.values())) > 1 else "")
-            out.append(f"  {target:<14} {draft} k = {m['recommended_k']}{batch}: {number(row['speedup'], 2)}x "
-                       f"{interval(row['speedup_ci'], 2)} (measured in {engine})")
-            if m.get("serve_command"):
-                out.append(f"      {m['serve_command']}")
-            elif (m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config"):
-                out.append(f"      speculative_config: {m['speculative_config_by_batch']['vllm_speculative_config']}")
+            deploy = m.get("serve_command") or (
+                f"speculative_config: {m['speculative_config_by_batch']['vllm_speculative_config']}"
+                if (m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config") else None)
+            out["speculation"].append((target, f"{draft} k = {m['recommended_k']}{batch}", speed, engine, deploy))
         else:
-            out.append(f"  {target:<14} do not speculate (best seen: {draft} k = {row['k']}, "
-                       f"{number(row['speedup'], 2)}x {interval(row['speedup_ci'], 2)}, {engine})")
+            out["speculation"].append((target, f"do not speculate (best seen: {draft} k = {row['k']})", speed,
+                                       engine, None))
     vmeta = optional_json(run_dir / "vllm" / "meta.json", "vllm meta.json") or {}
-    if vmeta.get("skipped"):
-        not_served = sorted(k for k in vmeta["skipped"] if "__" not in k)
-        if not_served:
-            out.append(f"  not measured in vLLM: {', '.join(not_served)} (vLLM cannot serve them here)")
+    out["not_served"] = sorted(k for k in (vmeta.get("skipped") or {}) if "__" not in k)
+    return out
+
+
+def summary_lines(run_dir: Path) -> list[str]:
+    run_dir = Path(run_dir)
+    d = summary_data(run_dir)
+    out = [f"specq: {d['run']}: release decision {str(d['decision'] or 'not decided').upper()}", ""]
+    if d["decision"]:
+        out.append(f"Quality, each release variant against {d['reference']} "
+                   f"(margin per slice; {int(round(d['confidence'] * 100))}% CIs):")
+        out += [f"  {name:<14} {decision:<13} {cell}" for name, decision, cell in d["quality"]]
+        out.append("")
+    if d["speculation"]:
+        out.append("Speculation, per target (speedup over plain decoding at B = 1, greedy, 95% CI):")
+    for target, deploy, speed, engine, line in d["speculation"]:
+        if deploy.startswith("do not speculate"):
+            out.append(f"  {target:<14} {deploy[:-1]}, {speed}, {engine})")
+        elif not speed:
+            out.append(f"  {target:<14} {deploy}")
+        else:
+            out.append(f"  {target:<14} {deploy}: {speed} (measured in {engine})")
+            if line:
+                out.append(f"      {line}")
+    if d["not_served"]:
+        out.append(f"  not measured in vLLM: {', '.join(d['not_served'])} (vLLM cannot serve them here)")
     out += ["", f"Report:     {run_dir / 'report' / 'index.html'}  (and gate.json beside report/)",
             f"Per pair:   {run_dir / 'marginal'}/<target>__<draft>.md",
             f"Full table: specq gate --table --run {run_dir}"]
+    return out
+
+
+def summary_blocks(run_dir: Path) -> list:
+    """The summary as the report's first blocks: a table per question, then the lines to deploy."""
+    d = summary_data(run_dir)
+    out: list = [("h2", "Summary")]
+    if d["quality"]:
+        out += [("p", f"Quality, each release variant against `{d['reference']}` "
+                      f"(margin per slice; {int(round(d['confidence'] * 100))}% CIs):"),
+                ("table", ["variant", "decision", "the cell that decided it"],
+                 [[n, dec, cell] for n, dec, cell in d["quality"]], [[None, dec, None] for _, dec, _ in d["quality"]])]
+    if d["speculation"]:
+        out += [("p", "Speculation, per target (speedup over plain decoding at B = 1, greedy, 95% CI):"),
+                ("table", ["target", "deploy", "speedup", "measured in"],
+                 [[t, dep, sp, eng] for t, dep, sp, eng, _ in d["speculation"]], None)]
+        lines = [f"# {t}\n{line}" for t, _, _, _, line in d["speculation"] if line]
+        if lines:
+            out.append(("code", "\n".join(lines)))
+    if d["not_served"]:
+        out.append(("p", f"Not measured in vLLM: {', '.join(d['not_served'])} (vLLM cannot serve them here)."))
     return out

@@ -18,7 +18,7 @@ from pipeline.report.inputs import optional_json
 from pipeline.report.provenance import provenance_blocks
 from pipeline.report.runtime import runtime_blocks
 from pipeline.report.speculation import speculation_blocks
-from pipeline.report.summary import summary_lines
+from pipeline.report.summary import summary_blocks
 from pipeline.report.variants import variant_blocks
 
 
@@ -31,7 +31,7 @@ def run(ctx: StageContext) -> None:
 
     # Each section reads its own artifacts from the run; figures collects the PNGs they draw or copy.
     figures: dict[str, bytes] = {}
-    blocks = [("h2", "Summary"), ("code", "\n".join(summary_lines(run_dir)))]  # what make evaluate prints last
+    blocks = summary_blocks(run_dir)  # what make evaluate prints last, as tables
     blocks += gate_blocks(gate, figures, dpi)  # gate.json: decision, forest plot, groups, distribution
     blocks += speculation_blocks(run_dir, gate, figures, dpi)  # acceptance/, marginal/, latency/ per pair
     blocks += batching_blocks(run_dir, figures)  # marginal/<pair>.json by batch size, the simulated server
