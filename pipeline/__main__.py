@@ -82,6 +82,8 @@ def _parser(prog: str = "specq") -> argparse.ArgumentParser:
     conf = sub.add_parser("config", help="print the resolved config (JSON)")
     conf.add_argument("--config", default="configs/default.yaml", help="config YAML (default: %(default)s)")
     conf.add_argument("--drafts", default="", help="space-separated draft specs; overrides the config's drafts")
+    conf.add_argument("--explain", action="store_true",
+                      help="print every key with its type, default and meaning (Markdown) instead")
     return p
 
 
@@ -92,6 +94,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline") -> int
         overrides = {"drafts": args.drafts.split()} if args.drafts.strip() else {}
         cfg = load_config(args.config, overrides)
         if args.command == "config":
+            if args.explain:
+                from pipeline.core.config_doc import render
+
+                print(render(), end="")
+                return 0
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
         run_dir = Path(args.run or f"runs/{slug(args.model)}")

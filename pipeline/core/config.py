@@ -25,18 +25,29 @@ class ConfigError(Exception):
 
 
 class PrepareConfig(Section):
+    """The prepare stage: MODEL is loaded, cast to `dtype` and saved with its tokenizer as the
+    reference at runs/<run>/model/."""
     # Weights are stored in this dtype in runs/<run>/model/.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
 class VariantConfig(Section):
+    """One variant of the reference: how it is made (`scheme`, with `bits`, `group_size` or `path`
+    where the scheme takes them), the dtype it computes in, and whether the release waits on it."""
     # none: the unquantized reference (or an identical copy of it); gptq: GPTQModel W4A16;
     # bnb-int8: bitsandbytes LLM.int8; bnb-nf4: bitsandbytes NF4; torchao-int8wo: torchao int8
     # weight-only; checkpoint: any Hugging Face directory given as `path` whose tokenizer is the
     # reference's (a plain fine-tune, or quantized elsewhere: GPTQ, AWQ, FP8, ...; pipeline/variants/checkpoint.py).
     scheme: Literal["none", "gptq", "bnb-int8", "bnb-nf4", "torchao-int8wo", "checkpoint"]
+    # Weight bits. gptq: the bits GPTQModel quantizes to, null = 4; bnb-int8 and torchao-int8wo: 8 or
+    # null; bnb-nf4: 4 or null; checkpoint: where set, must match the checkpoint's; none: ignored.
     bits: int | None = None
+    # gptq: weights per quantization group (one scale each); must divide every quantized layer's input
+    # width; -1 = one group per output channel; null = 128. checkpoint: where set, must match the
+    # checkpoint's. The other schemes ignore it (bnb-nf4 always uses blocks of 64).
     group_size: int | None = None
+    # scheme checkpoint only, and required there: the Hugging Face model directory to gate (~ is
+    # expanded). The other schemes ignore it.
     path: str | None = None
     # Compute dtype when the variant is loaded: "auto" = float32 on CPU (no fast bf16 matmul
     # there), bfloat16 on CUDA.
@@ -49,9 +60,13 @@ class VariantConfig(Section):
 
 
 class CalibrationConfig(Section):
+    """The text GPTQ variants are calibrated on (the other schemes do not read it): n_samples
+    non-overlapping windows of max_tokens tokens, spread evenly over the text."""
     # "builtin" = the text that ships in evals/data/calibration.txt; anything else is a path.
     source: str = "builtin"
-    n_samples: int = 16  # x max_tokens tokens; the GPU config uses 128
+    n_samples: int = 16  # Calibration windows of max_tokens tokens each; the GPU config uses 128
+    # Tokens per calibration window. A text shorter than n_samples x max_tokens gives fewer windows
+    # (or one shorter one), said in one line and recorded in each variant's meta.json.
     max_tokens: int = 256
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
     # Calibration windows per forward pass while quantizing (GPTQ); 4 is ~4x faster on CPU than 1.
@@ -59,7 +74,14 @@ class CalibrationConfig(Section):
 
 
 class QuantizeConfig(Section):
+    """The quantize stage: every variant in `variants` is made from the prepared model (the
+    reference first) into runs/<run>/variants/<name>/, with a sanity perplexity in its meta.json."""
+    # Name of the variant every other one is measured against; must be one of `variants`. It is the
+    # gate's baseline, the latency ratios' denominator, the model drafts are built from and the
+    # default speculation target.
     reference: str = "bf16"
+    # The variants to make and gate, by name (non-empty, without '__' or '/'). A config that sets it
+    # replaces the whole default set, so it must include the reference.
     variants: dict[str, VariantConfig] = Field(
         default_factory=lambda: {
             "bf16": VariantConfig(scheme="none", release=False),
@@ -83,6 +105,8 @@ class QuantizeConfig(Section):
 
 
 class SamplingConfig(Section):
+    """Top-k / top-p filtering at every sampled temperature, applied to target and draft alike (the
+    verify rule needs both shaped the same); greedy (temperature 0) ignores it."""
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
 
@@ -99,19 +123,35 @@ def workload_file_sha256(workload: str) -> str | None:
 
 
 class AcceptanceConfig(Section):
+    """The acceptance stage: per (target, draft) pair, per-position acceptance and expected tokens per
+    round E(k) at every k = 1..k_max, derived from one teacher-forced pass over the target's own text
+    on the workload's prompts, with the lossless checks and a direct check. Its prompts, lengths and
+    sampling are also what latency and vLLM measure speculation on."""
     # Target variants specq's engine pairs with every draft; empty = the reference and, where vLLM
     # measures speculation, every release variant it serves (the derivation beside its figures).
     targets: list[str] = Field(default_factory=list)
+    # Largest draft length k (>= 1): E(k) is derived at every k = 1..k_max. latency.k_max and
+    # vllm.k_max fall back to it when null.
     k_max: int = 6
+    # Sampling temperatures the target's texts are generated at, each measured and reported on its
+    # own (acceptance, speculative round times, vLLM's runs, the recommended k); 0 = greedy.
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    # Most tokens the target generates per prompt (fewer at EOS): the texts acceptance is measured on,
+    # the direct check's runs and vLLM's measured requests. Also caps the output lengths the serving
+    # simulation draws from the workload.
     max_new_tokens: int = 48
     # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/speculation/prompts.py), all of them on GPU.
     prompts_per_kind: int = 2
-    # Lossless check (issue 4): samples per mode of the first verify-emitted token (speculative vs
-    # plain), compared by a two-sample chi-square at lossless_alpha, at lossless_temperature.
+    # Sampled lossless check: samples per mode (speculative and plain), compared by a two-sample
+    # chi-square at lossless_alpha, at lossless_temperature. specq's engine samples the first
+    # verify-emitted token; vLLM 8-token completions, one test per output position 2..8.
     lossless_samples: int = 120
+    # Significance level of the sampled lossless check: a p-value at or below it fails (in vLLM,
+    # Bonferroni over the positions). The gate adjusts the pairs' p-values with gate.multiplicity.
     lossless_alpha: float = 0.001
+    # Sampling temperature of the sampled lossless check (specq's engine also applies
+    # acceptance.sampling's top-k / top-p; vLLM's draws use the temperature alone).
     lossless_temperature: float = 1.0
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
@@ -163,9 +203,20 @@ class AcceptanceConfig(Section):
 
 
 class LatencyConfig(Section):
+    """The latency stage: measured decode time of every variant (a plain grid over batch sizes and
+    context lengths) and of every (target, draft) pair specq's engine measures, at B = 1 and under
+    batching, with a closed loop the serving simulation is checked against."""
+    # Batch sizes of the plain decode grid: every variant is timed at each batch size x context
+    # length (a cell the memory plan cannot fit is dropped, with one line).
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    # Prompt lengths in tokens of the plain decode grid (random token ids); a length whose prompt plus
+    # new_tokens exceeds the model's positions is skipped.
     context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
+    # Tokens generated per timed run, EOS ignored (the plain grid, the B = 1 speculative runs and the
+    # batched cells); TPOT is over the last new_tokens - 1, so at least 2.
     new_tokens: int = 16
+    # Untimed warm-ups before timing: a plain grid cell runs whole this many times; a pair runs every
+    # step shape once per warm-up (short 8-token runs). 0 = none.
     warmup: int = 1
     # The most timing repeats per cell (a plain grid cell, a B = 1 pair, a pair's batched cells).
     repeats: int = 5
@@ -202,10 +253,13 @@ class LatencyConfig(Section):
     # Speculation under batching (pipeline/latency/batched.py): speculative round time and ms/token
     # at every (B, k) for these batch sizes, paired with plain decode at the same B.
     spec_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
-    # Closed loop the serving simulation is checked against: waves of B requests of
-    # closed_loop_tokens new tokens each, plain and speculative, at each of these B (0 waves = off).
+    # Batch sizes B of the closed loop the serving simulation is checked against: closed_loop_waves
+    # waves of B requests of closed_loop_tokens new tokens each, plain and speculative, at each B.
     closed_loop_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
+    # Closed-loop waves per batch size (each wave runs its B requests to completion, plain and
+    # speculative); 0 = no closed loop.
     closed_loop_waves: int = 6
+    # New tokens per request in a closed-loop wave, EOS ignored (at least 2).
     closed_loop_tokens: int = 24
     # Screen each (target, draft) pair before timing it (pipeline/latency/screen.py): a probe of a
     # few seconds and acceptance's upper CI bound its speedup at every k (and B); a pair whose bound
@@ -234,7 +288,7 @@ BUDGET_SHARES = {"acceptance": 0.2, "latency": 0.3, "quality": 0.35}
 
 
 class BudgetConfig(Section):
-    """How long the run may take (issue 27; pipeline/core/budget.py). `minutes`: wall-clock minutes
+    """How long the run may take (pipeline/core/budget.py). `minutes`: wall-clock minutes
     for the whole run, 30 by default (the default config on a 2-core CPU); null = no budget: every
     stage does all its config asks (the exhaustive run).
     Each planning stage gets `shares[stage]` of it and plans its work to fit: acceptance bounds its
@@ -242,7 +296,12 @@ class BudgetConfig(Section):
     gate's items). What the other stages take (prepare, quantize, drafts, marginal, gate, report)
     is the rest. Each stage prints its estimate before it starts and records in meta.json what it
     planned, spent and skipped."""
+    # Wall-clock minutes for the whole run; null = no budget: every stage does all its config asks
+    # (the exhaustive run).
     minutes: PositiveFloat | None = 30.0
+    # Share of `minutes` each planning stage (acceptance, latency, quality) plans its work to fit;
+    # each > 0, at most 1 in total, a stage not named keeps its default. The rest is what prepare,
+    # quantize, drafts, marginal, gate and report take.
     shares: dict[str, float] = Field(default_factory=lambda: dict(BUDGET_SHARES))
     # Where a stage's floor (what it does whatever the budget) is over its share, share the planning
     # stages' time again around the floors (pipeline/core/budget.py: allot), from the cost model's
@@ -268,6 +327,8 @@ class BudgetConfig(Section):
 class VllmOpenLoopConfig(Section):
     """The recommendation checked under open-loop load: Poisson arrivals at these shares of the
     plain engine's measured capacity (its closed-loop requests/s at the largest concurrency)."""
+    # Offered loads, as shares of the plain engine's capacity: one open-loop run per load on the plain
+    # engine and on each speculative config checked. Needs open_loop_check and a non-empty concurrency.
     loads: list[PositiveFloat] = Field(default_factory=lambda: [0.8])
     requests: PositiveInt = 16  # per load and engine
 
@@ -284,13 +345,21 @@ class VllmEngineConfig(Section):
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
     # Compute dtype; auto = bfloat16.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Context length in tokens each engine is built for (vLLM's --max-model-len); workload prompts
+    # longer than it less the tokens generated and the verify width (k + 1) are skipped.
     max_model_len: PositiveInt = 2048
     # CUDA graphs off; null = on CPU (where vLLM compiles nothing useful for a small model) only.
     enforce_eager: bool | None = None
     kv_cache_gib: PositiveFloat = 2.0  # CPU: VLLM_CPU_KVCACHE_SPACE
+    # Share of each GPU's memory one engine takes (vLLM's --gpu-memory-utilization); not passed on CPU.
     gpu_memory_utilization: PositiveFloat = 0.9
+    # GPUs each engine is split over (vLLM's --tensor-parallel-size); not passed on CPU.
     tensor_parallel_size: PositiveInt = 1
+    # Seconds an engine may take to start serving (answer /health) before its start counts as
+    # failed; the quality stage's vLLM engines use it too.
     startup_timeout_s: PositiveFloat = 600.0
+    # Seconds one request to an engine may take before it fails (the HTTP timeout); the quality
+    # stage's vLLM requests use it too.
     request_timeout_s: PositiveFloat = 600.0
     # Check the recommendation under open-loop load against no speculation and the best fixed k.
     open_loop_check: bool = True
@@ -307,6 +376,10 @@ class VllmEngineConfig(Section):
 
 
 class MarginalConfig(Section):
+    """The marginal stage: acceptance and latency joined per pair into ms/token and the marginal cost
+    of each k, the recommended k (per category and batch size), and the serving simulation (`serving`)."""
+    # Level of the CIs the recommended k is chosen from: the marginal stage's ms/token and speedup
+    # intervals, and the vllm stage's speedup tables.
     confidence: float = 0.95
 
 
@@ -314,17 +387,28 @@ class ServingConfig(Section):
     """What pays at a request rate (pipeline/serving/batching.py, run by the marginal stage): a simulated
     continuous-batching server fed the measured step costs, under open-loop Poisson arrivals."""
 
+    # Prompt tokens of every simulated request when lengths are fixed (an acceptance JSON made
+    # without a workload block); otherwise each request draws its lengths from the acceptance workload.
     prompt_tokens: int = 128
+    # Output tokens (at least 2) of every simulated request when lengths are fixed (an acceptance
+    # JSON made without a workload block); otherwise each request draws its lengths from the workload.
     output_tokens: int = 64
     requests: int = 200  # per simulated run
     seeds: int = 5  # runs per rate and policy (the same arrivals for every policy)
     # Arrival rates in requests/s; empty = rate_points rates from 5% to max_load x the plain
     # server's full-batch capacity (past saturation).
     rates: list[float] = Field(default_factory=list)
+    # How many arrival rates the sweep simulates when `rates` is empty, evenly spaced from 5% to
+    # max_load x the plain server's full-batch capacity.
     rate_points: int = 10
+    # Highest rate of the sweep when `rates` is empty, as a multiple of the plain server's full-batch
+    # capacity (above 1: past saturation).
     max_load: float = 1.3
-    # A request meets the SLO when both hold; goodput = such requests per second.
+    # SLO on time to first token, in ms. A request meets the SLO when its TTFT and TPOT are both
+    # within their limits; goodput = such requests per second.
     slo_ttft_ms: float = 2000.0
+    # SLO on time per output token after the first, in ms. A request meets the SLO when its TTFT and
+    # TPOT are both within their limits; goodput = such requests per second.
     slo_tpot_ms: float = 100.0
     # Simulated closed-loop runs behind the validation's predicted TPOT and its interval.
     validation_resamples: int = 100
@@ -345,6 +429,11 @@ class ServingConfig(Section):
 
 
 class GateConfig(Section):
+    """The gate stage: each release variant against the reference, per slice, a non-inferiority test
+    at `margin` on paired per-item scores, over the quality stage's sequential looks: go, no-go or
+    inconclusive; and each speculation pair's lossless verdict."""
+    # Two-sided level of the gate's CIs: each one-sided bound is drawn at alpha = (1 - confidence) / 2
+    # (0.95: 0.025 per side), before the multiplicity adjustment and the sequential looks' spending.
     confidence: float = 0.95
     # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
     margin: float = 0.05
@@ -355,6 +444,10 @@ class GateConfig(Section):
     # top-option confidence of 0.6, an item turning wrong adds ~0.9, so 0.05 is about a 5-point
     # accuracy loss.
     brier_margin: float = 0.05
+    # "holm" or "bonferroni": a variant's fail side is drawn at alpha / m over its m gated cells (the
+    # two agree on its decision), and the speculation pairs' sampled lossless p-values are adjusted
+    # over the pairs; with select_among_variants the pass side too, at alpha / r over the r release
+    # variants. "none": no adjustment.
     multiplicity: Literal["holm", "bonferroni", "none"] = "holm"
     # Alpha spending over a slice's sequential looks (pipeline/stats/sequential.py): "obf"
     # (O'Brien-Fleming type: almost nothing early, the fewest items for a row near the margin) or
@@ -373,9 +466,16 @@ class GateConfig(Section):
     # adjusted within a variant. Set true when the release picks whichever release variant passes:
     # the pass side is then adjusted across the release variants (never the release: false ones).
     select_among_variants: bool = False
-    # Optional thresholds on distribution metrics; null = reported, not gated.
+    # Optional threshold on the distribution drift: the most mean KL(reference || variant), in nats
+    # per token on the held-out documents; fails when the CI's lower bound is above it, passes when the
+    # upper bound is at most it. null = reported, not gated.
     max_kl: float | None = None
+    # Optional threshold on the distribution drift: the least top-1 agreement with the reference (share
+    # of held-out positions where both models' most likely token is the same, 0..1); fails when the
+    # CI's upper bound is below it, passes when the lower bound reaches it. null = reported, not gated.
     min_top1_agreement: float | None = None
+    # Power at which an open cell's items_to_settle is computed: the items per slice that would pass
+    # or fail it with this probability if the observed difference were the truth. A guide only.
     power: float = 0.8
     # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
     # true they are also gated and join their variant's fail family (few items each: low power).
@@ -383,10 +483,10 @@ class GateConfig(Section):
     # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
     # report ECE (debiased; not gated).
     calibration_metrics: bool = True
-    # No longer used, kept so configs that set them still load: clusters are always honoured
-    # (issue 13; template "strata" are no longer labelled as clusters), and ECE is reported, not
-    # bootstrapped.
+    # No longer used, kept so configs that set it still load: clusters are always honoured (template
+    # "strata" are no longer labelled as clusters).
     min_clusters: int = 10
+    # No longer used, kept so configs that set it still load: ECE is reported, not bootstrapped.
     bootstrap_resamples: int = 2000
 
     @field_validator("budget_alpha_share")
@@ -398,19 +498,32 @@ class GateConfig(Section):
 
 
 class ReportConfig(Section):
+    """The report stage: report/index.html (self-contained) and report/report.md, from every stage's
+    results."""
+    # Heading of the report; ": <run directory name>" is appended to it.
     title: str = "specq report"
     # Dots per inch of the embedded figures (HTML and report/*.png).
     dpi: int = 110
 
 
 class Config(Section):
+    # Seed of everything random in a run: sampled generations, the workload's prompt draw, the quality
+    # slices' item order, bootstrap resamples, the serving simulation and variants' weight_noise;
+    # vLLM gets it as --seed.
     seed: int = 0
+    # Where the stages that load models through transformers run them (quantize, drafts, acceptance,
+    # latency, quality): "auto" = CUDA where torch sees it, else the CPU; "cuda" is an error where no
+    # CUDA device is visible. vLLM engines run on the platform their vLLM build targets.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # The engine whose measurements choose k: "vllm" (the serving engine; its venv must be
     # installed), "specq" (specq's own decode engine), or "auto": vllm where it is installed.
     speculation_engine: Literal["auto", "vllm", "specq"] = "auto"
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    # Drafts speculation is measured with, as spec strings: "ngram" or "ngram:<max_n>" (prompt lookup,
+    # max_n 3 by default), "layerskip:<n>" (the target's first n layers), "self:<variant>" (a variant
+    # of quantize.variants), "hf:<id or path>" (a smaller model with the target's tokenizer),
+    # "eagle3:<dir>" (an EAGLE-3 head; vLLM only).
     drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
     acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)

@@ -34,10 +34,13 @@ PER_SLICE_DEFAULTS = {"bfcl": {"items": "all", "max_new_tokens": 64},
 
 
 class SandboxConfig(Section):
-    # Generated code (the code slice) runs in separate processes (evals/sandbox.py) with these
-    # limits: wall seconds per program, address space, and programs run at once (0 = CPUs).
+    """Limits on the code slice's generated programs, each run in a separate sandboxed process
+    (evals/sandbox.py)."""
+    # Wall-clock seconds per program; its process group is killed at the limit.
     seconds: float = 10.0
+    # Address space per program, in MiB (RLIMIT_AS).
     memory_mb: int = 1024
+    # Programs run at once; 0 = as many as the machine has CPUs.
     workers: int = 0
 
 
@@ -129,6 +132,12 @@ class VllmConfig(Section):
 
 
 class QualityConfig(Section):
+    """The quality stage: the reference and every variant scored item by item on the built-in slices
+    and lm-eval tasks, in waves the sequential gate stops early, and distribution drift (KL, top-1
+    agreement, perplexity ratio) against the reference on held-out text."""
+    # Built-in slices to score: reasoning, language, long_context, calibration, tool_args (generated,
+    # shipped in evals/data/), bfcl (BFCL v4, from the bfcl-eval package) and code (HumanEval, run in
+    # the sandbox). An unknown name is refused before any work.
     slices: list[str] = Field(
         default_factory=lambda: ["reasoning", "language", "long_context", "calibration", "tool_args", "bfcl"]
     )
@@ -149,18 +158,23 @@ class QualityConfig(Section):
         default_factory=lambda: {k: SliceSettings(**v) for k, v in PER_SLICE_DEFAULTS.items()})
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     # Items of each generated slice (its pool; bfcl and code read theirs from their packages),
-    # capped by max_items. Sequential gating (pipeline/gate/looks.py): every slice is scored
-    # wave_items at a time in a fixed seeded order (pipeline/quality/waves.py), and after each
-    # wave every open (variant, slice) cell is tested at its look's O'Brien-Fleming-type level; a
-    # cell that passes or fails stops. null wave_items = one look at all items (the fixed-n gate).
-    # CPU-sized (issue 26): 240 items in waves of 40 let a byte-identical copy pass every default
-    # slice (160 items on independent ones, 200 on calibration for its Brier row, 240 on
+    # capped by max_items. CPU-sized: 240 items in waves of 40 let a byte-identical copy pass every
+    # default slice (160 items on independent ones, 200 on calibration for its Brier row, 240 on
     # long_context's haystacks of 3); the GPU config runs up to 1000 per slice.
     items_per_slice: int = 240
     # The most items any slice scores (the run's budget per slice; null = its whole pool).
     max_items: PositiveInt | None = 240
+    # Items per look of the sequential gate (pipeline/gate/looks.py): every slice is scored wave_items
+    # at a time in a fixed seeded order (pipeline/quality/waves.py), and after each wave every open
+    # (variant, slice) cell is tested at its look's level (O'Brien-Fleming type unless gate.spending
+    # says otherwise); a cell that passes or fails stops. null = one look at all items (the fixed-n
+    # gate). A slice may set its own in per_slice.
     wave_items: PositiveInt | None = 40
+    # Haystack lengths of the long_context slice, in tokens (approximate: sized by characters); the
+    # haystacks cycle through them, and each length is reported as a group of its own.
     long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
+    # Most tokens generated per item of a built-in slice (greedy) where per_slice does not set its own;
+    # each slice's task YAML caps it further. lm-eval tasks keep their own generation settings.
     max_new_tokens: int = 32
     # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in
     # the chat template cut reference scores to 0-17% (12 items per slice), plain was 25-62%.
@@ -177,8 +191,12 @@ class QualityConfig(Section):
     # ~2.3 ms per row-token, so big batches pay: 40 rows decoded tool_args in 31 steps (13 s),
     # 8 rows in 155 steps (35 s). The prefix evaluator caps a decode batch at 16k cached positions.
     batch_size: int = 40
-    # Distribution metrics (KL, top-1 agreement, perplexity ratio) on held-out documents.
+    # Held-out documents the distribution metrics (KL, top-1 agreement, perplexity ratio) are computed
+    # on: one per Python standard-library module whose docstrings hold at least distribution_tokens
+    # tokens, in a fixed module order.
     distribution_docs: int = 16
+    # Tokens per held-out document of the distribution metrics: the first this many of its module's
+    # docstrings.
     distribution_tokens: int = 256
     # Confidence level of the per-slice and distribution CIs in quality/<variant>.json.
     confidence: float = 0.95
