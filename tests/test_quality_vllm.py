@@ -610,4 +610,4 @@ def test_an_engine_that_dies_mid_look_loses_no_answered_request(tmp_path, tiny_m
     run_stage(STAGES["quality"], run, cfg, {}, STAGES)
     assert asked["v"] == per_run - first_look - 3  # only what the dead engine had not answered
     assert _lines(run, names) == _lines(whole, names)
-    assert not list(q.glob("requests-*.db"))  # gone once the variant's lines are written
+    assert not list((run / "quality").glob("*/requests-*.db"))  # gone once the lines are written

@@ -24,6 +24,12 @@ from pipeline.vllm.spec_config import (draft_method, method_reason, serve_comman
 
 REPO = Path(__file__).resolve().parent.parent
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as a terminal sends it, even when the tests run in the background (a
+    shell starts background jobs with SIGINT ignored, and the child would inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -131,7 +137,8 @@ def test_interrupt_mid_stage_leaves_no_engine(fake, tmp_path, sig):
             print("INTERRUPTED", flush=True)
             sys.exit(130)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=_interruptible)
     assert proc.stdout.readline().strip() == "READY"
     pids = _pids(fake["pids"])
     assert pids and all(_alive(p) for p in pids)
@@ -155,7 +162,8 @@ def test_killed_stage_takes_its_server_with_it(fake, tmp_path):
             print("READY", flush=True)
             time.sleep(600)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=_interruptible)
     assert proc.stdout.readline().strip() == "READY"
     leader = _pids(fake["pids"])[0]
     proc.kill()

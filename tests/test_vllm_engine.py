@@ -26,6 +26,12 @@ CONFIG = str(REPO / "configs/vllm-smoke.yaml")
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"vLLM environment: {WHY}")
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as a terminal sends it, even when the tests run in the background (a
+    shell starts background jobs with SIGINT ignored, and the child would inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 
 @pytest.fixture(scope="module")
 def served_run(embedded_model_dir, tmp_path_factory):
@@ -124,7 +130,7 @@ def test_interrupted_stage_leaves_no_engine_and_no_half_artifact(served_run):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pipeline", "vllm", "--run", str(served_run), "--config", CONFIG,
            "--drafts", "ngram:2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible)
     seen = []
     for line in proc.stderr:
         seen.append(line)

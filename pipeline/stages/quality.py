@@ -333,6 +333,8 @@ def run(ctx: StageContext) -> None:
     engines.release()
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator, backends[reference].record(qcfg.evaluator))
+    for f in (ctx.out_dir / reference).glob("requests-*.db"):  # every line it answered is written
+        f.unlink()
     tasks = list(qcfg.slices) + [s.name for s in named]
     budgets, ran = {}, {}
     for name in order:
