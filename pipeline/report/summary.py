@@ -47,8 +47,8 @@ def _best_pair(pairs: dict[str, dict]) -> tuple[str, dict, dict | None] | None:
 
 def summary_data(run_dir: Path) -> dict:
     """What the summary says, as data: the decision; per release variant (name, decision, deciding
-    cell); per target (target, what to deploy, speedup [CI], engine, serve line or config); the
-    variants vLLM could not serve."""
+    cell); per target a dict (target, deploy, speed, engine, line: the serve line or config,
+    speculate, best_seen where it does not); the variants vLLM could not serve."""
     run_dir = Path(run_dir)
     gate = optional_json(run_dir / "gate.json", "gate result") or {}
     out = {"run": run_dir.name, "decision": gate.get("decision"), "reference": gate.get("reference"),
@@ -63,23 +63,25 @@ def summary_data(run_dir: Path) -> dict:
     for target, pairs in sorted(by_target.items()):
         best = _best_pair(pairs)
         if best is None:
-            out["speculation"].append((target, "no timed pair", "", "", None))
+            out["speculation"].append({"target": target, "deploy": "no timed pair", "speed": "", "engine": "",
+                                       "line": None, "speculate": False})
             continue
         pair, m, row = best
         draft = pair.split("__", 1)[1]
-        engine = m.get("engine", "specq")
-        speed = f"{number(row['speedup'], 2)}x {interval(row['speedup_ci'], 2)}"
-        if m.get("recommended_k"):
+        spec = {"target": target, "engine": m.get("engine", "specq"), "speculate": bool(m.get("recommended_k")),
+                "speed": f"{number(row['speedup'], 2)}x {interval(row['speedup_ci'], 2)}", "line": None}
+        if spec["speculate"]:
             by_b = m.get("recommended_k_by_batch")
             batch = (", by batch size " + ", ".join(f"B={b}: {k}" for b, k in sorted(by_b.items(), key=lambda x: int(x[0])))
                      if by_b and len(set(by_b.values())) > 1 else "")
-            deploy = m.get("serve_command") or (
+            spec["deploy"] = f"{draft} k = {m['recommended_k']}{batch}"
+            spec["line"] = m.get("serve_command") or (
                 f"speculative_config: {m['speculative_config_by_batch']['vllm_speculative_config']}"
                 if (m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config") else None)
-            out["speculation"].append((target, f"{draft} k = {m['recommended_k']}{batch}", speed, engine, deploy))
         else:
-            out["speculation"].append((target, f"do not speculate (best seen: {draft} k = {row['k']})", speed,
-                                       engine, None))
+            spec["deploy"] = f"do not speculate (best seen: {draft} k = {row['k']})"
+            spec["best_seen"] = f"{draft} k = {row['k']}"
+        out["speculation"].append(spec)
     vmeta = optional_json(run_dir / "vllm" / "meta.json", "vllm meta.json") or {}
     out["not_served"] = sorted(k for k in (vmeta.get("skipped") or {}) if "__" not in k)
     return out
@@ -96,15 +98,15 @@ def summary_lines(run_dir: Path) -> list[str]:
         out.append("")
     if d["speculation"]:
         out.append("Speculation, per target (speedup over plain decoding at B = 1, greedy, 95% CI):")
-    for target, deploy, speed, engine, line in d["speculation"]:
-        if deploy.startswith("do not speculate"):
-            out.append(f"  {target:<14} {deploy[:-1]}, {speed}, {engine})")
-        elif not speed:
-            out.append(f"  {target:<14} {deploy}")
+    for r in d["speculation"]:
+        if r.get("best_seen"):
+            out.append(f"  {r['target']:<14} do not speculate (best seen: {r['best_seen']}, {r['speed']}, {r['engine']})")
+        elif not r["speed"]:
+            out.append(f"  {r['target']:<14} {r['deploy']}")
         else:
-            out.append(f"  {target:<14} {deploy}: {speed} (measured in {engine})")
-            if line:
-                out.append(f"      {line}")
+            out.append(f"  {r['target']:<14} {r['deploy']}: {r['speed']} (measured in {r['engine']})")
+            if r["line"]:
+                out.append(f"      {r['line']}")
     if d["not_served"]:
         out.append(f"  not measured in vLLM: {', '.join(d['not_served'])} (vLLM cannot serve them here)")
     out += ["", f"Report:     {run_dir / 'report' / 'index.html'}  (and gate.json beside report/)",
@@ -125,8 +127,8 @@ def summary_blocks(run_dir: Path) -> list:
     if d["speculation"]:
         out += [("p", "Speculation, per target (speedup over plain decoding at B = 1, greedy, 95% CI):"),
                 ("table", ["target", "deploy", "speedup", "measured in"],
-                 [[t, dep, sp, eng] for t, dep, sp, eng, _ in d["speculation"]], None)]
-        lines = [f"# {t}\n{line}" for t, _, _, _, line in d["speculation"] if line]
+                 [[r["target"], r["deploy"], r["speed"], r["engine"]] for r in d["speculation"]], None)]
+        lines = [f"# {r['target']}\n{r['line']}" for r in d["speculation"] if r["line"]]
         if lines:
             out.append(("code", "\n".join(lines)))
     if d["not_served"]:

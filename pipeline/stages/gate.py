@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.stage import StageContext, StageError, atomic_write_json, atomic_write_text, read_json
-from pipeline.gate.decision import EXIT_CODES, build_gate
+from pipeline.gate.decision import EXIT_CODES, build_gate, overall_decision
 from pipeline.report.gate_table import render_table
 
 
@@ -35,7 +35,6 @@ def run(ctx: StageContext) -> None:
 def gate_check(run_dir: str | Path, variants: list[str] | None = None, table: bool = True) -> int:
     """Print a finished gate's decision (the whole table, or one line per release variant); the
     exit status of the decision (EXIT_CODES). `variants`: decide on these release variants only."""
-    from pipeline.gate.decision import overall_decision
     from pipeline.report.summary import deciding_cell
 
     path = Path(run_dir) / "gate.json"

@@ -292,6 +292,11 @@ def run(ctx: StageContext) -> None:
                           {**distribution.summarize(per_doc), **heldout_info,
                            "seconds": time.perf_counter() - start})
 
+    def drop_request_cache(name: str) -> None:
+        """The answers kept for a look the engine might die in: not needed once its lines are written."""
+        for f in (ctx.out_dir / name).glob("requests-*.db"):
+            f.unlink()
+
     def unload(name: str) -> None:
         engines.release(name)
         models.pop(name, None)
@@ -302,8 +307,7 @@ def run(ctx: StageContext) -> None:
         # ran to the end of its looks is the same under any budget).
         items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
         waves.finish(name, qcfg.evaluator, backends[name].record(qcfg.evaluator))
-        for f in (ctx.out_dir / name).glob("requests-*.db"):  # its lines are written
-            f.unlink()
+        drop_request_cache(name)
         unload(name)
 
     groups = _side_by_side_groups(qcfg, host, budget, backends, pending)
@@ -333,8 +337,7 @@ def run(ctx: StageContext) -> None:
     engines.release()
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator, backends[reference].record(qcfg.evaluator))
-    for f in (ctx.out_dir / reference).glob("requests-*.db"):  # every line it answered is written
-        f.unlink()
+    drop_request_cache(reference)
     tasks = list(qcfg.slices) + [s.name for s in named]
     budgets, ran = {}, {}
     for name in order:
