@@ -21,7 +21,7 @@ from pipeline.core.stage import StageError, read_json
 from pipeline.speculation.engine_stats import latency_summary, request_record
 from pipeline.vllm.client import closed_loop, complete, counter_delta, open_loop, poisson_arrivals, spec_counters
 from pipeline.vllm.server import Server
-from pipeline.vllm.spec_config import server_args, target_reason
+from pipeline.vllm.spec_config import engine_env, server_args, target_reason
 
 # Top logprobs asked for at temperature 0, for the greedy check's tie rule.
 GREEDY_LOGPROBS = 5
@@ -75,7 +75,7 @@ def serve(settings: Settings, vdir: Path, spec: dict | None, log: Path, name: st
                        max_num_seqs=settings.max_num_seqs, tensor_parallel_size=settings.tensor_parallel_size,
                        gpu_memory_utilization=settings.gpu_memory_utilization, method=method, spec=spec,
                        extra=settings.extra_args)
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_gib:g}"} if settings.platform == "cpu" else {}
+    env = engine_env(settings.platform, settings.kv_cache_gib)
     return Server(vdir, args, log, env=env, startup_timeout_s=settings.startup_timeout_s, python=settings.python,
                   name=name)
 

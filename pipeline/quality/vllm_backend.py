@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.core.stage import StageError, read_json
-from pipeline.vllm.spec_config import BITSANDBYTES, SCHEME_NOT_READ, method_reason, server_args
+from pipeline.vllm.spec_config import BITSANDBYTES, SCHEME_NOT_READ, eager, engine_env, method_reason, server_args
 
 # Engine settings that say where or how long, never what is scored (left out of the lines' hash).
 NOT_SCORED = ("pretrained", "tokenizer")
@@ -194,7 +194,7 @@ class Host:
     def of(cls, config, log_dir: Path) -> "Host":
         v, where = config.vllm, platform()
         return cls(platform=where, log_dir=Path(log_dir),
-                   enforce_eager=(where == "cpu") if v.enforce_eager is None else v.enforce_eager,
+                   enforce_eager=eager(where, v.enforce_eager),
                    kv_cache_gib=v.kv_cache_gib, startup_timeout_s=v.startup_timeout_s,
                    request_timeout_s=v.request_timeout_s)
 
@@ -263,7 +263,7 @@ def serve(name: str, kwargs: dict, host: Host):
                        gpu_memory_utilization=kwargs["gpu_memory_utilization"],
                        method="bitsandbytes" if "quantization" in kwargs else None,
                        extra={k: v for k, v in kwargs.items() if k not in own})
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{host.kv_cache_gib:g}"} if host.platform == "cpu" else {}
+    env = engine_env(host.platform, host.kv_cache_gib)
     if host.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(host.devices)
     server = Server(kwargs["pretrained"], args, host.log_dir / f"{name}.log", env=env,

@@ -31,7 +31,7 @@ from pipeline.speculation.workload import workload_prompts, workload_summary
 from pipeline.stages.targets import vllm_targets
 from pipeline.vllm.env import engine_info, speculation_engine, unavailable
 from pipeline.vllm.server import EngineStartError
-from pipeline.vllm.spec_config import draft_method, speculative_config
+from pipeline.vllm.spec_config import draft_method, eager, speculative_config
 
 
 def precheck(config, args: dict | None = None) -> None:
@@ -51,7 +51,7 @@ def settings_for(config, platform: str) -> Settings:
     conc = list(v.concurrency)
     return Settings(platform=platform, dtype="bfloat16" if v.dtype == "auto" else v.dtype,
                     max_model_len=v.max_model_len, seed=config.seed,
-                    enforce_eager=(platform == "cpu") if v.enforce_eager is None else v.enforce_eager,
+                    enforce_eager=eager(platform, v.enforce_eager),
                     max_num_seqs=max([8, *conc]) * 2, max_new_tokens=acc.max_new_tokens,
                     temperatures=list(acc.temperatures), top_k=acc.sampling.top_k, top_p=acc.sampling.top_p,
                     concurrency=sorted(set(conc)), tensor_parallel_size=v.tensor_parallel_size,

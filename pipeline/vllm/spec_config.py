@@ -67,6 +67,16 @@ def target_reason(scheme: str, method: str | None, platform: str, has_safetensor
     return method_reason(method, platform=platform)
 
 
+def eager(platform: str, enforce_eager: bool | None) -> bool:
+    """CUDA graphs off: as configured, or (null) on CPU only, where vLLM compiles nothing useful."""
+    return (platform == "cpu") if enforce_eager is None else enforce_eager
+
+
+def engine_env(platform: str, kv_cache_gib: float) -> dict[str, str]:
+    """The environment an engine needs beyond specq's: its KV cache size on CPU."""
+    return {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} if platform == "cpu" else {}
+
+
 def server_args(*, dtype: str, max_model_len: int, seed: int, platform: str, enforce_eager: bool,
                 max_num_seqs: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
                 method: str | None = None, spec: dict | None = None, extra: dict | None = None) -> list[str]:
