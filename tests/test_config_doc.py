@@ -23,7 +23,7 @@ def test_every_key_has_a_type_a_default_and_a_meaning():
     missing = [k.path for k in found if not k.meaning.strip()]
     assert not missing, f"keys without a description in the schema: {missing}"
     assert all(k.type for k in found)
-    assert next(k for k in found if k.path == "budget.minutes").default == "30.0"
+    assert next(k for k in found if k.path == "budget.minutes").default == "40.0"
     # No issue numbers: the page is for users.
     assert not [k.path for k in found if re.search(r"\bissue \d+|#\d{2}\b", k.meaning)]
 

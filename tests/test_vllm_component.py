@@ -297,22 +297,19 @@ def test_auto_without_vllm_falls_back_to_specq(tmp_path, monkeypatch):
     assert engine_args(cfg) == {"engine": "specq", "vllm": None}
 
 
-def test_speculation_targets_follow_the_engine(tmp_path, monkeypatch):
-    """By default specq's engine derives acceptance for the reference, and, where vLLM measures,
-    for every release variant vLLM serves; a self-draft is never paired with itself."""
+def test_speculation_targets_are_the_release_variants(tmp_path):
+    """By default both engines measure every release variant (the reference when listed, or when
+    nothing is released); a self-draft is never paired with itself."""
     import pipeline.stages.targets as targets
     from pipeline.core.config import load_config
 
     cfg = load_config(REPO / "configs/default.yaml")
-    for v in cfg.quantize.variants:
-        (tmp_path / "variants" / v).mkdir(parents=True)
-        (tmp_path / "variants" / v / "meta.json").write_text("{}")
-    monkeypatch.setattr(targets, "speculation_engine", lambda c: ("specq", "not installed"))
-    assert targets.speculation_targets(cfg, tmp_path) == ["bf16"]
-    monkeypatch.setattr(targets, "speculation_engine", lambda c: ("vllm", None))
-    monkeypatch.setattr(targets, "engine_info", lambda: {"platform": "cpu"})
-    monkeypatch.setattr(targets, "serve_reason", lambda d, p: None if d.name in ("bf16", "w4a16-gptq") else "no")
-    assert targets.speculation_targets(cfg, tmp_path) == ["bf16", "w4a16-gptq"]
+    assert targets.speculation_targets(cfg, tmp_path) == ["w4a16-gptq", "int8", "nf4"]
+    assert targets.vllm_targets(cfg) == ["w4a16-gptq", "int8", "nf4"]
+    solo = load_config(REPO / "configs/default.yaml", {"quantize": {"variants": {"bf16": {"scheme": "none"}}}})
+    assert targets.speculation_targets(solo, tmp_path) == ["bf16"] and targets.vllm_targets(solo) == ["bf16"]
+    listed = load_config(REPO / "configs/default.yaml", {"vllm": {"targets": ["bf16", "w4a16-gptq"]}})
+    assert targets.vllm_targets(listed) == ["bf16", "w4a16-gptq"]
     written = cfg.model_copy(update={"acceptance": cfg.acceptance.model_copy(update={"targets": ["nf4"]})})
     assert targets.speculation_targets(written, tmp_path) == ["nf4"]
     said = []

@@ -149,6 +149,29 @@ def test_interrupted_stage_leaves_no_engine_and_no_half_artifact(served_run):
     assert not list((served_run / "vllm").rglob("*.tmp"))
 
 
+def test_a_budget_stops_the_stage_engine_by_engine_and_a_rerun_resumes(served_run, tmp_path):
+    """With no time left the stage still runs its first engine (nothing measured yet to plan from),
+    then skips what its measured engine cost does not fit, keeping each pair's k = 1; the skips are
+    in meta.json and the pair files say which k they lack."""
+    run = tmp_path / "run"
+    shutil.copytree(served_run, run, ignore=shutil.ignore_patterns("logs"))
+    for part in (run / "vllm" / "parts").glob("*.k2.json"):
+        part.unlink()
+    config = tmp_path / "budget.yaml"
+    config.write_text(Path(CONFIG).read_text().replace("budget:\n  minutes: null", "budget:\n  minutes: 0.01"))
+    argv = ["--run", str(run), "--config", str(config), "--model", "smollm2-135m"]
+    assert main(["vllm", *argv]) == 0
+    meta = _json(run / "vllm" / "meta.json")
+    assert len(meta["engines"]) == 1 and meta["budget"]["seconds_from"] == "ledger"
+    assert any("at k = 2" in s["what"] for s in meta["budget"]["skipped"]), meta["budget"]
+    ks = {name: _json(run / "vllm" / f"{name}.json")["k_values"] for name in meta["measured"]}
+    assert sorted(ks.values()) == [[1], [1, 2]], ks
+    short = next(n for n, k in ks.items() if k == [1])
+    doc = _json(run / "vllm" / f"{short}.json")
+    assert doc["k_not_measured"] == [2] and doc.get("validation_skipped") in (None, "budget")
+    assert doc["recommendation"]["recommended_k"] in (0, 1)
+
+
 def test_quality_scored_through_vllm_agrees_with_hf(served_run, tmp_path):
     """quality.backend vllm on the embedded model and its GPTQ variant (both served here), then
     the reference scored by hf and by vLLM on the same items: the same record shape, every

@@ -1,32 +1,22 @@
-"""A stage's share of the run's time budget (config `budget`, issue 27): its clock, its estimates
-and the record of what it planned, spent and skipped.
+"""The run's time budget (config `budget`): a stage's clock, its estimates and the record of what
+it planned, spent and skipped.
 
     from pipeline.core.budget import StageBudget
-    budget = StageBudget(ctx.config, "latency")
+    budget = StageBudget(ctx.config, "latency", run_dir=ctx.run_dir)
     budget.announce("plain grids 5 x 8 cells, then 3 pairs", estimate_s=410.0)
     if not budget.affords(next_repeat_s):
         budget.skip("bf16__ngram repeats 4-5", "budget: 38 s left, a repeat takes 52 s")
     ctx.meta["budget"] = budget.to_json()
 
+A planning stage's seconds come from the run's ledger (`ledger`): the budget less what the stages
+before it took (their meta.json's wall_s), shared in proportion to `budget.shares` among this
+stage and the planning stages after it, counted from the stage's start. So the plan follows
+what this machine measured: a slow quantize shrinks the later stages, a stage that finishes early
+leaves its time to them. Without a run directory (unit tests) a stage gets minutes x 60 x share.
 With `budget.minutes` unset every method still works: `seconds` is None, `left()` is infinite and
 `affords()` is always true, so a stage written against a budget runs exhaustively without one.
-A stage's seconds are `minutes x 60 x shares[stage]`, counted from when the stage object was made
-(the stage's start): a stage that ran long does not shorten the next one's share. The budget is
-wall-clock, so what a budgeted run does depends on the machine's speed; meta.json records what it
-did (the items, repeats and pairs), and the report says what was skipped.
-
-The run's plan (`allot`, PLAN_FILE; `budget.rebalance`). A stage cannot go below its floor, the work
-it does whatever the budget (acceptance's measurement, latency's compiles and first repeats,
-quality's first looks). Where a floor is over its share, the shares as written overrun the budget
-by the difference while another stage may leave time unused. So when `make evaluate` starts on a
-device the cost model has a profile for (pipeline/tools/run_plan.py), the run writes
-runs/<run>/budget.json: the planning stages' time (minutes x 60 x the sum of their shares) shared
-again, each stage getting max(its floor, lambda x its share), lambda chosen so that the stages'
-seconds add up to that time (water-filling). A stage whose floor is over its share takes the time
-from the others, in proportion to their shares; where the floors alone are over the time, every
-stage gets its floor. StageBudget(..., run_dir=) reads the stage's seconds from that plan when
-the plan was made for the config's budget; without one (a CPU, a GPU without a profile,
-`rebalance: false`) it is the share.
+On a GPU the cost model has a profile for, the run's plan (PLAN_FILE, `allot`, written by
+pipeline/tools/run_plan.py) sets the seconds instead, shared around each stage's floor.
 """
 from __future__ import annotations
 
@@ -105,6 +95,39 @@ def planned(run_dir, config, stage: str) -> dict | None:
     return (plan.get("stages") or {}).get(stage)
 
 
+# The run's stages in the order make runs them, and where each writes its meta.json (the ledger
+# reads their wall_s).
+STAGE_DIRS = {"prepare": "model", "quantize": "variants", "quality": "quality", "drafts": "drafts",
+              "acceptance": "acceptance", "vllm": "vllm", "latency": "latency", "gate": "gate",
+              "marginal": "marginal", "report": "report"}
+# Kept back for the stages after the planning ones (gate, marginal, report: seconds each).
+TAIL_FRACTION = 0.03
+
+
+def ledger(run_dir, config, stage: str) -> dict:
+    """The stage's seconds from the run's ledger: the budget less what the stages before it took
+    (their meta.json's wall_s) and a tail for gate, marginal and report, shared between this stage
+    and the planning stages after it in proportion to their shares. A stage that ran short leaves
+    its time to the later ones; a slow machine shrinks them. The same on a re-run of one stage as
+    on the cold run: only the stages before it count."""
+    total = config.budget.minutes * 60
+    shares = config.budget.shares
+    order = list(STAGE_DIRS)
+    before = order[:order.index(stage)] if stage in order else []
+    spent = {}
+    for name in before:
+        try:
+            spent[name] = float(json.loads((Path(run_dir) / STAGE_DIRS[name] / "meta.json").read_text())["wall_s"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    pending = [n for n in order[len(before) + 1:] if n in shares]
+    weight = shares[stage] / (shares[stage] + sum(shares[n] for n in pending))
+    left = total * (1 - TAIL_FRACTION) - sum(spent.values())
+    return {"seconds": round(max(left, 0.0) * weight, 1), "budget_s": round(total, 1),
+            "spent_s": {n: round(v, 1) for n, v in spent.items()}, "left_s": round(left, 1),
+            "pending": pending, "weight": round(weight, 4)}
+
+
 class StageBudget(_Clock):
     def __init__(self, config, stage: str, clock=time.monotonic, run_dir=None):
         self.stage = stage
@@ -116,8 +139,12 @@ class StageBudget(_Clock):
         self.minutes = minutes
         # The run's plan (module docstring): the stage's seconds shared again around the floors.
         self.plan = planned(run_dir, config, stage) if self.seconds is not None else None
+        self.ledger = None
         if self.plan is not None:
             self.seconds = float(self.plan["seconds"])
+        elif self.seconds is not None and run_dir is not None and config.budget.rebalance:
+            self.ledger = ledger(run_dir, config, stage)
+            self.seconds = self.ledger["seconds"]
         self.estimates: list[dict] = []
         self.skipped: list[dict] = []
 
@@ -150,8 +177,10 @@ class StageBudget(_Clock):
         return {"minutes": self.minutes, "share": self.share,
                 "seconds": None if self.seconds is None else round(self.seconds, 1),
                 # "plan": the run's plan set the seconds (PLAN_FILE; its entry is `plan`); "share": the share.
-                "seconds_from": None if self.seconds is None else ("plan" if self.plan is not None else "share"),
+                "seconds_from": None if self.seconds is None else (
+                    "plan" if self.plan is not None else "ledger" if self.ledger is not None else "share"),
                 **({"plan": self.plan} if self.plan is not None else {}),
+                **({"ledger": self.ledger} if self.ledger is not None else {}),
                 "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}
 
 
@@ -186,7 +215,7 @@ def plan_line(config) -> str:
     if not b.minutes:
         return ("no time budget (budget.minutes unset): every stage does all its config asks; each stage "
                 "prints its own estimate")
-    parts = [f"{stage} {fmt_s(b.minutes * 60 * share)}" for stage, share in b.shares.items()]
-    rest = b.minutes * 60 * (1 - sum(b.shares.values()))
-    return (f"time budget {fmt_s(b.minutes * 60)}: {', '.join(parts)}; the rest (prepare, quantize, drafts, "
-            f"marginal, gate, report) {fmt_s(rest)}")
+    total = sum(b.shares.values())
+    parts = [f"{stage} {share / total:.0%}" for stage, share in b.shares.items()]
+    return (f"time budget {fmt_s(b.minutes * 60)}: each planning stage gets what the stages before it left, "
+            f"shared among those still to run ({', '.join(parts)})")

@@ -64,3 +64,6 @@ def set_up_process(quiet: bool = False) -> None:
     # The tokenizers library warns (and may deadlock) when a process forks after it used threads;
     # the sandbox and the data loaders fork.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # GPTQModel sizes its CPU pools from this, and with its default of one worker refuses to load
+    # (a loader pool asks for two); make sets it too.
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")

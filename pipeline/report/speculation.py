@@ -105,6 +105,8 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
         if m and m.get("screened"):
             screened.append(f"{pair}: {m.get('screened_note')}; skipped: "
                             f"{m['screened'].get('skipped') or 'its timing'}")
+        elif m and m.get("not_timed"):
+            screened.append(f"{pair}: not timed ({m['not_timed']})")
         elif m and m.get("ks_not_timed_note"):  # timed at the k that may pay only (screen.ks_to_time)
             screened.append(f"{pair}: {m['ks_not_timed_note']}")
         shown = MISSING if rec is None else str(rec) + (" (does not pay, not timed)" if (m or {}).get("screened") else "")
@@ -114,7 +116,7 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
                      f"{number(at['speedup'], 2)}x {interval(at.get('speedup_ci'), 2)}" if at else MISSING,
                      number(at["ms_per_token"], 2) if at else MISSING,
                      number(at["tokens_per_round"], 2) if at else MISSING,
-                     number(m["baseline_ms_per_token"], 2) if m else MISSING])
+                     number(m["baseline_ms_per_token"], 2) if m and m.get("baseline_ms_per_token") is not None else MISSING])
         classes.append([None, None, {"go": "pass", "no-go": "fail"}.get(loss.get("decision"), "inconclusive"),
                         None, None, None, None, None])
     out += [("p", "Lossless: greedy speculative output identical to the target's own (up to near-ties), and the "

@@ -63,8 +63,10 @@ def summary_data(run_dir: Path) -> dict:
     for target, pairs in sorted(by_target.items()):
         best = _best_pair(pairs)
         if best is None:
-            out["speculation"].append({"target": target, "deploy": "no timed pair", "speed": "", "engine": "",
-                                       "line": None, "speculate": False})
+            late = any(m.get("not_timed") for m in pairs.values())
+            out["speculation"].append({"target": target, "speed": "", "engine": "", "line": None, "speculate": False,
+                                       "deploy": ("not timed: the run's budget ran out first (a larger "
+                                                  "budget.minutes times it)" if late else "no timed pair")})
             continue
         pair, m, row = best
         draft = pair.split("__", 1)[1]

@@ -414,12 +414,28 @@ def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -
     }
 
 
+def not_timed_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
+    """The marginal artifact of a pair the latency stage had no time left for: no table and no k
+    (recommended_k None), the acceptance figures that were measured, and why."""
+    slices = acceptance.get("slices") or {}
+    temps = slices.get("all") or {}
+    primary_temp = min(temps, key=float) if temps else "0.0"
+    return {"variant": latency.get("variant", acceptance.get("variant")),
+            "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
+            "primary": {"slice": "all", "temperature": primary_temp}, "rows": [], "recommended_k": None,
+            "not_timed": latency["not_timed"], "rule": RULE, "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None,
+            "recommended_k_by_batch": None, "workload": workload_brief(acceptance),
+            "acceptance_per_position": (temps.get(primary_temp) or {}).get("per_position", [])}
+
+
 def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise: dict | None = None) -> dict:
     """The whole marginal artifact for one pair: the primary table (slice "all", greedy when
     measured) at the top level, and one table per slice and temperature under "slices". A pair
     the latency stage screened out (`screened`): screened_report."""
     if isinstance(latency, dict) and latency.get("screened"):
         return screened_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
+    if isinstance(latency, dict) and latency.get("not_timed"):
+        return not_timed_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
     try:
         by_temp = latency["by_temperature"]
         slices = acceptance["slices"]

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from draft_models.registry import build_draft, draft_slug, engine_specs
-from pipeline.core.budget import StageBudget
+from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
                                  sha256_file)
@@ -120,7 +120,7 @@ def run(ctx: StageContext) -> None:
     if lat.closed_loop_waves > 0 and lat.closed_loop_tokens < 2:
         raise StageError("latency.closed_loop_tokens must be >= 2 (TPOT is undefined for one output token)")
     device = resolve_device(cfg.device)
-    k_max = lat.k_max or cfg.acceptance.k_max
+    k_max = lat.k_max or cfg.vllm.k_max or cfg.acceptance.k_max
     if k_max < 1:
         raise StageError(f"latency.k_max must be >= 1 (got {k_max})")
     ks = list(range(1, k_max + 1))
@@ -224,6 +224,8 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
         # screen the same way: re-timed once the screen is off or its acceptance JSON changed.
         cut = item.meta.get("screen") if item.fresh and item.meta.get("ks_not_timed") else None
         rec = screened or cut
+        if item.fresh and item.meta.get("not_timed"):  # the budget ran out before it: time it now
+            item.fresh = False
         if rec and (not ctx.config.latency.screen
                     or (rec.get("acceptance") or {}).get("sha256") != _acceptance_sha(ctx, target, spec)):
             item.fresh = False
@@ -232,6 +234,21 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
         elif screened or item.meta.get("screen"):
             _note_screen(ctx, target, spec, phase, screened or item.meta["screen"])
     return pending
+
+
+def _not_timed(ctx: StageContext, target: str, pending: dict, budget: StageBudget, phase: str) -> bool:
+    """Where the stage's time is spent, the target's pending pairs are not timed: each gets a
+    `not_timed` document (no k is recommended from it; a re-run with time left times it)."""
+    if not budget.active or budget.left() > 0:
+        return False
+    why = f"budget: the latency stage's {fmt_s(budget.seconds)} were spent before this pair"
+    for spec, item in pending.items():
+        name = f"{target}__{draft_slug(spec)}"
+        budget.skip(f"{'batched ' if phase == 'batched' else ''}{name}: not timed", why)
+        item.write_json({"variant": target, "draft": spec, "not_timed": why})
+        ctx.meta.setdefault("not_timed", []).append(f"{'batched/' if phase == 'batched' else ''}{name}")
+    pending.clear()
+    return True
 
 
 def _acceptance_path(ctx: StageContext, target: str, spec: str) -> Path:
@@ -337,7 +354,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     screening = _screening(ctx, lat, device)
     for target in targets:
         pending = pending_by_target[target]
-        if not pending:
+        if not pending or _not_timed(ctx, target, pending, budget, "speculative"):
             continue
         model, tok = load_variant(dirs[target], device=device)
         prompts = workload_prompts(cfg, tok, "latency", lat.speculative_prompts_per_kind or None,
@@ -388,7 +405,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
     screening = _screening(ctx, lat, device)
     for target in targets:
         pending = pending_by_target[target]
-        if not pending:
+        if not pending or _not_timed(ctx, target, pending, budget, "batched"):
             continue
         model, tok = load_variant(dirs[target], device=device)
         # B distinct prompts per cell and per closed-loop wave: every category in turn, enough of

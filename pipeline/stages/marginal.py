@@ -161,6 +161,13 @@ def run(ctx: StageContext) -> None:
             continue
         acc = read_json(acc_path, "acceptance artifact")
         report = pair_report(acc, lat_docs[pair], confidence, noise_for(noise, pair))
+        if report.get("not_timed"):  # the latency stage's budget ran out before this pair
+            atomic_write_text(ctx.out_dir / f"{pair}.md", f"# {pair}\n\nNot timed: {report['not_timed']}. "
+                              "Its acceptance was measured; a re-run with a larger budget.minutes times it.\n")
+            item.write_json(report)
+            recommended[pair], by_batch[pair], by_category[pair] = None, None, None
+            progress(f"marginal: {pair}: not timed ({report['not_timed']})")
+            continue
         extra = _add_batching(ctx, pair, report, acc, batched_docs.get(pair), noise)
         # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
         write_plot(report, ctx.out_dir / f"{pair}.png")

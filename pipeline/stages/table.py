@@ -3,7 +3,8 @@
     from pipeline.stages.table import STAGES
     run_stage(STAGES["latency"], run_dir, config, {}, STAGES)      # pipeline.core.stage.run_stage
 
-The order is the order `evaluate` runs them in. `after`: stages read (and hashed) when they have
+The order is the order `evaluate` runs them in, as make does: quality first of the planning
+stages, since the run's ledger gives each what the stages before it left (pipeline/core/budget.py). `after`: stages read (and hashed) when they have
 run, not required (the vllm stage, which does nothing without its venv). Code: "import:<module>" = the stage's module and
 every project module it imports (pipeline.core.stage.import_closure), plus the data files it
 reads. The runner adds its own modules and the config schema to every stage's code
@@ -21,22 +22,23 @@ STAGES: dict[str, StageSpec] = {
                   precheck="pipeline.models.source:check_model"),
         StageSpec("quantize", ["quantize", "device", "seed"], ["prepare"], "variants",
                   ["import:pipeline.stages.quantize", "evals/data/calibration.txt"], "pipeline.stages.quantize:run"),
+        StageSpec("quality", ["quality", "gate", "quantize", "device", "seed", "budget"], ["quantize"], "quality",
+                  ["import:pipeline.stages.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.stages.quality:run",
+                  precheck="pipeline.stages.quality:precheck"),
         StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.stages.drafts"],
                   "pipeline.stages.drafts:run"),
         StageSpec("acceptance", ["acceptance", "latency", "device", "seed", "budget"], ["quantize", "drafts"], "acceptance",
                   ["import:pipeline.stages.acceptance"], "pipeline.stages.acceptance:run",
                   precheck="pipeline.speculation.workload:precheck"),
-        StageSpec("vllm", ["vllm", "speculation_engine", "acceptance", "serving", "marginal", "quantize", "drafts", "seed"],
+        StageSpec("vllm", ["vllm", "speculation_engine", "acceptance", "serving", "marginal", "quantize", "drafts", "seed",
+                            "budget"],
                   ["quantize", "drafts"], "vllm", ["import:pipeline.stages.vllm_engine"], "pipeline.stages.vllm_engine:run",
                   precheck="pipeline.stages.vllm_engine:precheck"),
-        StageSpec("latency", ["latency", "acceptance", "device", "seed", "budget"], ["quantize", "drafts", "acceptance"],
+        StageSpec("latency", ["latency", "acceptance", "vllm", "device", "seed", "budget"], ["quantize", "drafts", "acceptance"],
                   "latency", ["import:pipeline.stages.latency"], "pipeline.stages.latency:run",
                   precheck="pipeline.speculation.workload:precheck", after=["vllm"]),
         StageSpec("marginal", ["marginal", "serving", "report"], ["acceptance", "latency"], "marginal",
                   ["import:pipeline.stages.marginal"], "pipeline.stages.marginal:run", after=["vllm"]),
-        StageSpec("quality", ["quality", "gate", "quantize", "device", "seed", "budget"], ["quantize"], "quality",
-                  ["import:pipeline.stages.quality", "evals/tasks/*", "evals/data/*.jsonl"], "pipeline.stages.quality:run",
-                  precheck="pipeline.stages.quality:precheck"),
         StageSpec("gate", ["gate", "quantize"], ["quality", "acceptance"], "gate",
                   ["import:pipeline.stages.gate"], "pipeline.stages.gate:run"),
         StageSpec("report", ["report"], ["gate", "marginal", "latency", "acceptance", "quality"],

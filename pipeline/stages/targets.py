@@ -4,13 +4,14 @@
     vllm_targets(config)                      # the vllm stage's targets
     speculation_targets(config, run_dir)      # the targets specq's engine derives acceptance for
 
+By default every release variant is a target in both engines (the reference when listed).
+
 Shared by the acceptance, vllm and latency stages, so that each vLLM-measured pair has the
 teacher-forced derivation beside it, and a change of engine (vLLM installed or removed) re-runs
 the stages it changes (engine_args goes into their hash).
 """
 from __future__ import annotations
 
-from pipeline.latency.served import serve_reason
 from pipeline.vllm.env import engine_info, speculation_engine
 
 
@@ -20,29 +21,27 @@ def engine_args(config) -> dict:
     return {"engine": engine, "vllm": engine_info().get("vllm") if engine == "vllm" else None}
 
 
-def vllm_targets(config) -> list[str]:
-    """vllm.targets as written, or the reference and every release variant."""
+def release_variants(config) -> list[str]:
+    """The variants that ship: every release variant other than the reference."""
     q = config.quantize
+    return [v for v, spec in q.variants.items() if spec.release and v != q.reference]
+
+
+def vllm_targets(config) -> list[str]:
+    """vllm.targets as written, or every release variant (the reference is a target when listed)."""
     if config.vllm.targets:
         return list(dict.fromkeys(config.vllm.targets))
-    return [q.reference] + [v for v, spec in q.variants.items() if spec.release and v != q.reference]
+    return release_variants(config) or [config.quantize.reference]
 
 
 def speculation_targets(config, run_dir) -> list[str]:
     """The targets specq's own engine derives acceptance for (the acceptance and latency stages):
-    acceptance.targets as written, or by default the reference and, where vLLM measures
-    speculation, every release variant it serves here, so each vLLM-measured pair has the
-    teacher-forced derivation beside it."""
+    acceptance.targets as written, or every release variant: those vLLM serves get the
+    teacher-forced derivation beside vLLM's counters, the others their only measurement. A config
+    without release variants measures the reference."""
     if config.acceptance.targets:
         return list(config.acceptance.targets)
-    ref = config.quantize.reference
-    if speculation_engine(config)[0] != "vllm":
-        return [ref]
-    platform = engine_info().get("platform", "cpu")
-    served = [v for v in vllm_targets(config)
-              if v != ref and (run_dir / "variants" / v / "meta.json").is_file()
-              and serve_reason(run_dir / "variants" / v, platform) is None]
-    return [ref, *served]
+    return release_variants(config) or [config.quantize.reference]
 
 
 def engine_drafts(specs: list[str], target: str, stage: str, say=None, reference: str | None = None) -> list[str]:

@@ -14,13 +14,16 @@ the greedy and sampled lossless checks against the plain engine, and the recomme
 A target vLLM cannot serve, or a draft it has no counterpart for (layer-skip), is one line and a
 `skipped` entry in meta.json; those pairs keep the specq engine's figures. With
 speculation_engine auto and no vLLM environment the stage records why and does nothing.
-Each (pair, k) is an item of its own, so a stage stopped mid-way resumes at the next k.
+With a time budget it plans engine by engine from what the engines before cost (start and work),
+every pair's k = 1 before any pair's k = 2, and records what did not fit. Each (pair, k) is an item
+of its own, so a stopped stage, or a re-run with a larger budget, resumes at the next k.
 """
 from __future__ import annotations
 
 import time
 
 from draft_models.registry import draft_slug
+from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.stage import StageContext, StageError, progress, read_json
 from pipeline.latency.served import (Settings, b1_records, measure, open_loop_run, sampled_texts, serve,
                                      serve_reason)
@@ -307,8 +310,15 @@ def run(ctx: StageContext) -> None:
               "acceptance": {k: ctx.config.section("acceptance")[k] for k in
                              ("lossless_samples", "lossless_temperature", "lossless_alpha")}}
     measured, skipped, recs = {}, {}, {}
+    budget = StageBudget(ctx.config, "vllm", run_dir=ctx.run_dir)
+    cost = _EngineCost(eng)
     progress(f"vllm: vLLM {info.get('vllm')} ({info.get('platform')}), {sum(map(len, prompts.values()))} prompts x "
              f"{len(s.temperatures)} temperatures, k = 1..{k_max}, closed loops at {s.concurrency or 'none'}")
+    budget.announce("a plain engine per target, then each pair at k = 1, 2, ... while an engine fits (its cost "
+                    "measured on the engines before it), then the open-loop check", None)
+
+    # 1. Each target's plain engine: the baseline every pair is timed against.
+    plains = {}
     for target in vllm_targets(ctx.config):
         vdir = ctx.run_dir / "variants" / target
         vmeta = read_json(vdir / "meta.json", f"variant '{target}' meta.json")
@@ -323,6 +333,8 @@ def run(ctx: StageContext) -> None:
         plain_item = ctx.item(f"{target}.json", inputs, is_dir=False)
         plain = plain_item.meta if plain_item.fresh else None
         if plain is None:
+            if not cost.fits(budget, f"{target}: the plain engine", cost.plain()):
+                continue
             try:
                 plain = _measure_plain(eng, target, vdir, acc)
             except EngineStartError as e:  # a target vLLM does not start with: its pairs stay on specq's engine
@@ -330,6 +342,12 @@ def run(ctx: StageContext) -> None:
                 progress(f"vllm: {target}: not measured in vLLM: {e}")
                 continue
             plain_item.write_json(plain)
+        plains[target] = (vdir, inputs, plain_item, plain)
+
+    # 2. The pairs, k-major: every pair at k = 1 before any at k = 2, so a stage the budget stops
+    # still has each pair's first k.
+    pairs = {}
+    for target, (vdir, inputs, plain_item, plain) in plains.items():
         for spec in ctx.config.drafts:
             name = f"{target}__{draft_slug(spec)}"
             base = draft_method(spec, ctx.run_dir)
@@ -345,32 +363,96 @@ def run(ctx: StageContext) -> None:
                            "draft_variant": (read_json(ctx.run_dir / "variants" / spec[5:] / "meta.json",
                                                        "draft variant meta.json").get("input_hash")
                                              if spec.startswith("self:") else None)}
-            item = ctx.item(f"{name}.json", pair_inputs, is_dir=False)
-            if item.fresh:
-                measured[name], recs[name] = item.path.name, item.meta.get("recommendation", {}).get("verdict")
+            pairs[name] = {"target": target, "spec": spec, "base": base, "inputs": pair_inputs, "parts": []}
+    for k in range(1, k_max + 1):
+        for name, pair in pairs.items():
+            if pair.get("stopped") or len(pair["parts"]) != k - 1:
                 continue
-            doc = {"variant": target, "draft": spec, "draft_slug": draft_slug(spec), "target_dir": str(vdir),
-                   "engine": info, "speculative_method": base, "k_values": list(range(1, k_max + 1)),
-                   "temperatures": [temp_key(t) for t in s.temperatures], "concurrency": s.concurrency,
-                   "workload": common["workload"], "by_k": {}}
+            target = pair["target"]
+            item = ctx.item(f"parts/{name}.k{k}.json", {**pair["inputs"], "k": k}, is_dir=False)
+            if item.fresh:
+                pair["parts"].append(item.meta)
+                continue
+            if not cost.fits(budget, f"{name} at k = {k}" + (" and up" if k < k_max else ""), cost.k_engine(target)):
+                pair["stopped"] = "budget"
+                continue
             try:
-                parts = [_part(ctx, eng, name, vdir, spec, k, k_max, pair_inputs, acc) for k in range(1, k_max + 1)]
+                part = _measure_k(eng, name, plains[target][0], pair["spec"], k, k == k_max, acc)
             except EngineStartError as e:  # e.g. a draft vLLM cannot load: the pair is skipped, said once
                 skipped[name] = str(e)
+                pair["stopped"] = "error"
                 progress(f"vllm: {name}: not measured in vLLM: {e}")
                 continue
-            for part in parts:
-                k = part["k"]
-                doc["by_k"][str(k)] = _summarize_k(part, plain, acc, confidence)
-                b = doc["by_k"][str(k)]["summary"]["all"]
-                progress(f"vllm: {name} k={k}: " + "; ".join(
-                    f"T={t}: {blk['expected_tokens_per_step']:.2f} tokens/step" for t, blk in b.items()))
-            tables = engine_tables(plain, doc, confidence, ctx.config.seed)
-            doc["tables"] = tables
-            doc["recommendation"] = recommend(tables, doc, ctx.run_dir)
-            if ctx.config.vllm.open_loop_check and doc["recommendation"]["speculative_config"] and plain.get("open_loop"):
-                doc["validation"] = _validate(eng, name, vdir, plain, doc["recommendation"], tables, confidence)
-            item.write_json(doc)
-            measured[name], recs[name] = item.path.name, doc["recommendation"]["verdict"]
-            progress(f"vllm: {name}: {doc['recommendation']['verdict']}")
-    ctx.meta.update(measured=measured, skipped=skipped, recommendations=recs, engines=eng.started)
+            item.write_json(part)
+            pair["parts"].append(part)
+
+    # 3. Each pair's tables and recommendation from the k it reached, then its open-loop check.
+    for name, pair in pairs.items():
+        if not pair["parts"] or pair.get("stopped") == "error":
+            continue
+        target, spec = pair["target"], pair["spec"]
+        vdir, _, _, plain = plains[target]
+        ks = [p["k"] for p in pair["parts"]]
+        item = ctx.item(f"{name}.json", {**pair["inputs"], "k_measured": ks}, is_dir=False)
+        if item.fresh:
+            measured[name], recs[name] = item.path.name, item.meta.get("recommendation", {}).get("verdict")
+            continue
+        doc = {"variant": target, "draft": spec, "draft_slug": draft_slug(spec), "target_dir": str(vdir),
+               "engine": info, "speculative_method": pair["base"], "k_values": ks,
+               "k_not_measured": [k for k in range(1, k_max + 1) if k not in ks],
+               "temperatures": [temp_key(t) for t in s.temperatures], "concurrency": s.concurrency,
+               "workload": common["workload"], "by_k": {}}
+        for part in pair["parts"]:
+            k = part["k"]
+            doc["by_k"][str(k)] = _summarize_k(part, plain, acc, confidence)
+            b = doc["by_k"][str(k)]["summary"]["all"]
+            progress(f"vllm: {name} k={k}: " + "; ".join(
+                f"T={t}: {blk['expected_tokens_per_step']:.2f} tokens/step" for t, blk in b.items()))
+        tables = engine_tables(plain, doc, confidence, ctx.config.seed)
+        doc["tables"] = tables
+        doc["recommendation"] = recommend(tables, doc, ctx.run_dir)
+        rec = doc["recommendation"]
+        if ctx.config.vllm.open_loop_check and rec["speculative_config"] and plain.get("open_loop"):
+            n = 1 + bool(rec.get("best_fixed_config") and rec["best_fixed_config"] != rec["speculative_config"])
+            if cost.fits(budget, f"{name}: the open-loop check of the recommendation", n * cost.plain(target)):
+                doc["validation"] = _validate(eng, name, vdir, plain, rec, tables, confidence)
+            else:
+                doc["validation_skipped"] = "budget"
+        item.write_json(doc)
+        measured[name], recs[name] = item.path.name, rec["verdict"]
+        progress(f"vllm: {name}: {rec['verdict']}")
+    ctx.meta.update(measured=measured, skipped=skipped, recommendations=recs, engines=eng.started,
+                    budget=budget.to_json())
+
+
+class _EngineCost:
+    """What an engine costs here, from the engines this stage has run: its start (the mean so far)
+    plus its work (the target's plain engine's, the best guess for a speculative one on the same
+    prompts). None until one engine has run: the first always runs."""
+
+    def __init__(self, eng: _Engines):
+        self.eng = eng
+
+    def _start(self) -> float | None:
+        starts = [e["start_s"] for e in self.eng.started]
+        return sum(starts) / len(starts) if starts else None
+
+    def plain(self, target: str | None = None) -> float | None:
+        start = self._start()
+        if start is None:
+            return None
+        works = [e["total_s"] - e["start_s"] for e in self.eng.started
+                 if target is None or e["engine"] == target or e["engine"].startswith(f"{target}__")]
+        works = works or [e["total_s"] - e["start_s"] for e in self.eng.started]
+        return start + max(works)
+
+    def k_engine(self, target: str) -> float | None:
+        return self.plain(target)
+
+    @staticmethod
+    def fits(budget: StageBudget, what: str, estimate_s: float | None) -> bool:
+        if estimate_s is None or budget.affords(estimate_s):
+            return True
+        budget.skip(what, f"budget: {fmt_s(max(budget.left(), 0.0))} left, an engine here takes ~{fmt_s(estimate_s)} "
+                          "(start and work, measured on this stage's engines)")
+        return False

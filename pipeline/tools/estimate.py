@@ -142,7 +142,7 @@ def _compiles(shapes, lat, d) -> tuple[int, float]:
 
 def latency(c: Cost) -> Stage:
     st, lat, cfg, d = Stage("latency"), c.cfg.latency, c.cfg, c.dev
-    k_max = lat.k_max or cfg.acceptance.k_max
+    k_max = lat.k_max or cfg.vllm.k_max or cfg.acceptance.k_max
     ks = range(1, k_max + 1)
     compiled = bool(lat.compile and d.cuda and lat.compile_backend in ("auto", "inductor"))
     eager, later = not compiled, 0.0  # later: every loop's repeats after its first
