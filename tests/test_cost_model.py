@@ -319,6 +319,8 @@ def test_budget_caps_each_planning_stage_at_its_share():
     cfg = with_section(load_config(DEFAULT), "budget", minutes=120.0)
     doc = est.estimate(cfg, "smollm2-135m", DEVICES["cpu-2core"])
     for name, share in cfg.budget.shares.items():
+        if name == "vllm":  # the cost model has no vllm stage: it plans specq's own engine
+            continue
         row = _stage(doc, name)
         assert row["cap_s"] == pytest.approx(120 * 60 * share)
         assert row["floor_s"] <= row["cap_s"], name  # this config's floors fit, so the cap binds

@@ -3,7 +3,7 @@ rely on. No model: the open kinds are pinned by a hash taken before the input-gr
 added (their ids name artifacts), and every input-grounded prompt carries its input.
 
 What the grounded kinds are for (prompt lookup pays where the output copies the input) is measured,
-not tested: python -m pipeline.tools.kind_acceptance (its docstring has the per-kind table)."""
+not tested: python -m pipeline.tools.kind_acceptance (docs/results/2026-12-02-prompt-kinds.md)."""
 from __future__ import annotations
 
 import ast

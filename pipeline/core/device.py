@@ -1,21 +1,12 @@
 """Device and dtype resolution, in one place so every stage agrees.
 
-`device: cuda` on a machine where torch sees no CUDA device is an error; `device: auto` there means
-CPU. One case in between is neither: an NVIDIA driver is installed, but it is older than the CUDA
-this torch was built for. PyPI's torch 2.14.1 wheel is built for CUDA 13, which needs an R580 or
-newer driver; on an R550 or R570 box torch.cuda.is_available() is False with nothing but a warning
-(once per process), and `device: auto` would quietly run an 8B model on the CPU for hours. There,
-both `cuda` and `auto` stop with one line that names the torch, the CUDA it was built for, the
-driver it needs, the driver found, and the fix (README, "Any Hugging Face model on a GPU box":
-install torch's CUDA 12 build into .venv, or upgrade the driver). `device: cpu` never looks.
-
-The driver is only probed when CUDA is not available (a working CUDA is never second-guessed), from:
-  - the driver's own CUDA version (an int, 12040 = CUDA 12.4): torch._C._cuda_getDriverVersion where a
-    torch build has it, else libcuda's cuDriverGetVersion (callable without cuInit and without a
-    GPU), else the "too old (found version N)" warning torch gives from its first device count;
-  - the driver's version ("550.54.15"): /proc/driver/nvidia/version, else
-    `nvidia-smi --query-gpu=driver_version --format=csv,noheader`.
-Each probe is a module-level function, so tests replace them on a machine with no GPU.
+`device: cuda` where torch sees no CUDA device is an error; `device: auto` there means CPU, unless
+an NVIDIA driver is installed that is older than the CUDA this torch was built for: torch then
+sees no GPU with nothing but a warning, so both stop with one line naming torch, its CUDA, the
+driver it needs, the driver found and the fix (README, "Any Hugging Face model on a GPU box").
+`device: cpu` never looks. The driver is probed only when CUDA is not available (its CUDA version
+from torch or libcuda, its version from /proc/driver/nvidia/version or nvidia-smi), each probe a
+module-level function that tests replace on a machine with no GPU.
 """
 from __future__ import annotations
 

@@ -4,46 +4,12 @@
     use_gqa_attention(model)     # CachedModel does this: sdpa / eager GQA models -> "specq_sdpa"
     attention_path(model)        # "sdpa-gqa", "sdpa-gqa-packed", "sdpa+repeat_kv", "eager+repeat_kv", "sdpa", ...
 
-Why: a StaticLayer hands attention its whole [B, kv_heads, max_len, D] K and V, and with a static
-cache transformers (5.24) always materialises the mask of a step ([B, 1, W, max_len] bool: masking_utils
-never lets a compileable cache skip it at q_length 1, nor at W > 1 past position 0). Its "sdpa"
-function (integrations/sdpa_attention.py) passes `enable_gqa` only when there is NO mask
-(`use_gqa_in_sdpa`, on CUDA and CPU), so a step instead calls `repeat_kv`: an expand + reshape that
-copies K and V to [B, heads, max_len, D], heads / kv_heads times over, in every layer at every
-step, and SDPA then reads the copies. Per step that is 1 read + n_rep writes + n_rep reads of the
-allocated cache instead of 1 read (n_rep = heads / kv_heads; 4 for Llama-3-8B: 9x the KV bytes).
-The one exception is an eager single-token step (W = 1, not under dynamo), which it folds
-(`pack_gqa`); the compiled steps and every verify of width k + 1 copy. The "eager" function
-always calls repeat_kv.
-
-What this module does instead: it registers one attention function, "specq_sdpa", with
-transformers' AttentionInterface (and sdpa's mask function under the same name in
-AttentionMaskInterface: without it transformers would build NO mask for an unknown name, and a
-static cache's unwritten slots would be attended). For a grouped-query layer it calls SDPA on the
-KV heads as they are, in one of two layouts chosen once per device:
-
-    "gqa"     scaled_dot_product_attention(q [B, H, W, D], k [B, Hkv, S, D], mask, enable_gqa=True):
-              the kernel maps query head h to KV head h // n_rep. On CPU torch 2.14 dispatches it,
-              mask and all, to aten::_scaled_dot_product_flash_attention_for_cpu with K and V at
-              [B, Hkv, S, D] (profiler: no repeat / index_select / clone of K or V).
-    "packed"  the query heads of one KV head folded into the rows: q -> [B, Hkv, n_rep * W, D],
-              the mask's rows repeated n_rep times ([B, 1, n_rep * W, S]; a bool mask, small next
-              to K and V), then SDPA with equal head counts, so any kernel that takes a mask (CUDA's
-              memory-efficient one) reads K and V once. Row r * W + w is query head g * n_rep + r
-              at position w: the same dot products and softmax rows as the repeated layout.
-
-"gqa" is used where a fused kernel accepts GQA with a mask (CPU; on CUDA asked of torch's own
-backend checks, torch.backends.cuda.can_use_*_attention, with enable_gqa and a mask): where none
-does, SDPA would take its math kernel, which repeats K and V itself, so "packed" is used. A
-prefill from an empty cache (mask None, causal, W > 1) uses enable_gqa with is_causal, as the
-stock function already does there. Anything else the stock function handles (softcap, a position
-bias, a per-head mask, MHA layers) goes to the stock function unchanged.
-
-Only models on "sdpa" or "eager" whose attention layers are grouped (num_key_value_groups > 1) are
-switched; the switch is the model's own `set_attn_implementation`, once, and stays (the function
-is SDPA on the same inputs, so a non-cached forward of the model gives the same numbers up to float
-rounding). The config does not save it (transformers drops `_attn_implementation_internal` from
-config.json).
+With a static cache's mask present, transformers' own paths call `repeat_kv`, copying the whole
+allocated K and V heads / kv_heads times at every step. "specq_sdpa" (registered with
+transformers' attention and mask interfaces) calls SDPA on the KV heads as they are, in layout
+"gqa" (`enable_gqa` with the mask, where a fused kernel takes both: on CPU the flash kernel does)
+or "packed" (each KV head's query heads folded into the rows); anything else goes to the stock
+function (docs/methods/gpu-box.md#the-gqa-attention-path).
 """
 from __future__ import annotations
 

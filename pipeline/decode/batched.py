@@ -4,38 +4,12 @@
     res = generate(model, ids_BxT, 32, draft=d, k=3)      # B > 1 lands here
     res.batch_tokens, res.rounds                           # rounds: BatchRoundRecord
 
-transformers' StaticLayer writes every row of the batch at one offset, so after a round every row
-must hold the same number of positions. The synchronised scheme keeps that true: in a round where
-row b's leading accepts are n_b and n_min = min_b n_b over the rows still generating, every row
-keeps min(n_b, n_min) + 1 = n_min + 1 tokens:
-
-    positions 1..n_min   the row's own accepted drafts d_b,1..d_b,n_min
-    position n_min + 1   d_b,n_min+1 when the row accepted it (n_b > n_min), else the row's
-                         residual sample r_b = normalize(max(p - q, 0)) at n_min + 1 (p itself
-                         at n_min + 1 = k + 1: the bonus)
-
-Why row b's output is still exactly the target's (Leviathan/Chen, pipeline/decode/sampling.py):
-a standard round is a sequence of positions where each emitted token, given everything before
-it, is distributed as p: d_i is accepted with probability min(1, p/q), else a residual token is
-drawn, and min(p, q) + max(p - q, 0) = p. Whether the round goes on past position i depends on
-that position's outcome, but the token at the next position is again p given its prefix, either
-way (an accepted draft's successor is tested against p; a fresh round samples p). So ending a
-round early at any position chosen WITHOUT looking at row b's own random numbers at or after that
-position leaves each of row b's tokens distributed as p given its prefix. The cut here is
-n_min + 1 = min(n_b, m) + 1 with m = min over the other rows: when n_b <= m the row ends where it
-would alone (its own residual or bonus), when n_b > m the cut m + 1 depends only on the other
-rows' draws, and the token at m + 1 is the accepted d_b,m+1, whose law given the prefix is p like
-any emitted token's. Token VALUES at a position depend only on that row's draws at that position;
-the other rows only decide how many positions the round has, so rows stay independent as in plain
-batched sampling. Greedy is the one-hot case: every row emits the target's argmax at every position.
-
-Rows whose draft offered fewer than k tokens (an n-gram draft with no match) are padded with
-forced rejections: a padded position has q = 0, is never accepted, and its residual
-max(p - 0, 0) = p is an ordinary sample from the target. A row that has emitted EOS no longer
-counts in n_min; its row of the batch still runs (one shared cache) and its tokens are dropped.
-
-The price against the ragged ideal (per-row offsets, each row keeping n_b + 1) is recorded per
-round: `ragged_tokens` = sum_b (n_b + 1) vs `kept_tokens` = B_active (n_min + 1).
+StaticLayer writes every row at one offset, so each round every row still generating (no EOS yet)
+keeps n_min + 1 tokens, n_min the fewest leading accepts among them: what its own round emits at
+positions 1..n_min + 1. Exact per row: its round stops at its own first rejection or where the
+other rows' draws cut it, whichever comes first, and a Leviathan/Chen round stopped that way emits
+each token with law p given its prefix (pipeline/decode/sampling.py). Short drafts are padded with
+forced rejections (q = 0); each round records what the cut threw away (`ragged_tokens`, `kept_tokens`).
 """
 from __future__ import annotations
 

@@ -5,23 +5,11 @@
     logits = cm.forward(ids, all_logits=False)   # [B, 1, V]; cm.length += T
     cm.rollback(T - 2)                           # keep the first T-2 positions, copy nothing
 
-The cache is transformers' StaticCache: tensors [B, kv_heads, max_len, head_dim] allocated once and
-written in place at the cache's write offset (each layer's `cumulative_length`). Rolling back
-does what StaticLayer.crop(-n) does ("the next update overwrites the last n positions"), for all
-layers in one foreach update of their offsets (see _move_offset): it moves the offset and
-touches no K/V tensor. The slots past the offset still hold the
-rejected tokens' keys and values; they are never attended, because every forward passes explicit
-position_ids and the causal mask (query at position t sees key slots 0..t) excludes them.
-
-What attention reads: a StaticLayer hands the attention its whole [B, H, max_len, D] tensors and
-`get_mask_sizes` says kv_length = max_len, so every step's attention reads (and masks) all
-max_len slots, not just the filled ones. The roofline (pipeline/latency/roofline.py) counts those bytes,
-and a timed cell asks for a cache of exactly its own length (`exact=True`), never a longer pooled one.
-
-Prefill vs steps: the first forward on a new cache (the prefill, in one piece or in chunks) always
-runs eagerly; it allocates the cache tensors, which transformers then marks as static addresses.
-Later forwards (decode, verify and draft steps) go through a CompileSession when one is attached
-to the model (pipeline/decode/compiled.py), else eagerly too.
+The cache is transformers' StaticCache, allocated once by the first (eager) forward and written in
+place. A rollback moves every layer's write offset in one foreach update; the stale slots past it
+are never attended (explicit position_ids and the causal mask exclude them), but attention reads
+all max_len slots, so a timed cell asks for a cache of exactly its length (`exact=True`). Steps
+after the prefill go through a CompileSession when one is attached (pipeline/decode/compiled.py).
 """
 from __future__ import annotations
 

@@ -2,44 +2,14 @@
 
     from pipeline.decode.compiled import CompileSession, step_shapes
     session = CompileSession(backend="inductor", mode="reduce-overhead")
-    session.attach(model, "target")          # the model's CachedModel steps now go through it
-    session.attach(draft.model, "draft")
-    session.expect(step_shapes("target", 1, L, widths=[1]) + step_shapes("target", 1, L, [5], all_logits=True))
-    generate(model, ids, 64, cache_len=L)    # prefill eager; decode / verify / draft steps compiled
-    session.record()                         # per shape: compiled or eager (+ why), graphs, recompiles
-    session.close()                          # detach, torch._dynamo.reset()
+    session.attach(model, "target"); session.expect(step_shapes("target", 1, L, widths=[1]))
+    generate(model, ids, 64, cache_len=L)    # prefill eager; the planned decode steps compiled
+    session.record(); session.close()        # per shape: compiled or eager (+ why); detach, reset dynamo
 
-What is compiled: one function, `_step`, a forward of B rows x W new tokens on a static cache
-(W = 1 for a decode step, k + 1 for a verify, 1 or 2 for a draft step). It is compiled with
-dynamic=False and fullgraph=True: one graph per (model, B, W, cache length, logits kept), reused
-across repeats; or, with dynamic_width=True, one graph for all the verify widths W >= 2 of a (model,
-B, cache length, logits kept) that the plan holds: the width is marked dynamic
-(torch._dynamo.maybe_mark_dynamic), so dynamo traces once and inductor
-compiles once with a symbolic width, and CUDA graphs ("reduce-overhead") are still recorded per
-width, which costs a replay's time, not a compile's (vLLM's way: one compile, a CUDA graph per batch
-size). A width the plan holds alone (a draft's catch-up width 2) stays a static graph. The prefill is never compiled: it runs eagerly first, and that first forward is
-what allocates the StaticCache's tensors (transformers' StaticLayer.lazy_initialization), which
-marks them as static addresses (torch._dynamo.mark_static_address) because it does not run under
-dynamo. So the compiled steps read and write the cache in place at fixed addresses, which is what
-CUDA graphs ("reduce-overhead") need; a cache first written inside a compiled region is not marked.
-
-Why a record: torch.compile falls back to eager without an error in two ways that matter here.
-Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every HF forward of every
-shape shares one code object, so the 9th shape used to run eagerly while the meta said compiled;
-and a graph break without fullgraph runs pieces eagerly. Here fullgraph=True makes a graph break
-an error, `fail_on_recompile_limit_hit` makes the limit an error, the limit is raised to the
-number of planned shapes + 1 (never below it, even where widths share graphs), and
-`suppress_errors` is off. A shape whose compile raises runs eagerly
-and says why; a shape past the planned number is not compiled and says so. Graphs are counted
-from dynamo's own counter (torch._dynamo.utils.counters["stats"]["unique_graphs"]), so a guard
-failure that recompiles an existing shape shows up as a recompile.
-
-The plan: a session compiles only the shapes it was told to expect (`expect`), and raises dynamo's
-limits to their number. Any other shape (the shorter verify of a round cut at max_new_tokens, a
-batch nobody planned) runs eagerly and is recorded with that reason, so a run compiles exactly
-what its plan says and the compile time is known in advance. Inputs are copied into fresh
-contiguous tensors first: dynamo guards on strides, even of size-1 dimensions, and a token sliced
-out of a longer sequence would otherwise recompile the same shape.
+One function, `_step` (B rows x W new tokens on a static cache), is compiled with fullgraph once
+per planned shape (the verify widths may share one graph with a symbolic width). torch.compile
+falls back to eager silently, so here every fallback is an error or a recorded reason, and inputs
+are copied fresh because dynamo guards on strides (docs/methods/gpu-box.md#what-is-compiled).
 """
 from __future__ import annotations
 

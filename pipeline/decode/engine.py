@@ -6,25 +6,10 @@
     res = generate(model, input_ids, 32, draft=d, k=4, sampling=SamplingParams(0.7))
     res.tokens, res.rounds, res.prefill_s, res.decode_s
 
-One set of small functions serves both modes, so acceptance (pipeline/stages/acceptance.py) and latency
-(pipeline/stages/latency.py) describe the same computation: `prefill`, `decode_one_token`, `draft_k`,
-`verify`, `speculative_step`.
-
-The KV cache is a transformers StaticCache inside `CachedModel` (pipeline/decode/cache.py):
-allocated once, written in place, rolled back after a rejection by moving its write position
-(nothing is copied, nothing re-run).
-
-Host work per speculative round (B = 1): one device-to-host transfer. The accept/reject rule runs
-on the device (sampling.verify_on_device) and its outcome (n, the emitted tokens, the betas) comes
-back in one `.tolist()`; the committed sequence is kept on the host as well, so a prompt-lookup
-draft needs no transfer, and the device copy is extended from the round's device tokens, so no
-host-to-device copy either. A round that drafts nothing is a plain decode step (width 1, last
-logits: a shape the compile plan holds), recorded as drafted 0, emitted 1.
-
-Positions: `CachedModel.length` is one number for the whole batch, because transformers'
-StaticLayer writes every row at the same offset. Plain decode runs B equal-length prompts in
-lock step. Speculative decoding at B > 1 goes to pipeline/decode/batched.py, whose synchronised
-scheme keeps that one offset valid (every row keeps n_min + 1 tokens a round; exact, see there).
+One set of small functions (`prefill`, `decode_one_token`, `draft_k`, `verify`, `speculative_step`)
+serves both modes, so acceptance and latency describe the same computation. The cache
+(pipeline/decode/cache.py) is rolled back by moving its write position, and a B = 1 round makes
+one device-to-host transfer. Speculation at B > 1 goes to pipeline/decode/batched.py.
 """
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """Logits -> probabilities (temperature, top-k, top-p), sampling, and the speculative verify rule.
 
-Everything here is pure tensor math on one sequence's rows, so it can be checked exactly against
-enumeration on a small vocabulary (tests/test_verify.py) independently of any model.
-
-The verify rule (Leviathan et al. 2023; Chen et al. 2023). The draft proposed tokens d_1..d_k,
-sampling d_i from q_i; the target scored the same positions, giving p_1..p_{k+1}:
-
-    accept d_i with probability  a_i = min(1, p_i(d_i) / q_i(d_i))      (in order, stop at the
-                                                                         first rejection)
-    first rejection at i      -> emit a token from  r_i = normalize(max(p_i - q_i, 0))
-    all k accepted            -> emit a bonus token from p_{k+1}
-
-Why the emitted token is distributed as p_i: P(emit x) = q(x) min(1, p(x)/q(x)) + P(reject) r(x)
-= min(p(x), q(x)) + (1 - sum_y min(p(y), q(y))) * max(p(x) - q(x), 0) / sum_y max(p(y) - q(y), 0)
-= min(p(x), q(x)) + max(p(x) - q(x), 0) = p(x), because sum_y max(p - q, 0) = 1 - sum_y min(p, q).
-The same temperature / top-k / top-p must shape p and q, or the identity holds for the wrong p.
-
-beta_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i) is the probability that position i is
-accepted given its prefix was; its mean estimates the acceptance rate with far less variance
-than the 0/1 outcomes.
+Pure tensor math on one sequence's rows, checked exactly against enumeration on a small vocabulary
+(tests/test_verify.py). The verify rule (Leviathan et al. 2023; Chen et al. 2023): draft token d_i,
+drawn from q_i, is accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order; at the first
+rejection a token is drawn from normalize(max(p_i - q_i, 0)), and after k acceptances a bonus token
+from p_{k+1}. So P(emit x) = min(p(x), q(x)) + max(p(x) - q(x), 0) = p(x), provided the same
+temperature / top-k / top-p shape p and q. beta_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i),
+the chance that position i is accepted given its prefix was, estimates the acceptance rate with
+far less variance than the 0/1 outcomes.
 """
 from __future__ import annotations
 

@@ -4,23 +4,12 @@
     t = Timer(device)
     with t.measure("verify") as m:
         logits = model(...)
-    t.collect()
-    t.samples["verify"]  # list of seconds, one per measured block
-    m.seconds            # this block's seconds (set by collect() on CUDA, at once on CPU)
+    t.collect()          # CUDA: events are read here, one sync for many blocks
+    t.samples["verify"]  # list of seconds, one per measured block; m.seconds: this block's
 
-On CUDA, events are recorded on the current stream and read only at `collect()` (one sync for
-many blocks, so timing does not serialise the pipeline more than it must).
-
-Laps: a loop whose iterations must add up to the whole loop (the speculative engine's rounds) is
-timed from the start of one iteration to the start of the next, so the host work between two
-iterations (bookkeeping, the next iteration's setup) belongs to an iteration, never to nobody:
-
-    for ...:
-        m = t.lap("round")   # ends the previous "round" here, starts this one
-        ...
-    t.end_lap("round")       # ends the last one
-
-One clock reading (CUDA: one event) per boundary, shared by the lap it ends and the one it starts.
+Laps (`m = t.lap("round")` in each iteration, `t.end_lap("round")` after the loop) time a loop
+from the start of one iteration to the start of the next, one clock reading per boundary, so the
+host work between iterations belongs to an iteration and the laps add up to the whole loop.
 """
 from __future__ import annotations
 

@@ -3,55 +3,12 @@
     from pipeline.gate.decision import build_gate
     gate = build_gate(run_dir, config)          # what gate.json holds (the gate stage writes it)
 
-Reads `quality/<variant>/<slice>.jsonl` (one line per item and sample), `quality/data/<slice>.jsonl`
-(the prompts, for clustering), `quality/<variant>.json` (distribution metrics) and
-`acceptance/<pair>.json` (`lossless`), and writes `runs/<run>/gate.json` and `gate/table.md`.
-Reading and pairing the item files is pipeline/gate/items.py; the speculation pairs' verdicts,
-pipeline/gate/speculation.py; the sequential looks, pipeline/gate/looks.py.
-How a cell is decided (pipeline/stats/paired.py and pipeline/stats/tango.py have the formulas):
-
-1. Per variant and slice, pair the variant's items with the reference's by id (the id sets must be
-   equal); average repeated samples of one item first, so the item is the unit. The difference is
-   variant - reference (oriented so negative = worse). Items that share a `cluster` label OR a
-   prompt (lm-eval's prompt hash, else the hash of the item's prompt in quality/data) are one
-   cluster, always: duplicated prompts score identically under greedy decoding.
-2. 0/1 scores: Tango's score bounds for paired proportions, the variance scaled by a design
-   effect that holds whatever the clusters' discordance rates (the largest cluster's size; a few
-   clusters much larger than the rest are bounded at their worst case instead:
-   stats.cluster_split), the fail side with a one-item continuity correction. Other scores (per-item Brier on calibration slices): t bounds
-   from the CR1 cluster-robust SE. Non-inferiority: pass if the lower bound is above -margin, fail
-   if the upper bound is below -margin, otherwise inconclusive with the items per slice that would
-   settle it at `gate.power`. ECE is reported (debiased), never gated: it is not a mean and its
-   plug-in estimate is biased.
-3. Multiplicity. A variant is go only if ALL its cells pass: an intersection-union test, whose
-   false-go rate is at most alpha without adjustment, so the lower bounds are drawn at alpha.
-   Only when the user picks among release variants (`gate.select_among_variants`) is the pass
-   side adjusted, across the release variants (alpha / r). The upper bounds (a false fail is a
-   false no-go) are drawn at alpha / m over the variant's m gated cells: for "does any cell
-   fail", all a variant's decision uses, Bonferroni and Holm agree. So a `release: false`
-   variant never changes another variant's verdict.
-   Sequential looks (pipeline/gate/looks.py): a slice scored in waves (quality/meta.json's
-   `sequential`) is tested at every look its items reach, each side at its look's
-   O'Brien-Fleming-type nominal level of the alphas above; a cell is decided at the first look
-   that passes or fails it, else inconclusive at its last. gate.json records every look (n,
-   bounds, levels, status), the items spent and the planned looks. The quality stage stops
-   scoring with the same function (open_rows), so the two cannot disagree.
-   The time budget (issue 27): the quality stage may stop a variant before a look its cells
-   need (the look would not fit the variant's allowance; quality/meta.json's `budget` says which
-   slices and why). Such a cell is replayed at the looks it reached, each at its planned level:
-   it is neither at its final look (its level is not raised to what the skipped looks would have
-   spent) nor missing (it has items: it is open), so it is inconclusive, with `stopped_on:
-   "budget"`, the reason, and `items_left` to the slice's maximum beside `items_to_settle`. A
-   variant with such a cell is inconclusive unless a cell fails: a fail is no-go whatever is
-   open. Stopping early for a reason that is not the data keeps each one-sided error at or
-   below nominal (pipeline/gate/looks.py).
-4. Variant: go if every gated cell passes, no-go if any fails, inconclusive otherwise. Overall:
-   no-go if a release variant is no-go, go if every release variant is go, else inconclusive.
-   A config with no release variant is bad input. A slice the quality stage was asked for and
-   could not score (an lm-eval task whose data is unreachable offline) is listed under the
-   variant's `missing` and `missing_slices` with the reason, and the variant is inconclusive: a
-   missing measurement never counts as a pass. Speculation pairs are judged apart (lossless or
-   not): a failing pair is no-go for speculation; it does not change a variant's quality decision.
+Each cell pairs the variant's items with the reference's by id and bounds the difference at each
+end: pass if the lower bound is above -margin, fail if the upper bound is below it, else
+inconclusive. A variant is go when every cell passes, no-go when any fails. Item files are paired
+in pipeline/gate/items.py, the sequential looks replayed in pipeline/gate/looks.py (the quality
+stage stops with the same `open_rows`), speculation pairs judged in pipeline/gate/speculation.py.
+Clusters, bounds and multiplicity: docs/methods/gate.md.
 """
 from __future__ import annotations
 

@@ -4,35 +4,11 @@
     looks = plan(240, 40)                                  # [40, 80, 120, 160, 200, 240]
     k, record = settle({0: est40, 1: est80}, looks, 240, margin=0.05, alpha_pass=0.025, alpha_fail=0.005)
 
-The quality stage scores each slice in waves (a fixed seeded order, the reference and the variants
-on the same items) and, after every wave, asks the gate (pipeline/gate/decision.py: open_rows)
-which (variant, slice) rows are still open; the gate stage later replays the same looks from the
-same files with the same function, so the stage's stopping and gate.json's decision cannot differ.
-
-At look k of a row (n_k items of the slice's n_max) each side is tested at its own nominal level
-from Lan-DeMets O'Brien-Fleming-type spending (or Pocock-type: config gate.spending;
-pipeline/stats/sequential.py; or either fitted to the quality stage's time budget, named per slice
-in quality/meta.json's `sequential`: pipeline/quality/sequential.py: fit_design) of that side's alpha: the pass side at the variant's pass alpha
-(intersection-union: alpha, or alpha / r when the user picks among r release variants), the fail side at alpha / m over the variant's m gated rows
-(Bonferroni: for "does any row fail", which is all a variant's decision uses, the same as Holm's
-first step). A row stops at the first look whose bound clears -margin on either side; a row that
-never does is inconclusive at its last look. Each side's error over all looks stays at its alpha
-(tests/test_sequential.py, tests/sim_gate_rates.py --sequential). A slice with one look at n_max
-is the fixed-n gate: its level is the side's alpha itself.
-
-Stopping before the last look (the quality stage's time budget, issue 27: a look that does not
-fit the variant's allowance is not taken). A row that stops at look j < K is replayed at looks
-1..j, each at the level planned for it, and stays inconclusive: the levels come from the planned
-looks (`levels` depends only on the looks up to k), so the alpha the skipped looks would have
-spent is never moved to look j. Each side then rejects only if its statistic crossed a planned
-boundary at one of looks 1..j, an event inside "crossed at one of looks 1..K", whose probability
-under the null is at most that side's alpha. So stopping early keeps each one-sided error at or
-below nominal (fewer chances to reject: the final look is never reached); this holds whatever
-the reason for stopping, and the budget's reason (wall-clock time, not the scores) does not even
-look at the data. What it costs is power: the row may stay inconclusive where the later looks
-would have settled it. Treating look j as final (testing it at alpha minus what was spent)
-would need the decision to stop there made before look j's data were seen; the budget stops a
-row after look j showed it open, so it is not done.
+At each look a row's two sides are tested at the nominal levels the slice's spending function
+(pipeline/stats/sequential.py) plans for that look; a row stops at the first look that passes or
+fails it. The quality stage's stopping and the gate stage's replay use this same function, so they
+cannot differ. Why stopping before the last look (a time budget) keeps each error at or below
+nominal: docs/methods/gate.md, "Stopping before the last look".
 """
 from __future__ import annotations
 

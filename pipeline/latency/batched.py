@@ -1,60 +1,14 @@
 """Speculative decoding under batching, measured: round time and ms/token per (batch size, k), and
-a closed-loop run that the serving simulation (pipeline/serving/simulation.py) is checked against.
+a closed loop that the serving simulation (pipeline/serving/simulation.py) is checked against.
 
     python -m pipeline latency --run runs/smollm2-135m --config configs/default.yaml
 
-The latency stage calls `run_batched` after its own figures; it writes
-`latency/batched/<variant>__<draft_slug>.json` (a sub-directory, so nothing that globs the
-pair files `latency/*__*.json` sees it):
-
-- `cells`: for every B in latency.spec_batch_sizes and k = 1..k_max, the speculative round time,
-  ms/token per row (decode time / (new_tokens - 1), the TPOT every row sees), the speedup over
-  plain decoding of the same B prompts timed in the same repeat (paired), prefill time, tokens
-  kept per row per round under the synchronised scheme and what per-row offsets would have kept
-  (`ragged_tokens_per_round`), the thrown-away share and the mean verify width (the most any row's
-  draft offered, which is what the round's forward pass costs). k = 0 rows are plain decode at that B.
-- `round_ms_by_width`: B -> verify width w -> per repeat the mean time of the rounds of width w
-  at that B, any k (a round of width w does the same work whichever k was asked; for a model draft
-  the width is k), and the round count. The marginal stage weights it by the acceptance stage's
-  width distribution at (B, k) (pipeline/serving/batch_k.py): these B prompts are not the acceptance
-  prompts, and a prompt-lookup draft offers far less on some prompts than on others.
-  B rows are B distinct prompts of the workload (pipeline/speculation/workload.py, categories taken in
-  turn; the built-in kinds when no rows are given), cut from the left to the shortest one's length
-  (the engine runs equal-length prompts).
-- `closed_loop`: at each B in latency.closed_loop_batch_sizes, `closed_loop_waves` waves of B
-  requests run to completion one after another (a closed loop at concurrency B with equal output
-  lengths, where static and continuous batching coincide), plain and speculative in turn in each
-  wave, the waves spread between the cells' repeats so both see the same machine load. Per wave:
-  prompt length, TTFT (the batched prefill and first token) and TPOT; speculative waves also keep
-  their rounds (tokens kept per row, k, verify width) for the simulation's replay, and their mean
-  round time. The speculative k is the
-  fastest at that B (the nearest measured B) in the first timed repeat.
-
-Every figure is a median over the repeats (cells) or over waves (closed loop) with a
-percentile-bootstrap CI whose unit of resampling is the repeat or the wave; raw samples are kept.
-
-Repeats (issue 27): a repeat times every cell of the pair, so the pair stops as one: up to
-`latency.repeats`, earlier once settled (pipeline/latency/speculative.py SETTLE_RULE on plain
-ms/token and the round time of every verify width that carries rounds, at every B: what the
-marginal stage's batch_k weighs) or when the stage's budget cannot afford another repeat. The
-document and each cell record `repeats_done` and `stopped`. Closed-loop wave w runs after repeat
-w mod latency.repeats; the waves of repeats that did not run (the loop stopped early) run after
-the last repeat, as many as the stage's budget affords at the mean wave time so far (all of them
-without a budget; the rest recorded as skipped), so the closed loop keeps at least the waves of
-the first repeat. Each closed loop records `waves` (ran) and `waves_asked`.
-
-Like with like (issue #24): the cells and the closed loop run the same way as B = 1. Every run at
-a batch size B uses one static cache of exactly L_B positions (`cache_len`: the longest of its
-cells' and its closed-loop waves' prompt + new tokens + 1), so with latency.compile the stage's
-CompileSession (pipeline/decode/compiled.py) is given every shape these runs make before any
-timing, per B: the target's decode step and verify widths 2..k_max+1 and a model draft's widths
-1 and 2 (pipeline/latency/plan.py batched_shapes: at most k_max + 3 shapes per B, in 2 graphs for the
-target and 2 per model draft with latency.compile_dynamic_width), and compiles
-them (CompileSession.warm). Each cell and each closed-loop mode records what its own runs really
-ran, from the session's per-shape record (`run_mode`: compiled, eager or mixed, with every eager
-shape and why; pipeline/latency/modes.py), and each speedup says whether its plain and
-speculative sides ran the same way (`like_with_like`; when not, both modes). The marginal stage
-keeps flagged speedups out of recommended_k_by_batch and the vLLM table.
+The latency stage calls `run_batched` after its own figures and writes
+`latency/batched/<variant>__<draft_slug>.json`: `cells` per (B, k), `round_ms_by_width` (what the
+marginal stage weights by the acceptance texts' verify widths) and `closed_loop` waves. Every run
+at a batch size uses one static cache length, so with latency.compile every shape is compiled
+before timing and each cell records its `run_mode` (pipeline/latency/modes.py). What the cells
+hold, and how repeats and waves stop: docs/methods/batching.md.
 """
 from __future__ import annotations
 

@@ -3,22 +3,11 @@
     from pipeline.latency.grid import plain_grid, add_reference_ratios
     doc = plain_grid("w4a16-gptq", model, cfg.latency, device, bandwidth, seed=0, confidence=0.95)
 
-Each cell decodes `new_tokens` after a random prompt of exactly `context` ids (plain decode time
-does not depend on which tokens they are) through pipeline.decode.engine.generate, the computation
-the acceptance stage measured, timed by pipeline.decode.timing (CUDA events on GPU, a synchronized
-perf_counter on CPU). Warm-up runs are not recorded; every CI is a bootstrap over `repeats` repeats
-(the unit of resampling), and the raw per-repeat (and per-step) samples are kept. Beside each cell:
-peak memory, bytes per step and the share of the measured bandwidth it reaches (the roofline),
-its `run_mode` (its steps compiled or eager, from the compile record of the shapes its runs
-used, and whether the variant runs a fallback kernel: pipeline/latency/modes.py), and, once the
-reference's grid exists, this variant's TPOT / the reference's with a CI, which says
-`like_with_like: false` and both modes when the two cells did not run the same way.
-
-Repeats per cell (issue 27): up to `repeats`, stopping once the cell's TPOT CI has a relative
-half-width of at most latency.settle_rel (from latency.min_repeats on; latency.settle, the rule of
-pipeline/latency/speculative.py SETTLE_RULE), or when the stage's budget cannot afford another
-repeat; each cell records `repeats_done`, `stopped` ("settled" | "max" | "budget") and its
-`settle_widths`, and the grid the rule.
+Each cell decodes `new_tokens` after a random prompt of exactly `context` ids through the engine
+the acceptance stage measured, with peak memory, the roofline's share of bandwidth and its
+`run_mode` beside it; once the reference's grid exists, its TPOT over the reference's with a CI.
+Repeats stop once the TPOT CI settles (SETTLE_RULE of pipeline/latency/speculative.py) or the
+budget runs out. How it is timed: docs/methods/stages.md; the repeats: docs/methods/budget.md.
 """
 from __future__ import annotations
 

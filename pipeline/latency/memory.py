@@ -5,47 +5,10 @@ the prompt is prefilled, and when each KV cache is freed. Arithmetic only: nothi
     shape = ModelShape.from_config(config, torch.bfloat16)        # an 8B shape, on no device
     plan = plan_grid(shape, batches=[1, 8, 32], contexts=[128, 2048, 8192], new_tokens=64,
                      budget_bytes=80e9 - shape.weight_bytes, device_type="cuda")
-    plan.steps     # ("run", cell) / ("free", cache) in execution order
-    plan.dropped   # cells that cannot fit, each with the bytes it needs
+    plan.steps     # ("run", cell) / ("free", cache) in order; plan.dropped: what cannot fit
 
-Why a plan: on a GPU a cell that does not fit fails mid-run with an out-of-memory error after the
-earlier cells' caches have fragmented the allocator, and the grid comes out "skipped". By
-arithmetic, Llama-3.1-8B in bf16 keeps 128 KiB of K and V per token (2 * 32 layers * 8 kv heads *
-128 dims * 2 bytes), so a B = 32 x 8257-position cache is 34.6 GB next to 16 GB of weights, and a
-one-shot prefill of its 262k prompt tokens needs another ~27 GB of MLP activations. The plan
-prefills such a cell in chunks of the prompt (each chunk a forward at its own positions; the cache
-and the first token are the same as one forward's) and drops only what cannot fit even then.
-
-Order: batch sizes ascending, and within a batch size contexts ascending, each cell on a cache of
-exactly its own length, and the previous cache freed before the next is allocated. So no cell is
-timed on a cache longer than it needs (attention over a static cache reads its whole allocated
-length), and at most one grid cache is alive at a time.
-
-Estimates per forward of B rows x T new tokens attending over S cached positions, with e bytes per
-activation element (the compute dtype):
-    residual stream   2 * B * T * hidden * e            (hidden states + the normed copy)
-    attention         B * T * (2 * hidden + 2 * kv_heads * head_dim) * e   (q, k, v, output)
-                      + scores B * heads * T * S * 4 where the kernel materialises them (CPU)
-    MLP               3 * B * T * intermediate * e       (gate, up, their product)
-    logits            B * T_logits * vocab * (e + 4)     (the model's output and its float32 copy)
-    repeated K, V     2 * B * heads * S * head_dim * e  only on an attention path that repeats K and V
-                      (transformers' repeat_kv, "sdpa+repeat_kv" / "eager+repeat_kv": one layer's
-                      copies over the whole allocated length); 0 on the engine's own path, which
-                      reads each KV head once (pipeline/decode/attention.py, "sdpa-gqa")
-The larger of attention and MLP counts (they are not alive together), times `slack` for allocator
-rounding and temporaries the sum leaves out.
-
-CUDA graphs (steps compiled with mode "reduce-overhead", `cuda_graphs=True`): every captured graph
-allocates from one private memory pool of the compile session (torch's cudagraph trees), which
-empty_cache does not hand back while the graphs live, and the grid's session lives across all of
-its cells. Inside it a graph's intermediates are freed when it ends (the next graph reuses them)
-and its static outputs stay until the next step begins, so the pool is estimated as
-    pool = sum over the session's graphs of their logits (B * W_logits * vocab * e)
-         + the largest graph's step activations (the forward estimate above, without the logits)
-times `slack`, growing as cells add graphs (one per step width a cell compiles: 1, and k + 1 when
-speculative rounds verify). An estimate from shapes, not yet checked against
-torch.cuda.memory_stats on a GPU. A cell then needs cache + slack * prefill (eager, outside the
-pool) + the pool so far; without graphs, cache + slack * max(prefill, step). Zero on CPU / eager.
+Cells run in ascending order, each on a cache of exactly its length, prefilled in chunks where one
+shot would not fit. Why, and the activation and CUDA-graph pool estimates: docs/methods/gpu-box.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a timed cell really ran, and whether two cells may be compared (issue #24: like with like).
+"""How a timed cell really ran, and whether two cells may be compared (like with like).
 
     from pipeline.latency.modes import calls_before, steps_ran, run_mode, compare, kernel_fallback
     before = calls_before(session)                      # None session: compile off
@@ -7,31 +7,8 @@
     mode = run_mode(ran, kernels=quantized_kernels(model), why_eager="off")
     compare(mode_a, mode_b, ("variant", "reference"))  # {"like_with_like": False, "modes": {...}} or True
 
-A ratio between two cells (a variant's TPOT over the reference's, speculative over plain
-ms/token) measures the computation only when both sides ran the same way. With latency.compile a
-shape can fall back to eager (a compile error, a shape nobody planned), and a quantized variant
-can run a library's generic fallback kernel; a compiled side over an eager side is mostly launch
-overhead, not the thing compared. So every timed cell carries its `run_mode`:
-
-- `steps`: "compiled" when every decode / verify / draft step shape its runs used ran through a
-  compiled graph (pipeline/decode/compiled.py's record, read per shape), "eager" when none did
-  (compile off, or every shape fell back), "mixed" otherwise. The prefill is eager on every side.
-- `kernel`: "fallback" when the variant's quantized layers run a generic kernel (below), "native"
-  otherwise; absent where both sides share one model (speculative vs plain of one variant).
-- `eager_steps`: each eager shape and why (from the session's record).
-
-Two modes are like with like when `steps` are equal and not "mixed", and `kernel` is equal where
-both carry one. A ratio that is not gets `"like_with_like": false` and both modes; every
-recommendation (recommended k, k per batch size, the vLLM table) leaves it out. A mode that one
-side lacks (an artifact from before this was recorded) compares as unknown: `like_with_like` None,
-not flagged, because nothing says the sides differed.
-
-Fallback kernels (read off pipeline/models/kernels.py's record of the loaded model): GPTQModel's
-pure-torch kernels (QUANT_TYPE "torch" / "torch_fused": dequantize, then a dense matmul), which it
-picks where none of its fused kernels (Marlin, ExLlama, Triton) can run. Its CPU int4 kernels
-(QUANT_TYPE "torch_cpu_avx512": an AVX512-BF16 SIMD kernel, loaded for bf16 activations;
-"torch_aten_kernel": ATen's int4pack matmul) are not fallbacks. bitsandbytes and torchao
-choose their path inside one class, which the record cannot tell apart: not flagged.
+A ratio whose sides ran differently (compiled over eager, a fallback kernel over a native one) is
+flagged and left out of every recommendation. Fallback kernels: docs/methods/gpu-box.md.
 """
 from __future__ import annotations
 

@@ -6,27 +6,9 @@
     session, record = compile_session(lat, device)                 # None + a record when off
     estimated_weight_bytes(shape, variant_config)                  # planning without loading
 
-The stage runs in two phases per model: the plain grid of each variant (batch x context cells, one
-at a time, pipeline.latency.memory.plan_grid), then the speculative pairs of each target (B = 1 on
-the longest timing prompt, verify width k_max + 1, every draft built at once: their weights are
-loaded beside the target's, and one draft's cache is alive beside the target's at a time). The
-budget is measured (pipeline.latency.memory.device_budget) after the weights are loaded, so it
-already excludes them; `estimated_weight_bytes` gives a variant's weights from its scheme without
-loading it, for planning a config against a card without one.
-
-Shapes a compiled run needs (a graph each, or one per width group with latency.compile_dynamic_width:
-pipeline/decode/compiled.py): one decode-step graph per
-plain cell; for the speculative phase the target's decode step and its verify widths 2..k_max+1,
-and each model draft's widths 1 and 2 (a step, and the catch-up after a round accepted in full).
-The batched part (pipeline/latency/batched.py) runs every batch size B on one cache length L_B
-(its cells' and its closed loop's longest need) and compiles, per B, the target's decode step
-and verify widths 2..k_max+1 (a round whose draft offered nothing is a decode step) and each
-model draft's widths 1 and 2: at most k_max + 3 shapes per B, |B| x (k_max + 3) for the pair, known before any
-timing. With latency.compile_dynamic_width (the default) the verify widths of one B share one graph
-(a symbolic width), so a B costs 2 graphs for the target and 2 per model draft, whatever k_max.
-They are compiled before the timed runs (CompileSession.warm), never inside them; warm runs every
-width twice (CUDA graph trees warm a new graph up on its first call and record it on the second),
-so each width's CUDA graph is recorded there too.
+Two phases per model: the plain grid of each variant, then each target's speculative pairs. Every
+shape a compiled run needs is known and compiled before any timing, never inside it. The phases,
+the shapes and why: docs/methods/gpu-box.md, "Compiled steps and the memory plan".
 """
 from __future__ import annotations
 

@@ -7,19 +7,8 @@
                           kv_bytes_per_token=mb["kv_bytes_per_token"],
                           kv_passes=step_kv_passes(model, width=1, compiled=False))  # after a CachedModel
 
-SEEDS.md: a decode step reads all weights plus every sequence's KV cache, so
-bytes per step ~= W + B * K, with K = context * 2 * layers * kv_heads * head_dim * bytes_per_element.
-That holds when attention reads each KV head once (pipeline/decode/attention.py: the engine's
-"sdpa-gqa" / "sdpa-gqa-packed"). An attention that repeats K and V for its query heads
-(transformers' repeat_kv: "sdpa+repeat_kv" in compiled steps and verifies, "eager+repeat_kv"
-always) moves the cache 1 + 2 * n_rep times per step (n_rep = heads / kv_heads): it reads K and V
-once to copy them, writes n_rep copies and attention reads the n_rep copies. `kv_passes` says how
-many for a path, and bytes_per_step multiplies K by it:
-    bytes per step = W + B * K * kv_passes
-(Llama-3-8B at B = 32 x 8192 in bf16 on the repeating path: 16 + 34.6 * 9 = 327 GB against 51 GB.)
-Achieved bandwidth = bytes per step / time per step; its fraction of the measured device bandwidth
-says how far a variant is from the memory-bound limit (a W4 variant that moves 1/3 of the bytes but
-reaches a small fraction of the bandwidth spends its time dequantizing, not reading).
+A decode step moves W + B x K x kv_passes bytes (kv_passes > 1 where attention repeats K and V:
+docs/methods/gpu-box.md); the share of measured bandwidth it reaches is its distance to the bound.
 """
 from __future__ import annotations
 

@@ -1,57 +1,14 @@
-"""Screening a (target, draft) pair before it is timed in detail (issue 27): an upper bound on its
-speedup at every k, from acceptance's upper CI and a probe of a few seconds.
+"""Screening a (target, draft) pair before it is timed: an upper bound on its speedup at every k,
+from acceptance's upper CI and a probe of a few seconds.
 
     from pipeline.latency.screen import screen_pair, screen_batched
     rec = screen_pair(model, draft, prompt_ids, ks, acceptance_json, acc_cfg, device, cache_len)
     rec["verdict"]      # "does not pay" (the bound is below 1 at every k) or "may pay"
 
-The bound. A timed pair's speedup at k is plain ms/token over speculative ms/token, and speculative
-ms/token is round time over tokens per round. A round of a model draft proposes k tokens (k
-forwards of the draft) and verifies them in one target forward of width k + 1, so it costs at
-least T_draft(k) + T_verify(k + 1), and it emits E(k) tokens on average. Hence
-
-    upper_speedup(k) = E_hi(k) x T_plain_hi / (T_verify_lo(k + 1) + T_draft_lo(k))
-
-with every term taken in the direction that keeps a pair timed:
-- E_hi(k): the upper end of the acceptance stage's CI of E(k) on slice "all" (every prompt of the
-  workload), the largest over the measured temperatures; k + 1 (the most a round can emit) where
-  the acceptance JSON has no CI at k. Under batching, E_B_hi(k) from
-  `expected_tokens_per_round_by_batch_ci` (B = 1: `expected_tokens_per_round_ci`).
-- T_plain_hi: the largest, over the probe's repeats, of plain ms/token measured exactly as the
-  timed runs measure it (engine.generate without a draft, decode time / decoded tokens, on the
-  static cache length the timed runs use), sampled at the hottest configured temperature (a sampled
-  step costs at least a greedy one).
-- T_verify_lo(k + 1): the smallest, over repeats, of one target forward over k + 1 positions with
-  all logits plus the probabilities (greedy, the cheapest); not the accept rule, the host transfer
-  or the round's bookkeeping, which a real round adds.
-- T_draft_lo(k): the smallest, over repeats, of the draft's own propose() of k tokens (greedy).
-A probe is PROBE_REPEATS repeats (after PROBE_WARMUP); when its bound says "does not pay", a second
-probe runs and the two are pooled (max and min over both), so one burst of load on the machine
-during the round-part measurements cannot screen a pair on its own.
-
-A pair "does not pay" when upper_speedup(k) < 1 at every k: then no k can be recommended (the
-marginal stage recommends k only where the speedup CI lies above 1), so its detailed timing cannot
-change the recommendation, and the latency stage writes the pair's JSON with `screened` instead
-of timing it. The bound is on the pooled slice: a category whose own E CI is higher is listed in
-`categories_not_ruled_out` (its k is not measured either).
-
-A pair that may pay is timed only at the k that can still be recommended (`ks_to_time`, since
-2026-12-03): 1..k_hi, k_hi the largest k whose bound is at least 1 (at any batch size, for the
-batched cells); the k past it are recorded with their bounds (`ks_not_timed` in the pair's JSON)
-and the marginal tables stop at k_hi. A model draft's round at k costs about k draft steps, so the
-k past the cut are the dearest part of a repeat (on the default config's self-draft, timing k = 1..3
-of 1..6 took its B = 1 repeat from 119 s to 62 s). As for a whole pair, a k is cut only when the second
-probe, pooled with the first, agrees. What the per-category recommendations see is cut the same way.
-
-Drafts that propose without a model forward (prompt lookup: `draft.model` is None) are never
-screened and not probed: a round that drafts nothing is a plain decode step, so a round costs at
-least a plain step and the bound is E_hi(k) x T_plain_hi / T_plain_lo >= 1.
-
-The probe runs eagerly (before any compile session is attached). Where the timed steps run
-compiled with inductor (a GPU with latency.compile), the stage does not screen at all
-(pipeline/latency/plan.py: why_not_screened): an eager step there is host-bound, so a draft's step
-would look as dear as the target's and the bound would drop model drafts that pay compiled. With
-the eager or aot_eager backends (a check of the compiled machinery) the steps run at eager speed.
+upper_speedup(k) = E_hi(k) x T_plain_hi / (T_verify_lo(k + 1) + T_draft_lo(k)), each term taken in
+the direction that keeps a pair timed: a pair below 1 at every k cannot have a k recommended, and
+one that may pay is timed only at the k whose bound reaches 1 (`ks_to_time`). Prompt lookup is
+never screened. The terms, and when the screen is off: docs/methods/batching.md.
 """
 from __future__ import annotations
 

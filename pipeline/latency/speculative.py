@@ -3,48 +3,12 @@
     from pipeline.latency.speculative import speculative_pair
     out = speculative_pair("bf16", "ngram", model, draft, prompts, lat, acc, device, confidence, seed)
 
-ms/token(k) = T_round(k) / E(k) is only a like-with-like join when T_round is measured on the
-content E(k) comes from. What a round costs depends on the content through one number: how many
-tokens the draft proposed (a model draft always k, less only near max_new_tokens; prompt lookup
-anything from 0 = a plain step to k). So this module times rounds on the acceptance stage's own
-prompts and temperatures at every k = 1..k_max and plain decoding (k = 0) in each repeat, and
-reports the round time as a function of the drafted count d, per temperature:
-`round_ms_by_drafted[d]` = per repeat, the mean time of the rounds that drafted d tokens (any k:
-a round that drafted d does the same work whichever k was asked). The marginal stage weights it by
-the acceptance stage's distribution of drafted counts at each k, per slice and temperature.
-
-Runs use no EOS (every run emits latency.new_tokens tokens, so plain ms/token is over a fixed
-count). Every run gets a static cache of one length, the memory plan's for the longest prompt
-(pipeline/latency/plan.py), so every timed run attends the same number of cache slots and a
-compiled step (latency.compile) has one shape per width for every prompt. Each row (and plain
-decoding, `plain_run_mode`) records how its steps really ran, from the compile record, and each
-speedup whether both sides ran the same way (`like_with_like`, pipeline/latency/modes.py).
-
-How many repeats (issue 27): up to `latency.repeats`, stopping early once the figures the
-recommendation is computed from are settled (SETTLE_RULE, `latency.settle`), or when the stage's
-time budget (pipeline/core/budget.py) cannot afford another repeat. The marginal stage recommends
-k from ms/token(k) = sum_d P(d|k) T(d) / E(k) and plain ms/token; E(k) and P(d|k) are the
-acceptance stage's, so what this stage's repeats decide is T(d) (`round_ms_by_drafted`) and plain
-ms/token. T_round(k) is a weighted mean of the T(d), so if every T(d) is known to within a relative
-error e, so is every T_round(k) and ms/token(k), for every slice's weights at once (the marginal
-stage weights by slice and temperature, which this stage does not see); a recommendation that
-beats the runner-up by more than about 2e cannot flip on the timing. The rule asks that of the
-median and its bootstrap CI (pipeline.stats.intervals.median_ci, the CI the JSON reports): at every
-temperature, plain ms/token and T(d) for every drafted count d that carries rounds (all but the
-rarest counts, which together hold at most SETTLE_MIN_SHARE of the timed rounds at every k) have a
-CI half-width / median <= `latency.settle_rel`. It is checked after each repeat from
-`latency.min_repeats` on; a figure with fewer than 2 samples is never settled. At 95% and up to 5
-repeats that CI is the samples' range, so the rule reads: every such figure's repeats lie within
-+-settle_rel of their median, roughly. The simulation in tests/test_latency_repeats.py
-(round times per drafted count with drift and per-count noise, 400 cells whose true best k beats
-the runner-up by >= 2 settle_rel) measures how often the early-stopped recommendation is the one
-all repeats give. The same rule, on TPOT, decides a plain grid cell (pipeline/latency/grid.py) and,
-on plain ms/token and round time by verify width per B, the batched cells (pipeline/latency/batched.py).
-
-The JSON records `repeats` (the most asked), `repeats_done`, `stopped` ("settled": the rule held
-before the maximum; "max"; "budget": the budget could not afford another repeat, also in the
-stage budget's `skipped`), `settle`, `min_repeats`, `settle_rel`, `settle_rule` and
-`settle_widths` (each checked figure's CI half-width / median at the last check).
+A round's cost depends on its content through one number, how many tokens the draft proposed, so
+rounds are timed on the acceptance stage's own prompts at every k and reported by drafted count
+(`round_ms_by_drafted[d]`), which the marginal stage weights by the acceptance stage's drafted
+counts. Repeats stop early once every figure the recommendation uses is settled (SETTLE_RULE,
+also used by pipeline/latency/grid.py and batched.py) or the budget runs out. Why, and the
+rule: docs/methods/stages.md, docs/methods/budget.md.
 """
 from __future__ import annotations
 

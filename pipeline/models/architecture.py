@@ -3,19 +3,13 @@
     from pipeline.models.architecture import decoder_layers, weight_matrices, check_engine_cache
     path, layers = decoder_layers(model)          # ("transformer.h", ModuleList) on GPT-2
     for w in weight_matrices(model): w.name, w.kind, w.input_width
-    check_engine_cache(model.config)              # StageError naming the architecture if the
-                                                  # engine cannot roll its cache back
+    check_engine_cache(model.config)              # StageError if the engine cannot roll the cache back
 
-The decoder layer list is found from the model, not from a table of names: the ModuleList whose
-blocks are the class the model declares in `_no_split_modules` (what transformers keeps whole on
-one device: the decoder block), with as many entries as config.num_hidden_layers; failing that,
-the largest ModuleList of identical blocks.
-
-A weight matrix is a >= 2-D parameter inside those blocks, one of
+The decoder layers are the ModuleList of the block class in `_no_split_modules` (else the largest
+ModuleList of identical blocks); a weight matrix is a >= 2-D parameter inside them, of kind
     linear  torch.nn.Linear (and its quantized subclasses): [out, in]
     conv1d  transformers' Conv1D (GPT-2 family): stored transposed, [in, out]
-    fused   routed experts stored as one [experts, out, in] parameter (transformers 5 MoE), or
-            [experts, in, out] where the module says `is_transposed`
+    fused   routed experts as one [experts, out, in] parameter ([experts, in, out] if `is_transposed`)
     other   any other >= 2-D parameter (a MoE router's [experts, hidden] weight): input = last dim
 """
 from __future__ import annotations

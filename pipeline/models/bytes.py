@@ -5,17 +5,11 @@
     unique_bytes(model_tensors(meta_model), meta=True)  # a meta-device build: what it would hold
     tensor_bytes(model.lm_head.weight)              # one tensor, quant state included
 
-The one count behind every byte figure: a variant's bytes in memory, the weight bytes a decode
-step reads (pipeline.latency.roofline) and a meta-device build's weight bytes
-(pipeline.latency.memory). A parameter's own numel * element_size is not what it holds when it is
-  - a tensor subclass wrapping inner tensors (torchao's Int8Tensor): it reports the logical dtype
-    (float32, 4 B) while holding int8 data plus per-row scales, and its data_ptr() is 0, so
-    keying it by address would fold every such weight into one;
-  - bitsandbytes packed data (Params4bit, Int8Params): the scales sit beside it as attributes
-    (quant_state's absmax and code, nested state2; SCB).
-So every tensor is first resolved to the plain tensors that hold its data, and those are counted,
-each once by address (tied embeddings, shared quant tables). Meta tensors all report address 0,
-so they are keyed by identity instead.
+The one count behind every byte figure (a variant's bytes in memory, the roofline's weight bytes,
+the memory plan's). numel * element_size misses what torchao's tensor subclasses (logical dtype,
+data_ptr() 0) and bitsandbytes' packed data (scales as attributes) hold, so every tensor is first
+resolved to the plain tensors that hold its data, each counted once by address (meta tensors by
+identity).
 """
 from __future__ import annotations
 

@@ -5,14 +5,10 @@ per group of tensor_parallel_size GPUs, each group taking the next variant as it
     groups = device_groups(visible_gpus(), tensor_parallel_size=2)   # [("0", "1"), ("2", "3"), ...]
     results = side_by_side(["w4", "int8", "nf4"], groups, work)      # work(name, group) -> result
 
-`side_by_side` runs `work` in one thread per group (the work is HTTP to the group's engine, so
-threads suffice); a group is never given two variants at once, and the results come back in the
-order of `names`, whichever variant finishes first. The first error is raised once the running
-variants have finished; variants not yet started are not started.
-
-Many nodes: vLLM spreads one engine over several machines through Ray (`--distributed-executor-
-backend ray`, `--pipeline-parallel-size`); give those flags in quality.vllm.engine_args and run
-specq on the Ray head node. specq itself schedules engines on the one machine it runs on.
+One thread per group (the work is HTTP to the group's engine); a group never holds two variants at
+once, results come back in the order of the names, and the first error is raised once the running
+variants finish (those not yet started are not started). Several machines: vLLM's Ray backend
+(docs/methods/quality-vllm.md).
 """
 from __future__ import annotations
 

@@ -2,41 +2,13 @@
 
 Used by the quality stage (pipeline/stages/quality.py) and pipeline/quality/evaluate.py.
 
-* An entry is a task, group or tag that lm-eval knows by name, or a path to a task YAML (or a
-  directory of them), indexed with lm-eval's include_path. Its data comes from wherever lm-eval
-  finds it (the HF datasets cache, HF_DATASETS_OFFLINE, a local `dataset_path`). A name the task
-  index does not know is refused before any work starts (`unknown`: one line, exit 2); a known
-  task whose data cannot be loaded is skipped with one line, and the gate counts it as missing
-  (its variants cannot be go: pipeline/gate/decision.py).
-* A group (mmlu) or tag (mgsm_direct) is one slice; each of its subtasks is a `group` of that
-  slice (with its own CI in the summary).
-* Scored in waves like a built-in slice (issue 27): the slice's documents, over all its
-  subtasks, are put once in a seeded cluster order (pipeline/quality/waves.py: order_items: a
-  cluster's documents together; one document per cluster where clusters have unequal sizes) and
-  the first n_max of them are the slice: n_max = its items (`quality.per_slice`, else
-  items_per_slice; "all": every document) capped by `quality.max_items`. `NamedSlice.rows` is
-  that order (the stage writes it to quality/data/<slice>.jsonl) and `ends` where each cluster
-  ends, so the stage plans looks every `quality.wave_items` (pipeline/gate/looks.py: plan) from
-  counts alone. A look scores only the documents a model lacks (`subset`: lm-eval's `samples=`
-  per subtask; `requests`: the subtasks' Task objects, loaded once here, so a subtask with no
-  document in the look is not asked for: an empty `samples` list would make lm-eval run all of
-  its documents).
-* lm-eval logs one sample per document and filter. Every filter is scored (the record's
-  `scores` has "metric,filter" keys when a task has several); one is primary: named in
-  `quality.task_primary`, else the task's first filter.
-* The headline metric is the task's own: `quality.task_primary`, else acc_norm where the task
-  reports it (hellaswag, arc: what their users quote), else its first per-item metric that is
-  higher-is-better.
-* Clusters come from the documents: `quality.task_clusters` names a field whose equal values are
-  one cluster, or "doc_id" for subtasks that are the same documents in other languages; by
-  default the first shared-passage field (context, passage, ...) whose values repeat; else
-  every document is its own cluster. Identical documents are one cluster too (as the gate puts
-  identical prompts together).
-* Few-shot examples: a task whose sampler draws them at random (gsm8k) draws them in the order
-  of the documents one lm-eval call runs, so a document's examples depend on the call. The stage
-  scores every look in calls of exactly that look's documents (pipeline/stages/quality.py:
-  Waves.cover), so every model sees the same prompt for a document; a task scored whole in one
-  call (waves off) can draw other examples than the same documents scored in waves.
+An entry is a task, group or tag lm-eval knows by name, or a path to task YAML; a group or tag is
+one slice whose subtasks are its groups. Its documents are put in a seeded cluster order like a
+built-in slice's (pipeline/quality/waves.py): `NamedSlice.rows` is that order and `ends` where each
+cluster ends, so looks are planned from counts alone, and a look asks lm-eval only for the
+documents a model lacks (`subset`). A task that draws few-shot examples at random draws them per
+lm-eval call, so each look runs as one call of exactly its documents. Filters, metrics and
+clusters: docs/methods/quality-slices.md.
 """
 from __future__ import annotations
 

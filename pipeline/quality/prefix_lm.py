@@ -1,42 +1,15 @@
 """An lm-eval model that computes each shared prompt prefix once and runs the rest in batches:
 the quality stage's evaluator (`quality.evaluator: prefix`, the default).
 
-lm-eval's HFLM runs every request from token 0. On the built-in slices many prompt tokens are a
-prefix of another request's: the four options of a multiple-choice item share their question,
-the questions about one haystack share the haystack, items of one tool share the schema and the
-example. On a CPU, where prefill is compute-bound, those repeated tokens were most of the time.
+    lm = PrefixCachedLM(pretrained=model, tokenizer=tok, batch_size=32)   # an HFLM, for simple_evaluate
 
-How it works:
-  * Requests are sorted by their token ids. Lexicographic order is the depth-first order of the
-    requests' prefix tree, so requests that share a prefix are neighbours.
-  * `plan_batches` (pipeline/quality/batch_plan.py) cuts that order into batches of at most
-    `batch_size` requests. A batch is a head (the prefix all its members share) and a tail per
-    member. Whether the next request joins the current batch (a shorter head, more padded tail
-    tokens) or starts a new one (one more forward call) is decided by a cost model of a forward
-    pass: a fixed cost per call plus a cost per token. Only their ratio steers the plan: a call is worth `call_tokens` row-tokens.
-  * Calibration (`PrefixCachedLM.calibrate`, at first use, a few seconds): the ratio is measured on
-    the model and device at hand, since it spans orders of magnitude (on the 2-core CPU a call of
-    SmolLM2-135M costs about 48 tokens, `CALL_COST` / `TOKEN_COST`; on a GPU, thousands, and the
-    CPU's ratio made MMLU run about two forwards per question there). The measured ratio is
-    rounded to a power of 4 (see `bucket_call_tokens`: the plan, hence each batch's composition
-    and float rounding, must not change with timing noise between runs), measured once per loaded
-    model and reused by later evaluators of the same model object, and can be pinned
-    (`PrefixCachedLM(call_tokens=..., decode_kv_tokens=...)`). The decode batches' KV budget comes
-    from free memory (`decode_kv_budget`). The constants go into `stats` (quality meta.json's
-    counters).
-  * `PrefixWalk` keeps one batch-1 KV cache: a head is computed from the longest prefix it shares
-    with the previous head, then the tails run as one left-padded batch on copies of its cache.
-    Only the logits that are needed leave the model (`logits_to_keep`).
-  * Greedy `generate_until` decodes the prefilled rows together, `batch_size` rows at a time
-    (batches of several heads are merged by left-padding their caches); a row leaves the batch
-    when its text contains a stop sequence, it emits an EOS token, or it reaches `max_gen_toks`.
-    Each step moves the step's tokens to the host once for the whole batch, and the stop strings
-    are looked for in the decoded tail of each row only (`StopCheck`), confirmed on the whole text.
-Tokenization, truncation, stop handling and post-processing are HFLM's own (tok_encode,
-normalize_gen_kwargs, handle_stop_sequences, postprocess_generated_text), so scores match HFLM's
-up to floating-point summation order (tests/test_prefix_lm.py compares the two). Sampling
-requests, and models whose cache is not a plain per-layer K/V (sliding windows, recurrent
-layers), go to HFLM's code unchanged.
+The four options of a question, the questions about one haystack, the items of one tool share a
+prompt prefix that HFLM runs again for every request. Here requests sorted by token ids sit next to
+those they share a prefix with; `plan_batches` cuts them into batches of a shared head and tails,
+`PrefixWalk` computes each head from the previous one's cache, and greedy `generate_until` decodes
+rows together. Tokenization, stops and post-processing are HFLM's, so scores match HFLM's up to
+float rounding; sampling requests and caches that are not plain per-layer K/V run HFLM's own code
+(docs/methods/quality-slices.md#the-evaluator).
 """
 from __future__ import annotations
 

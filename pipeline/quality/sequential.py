@@ -7,31 +7,11 @@ which the quality stage spends its looks over the variants (score_variants).
     fit_design(out_dir, waves, reference, variants, pending, budget, config.gate)  # pipeline/quality/design.py
     score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
-A variant scores its first look, then a look at a time for the slices whose cells are still open
-(the gate's own replay, pipeline/gate/decision.py: open_rows), the reference first scoring what
-the look needs. Without a time budget each variant is scored to the end before the next (every
-open cell to its last look: the exhaustive run).
-
-With a budget (issue 27: "spend the budget where the verdict is still open") the stage goes in
-two passes. First every variant's first look (the least the gate decides on; always scored) and
-its work after scoring (the stage's distribution drift); then the later looks, only for the
-variants the first looks left open, each getting the time left over the variants still to go.
-A variant that a first look settles (passed everywhere, or no-go) leaves its share to those that
-are open, wherever it sits in the config; scored variant by variant, an early variant would get
-1/n of the share while one behind it that fails at once would leave its share unused. A
-variant another of whose cells has failed is stopped too: it is no-go whatever its open cells
-do, so their items cannot change a verdict (its meta.json says `stopped_on: "verdict"` for
-them; the gate shows them open, "variant already no-go"). Neither stop changes an error rate: a
-cell stopped at look j was tested at looks 1..j at their planned levels and never reaches the
-later ones (pipeline/gate/looks.py). The cost: a variant left open by its first look is loaded
-twice.
-
-Within a budgeted variant's later looks, the look is aimed (aimed_look): while one of its rows
-heads to fail (its difference below -margin), only the slice that would settle soonest for its
-seconds is scored, and its passing slices wait. One failed row settles the variant (no-go), and
-it cannot be go unless that row turns, so items on its other slices cannot settle it first. On
-the default config (2026-12-03) the exhaustive run failed w4a16-gptq on tool_args at 200 items,
-while the budget's looks over all six slices at once never got past the first 40."""
+A variant is scored a look at a time on its open cells (the gate's own replay), the reference
+first. Without a budget each variant goes to its end in turn. With one, in two passes, so that a
+variant its first look settles leaves its time to the open ones: every variant's first look, then
+the later looks of the variants still open, each given the time left over them and aimed at a row
+heading to fail (docs/methods/budget.md, docs/methods/gate.md#aimed-looks)."""
 from __future__ import annotations
 
 import json

@@ -7,36 +7,9 @@
     records, counters = evaluate(lm, lm.tokenizer, ...)     # pipeline/quality/evaluate.py, unchanged records
     engines.release()                                       # every server stopped
 
-How: vLLM's OpenAI server runs from the vLLM environment (pipeline/vllm: its own venv, started on
-127.0.0.1 on a free port, always stopped), and lm-eval's `local-completions` model (its OpenAI
-completions client, in specq's venv) sends it the requests: token ids in, greedy text or echoed
-prompt log-probabilities out. This way, not lm-eval's in-process VLLM model, because vLLM pins its
-own torch and transformers and so cannot share specq's venv; lm-eval's client keeps the task
-configs, the simple_evaluate call and the per-item records (pipeline/quality/evaluate.py) the same
-as with hf, so the gate does not care which backend scored a variant. Each request's answer is
-kept in lm-eval's request cache (sqlite, beside the variant's lines) until its look is written, so
-an engine that dies mid-look loses no answered request: the stage fails in one line, and the
-next run re-sends only what was not answered.
-
-`vllm_args` (a pure function: no vLLM needed) turns a variant directory and its meta.json into the
-engine's settings: the directory, dtype, tensor_parallel_size, gpu_memory_utilization,
-max_model_len, the run's seed, the prompts per request (batch_size), and the quantization where
-vLLM must be told. What vLLM reads comes from the directory's config.json `quantization_config`
-(or an auto-gptq quantize_config.json), as pipeline/variants/checkpoint.py reads it:
-
-    scheme / quant_method          vLLM
-    none, reference, plain ckpt    plain weights
-    gptq (GPTQModel), awq, fp8,    read from config.json by vLLM itself (gptq -> gptq_marlin on a
-    compressed-tensors, ...        GPU); on CPU only the methods vLLM's CPU build lists (GPTQ, AWQ, ...)
-    bnb-int8, bnb-nf4,             GPU: --quantization/--load-format bitsandbytes; CPU: not loaded
-    torchao-int8wo, torchao ckpt   not loaded: a one-line reason
-    a method vLLM does not list    not loaded: a one-line reason
-    GGUF weights only              not loaded: a one-line reason
-
-A variant vLLM cannot load is scored with the hf backend (quality.vllm.fallback: hf, the default;
-its quality/<variant>/meta.json says `backend: hf` and why), or the run is refused before any work
-(fallback: stop). The choice is in what a variant's lines were scored with (stages/quality.py:
-item_inputs), so a changed backend re-scores.
+vLLM's OpenAI server (its own venv) answers lm-eval's local-completions client, so the records are
+the hf backend's; `vllm_args` (pure: no vLLM needed) turns a variant directory into the engine's
+settings, and a variant vLLM cannot load falls back to hf or refuses the run (docs/methods/quality-vllm.md).
 """
 from __future__ import annotations
 

@@ -5,46 +5,11 @@
     pace = Pace({"bfcl": 420.0, "calibration": 180.0}); pace.record({"bfcl": 40}, 61.0)
     allowance = Allowance(StageBudget(config, "quality"), variants_left=3)
 
-Group-sequential gating (pipeline/gate/looks.py) scores a slice `quality.wave_items` at a time,
-the reference and every variant on the same items, and stops a cell once a look settles it. For
-the looks to be a random sample at every size, the slice's items are put in a fixed random order
-(seeded by the run's seed and the slice's name) once, written to quality/data/<slice>.jsonl in
-that order, and every model scores a prefix of it.
-
-The order permutes clusters, not items (a cluster: a shared `cluster` label or an identical
-prompt, as the gate clusters), and a cluster's items sit together, so a look never splits one:
-the design effect is the same at every look and the information fraction is the items' share,
-which the spending function assumes. When the budget holds fewer items than the pool has
-clusters (BFCL's 1,240 items fall in 762 clusters, one of 206 items sharing a function doc), the
-slice takes one item (a seeded choice) from each of the first `n_max` clusters instead: independent
-items, the most information per item; a cluster of 206 items could otherwise never be shown clean
-(pipeline/stats/paired.py: cluster_split) and no identical copy could pass. The same when the
-clusters have unequal sizes, whatever the budget (gpu.yaml's 1,000 BFCL items would otherwise take
-whole clusters, the 76-item one among them, and an identical copy's bound would stay at -0.13):
-at most one item per cluster. Otherwise (clusters of one size: the long-context haystacks) whole
-clusters are taken in order while they fit in `n_max`. The stage takes this selection for one
-look too, so a slice is the same sample whatever `wave_items` says. An lm-eval task
-(`quality.tasks`, pipeline/quality/lm_tasks.py) is ordered the same way over all its documents.
-
-What that means for the decision: on a slice with unequal clusters each cluster counts once (the
-issue's "cap a cluster's weight", at one item), so the gate's estimand there is the mean
-difference over clusters, not over items. A regression confined to a few big clusters counts by
-its clusters: with the item-weighted difference at -0.05 but the damage in 5 clusters of 20
-among 900 singletons, the cluster-weighted difference is about -0.022 and the gate passes it
-(docs/validation/sequential-gate.md, tests/sim_gate_rates.py --sequential). That is the price of a bound that holds: a few
-big clusters cannot estimate their own variance, and taken whole they could only enter at their
-worst case, where no copy, identical or not, could pass.
-
-What a look costs, and the time a variant may spend (issue 27: `budget`, pipeline/core/budget.py).
-`Pace` keeps one model's seconds per item per slice from the calls that scored it: a call that
-scored one slice measures it; the first look scores every slice in one lm-eval call, whose time is
-split by prior weights (the stage's: an item's prompt tokens plus twice its generated tokens, what
-a CPU pass costs per row-token) fitted to what the call took. `Allowance` is one variant's share
-of the quality stage's budget: the time left over the variants left to score, so an early variant
-cannot eat the whole share and what it leaves carries forward; a look it cannot afford (the
-variant's items and the reference's for it, at their measured seconds per item) is not taken,
-and the variant's open cells stay open (pipeline/gate/looks.py says why that keeps each error
-rate at or below nominal).
+A slice's clusters are put once in a seeded random order (quality/data/<slice>.jsonl) and every
+model scores a prefix of it, so each look is a random sample that never splits a cluster. Where
+clusters have unequal sizes or outnumber n_max, one item per cluster is taken, so a big cluster
+cannot keep an identical copy from passing (docs/methods/quality-slices.md#the-order-items-are-scored-in).
+`Pace`: a model's seconds per item per slice; `Allowance`: a variant's time (docs/methods/budget.md).
 """
 from __future__ import annotations
 

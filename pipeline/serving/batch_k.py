@@ -1,46 +1,14 @@
 """Draft length k per batch size, and the table vLLM's dynamic speculation takes.
 
 Called by the marginal stage (python -m pipeline marginal --run ... --config ...) for every pair
-with a `latency/batched/<pair>.json`. Under the engine's synchronised scheme
-(pipeline/decode/batched.py) a round at batch B keeps n_min + 1 tokens in every row, n_min the
-fewest accepted in the batch. E_B(k), tokens per row per round at B, is the acceptance stage's
-`expected_tokens_per_round_by_batch` (pipeline/speculation/batch_rounds.py): exact given the texts of B
-distinct prompts (the batch is a round chain over shared starts whose acceptance is the product
-over rows), averaged over groups of the slice's prompts, with a prompt-jackknife CI; at B = 1 it
-is the acceptance stage's exact E(k). At each B:
+with a `latency/batched/<pair>.json`. At each batch size B:
 
     ms/token(B, k) = T_round(B, k) / E_B(k)          speedup(B, k) = T_plain(B) / ms/token(B, k)
 
-T_round(B, k) = sum_w share_B(w | k) T(B, w): the latency stage's round time by verify width w at
-B (`round_ms_by_width`, pooled over k; missing widths read off a line through the measured ones,
-marginal.by_drafted_matrix), weighted by the share of rounds of width w in the acceptance
-stage's batch chain at (B, k) (`width_distribution_by_batch`). So round time and E_B come from
-the same texts: the latency run's own B prompts can offer a prompt-lookup draft far less than
-the acceptance prompts (a round that verifies nothing costs a plain step), and their round time
-alone, joined to E_B from other prompts, overstated n-gram's speedup (1.40 modelled against 0.94
-measured at B = 1, k = 6, on the default config). T_plain (one plain step of B rows) and
-T(B, w) are timed in the same repeats. The CI resamples the repeats and, independently, the
-acceptance prompts (the delete-one-prompt jackknife of the whole acceptance factor
-sum_w share_w T_w / E_B, `by_batch_jackknife`). A latency or acceptance JSON without the width
-keys falls back to the cells' own round time at k (`round_ms_source` says which). The accepted
-tokens thrown away against each row running alone are a share 1 - E_B(k) / E_1(k).
-recommended_k_by_batch applies marginal.RULE at each B > 1; at B = 1 it takes the B = 1 phase's
-recommended_k (B1_RULE: one quantity, one answer per run; the batched rows' own rule at every B is
-`recommended_k_by_batch_own`, and `recommended_k_by_batch_source` says which applies). On the
-default config the two disagreed for the self-draft at B = 1 in a budgeted run: the batched rows,
-two repeats on one prompt, modelled 1.10 [1.06, 1.13] at k = 1 while the B = 1 phase gave 1.03
-[0.995, 1.07] and the exhaustive run's five batched repeats 1.03 [0.99, 1.08]. Each row carries
-whether its (B, k) cell and the plain cell at B ran the same way (`like_with_like`, both modes
-when not; the latency stage's `run_mode`, pipeline/latency/modes.py): a flagged row stays in the
-table and out of recommended_k_by_batch and so out of the vLLM table.
-
-Beside E_B, for comparison only: `tokens_per_round_independent_rows` = 1 + sum_{i<=k} prefix_i^B,
-the formula this module used before (prefix rates from the k_max rounds and rows' accepted
-counts taken as independent draws; at B = 1 it is the biased k_max shortcut issue 14 replaced),
-and `measured_tokens_per_round`, the latency run's own n_min + 1 on its B prompts (one group,
-greedy, real rows). An acceptance JSON written before E_B existed (or a B with fewer prompts than
-B in the slice) falls back to the comparison formula, and the row says so in
-`tokens_per_round_source`.
+E_B(k) is the acceptance stage's exact batch figure (pipeline/speculation/batch_rounds.py) and
+T_round(B, k) the latency stage's round time by verify width, weighted by the acceptance texts'
+widths at (B, k), so both come from the same texts. The CI, B1_RULE, the fallbacks and the
+comparison formulas: docs/methods/batching.md.
 """
 from __future__ import annotations
 

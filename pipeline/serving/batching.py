@@ -4,46 +4,11 @@ rate, and the simulation's check against the measured closed loop.
     python -m pipeline marginal --run runs/smollm2-135m --config configs/default.yaml
 
 For a pair with `latency/batched/<pair>.json`, `batching_report` returns the keys the marginal
-JSON gets beside `recommended_k`: `recommended_k_by_batch`, `speculative_config_by_batch`,
-`by_batch` (pipeline/serving/batch_k.py) and `serving`:
-
-- Request lengths (issue #28): where the acceptance JSON names its workload, each simulated
-  request draws a (prompt, output) length pair from the workload's prompts under the run's seed
-  (pipeline/serving/lengths.py: the reference reply's length, or the target's own output in the
-  acceptance stage when the workload has none); `serving.lengths` is "workload" or "fixed"
-  (serving.prompt_tokens, serving.output_tokens, for an acceptance JSON without a workload
-  block) and `serving.lengths_source` says where they came from. The closed-loop check keeps the
-  lengths the latency stage measured at.
-- `sweep`: open-loop Poisson rates (serving.rates, or serving.rate_points rates up to
-  serving.max_load x the plain server's full-batch capacity), serving.seeds runs of
-  serving.requests requests per rate and policy, the same arrival times and acceptance draws for
-  every policy (common random numbers): TTFT and TPOT p50/p99 over the pooled requests, goodput
-  (requests meeting serving.slo_ttft_ms and serving.slo_tpot_ms, per second) averaged over runs.
-  Policies: plain, speculative at one k (the recommended k at B = 1, or the fastest k there
-  when none is recommended), and the per-batch k table.
-- `crossover`: per speculative policy, the rate above which it stops paying on TPOT p50 and on
-  goodput (pipeline/serving/simulation.py crossover).
-- Acceptance draws: a round of b > 1 rows at k takes n_min from the acceptance stage's exact
-  batch round chain at (b, k) (`accepted_distribution_by_batch`, pipeline/speculation/batch_rounds.py), so
-  its mean is E_b(k); one row at k draws from `accepted_distribution` at k (the round chain at k,
-  whose mean is the exact E(k)). Rounds are independent draws (ASSUMPTIONS in
-  pipeline/serving/simulation.py).
-- `validation`: the simulation on the latency stage's closed-loop waves (same B, k, prompt length
-  per wave, output length), wave by wave, against the measured TPOT and TTFT. The speculative
-  waves replay the rounds each measured wave had (tokens kept per row, each round costed at its
-  verify width), so what is checked is the cost model (step and round costs by batch, k or
-  width, and context) and the scheduler. Per (B, mode):
-  the predicted median over waves, predicted / measured - 1 with a percentile-bootstrap CI
-  (unit: the wave, with the timing repeats behind every cost re-drawn in each resample), and
-  `agrees` when that CI contains 0. `validation_agrees` is family-wise: every TPOT row's CI at
-  1 - alpha/m (Bonferroni over the pair's m rows) contains 0, aiming at a right model passing
-  with probability 1 - alpha (m rows each at 95% would all agree only ~0.95^m of the time: 0.81
-  for m = 4). It is only as good as each row's interval at the far level: by simulation
-  (tests/sim_validation_coverage.py, 6 waves, 100 resamples) it passes a right model 0.92 of the
-  time, against 0.855 for the per-row rule, which `validation_agrees_each_row` keeps. Reported
-  beside it, not gated: `unconditional` (TPOT with the rounds drawn from the acceptance model, as
-  in the sweep), `acceptance_check` (the model's tokens per round against the waves', on the
-  closed loop's own prompts) and `round_ms` (the cells' round time against the loop's).
+JSON gets: `recommended_k_by_batch`, `speculative_config_by_batch`, `by_batch`
+(pipeline/serving/batch_k.py) and `serving`: request lengths from the workload
+(pipeline/serving/lengths.py), an open-loop `sweep` and `crossover` per policy, and `validation`,
+the simulation replayed wave by wave against the closed loop and judged family-wise over the
+pair's rows. Method: docs/methods/batching.md.
 """
 from __future__ import annotations
 

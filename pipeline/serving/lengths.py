@@ -1,24 +1,14 @@
-"""Request lengths for the serving simulation: drawn from the workload the acceptance stage ran
-(issue #28), as vLLM's serving benchmark draws them from ShareGPT, instead of fixed ones.
+"""Request lengths for the serving simulation: drawn from the workload the acceptance stage ran, as
+vLLM's serving benchmark draws them from ShareGPT, instead of fixed ones.
 
     from pipeline.serving.lengths import request_lengths
     lengths = request_lengths(acceptance_json, slice_name="all", temperature="0.0")
     lengths["pairs"]   # [[prompt_tokens, output_tokens], ...] one per workload prompt, or None (fixed)
 
-vLLM's serving benchmark (its ShareGPTDataset, vllm/benchmarks/datasets) takes each
-conversation's first human turn as the prompt and the token count of the first reply as the
-output length, over a seeded shuffle of the conversations. Here each workload prompt gives one (prompt_tokens, output_tokens) pair:
-prompt_tokens from the acceptance JSON's "workload" block, output_tokens from that block where
-the workload has a reference reply (ShareGPT, a user's file with replies), else the number of
-tokens the target generated for that prompt in the acceptance stage at the simulated temperature
-(the per-prompt record's `tokens`, emitted by rounds, plus the prefill's first). Those are capped
-at acceptance.max_new_tokens, so a built-in workload's outputs are short of what the target would
-write unbounded; the source string says so. An output of one token is raised to two (TPOT needs
-two), and counted. The simulation draws pairs with replacement under the run's seed (a run needs
-more requests than a smoke workload has prompts; pipeline/serving/simulation.py open_loop).
-
-An acceptance JSON without the block (made before workloads) gives `lengths: "fixed"`, and the
-simulation keeps serving.prompt_tokens and serving.output_tokens as before.
+Each workload prompt gives one pair: its prompt tokens, and the reference reply's length where the
+workload has one, else the tokens the target generated for it in the acceptance stage (capped by
+acceptance.max_new_tokens; one token is raised to two). Without a workload block, `lengths:
+"fixed"` (serving.prompt_tokens, serving.output_tokens). Method: docs/methods/batching.md.
 """
 from __future__ import annotations
 

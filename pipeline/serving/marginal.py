@@ -3,49 +3,11 @@
     from pipeline.serving.marginal import pair_report, recommend_k
     report = pair_report(acceptance_json, latency_json, confidence=0.95)   # marginal/<pair>.json
 
-For a (target variant, draft) pair it joins the acceptance JSON (E[tokens/round] for every k and the
-distribution of drafted counts, per slice and temperature, with per-prompt records) with the
-latency JSON (round time as a function of the drafted count and plain decode time per token, per
-temperature, on the same prompts). The marginal stage (pipeline/stages/marginal.py) writes it.
-
-Like with like: T_round(k) for a slice and temperature is the measured round time at each
-drafted count d weighted by that slice's own share of rounds drafting d at k (a model draft
-drafts k, prompt lookup often fewer or none), at the same temperature. Then, SEEDS.md,
-"Choosing k by marginal cost":
-    ms_per_token(k) = T_round(k) / E(k)                    speedup(k) = T_plain / ms_per_token(k)
-    marginal(k-1 -> k) = (T_round(k) - T_round(k-1)) / (E(k) - E(k-1))
-with k = 0 meaning plain decoding (T_round(0) = T_plain, E(0) = 1). Going to k pays while the
-marginal time per marginal token is below T_plain. Beside it, the Leviathan et al. (2023) model:
-a round costs one target step plus k draft steps of relative cost c = T_draft_step / T_plain, so
-predicted ms_per_token(k) = T_plain * (1 + k c) / E(k); where it misses the measured curve, verify
-cost growing with k or per-round overhead is what the model leaves out.
-
-Intervals resample the acceptance prompts and the timing repeats independently (percentile),
-except E(k): a percentile bootstrap of it over a handful of prompts is far too narrow (issue 28:
-the plug-in spread, a normal quantile, no skew), so tokens_per_round_ci is the acceptance stage's
-E(k) interval (a t interval on n - 1 df on the log(E - 1) scale: acceptance_stats.ratio_t_interval)
-and each replicate of ms_per_token and speedup takes its E(k) from that interval's t distribution
-(ratio_t_draws), with the resampled timing and drafted shares. The speedup CI's coverage by
-prompts (tests/sim_direct_check.py coverage, toy records through marginal_table) is in
-docs/validation/direct-check.md, "Coverage of the speedup interval".
-
-Timing from few repeats: given the run's pooled timing noise (`noise`, pipeline/serving/timing_noise.py),
-the timing part of each replicate is a t draw of the median of the table's n repeats at that
-noise instead of a resample of its own repeats, whose range holds the true median only with
-probability 1 - 2^(1 - n) (0.5 at two repeats). `timing_ci` in each table and `timing_noise` in
-the report say which.
-
-Per category (issue #28): `recommended_k_by_category` gives, for every category of the workload
-(the acceptance slices other than "all") and temperature, the recommended k by RULE on that
-slice's own table, with E(k) and speedup at it and CIs, and whether the data settle it
-(CATEGORY_RULE). `workload` names what the acceptance prompts were (the acceptance JSON's
-"workload" block without its per-prompt list; None for an artifact made before workloads, which
-ran the built-in prompts).
-
-Like with like in run mode too (issue #24): each row's speedup is plain over speculative time,
-so each row carries whether the latency stage ran both sides the same way (compiled, eager, ...;
-`like_with_like`, with both modes when false: pipeline/latency/modes.py). A flagged row is
-reported but never recommended (RULE).
+Joins a pair's acceptance JSON (E(k), drafted-count shares) with its latency JSON (round time by
+drafted count, plain ms/token) per slice and temperature: T_round(k) weights the round times by
+that slice's own drafted counts at k, ms_per_token(k) = T_round(k) / E(k), speedup(k) =
+T_plain / ms_per_token(k). RULE picks k (per category: `recommended_k_by_category`); a row whose
+two sides ran differently is never recommended. Method: docs/methods/batching.md.
 """
 from __future__ import annotations
 

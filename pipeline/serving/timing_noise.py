@@ -4,39 +4,10 @@
     noise = pooled_noise(latency_pair_docs, batched_docs)   # None when the run has too few repeats
     marginal_table(..., noise=noise_for(noise, "bf16__ngram"))            # or "bf16__ngram batched"
 
-Why: the marginal stage recommends k from a speedup interval with two independent parts, the
-acceptance prompts and the timing repeats. With the timing repeats resampled (a percentile
-bootstrap of the median), n repeats give at most the repeats' range, which holds the true median
-with probability 1 - 2^(1 - n): 0.50 at the 2 repeats a budget often leaves, 0.75 at 3
-(tests/sim_timing_coverage.py measures the whole interval). On the default config a budgeted run's two
-plain repeats of the self-draft's batched cell at B = 1 agreed to 0.07% (43.68 and 43.65 ms),
-while the exhaustive run's five spread over 6% (40.45-42.89): the two-repeat interval had almost
-no timing width, and excluded what the other runs measured.
-
-What: the unit is one timing repeat. A timing loop is a pair's B = 1 repeats or its batched
-repeats: the figures timed in the same repeats, under the same load. A figure is a drafted count
-d at one temperature (B = 1) or a verify width w at one batch size (batched) with n >= 2 repeats
-that each carry at least MIN_ROUNDS rounds. Pooled over a loop's figures: the squared deviations
-of the per-repeat log ratio q_r = log(plain_r / T_r) (plain ms/token over the round time, same
-repeat) and of log T_r from each figure's mean, over the sum of (n - 1); and of log plain over
-the loop's plain sequences (one per temperature or batch size). So a cell timed twice borrows the
-spread of every other figure of its loop (7 drafted counts x 2 temperatures at B = 1 on the
-default config), instead of trusting the spread of its own two repeats, which is itself a
-chi-square draw with 1 df (two repeats of the same noise differ by a factor of 30 in spread
-between their 5th and 95th percentiles). The figures of one plain sequence share its repeats, so
-the ratio's variance is only as sure as the plain part's: the degrees of freedom are
-Welch-Satterthwaite's for var(log plain) + var(log round) (_Pool.figure). A loop with fewer than
-MIN_DF plain or effective degrees of freedom takes the whole run's pool (noise_for).
-
-How it is used (marginal_table, batch_k._cis): the timing part of each bootstrap replicate is
-the point times exp(sd * m_n / sqrt(n) * t_df), with m_n = sqrt(n Var(median of n standard
-normals)) (the statistic is a median of the n repeats: m_2 = 1, m_3 = 1.16, m_5 = 1.20, to sqrt(pi / 2)),
-and t_df a Student t draw on the pooled degrees of freedom. The acceptance part is unchanged.
-Assumed: the relative noise of a repeat is the same for every figure of the loop (checked by
-simulation with figures whose noise differs by a lognormal factor of sd 0.5:
-tests/sim_timing_coverage.py, docs/validation/timing-coverage.md). A figure is a mean
-over its rounds, so it carries that sampling noise too, which a k's round time (a mix of
-drafted counts) partly averages away: on that account the pooled figure is conservative.
+With n repeats resampled, a median's interval is at most their range, which holds the true median
+only with probability 1 - 2^(1 - n). So the timing part of each replicate is a t draw at the noise
+pooled over every figure timed in the same repeats, on Welch-Satterthwaite degrees of freedom.
+Method and assumptions: docs/methods/timing-intervals.md.
 """
 from __future__ import annotations
 

@@ -5,25 +5,10 @@ resample prompts.
     rec = prompt_record("code-0", "code", text, chains)     # one prompt's expectations (JSON-able)
     summary = summarize_slice([rec, ...], k_max, confidence=0.95, seed=0)
 
-Every figure is a ratio of sums over prompts (tokens / expected rounds, accepted / reached, ...),
-so a prompt, whose rounds share one text, is the unit: the intervals are t intervals on the
-prompts, n - 1 df, with the ratio linearized around its point (ratio_t_interval; the direct
-check's ratio_difference is the same construction for a difference). E(k) >= 1 is skewed (most
-texts copy little, a few a lot), so its interval is built on log(E(k) - 1): wider above than
-below. Until issue 28 they were percentile prompt bootstraps (ratio_interval, kept for the
-simulation), which over a handful of prompts see only the plug-in spread with a normal quantile
-and no skew: the 95% E(k) interval covered the population's E(k) in 44-50% of simulated slices at
-2 prompts and 83-90% at 8; this one in 60-81% at 2, 93-96% at 8 (tests/sim_direct_check.py
-coverage; docs/validation/direct-check.md). With fewer than two prompts the interval
-is the whole range of the quantity. Every interval is clipped to that range and contains its
-point estimate. A rate is also never narrower than the Wilson interval on its (expected) round
-counts: when every prompt accepted nothing, or everything, at a position, the prompts agree and
-the t interval alone would claim certainty that a few rounds cannot give.
-
-A slice with fewer than MIN_PROMPTS prompts says so (`few_prompts`, `min_prompts`): its intervals
-are indicative only (summarize_slice states the rule). The direct check's sampled test is a paired
-t interval on the prompts (ratio_difference), and with fewer than MIN_CHECK_PROMPTS prompts there
-is no verdict (`agree` null).
+Every figure is a ratio of sums over prompts, and a prompt's rounds share one text, so the prompt
+is the unit: t intervals on the prompts (n - 1 df, the ratio linearized around its point), E(k)'s
+on the log(E(k) - 1) scale because it is skewed. Below MIN_PROMPTS a slice says `few_prompts`.
+The intervals, their floors and the direct check's test: docs/methods/acceptance.md.
 """
 from __future__ import annotations
 

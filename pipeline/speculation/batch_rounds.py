@@ -5,52 +5,10 @@ acceptance stage's texts: exact given B texts, then averaged over groups of B di
     chain = batch_chain([text_a, text_b], k)     # E[rounds], E[row-rounds] given the two texts
     block = batch_block(texts, tokens, batch=4, k_max=6, confidence=0.95, seed=0)   # one slice
 
-Why exact. pipeline/decode/batched.py keeps every active row at one shared start s (tokens emitted
-so far); a round there drafts d = min(k, N - s - 1) tokens per row, row b accepts n_b leading
-drafts, and every active row keeps n_min + 1 tokens, n_min = min over active rows of n_b. Each
-row's emitted text is distributed as the target's own (lossless per row, rows independent), and
-given its text a row's accept outcomes are independent Bernoulli(accept_b[s, i]) draws
-(pipeline/speculation/expected_rounds.py); rows draw their own random numbers, so given the B texts
-
-    P(n_min >= i + 1 | n_min >= i, texts) = prod over rows active at s of accept_b[s, i]
-
-and the batch is the same Markov chain over shared starts, with accept[s, i] that product and
-available[s] = min over active rows of what each row's draft offers (a row offering fewer is
-padded with forced rejections; a round where the active rows offer nothing is a plain step: both
-are d = that min). So `round_chain` on the combined TextAcceptance gives E[rounds | texts] at
-every k, with the engine's shortening of k near max_new_tokens N (it uses the shared s, as the
-engine's `produced` is shared). Tokens per row per round is sum_b tokens_b / E[row-rounds], a
-row-round being one active row in one round: at B = 1 that is tokens / E[rounds], exactly the
-acceptance stage's E(k) (tests/test_batch_rounds.py).
-
-Rows that end. Row b is active at starts s < n_b (it has not emitted its last token); from the
-next round on it no longer counts in n_min, as in the engine. In the round where its text ends,
-its positions past the end count as rejections (its matrix holds 0 there). That is the one case
-that is not exact: when a row's EOS is accepted as a draft and the round drafted further, the
-engine also tests the drafts after the EOS, which no text determines; the chain takes them as
-rejected, which can only shorten n_min in that round. Rows that run to N are always exact.
-
-Per round: the chain's histogram of n_min over full-length rounds (k not shortened near N), summed
-over groups and normalised, is `accepted_distribution_by_batch` B -> k -> P(n_min = j): what the
-serving simulation (pipeline/serving/simulation.py) draws a round of B rows' kept tokens from. At B = 1
-it is the acceptance stage's `accepted_distribution`.
-
-What a round costs. The engine verifies min(k_s, the most any active row offers) draft tokens in
-every row (`width`; rows offering fewer are padded), so a round's time depends on the content
-through that width: always k_s for a model draft, anything from 0 (nothing offered: a plain step)
-to k_s for prompt lookup. The chain's visits by width, over all rounds, summed over groups and
-normalised, are `width_distribution_by_batch` B -> k -> share of rounds of width w = 0..k (at
-B = 1 the acceptance stage's drafted-count shares). pipeline/serving/batch_k.py weights the latency
-stage's round time by width with it, so the round time and E_B come from the same texts.
-
-Per slice: groups of B distinct prompts from PARTITIONS seeded random partitions of the slice's
-prompts (a permutation cut into floor(P / B) groups; the P mod B left over sit that partition
-out). E_B(k) = sum over groups of tokens / sum over groups of E[row-rounds], a ratio of sums like
-E(k). Its interval's unit is the prompt: a delete-one-prompt jackknife (dropping a prompt drops
-every group that holds it), normal interval, clipped to [1, k + 1] and containing the point. A
-jackknife, not the prompt bootstrap used elsewhere, because a bootstrap resample repeats prompts
-and a group must hold distinct ones; the jackknife is the standard variance estimate for such
-averages over groups (U-statistics). Fewer than B prompts: no group, the block says so.
+Every row keeps n_min + 1 tokens a round, so given the texts the batch is one round chain over
+shared starts whose acceptance is the product over the active rows (`round_chain` on the combined
+TextAcceptance); at B = 1 it is the acceptance stage's E(k). Per slice: seeded groups of distinct
+prompts, a delete-one-prompt jackknife CI. Why exact, and when not: docs/methods/batching.md.
 """
 from __future__ import annotations
 

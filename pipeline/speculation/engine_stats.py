@@ -4,20 +4,11 @@
     rec = request_record(pid, category, completion_json, k)      # one streamed request at draft length k
     block = summarize_requests([rec, ...], k, confidence)          # per-position rates, E(k), CIs over prompts
 
-Two definitions, both kept, never mixed:
-- specq's E[tokens per step] = sum(tokens the decode steps emitted) / sum(decode steps) over the
-  prompts (the prefill's token is in neither), every decode step counted whether the draft
-  proposed anything or not (a prompt-lookup step with no match emits one token). It is what the
-  acceptance stage derives (E[tokens/round]), so the two are compared like with like.
-- vLLM's mean acceptance length = 1 + accepted / drafts, over the steps that carried a draft only
-  (its `spec_decode_num_drafts`). For a model draft every step drafts and the two nearly agree;
-  for prompt lookup, which often proposes nothing, vLLM's figure is larger.
-Per position i the same split: `prefix` = steps that accepted positions 1..i over all steps
-(specq's), `per_draft` = the same over drafted steps (vLLM's `accepted_per_pos / num_drafts`),
-`conditional` = over the steps that reached position i (drafted >= i, 1..i-1 accepted).
-
-Steps come from the stream (one chunk per engine step); a request whose chunks do not add up with
-its per-step accepted counts (a client too slow merges chunks) takes its steps from the counts.
+Two definitions, both kept, never mixed: specq's E[tokens per step] counts every decode step (what
+the acceptance stage derives, so the two compare like with like); vLLM's mean acceptance length,
+1 + accepted / drafts, counts only the steps that carried a draft, so for prompt lookup it is
+larger. Per position the same split (`prefix`, `per_draft`, `conditional`). Steps come from the
+stream, one chunk per engine step. Method: docs/methods/vllm-engine.md.
 """
 from __future__ import annotations
 

@@ -4,32 +4,11 @@
     text = TextAcceptance(accept=A, beta=B, available=avail, tokens=n, max_new_tokens=N)
     chain = round_chain(text, k)       # chain.rounds: E[rounds | text] at draft length k
 
-Why this is exact. Speculative decoding is lossless: whatever k and draft, the emitted text is
-distributed as the target's own sampling (greedy: it is the target's greedy text). Take one such
-text x_0..x_{n-1} (x_0 comes from the prefill, every later token from a round). At a drafted
-position t the engine emits x as an accepted draft with probability q(x) min(1, p(x)/q(x)) =
-min(p(x), q(x)), and as the rejection's residual with probability max(p(x) - q(x), 0); at a bonus
-position it emits x with probability p(x). So the joint probability of (text, accept/reject
-outcomes) is prod_t p_t(x_t) * prod_{drafted t} [a_t if accepted else 1 - a_t], with
-
-    a_t = min(p_t(x_t), q_t(x_t)) / p_t(x_t) = min(1, q_t(x_t) / p_t(x_t))
-
-where p_t, q_t are the target's and the draft's distributions given x_<t (a round that reached
-position t accepted every draft before it, so the draft was conditioned on the text too). Given
-the text, the outcomes are therefore independent Bernoulli(a) draws along whatever round
-structure they produce: a Markov chain over round starts s (tokens emitted so far). From start s
-at draft length k the engine drafts d_s = min(k, N - s - 1, available_s) tokens (it shortens k
-so no round runs past max_new_tokens N; a prompt-lookup draft may have fewer to offer); the
-first rejection at offset j moves the chain to s + j + 1, all d_s accepted to s + d_s + 1 (the
-bonus token); a text that ends (EOS) inside a round ends the chain. For a prompt-lookup draft q
-is one-hot on the proposal made at the round's start, so a depends on (start, offset): `accept`
-is a [start, offset] matrix, a model draft's rows are the same per-token a_t shifted.
-
-E[rounds | text] at every k is one forward pass over the starts (below); E(k) for a set of
-prompts is the ratio estimator sum(tokens) / sum(E[rounds]) (tests/test_expected_rounds.py checks
-it against direct simulation on block and periodic acceptance patterns). The old shortcut,
-1 + sum of prefix rates from rounds run at k_max, assumes acceptance is the same at every start;
-on real text rounds at different k start at different places, and it was biased by 18-32%.
+Speculation is lossless, so given the target's own text the accept/reject outcomes are independent
+Bernoulli draws (acceptance a_t = min(1, q_t(x_t) / p_t(x_t))), and the rounds are a Markov chain
+over round starts: one pass over the starts gives E[rounds | text] at every k exactly. A slice's
+E(k) is sum(tokens) / sum(E[rounds]). The derivation: docs/methods/acceptance.md, "Why the derived
+E(k) is exact".
 """
 from __future__ import annotations
 

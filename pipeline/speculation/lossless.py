@@ -3,41 +3,11 @@
     from pipeline.speculation.lossless import lossless_checks
     lossless_checks(model, prompts, draft, cfg, seed, texts, greedy_runs)
 
-- Greedy: every direct greedy run (acceptance.direct_check_k) is compared token for token with
-  the target's own plain greedy text. `greedy_identical` says whether all were identical.
-  In float32 they are, for a correct engine. In a reduced precision (bf16 on a GPU, or a variant
-  with `dtype: bfloat16`) they need not be: a verify over k + 1 tokens and a one-token step use
-  different matmul shapes, so the same logits come out rounded differently, and where two tokens
-  are nearly tied the argmax can flip. A flip is then not an engine error, and everything after
-  it follows a different (equally greedy) text. So every divergence is judged by a tie rule:
-
-  1. The noise: on `TIE_CALIBRATION_PROMPTS` prompts, the target's logits for the plain text are
-     computed in several ways: one teacher-forced forward, the engine's one-token steps, and
-     verify forwards of width k + 1 (each checked k). `logit_noise` is the largest absolute
-     difference between any two of them, over every position's `TIE_TOP_TOKENS` largest logits
-     (the ones that compete for the argmax): how far a logit moves between the shapes the engine
-     uses, in this model and dtype.
-  2. The tolerance: two logits can move apart by at most twice that, so `tolerance` =
-     2 x logit_noise, and never less than two units of the dtype's resolution at the largest
-     logit seen (2 * eps(dtype) * 2^floor(log2 max|logit|)).
-  3. A divergence is explained when, in one teacher-forced forward over the prompt and the
-     speculative output, the plain token at the divergence and every speculative token from the
-     divergence on lie within `tolerance` of that position's largest logit: the speculative
-     run is then greedy on its own text, up to the dtype's noise. Each divergence records the
-     logit gap (plain token minus speculative token) and the largest shortfall after it.
-
-  `greedy_lossless` is true when every divergence is explained; the gate reads it (and falls back
-  to `greedy_identical` for results written before it existed). In float32 the noise is ~1e-5,
-  so only a true tie is forgiven; an engine error (a wrong accept, a stale cache position) puts
-  a token far from the argmax and fails.
-- Sampling: the first token the verify rule emits (the output's second token; the first comes
-  from the prefill in both modes), speculative vs plain, on the first prompt, compared by a
-  two-sample chi-square at acceptance.lossless_alpha. The target's prompt forward is run once and
-  rolled back for every sample (the static cache is rewound, not refilled), and so is a
-  model draft's.
-- What was compared: `prompts` (compared at greedy) and `prompts_skipped` (a time budget cut the
-  direct check before their greedy runs: pipeline/speculation/measure.py); with none compared the
-  greedy verdicts are None.
+Greedy: every direct greedy run must match the target's plain greedy text. In float32 it does; in
+a reduced precision a verify and a one-token step round logits differently, so a divergence at a
+near-tie is forgiven when it lies within a tolerance measured on the model (`greedy_lossless`).
+Sampled: the first verified token, speculative against plain, by a two-sample chi-square. The tie
+rule: docs/methods/acceptance.md.
 """
 from __future__ import annotations
 

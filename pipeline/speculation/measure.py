@@ -5,27 +5,10 @@ chain on them, direct engine runs beside it, the lossless checks.
     texts = generate_texts(model, prompts, cfg.acceptance, seed, tokenizer.eos_token_id)
     result = measure_pair(model, tokenizer, draft, cfg.acceptance, seed, prompts, texts, batch_sizes=[2, 4])
 
-The target generates each prompt's text once with plain decoding (speculation is lossless, so that
-text is distributed as any speculative run's, at any k and with any draft). Per draft: one
-teacher-forced pass of target and draft over each text (teacher_forced.py) gives, at every
-position, the probability that a draft token there would be accepted given the text; the round
-chain (expected_rounds.py, which shows why this is exact) turns those into E[rounds | text] at
-every k = 1..k_max; `direct_check` runs the real engine at each k in acceptance.direct_check_k on
-the same prompts. `temp_key` is the one key by which acceptance and latency JSON name a temperature.
-
-The measurement (texts, teacher-forced passes, and the sampled lossless test the gate reads) is
-always whole. The direct runs are a check beside it, and a time budget (issue 27) may cut them
-(CheckPlan): each prompt runs through every (temperature, k) cell before the next starts, and a
-prompt starts only while its estimated cost fits in the pair's allotment, planned from the plain
-text's time for that prompt (generate_texts(seconds=...)) times the cost per text-second the cell
-has shown so far; the first prompt runs whatever the allotment (MIN_DIRECT_PROMPTS: the greedy
-lossless check always has one). Under a budget the prompts go round-robin over the categories
-(workload.interleave), so a cut check still spans them; without one they go category by category,
-as before, so each cell's seeded generator draws exactly what it did. The cut is recorded: in
-each direct_check entry (`prompts_run`, `prompts_skipped`, `stopped`: "budget" or null; a slice
-none of whose prompts ran has an empty direct_check), in `direct_check_plan` for the pair, and in
-`lossless` (`prompts` compared, `prompts_skipped`). A direct_check entry's `derived` is the E(k)
-of the prompts that ran (the check is paired), which is the slice's E(k) when none was skipped.
+The measurement (texts, teacher-forced passes, the sampled lossless test) always runs whole; the
+direct check beside it may be cut by a time budget (CheckPlan), and always keeps its first prompt
+(MIN_DIRECT_PROMPTS). `temp_key` is the one key acceptance and latency JSON name a temperature by.
+Method: docs/methods/acceptance.md; the budget's cut: docs/methods/budget.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """The built-in prompt set for acceptance measurement, grouped by kind: the categories of the
 `builtin` workload (pipeline/speculation/workload.py), which are the acceptance slices.
 
-Acceptance depends on what is being generated, by up to an order of magnitude between tasks, which
-is why Spec-Bench reports speculative decoding per category rather than one figure. Two families:
-
-- open generation (chat, code, long_context, structured): code and structured output repeat their
-  own context, chat is freer, long-context prompts make the draft read far tokens;
-- input-grounded (summarize, extract, code_edit, doc_qa): the prompt carries a passage, a text,
-  a piece of code or a short document, and the answer reuses it (a summary keeps its names and
-  figures, an extraction copies fields, an edit returns the code nearly unchanged, an answer
-  quotes its document). Prompt lookup (the `ngram` draft) pays here, where the output copies the
-  input, and not in open chat; these kinds let a run show where it does and where it does not.
+Acceptance differs by task, so the kinds span open generation (chat, code, long_context,
+structured) and input-grounded tasks (summarize, extract, code_edit, doc_qa) whose answers reuse
+the prompt, where prompt lookup pays (docs/methods/workloads.md).
 
 The ids are f"{kind}-{i}" by position, and artifacts and tests name them: the first four kinds and
 their prompts must not change or reorder; new kinds go after them, new prompts at the end of a kind.

@@ -3,18 +3,10 @@
     from pipeline.speculation.teacher_forced import score_text
     text = score_text(model, draft, prompt_ids, tokens, sampling, k_max, max_new_tokens)
 
-`tokens` is the engine's output for `prompt_ids` (x_0 from the prefill, then x_1..x_{n-1}). One
-target forward over prompt + x_0..x_{n-2} gives p_t for every t = 1..n-1 at once (the same
-temperature / top-k / top-p as the engine applies); then, per draft kind:
-
-- ModelDraft: one forward of the draft model over the same tokens gives q_t, and
-  a_t = min(1, q_t(x_t) / p_t(x_t)), beta_t = sum_x min(p_t, q_t) (greedy: q_t and p_t are one-hot,
-  so a_t = 1 exactly when the draft's argmax is x_t).
-- NgramDraft: q is one-hot on the proposal made at the round's start s, so acceptance depends on
-  (start, offset): a[s, i] = 1 if proposal_s[i] == x_{s+i} (the engine accepts d with probability
-  p(d) and then emits d, and a rejection never emits d), beta[s, i] = p_{s+i}(proposal_s[i]).
-
-pipeline/speculation/expected_rounds.py explains why these, given the text, make E[rounds] exact.
+One target forward over the prompt and the text gives p_t at every position at once (with the
+engine's sampling settings). A ModelDraft's forward gives q_t and a_t = min(1, q_t(x_t) / p_t(x_t));
+an NgramDraft proposes at each round's start s, so its acceptance is a [start, offset] matrix,
+1 where proposal_s[i] == x_{s+i}. Why these make E[rounds] exact: docs/methods/acceptance.md.
 """
 from __future__ import annotations
 

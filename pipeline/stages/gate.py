@@ -3,16 +3,11 @@
     specq gate --run runs/smollm2-135m [--variant int8] [--table]   # exit 0 go, 1 no-go, 3 inconclusive
     specq gate-check --run runs/smollm2-135m                        # the table of a gated run
 
-The gate reads the quality stage's per-item scores and the acceptance stage's lossless checks and
-decides every (variant, slice) cell (pipeline/gate/decision.py says how), then writes
-`runs/<run>/gate.json` and `gate/table.md` (pipeline/report/gate_table.py).
-
-`specq gate` runs the stage where it is not up to date, then prints the decision. Its exit status
-(and gate-check's): 0 go (every release variant passes every gated cell), 1 no-go (a release
-variant fails a cell), 3 inconclusive (nothing fails, but some release cell lacks the evidence to
-pass; the table says how many items per slice would settle it), 2 bad input (no or corrupt
-gate.json, a variant that is not a release variant). With --variant, the decision is over those
-variants' cells only.
+Reads the quality stage's per-item scores and the acceptance stage's lossless checks, decides every
+(variant, slice) cell (pipeline/gate/decision.py), writes `runs/<run>/gate.json` and `gate/table.md`
+(pipeline/report/gate_table.py). `specq gate` runs the stage where it is not up to date, then prints
+the decision; exit 2 is bad input. With --variant, the decision is over those variants' cells only.
+How cells are decided: docs/methods/gate.md.
 """
 from __future__ import annotations
 

@@ -2,53 +2,13 @@
 
     python -m pipeline latency --run runs/smollm2-135m --config configs/default.yaml
 
-Writes `latency/<variant>.json`: plain decode over batch sizes x context lengths, per cell TTFT and
-TPOT (medians with CIs), TTFT and inter-token p50/p90/p99 from the per-step samples (kept raw),
-peak memory, bytes per step and the share of the measured device bandwidth it reaches, and
-`tpot_ratio_vs_reference` (this variant's TPOT / the reference's, with a CI) beside the roofline's
-prediction; `latency/tpot_ratio.png` plots that against B x context. And
-`latency/<variant>__<draft_slug>.json`: speculative round times on the acceptance prompts and
-temperatures at k = 1..k_max, as a function of the drafted count (pipeline/latency/speculative.py),
-for the pairs the vllm stage did not measure (those are timed in vLLM, the engine they are served with).
-
-And `latency/batched/<variant>__<draft_slug>.json`: speculative round time and ms/token per (batch
-size, k) and a measured closed loop (pipeline/latency/batched.py).
-
-Both pair files measure the workload's prompts (acceptance.workload; pipeline/speculation/workload.py)
-and record them under `workload`: B = 1 the first `speculative_prompts_per_kind` of each
-category's draw (the acceptance prompts' first ones), the batched cells and closed loop the
-categories' prompts taken in turn.
-
-Every figure goes through pipeline.decode.engine.generate (the computation the acceptance stage
-measured) and pipeline.decode.timing (CUDA events on GPU, a synchronized perf_counter on CPU).
-Warm-up runs are not recorded; every CI is a bootstrap over `latency.repeats` repeats (the unit of
-resampling), and the raw per-repeat (and per-step) samples are kept in the JSON.
-
-Screening (issue 27; latency.screen, pipeline/latency/screen.py): before a pair is timed, a probe
-of a few seconds and the acceptance stage's upper CI bound its speedup at every k (and, for the
-batched cells, at every B); a pair whose bound is below 1 everywhere "does not pay" and is not
-timed: its JSON is still written (the stage is complete and resumes) with `screened` (the record:
-verdict, the bound per k and its terms, the probe's samples, what it assumes and what was skipped)
-and empty `rows` / `by_temperature` (batched: empty `cells`); a timed pair carries its record
-under `screen`. Prompt lookup is never screened, nor is any pair where the steps compile with
-inductor (pipeline/latency/plan.py: why_not_screened; the probe is eager). meta.json's `screen` says
-"on" or why not, and `screened` has each pair's verdict. A screened pair is re-screened when its
-acceptance JSON changes and timed once latency.screen is off. A pair that may pay is timed at
-k = 1..k_hi only, the k whose bound reaches 1 (screen.ks_to_time); its JSON has `ks_asked`,
-`ks_timed` and `ks_not_timed` (k -> bound), and it is re-timed on the same two conditions.
-
-Before any cell runs, a memory plan (pipeline/latency/plan.py) drops the cells that cannot fit
-(one line each), picks chunked prefill where a one-shot prefill would not fit, and orders the
-cells so each runs on a cache of exactly its length, freed before the next. With latency.compile
-the steps run compiled (pipeline/decode/compiled.py), the batched cells and the closed loop
-included; each phase has one session per target, shared by its drafts, so a pair's `compile` record
-is the session's so far (`compiled_for_this_pair` in the batched ones). Each JSON records the plan,
-what compiled (per shape), the quantized kernels the variant really runs and the device's name;
-every timed cell its `run_mode`, and every ratio between two cells whether they ran the same way
-(pipeline/latency/modes.py). A variant that is done with has its caches (and its drafts') released
-when its session closes, its references deleted and gc.collect() + torch.cuda.empty_cache() run
-(pipeline/decode/release.py) before the next one is loaded and planned, so the next plan's free
-memory does not still count it; a target's drafts are held together while it is timed.
+Writes `latency/<variant>.json` (the plain grid: pipeline/latency/grid.py),
+`latency/<variant>__<draft_slug>.json` (round time by drafted count on the acceptance workload,
+for pairs the vllm stage did not measure: pipeline/latency/speculative.py) and
+`latency/batched/<variant>__<draft_slug>.json` (pipeline/latency/batched.py). A memory plan
+(pipeline/latency/plan.py) runs first, a screen (pipeline/latency/screen.py) skips pairs that
+cannot pay, and every ratio says whether both sides ran the same way (pipeline/latency/modes.py).
+Method: docs/methods/stages.md, batching.md, budget.md, gpu-box.md.
 """
 from __future__ import annotations
 

@@ -2,28 +2,12 @@
 
     python -m pipeline marginal --run runs/smollm2-135m --config configs/default.yaml
 
-For every (target variant, draft) pair: join `acceptance/<pair>.json` with `latency/<pair>.json`
-into the marginal-cost table and the recommended k (pipeline/serving/marginal.py); where the
-latency stage timed the pair under batching (`latency/batched/<pair>.json`), add k per batch
-size, the vLLM table and the serving simulation with its validation (pipeline/serving/batching.py);
-write `marginal/<pair>.json`, `.md`, `.png` and the batching figures (pipeline/report/). The
-JSON carries k per category (`recommended_k_by_category`) and names the acceptance workload; the
-serving simulation draws its request lengths from that workload (pipeline/serving/lengths.py), or
-keeps fixed ones for an acceptance JSON made before workloads, and says which.
-
-Every speedup CI's timing part uses timing noise pooled over the figures of its timing loop (the
-run's, where a loop has too few; pipeline/serving/timing_noise.py; `timing_noise` in meta and in
-each JSON), so a cell timed twice is not judged by the spread of its own two repeats alone. A
-pair's item depends on the run's pool, so a re-timed pair re-derives the others.
-
-A pair the latency stage screened out (`screened` in its latency JSON, pipeline/latency/screen.py)
-gets recommended_k 0 and the screen's record and sentence (serving/marginal.py screened_report);
-screened under batching, k = 0 at every batch size and no simulation (serving/batching.py
-screened_batching). Its .md page and plot show the bound per k instead of a measured table.
-
-A pair the vllm stage measured (vllm/<pair>.json) is reported from vLLM's own figures instead
-(pipeline/serving/served_k.py: served_report; pipeline/report/served.py), with the acceptance
-stage's derived E(k) beside the engine's where the acceptance stage measured the pair.
+For every (target variant, draft) pair: the marginal-cost table and recommended k
+(pipeline/serving/marginal.py), and where the pair was timed under batching, k per batch size, the
+vLLM table and the serving simulation (pipeline/serving/batching.py); writes `marginal/<pair>.json`,
+`.md` and `.png`. Timing CIs use noise pooled over each timing loop (serving/timing_noise.py). A
+screened pair gets k = 0 with the screen's record; a pair measured in vLLM is reported from vLLM's
+own figures (pipeline/serving/served_k.py). Method: docs/methods/batching.md.
 """
 from __future__ import annotations
 

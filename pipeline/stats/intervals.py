@@ -1,19 +1,12 @@
 """Confidence intervals from resampling replicates and from quantiles: the one implementation.
 
 Every interval the pipeline reports beside a point estimate is built from these pieces:
-- `percentile_interval`: the central `confidence` share of bootstrap (or simulation) replicates,
-  the replicates drawn by the caller (prompts, waves, timing repeats, ...: the caller's unit);
-  `percentile_bootstrap` draws single observations itself through scipy.stats.bootstrap.
-- `jackknife_se`: the delete-one jackknife standard error of a statistic from its replicates.
-- `normal_interval` (z quantile) and `t_interval` (t quantile on df degrees of freedom) around a
-  point with a standard error; `mean_t_interval` is the textbook one for the mean of independent
-  units (SE s/sqrt(n), n - 1 df); `normal_se` reads back the SE a normal interval implies.
-- `clip_contain`: the two finishing steps every caller may ask for, in this order: clip to the
-  range the quantity can take (`bounds`), then widen to contain the point estimate.
-
-The levels of a two-sided interval are (1 - confidence)/2 and (1 + confidence)/2
-(`central_levels`). Differences between callers (a range to clip to, dropping undefined
-replicates, what to return with too few of them) are parameters here, not copies elsewhere.
+`percentile_interval` (replicates drawn by the caller, in the caller's unit) and
+`percentile_bootstrap` (scipy.stats.bootstrap over single observations); `jackknife_se`;
+`normal_interval`, `t_interval` and `mean_t_interval` (s / sqrt(n), n - 1 df) around a point, and
+`normal_se`, the SE a normal interval implies; `clip_contain`, which clips to the quantity's range
+and then widens to contain the point. Two-sided levels come from `central_levels`. Differences
+between callers are parameters here, not copies elsewhere.
 """
 from __future__ import annotations
 

@@ -2,29 +2,13 @@
 their confidence bounds, non-inferiority status, the items needed to settle a test, multiplicity,
 and the descriptive CIs of quality/<variant>.json.
 
-Conventions (every function here):
-- `diff` is oriented so that NEGATIVE MEANS THE VARIANT IS WORSE: variant - reference for a metric
-  where higher is better, reference - variant where lower is better (Brier). The margin is then
-  always a non-negative number and the test is H0: diff <= -margin vs H1: diff > -margin.
-- A cell's CI is two one-sided bounds: its lower bound at alpha_lower above -margin is "pass"
-  (non-inferior), its upper bound at alpha_upper below -margin is "fail" (inferior); the interval
-  covers with probability >= 1 - alpha_lower - alpha_upper. 95% means one-sided 0.025 each.
-- The unit of resampling is the cluster: items that share a prompt, a haystack or a source
-  document (pipeline.gate.decision merges the `cluster` labels with prompt hashes). An item without one is
-  its own cluster, which reduces every formula to the textbook one.
-
-Two kinds of estimate:
-- PairedBinary (both models' scores 0/1): Tango's score interval for paired proportions
-  (pipeline/stats/tango.py), its variance scaled by a design effect that holds for any
-  discordance rates: the largest cluster size among the clusters it covers; clusters larger than
-  that (chosen from the sizes alone, `cluster_split`) enter at their worst case. The fail side
-  adds a one-item continuity correction (tango.FAIL_CORRECTION).
-- PairedMean (anything else, e.g. per-item Brier): mean difference, CR1 cluster-robust standard
-  error, t with G - 1 df; when every cluster has the same difference, the exact binomial bound
-  on the share of clusters that could differ (statsmodels' Clopper-Pearson).
-
-The array functions run over a trailing item axis, so tests/test_stats.py simulates thousands of
-gates per call through the same code the gate runs.
+`diff` is oriented so that NEGATIVE MEANS THE VARIANT IS WORSE (reference - variant where lower is
+better, as Brier), so the margin is non-negative and the test is H0: diff <= -margin. A cell's CI
+is two one-sided bounds: the lower above -margin is "pass", the upper below -margin is "fail". The
+unit of resampling is the cluster (items sharing a prompt, haystack or document; an item without
+one is its own). 0/1 scores get Tango's score interval (PairedBinary, pipeline/stats/tango.py),
+anything else a CR1 cluster-robust t interval (PairedMean). How the gate uses them:
+docs/methods/gate.md.
 """
 from __future__ import annotations
 

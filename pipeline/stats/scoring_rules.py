@@ -1,18 +1,14 @@
 """Calibration metrics of multiple-choice items (option probabilities and the right option): the
 per-item Brier score the gate tests, and the calibration errors the quality summary and the gate
-report. The one implementation: the quality summaries (pipeline/quality/evaluate.py) and the gate (pipeline/gate/decision.py) both call these.
+report; the quality summaries and the gate (pipeline/gate/decision.py) both call these.
 
-- Brier (multi-class): sum_j (p_j - [j == label])^2 per item, in [0, 2], lower is better. A proper
-  scoring rule and a per-item mean, so a paired difference of it has an ordinary CI.
-- ECE (plug-in): sum_b n_b/n |acc_b - conf_b| over 10 equal-width bins of the top option's
-  probability. Biased upward at small n (a perfectly calibrated model scores > 0), so it is
-  reported for comparison with published figures, never gated.
-- ECE debiased: the l2 calibration error with Kumar, Liang & Ma's (2019, "Verified Uncertainty
-  Calibration", NeurIPS) bias correction, over equal-mass bins:
-      CE^2 = sum_b n_b/n [ (conf_b - acc_b)^2 - acc_b (1 - acc_b) / (n_b - 1) ],
-  reported as sqrt(max(CE^2, 0)). Hand-written: the authors' package (uncertainty-calibration
-  0.1.4, unmaintained since 2022) would add a dependency for these few lines; tests/test_stats.py
-  checks them by hand and by simulation.
+- Brier (multi-class): sum_j (p_j - [j == label])^2 per item, in [0, 2], lower is better; a
+  per-item mean, so a paired difference of it has an ordinary CI.
+- ECE (plug-in) over 10 equal-width bins of the top option's probability: biased upward at small
+  n, so reported for comparison with published figures, never gated.
+- ECE debiased: the l2 calibration error with Kumar, Liang & Ma's (2019) bias correction over
+  equal-mass bins, CE^2 = sum_b n_b/n [(conf_b - acc_b)^2 - acc_b (1 - acc_b) / (n_b - 1)],
+  reported as sqrt(max(CE^2, 0)); hand-written, checked in tests/test_stats.py.
 """
 from __future__ import annotations
 

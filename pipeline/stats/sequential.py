@@ -5,26 +5,11 @@ Pocock-type one), one sided, and the nominal level each look's bound is drawn at
     z = boundaries([0.5, 1.0], alpha=0.025)        # [2.963, 1.969]: cross at look k if Z_k >= z[k]
     a = nominal_levels([200, 400, 600], 600, 0.025)  # one-sided alpha of each look's bound
 
-Why: a cell is tested after every wave of items; testing each look at the full alpha would pass
-(or fail) a variant on the margin far more often than alpha. The spending function says how much
-of alpha may be used by information fraction t = n_look / n_max (Lan & DeMets 1983):
-    alpha(t) = 2 (1 - Phi(z_{1 - alpha/2} / sqrt(t)))            (O'Brien-Fleming type)
-almost nothing early, nearly all of alpha at the last look; or
-    alpha(t) = alpha ln(1 + (e - 1) t)                            (Pocock type, Lan & DeMets 1983)
-about evenly over the looks: a clear difference stops at an early look (a quarter of alpha is
-spent by t = 1/6), and the last look's level is lower than the O'Brien-Fleming one (on six equal
-looks about 0.007 instead of 0.020 at alpha 0.025), so a row near the margin needs more items
-to settle. The boundary c_k of look k is the one
-at which P(Z_1 < c_1, ..., Z_{k-1} < c_{k-1}, Z_k >= c_k) = alpha(t_k) - alpha(t_{k-1}) under H0,
-for the canonical joint law of the Z statistics (Z_k = S_k / sqrt(I_k), S a Brownian motion in
-the information I). That probability is computed by recursive numerical integration over the
-continuation region (Armitage, McPherson & Rowe 1969; Jennison & Turnbull 2000, ch. 19), and
-c_k solved by a root finder. Looks may be unequally spaced; only those that happen spend alpha.
-
-The gate draws a look's one-sided bound at nominal level 1 - Phi(c_k) (the score bound's z is
-then c_k), for the pass side and the fail side apart: each side's error stays at its alpha over
-all looks, and stopping for one side only lowers the other's chance (tests/test_sequential.py
-checks the boundaries against published values and by simulation).
+alpha(t), t = n_look / n_max, is the alpha spent by each look: 2 (1 - Phi(z_{1-alpha/2} / sqrt(t)))
+(O'Brien-Fleming type) or alpha ln(1 + (e - 1) t) (Pocock type). Look k's boundary c_k makes
+P(no earlier crossing, Z_k >= c_k) = alpha(t_k) - alpha(t_{k-1}) under H0, found by recursive
+numerical integration (Jennison & Turnbull 2000, ch. 19) and a root finder; its bound is drawn at
+nominal level 1 - Phi(c_k), each side apart (docs/methods/gate.md#sequential-looks).
 """
 from __future__ import annotations
 

@@ -1,30 +1,14 @@
 """Tango's score interval for a difference of paired proportions, with a design effect for
 clustered items. The gate uses it for every slice whose scores are 0/1 for both models.
 
-Hand-written: statsmodels 0.15 has no paired-proportion score interval (proportion_confint is for
-one proportion, confint_proportions_2indep for independent samples), and scipy has none.
-
-Notation (one item = one pair of 0/1 scores): `better` items the variant gets right and the
-reference wrong, `worse` the other way round, n items. The paired difference is
-    diff = (better - worse) / n = p_better - p_worse      (negative = the variant is worse).
-Tango (1998, Stat Med 17:891) tests H0: diff = d0 with the score statistic
-    Z(d0) = (better - worse - n d0) / sqrt(n (2 q + d0 (1 - d0)))
-where q is the maximum-likelihood p_worse under the constraint p_better - p_worse = d0:
-    q = (sqrt(B^2 - 4 A C) - B) / (2 A),  A = 2n,  B = -better - worse + (2n - better + worse) d0,
-    C = -worse d0 (1 - d0).
-Z falls as d0 rises, so the lower confidence bound at one-sided alpha is the d0 with
-Z(d0) = z_{1-alpha} and the upper bound the d0 with Z(d0) = -z_{1-alpha} (tests/test_stats.py
-checks both against Fagerland, Lydersen & Laake's published example). Unlike a Wald interval its
-variance is the one H0 implies, so few discordant items (or none) do not make it narrow.
-
-Clusters: items that share a prompt, haystack or document may fail together. The variance of the
-numerator is then at most sum_g n_g^2 / n times the independent one (every cluster's items
-agreeing), so Z is divided by sqrt(design_effect) with design_effect = sum_g n_g^2 / n: the
-largest the cluster sizes allow. Equivalently, Tango on (better, worse, n) / design_effect (the
-Rao-Scott effective sample size). It is exact for duplicated prompts (greedy copies agree) and
-conservative when a cluster's items are in fact independent; tests/test_stats.py simulates both.
-
-Everything broadcasts over arrays, so the simulations run thousands of gates per call.
+With `better` / `worse` the items only the variant / only the reference gets right out of n,
+diff = (better - worse) / n (negative: the variant is worse), and Tango (1998, Stat Med 17:891)
+tests H0: diff = d0 with Z(d0) = (better - worse - n d0) / sqrt(n (2 q + d0 (1 - d0))), q the
+maximum-likelihood p_worse under H0 (constrained_worse_rate); a bound is the d0 at which Z = +-z.
+Its variance is the one H0 implies, so few discordant items (or none) do not make it narrow.
+Clustered items divide Z by sqrt(design_effect), which the caller chooses (pipeline/stats/paired.py).
+Hand-written: statsmodels and scipy have no paired-proportion score interval. Everything
+broadcasts over arrays, so the simulations run thousands of gates per call.
 """
 from __future__ import annotations
 

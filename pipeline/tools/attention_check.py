@@ -3,17 +3,11 @@
     PYTHONPATH=. python3 -m pipeline.tools.attention_check                 # CUDA if present, else CPU
     PYTHONPATH=. python3 -m pipeline.tools.attention_check --shape 8b --cache-len 8192 --batch 8
 
-For each path (transformers' own "sdpa", and the engine's "specq_sdpa", pipeline/decode/attention.py)
-it builds the same random GQA Llama (--shape tiny: 2 layers, 8 heads / 2 KV heads, head_dim 16;
-8b: 2 layers of Llama-3-8B, 32 / 8 heads, head_dim 128), prefills 16 tokens into a static cache of
---cache-len positions, then runs one decode step (W = 1) and one verify (W = 5) eagerly, and
-prints one JSON object: the layout chosen for the device (pipeline.decode.attention.gqa_layout),
-and per path and width the attention ops the profiler saw (aten SDPA variants and device kernels
-with "attention", "fmha", "flash" or "cudnn" in their names), the K/V copy bytes (fresh tensors
-shaped [..., cache_len, head_dim]: repeat_kv's copies, or a math kernel's own repeat), and the
-largest logit difference from the stock path. It needs no model and no .venv: torch and
-transformers. One GPU run answers whether CUDA's kernels take GQA with a mask (the layout says
-"gqa") or the engine folds the heads ("packed"), and shows no K/V copy either way.
+On one random GQA Llama (--shape tiny, or 8b: 2 layers of Llama-3-8B), for transformers' "sdpa"
+and the engine's "specq_sdpa" (pipeline/decode/attention.py), it runs one decode step and one
+verify (W = 5) on a static cache and prints one JSON object: the layout chosen for the device, and
+per path and width the attention ops the profiler saw, the K/V copy bytes and the largest logit
+difference from the stock path. It needs no model and no .venv, only torch and transformers.
 """
 from __future__ import annotations
 

@@ -4,48 +4,12 @@
     python -m pipeline.tools.bench --run runs/smollm2-135m --config configs/default.yaml \
         --model smollm2-135m --drafts "layerskip:8" --k 3 --new-tokens 32 --repeats 5 --compile auto
 
-The baseline is what a speed-minded transformers user runs (issue 25, point 5):
-1. Plain greedy decode: `pipeline.decode.engine.generate(model, ids, N, cache_len=L)` vs
-   `model.generate(ids, max_new_tokens=N, do_sample=False, cache_implementation="static")`.
-2. Speculative greedy decode at the same draft and k: the engine with the config's first
-   `layerskip:<n>` draft (draft_models) vs assisted generation, `assistant_model` = a separate copy
-   of the target truncated to its first n layers (+ final norm and LM head),
-   `num_assistant_tokens=k`, schedule "constant", `assistant_confidence_threshold=0`, the target
-   on a static cache too. transformers builds the assistant's cache itself (a DynamicCache: its
-   candidate generator sets the assistant's cache_implementation and compile_config to None);
-   bench.json records the cache classes each side's forwards actually received.
-
-Compiled or eager (`--compile`, recorded per side in bench.json with the reason):
-  * auto: compiled on CUDA, both sides: the engine's decode / verify / draft steps through
-    pipeline/decode/compiled.py (inductor + CUDA graphs, every planned shape compiled before the
-    timed runs), transformers through its automatic compile of the static-cache forward (its
-    default CompileConfig: inductor, reduce-overhead). Eager on CPU, both sides, because compiling
-    does not pay there (`CPU_EAGER`: measured on the 2-core CPU).
-  * on: compiled on any device (on CPU, transformers' CompileConfig with `_compile_all_devices`,
-    the engine's session without CUDA graphs); off: eager, both sides.
-  `--compile-backend eager|aot_eager` runs the compiled machinery without inductor (a check).
-
-Both sides run in float32 with EOS disabled, so each produces exactly N tokens, and the tokens
-must be identical (greedy speculative decoding reproduces the target's greedy output; exit 1
-otherwise). Each side's first run is untimed (it compiles where compiling, and records what ran),
-then --warmup more untimed runs, then --repeats paired repeats: engine and transformers back to
-back, the order alternating between repeats, time end to end (prefill + N tokens), device
-synchronized. Ratios are taken per repeat; the CI is over repeats (pipeline/tools/paired_ratio.py:
-t interval on the mean log ratio, and a percentile bootstrap resampling repeats). Goals: engine
->= 1.2x on plain decoding, >= 1.5x on speculative.
-
-Roofline: the engine's decode time per token (GenerationResult.decode_s, the tokens after the
-first) against the memory-bandwidth bound of the device it ran on: the bytes a step reads
-(weights + the static cache's K/V, every slot, as many passes as the attention path makes:
-pipeline/latency/roofline.py) over the copy bandwidth measured in the same run (a large tensor
-copy before and after the decode runs; the best is the device's figure). For speculative decoding,
-the bytes of every round (the target's verify, the draft's forwards) over the tokens emitted.
-A last untimed run per side times the model forwards inside it (eager only), so the host share
-of each side is known: where the time goes.
-On a CPU shared with other jobs pass `--threads 1`: with torch's default of one thread per core,
-every multi-row matmul (a prefill, a verify) waits at OpenMP's barrier for a thread the scheduler
-has parked, and a 4-token forward of SmolLM2-135M took 3.6-5.6 s instead of 0.2-0.4 s.
-Prints a table; writes <run>/bench.json.
+Plain greedy decode (`generate` against `model.generate` on a static cache) and speculative greedy
+decode at the same draft and k (the config's first `layerskip:<n>` draft against assisted
+generation with the target's first n layers), in float32 with EOS off, so both sides' tokens must
+be identical (exit 1 otherwise). Paired repeats give each ratio's CI (pipeline/tools/paired_ratio.py),
+and the engine's ms/token is set against the copy-bandwidth roofline. On a CPU shared with other
+jobs pass `--threads 1`. Prints a table; writes <run>/bench.json (docs/methods/stages.md#the-benches).
 """
 from __future__ import annotations
 

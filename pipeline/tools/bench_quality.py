@@ -5,43 +5,11 @@
     python -m pipeline.tools.bench_quality --run runs/smollm2-135m --config configs/default.yaml \
         --model smollm2-135m --items 16 --repeats 3
 
-Issue 25, point 2. The candidate is `pipeline.quality.prefix_lm.PrefixCachedLM` (the quality
-stage's default `quality.evaluator: prefix`, at `quality.batch_size` rows), the baseline lm-eval's
-`HFLM(batch_size="auto")`, both wrapping the same loaded model (the quality stage's load: float32
-on CPU), both run through `lm_eval.simple_evaluate` exactly as pipeline/quality/evaluate.py runs
-the stage, on the first --items items of two built-in slices (pipeline/quality/items.py):
-`calibration` (four-option multiple choice scored by log-likelihood: MMLU-shaped) and `tool_args`
-(greedy generation of a JSON call, stop at a newline, at most quality's generation cap).
-
-Timing: a repeat runs each task on both evaluators back to back, the order alternating between
-repeats. An evaluator's time is what it spends inside lm-eval's request calls (`loglikelihood`,
-`generate_until`: tokenization, batching, forwards, decoding), not the task building and scoring
-around them, which are the same code for both; items/s = items / that time. The ratio per repeat
-is HFLM seconds / prefix seconds; its CI is over repeats (pipeline/tools/paired_ratio.py). Goal:
->= 1.5x on both tasks.
-
-HFLM's "auto": lm-eval probes the batch size before every request call (5 forwards of
-max_batch_size rows of the longest request, or of max_length tokens for generation; on CPU nothing
-runs out of memory, so it settles on max_batch_size). The bench runs each distinct probe once, for
-real, and reuses its answer for later calls with the same probe (lm-eval would re-run it); the
-probes' seconds are reported and left out of HFLM's items/s, so HFLM is timed at the batch size
-its auto mode chose, without the probe's cost: the strong baseline. The prefix evaluator's own
-one-off cost (it measures its forward-call cost once per model: `stats["calibration_seconds"]`) is
-left out of its items/s the same way, and reported. Two settings keep the probe
-affordable on a 2-core CPU, and both apply to both evaluators: `--max-length` (default: the
-longest request of the two tasks plus the generation cap, rounded up to 64, so no request is
-truncated; the model's own 8192 would make the generation probe 5 forwards of 64 x 8192 tokens)
-and `--hflm-max-batch-size` (lm-eval's default 64, capped at --items: a generation call of that
-many requests never runs a larger batch). Even so the probes dominate the bench's time on the
-2-core CPU (at 16 items and one thread: 99 s for the log-likelihood probe, 308 s for the
-generation one, against about 6 minutes for everything else); the batch size they found is in
-bench_quality.json, and `--hflm-batch-size <it>` reruns HFLM at that batch without probing.
-On a CPU shared with other jobs pass `--threads 1` (pipeline/tools/bench.py says why).
-
-Scores: every item's score must be the same under both evaluators (exit 1 otherwise); the table
-gives the items whose score differs, whose prediction differs (the chosen option, the generated
-text), and the largest |log-likelihood difference| over every option of every multiple-choice
-item. Writes <run>/bench_quality.json (and the items to <run>/bench_quality/data/).
+`PrefixCachedLM` (pipeline/quality/prefix_lm.py) against `HFLM(batch_size="auto")` on the same
+loaded model and the first --items items of `calibration` and `tool_args`, timed inside lm-eval's
+request calls (HFLM's batch-size probes and the prefix evaluator's calibration left out), with
+ratio CIs over paired repeats. Every item's score must agree (exit 1 otherwise). Writes
+<run>/bench_quality.json (docs/methods/stages.md#the-benches).
 """
 from __future__ import annotations
 

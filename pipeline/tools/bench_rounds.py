@@ -1,30 +1,14 @@
-"""Benchmark (not a test): host work per speculative round, B = 1 (issue 24, point 4).
+"""Benchmark (not a test): host work per speculative round, B = 1.
 
     python -m pipeline.tools.bench_rounds --model tiny --draft ngram --k 4
     python -m pipeline.tools.bench_rounds --model smollm2-135m --run runs/smollm2-135m --draft layerskip:8 --k 4
 
-For each repeat it runs the engine's speculative loop (greedy, float32, no EOS, N new tokens) and
-sets the loop's wall time (GenerationResult.decode_s: synchronized, prefill excluded) against the
-time of every model forward inside it (target verify / decode steps and the draft's steps, each
-timed by pipeline.decode.timing.Timer: CUDA events on GPU, so the timing adds no sync; a
-perf_counter on CPU). What is left is host work: the accept/reject bookkeeping, the draft's host
-lookups, device-to-host waits that do not overlap a forward, Python between forwards.
-
-    round_ms           decode_s / rounds: the loop's time per round, engine-independent
-    forward_ms         the forwards' time per round
-    host_ms            round_ms - forward_ms
-    host_share         1 - forward time / decode_s (the "host overhead" ratio)
-    engine_round_ms    the engine's own mean RoundRecord.round_s (defined differently before and
-                       after issue 24: the old timer left the bookkeeping between rounds out)
-    host_reads/round   device-to-host reads per round outside the model forward (.item, .tolist,
-                       .cpu, int(), float(), bool(), indexing by a tensor), counted in one extra
-                       untimed run: each is a CPU-GPU sync point on CUDA
-
-Warm-up runs are excluded; median and [min, max] over repeats are printed, raw per-repeat figures
-written to --out (JSON). It uses only what the engine had before issue 24 (generate, RoundRecord,
-CachedModel.forward, Timer.measure), so the same file runs on the old tree: copy it to
-<old tree>/pipeline/tools/ and run the same command there. Compare host_ms and host_share, old
-against new, on a quiet machine; timings taken while the machine is shared mean little.
+Each repeat runs the engine's speculative loop (greedy, float32, no EOS) and sets its wall time
+against the time of every model forward inside it (pipeline.decode.timing.Timer); what is left is
+host work. It also counts device-to-host reads per round in one extra untimed run. It uses only
+generate, RoundRecord, CachedModel.forward and Timer.measure, so the same file copied into an older
+tree compares host_ms and host_share, old against new. Prints medians and [min, max] over repeats;
+--out writes the raw figures (JSON). The columns: docs/methods/stages.md#the-benches.
 """
 from __future__ import annotations
 

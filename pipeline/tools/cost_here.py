@@ -1,21 +1,15 @@
 """The cost model's constants measured on this CPU (`estimate --device here`): the two numbers the
-`cpu-2core` profile took from one machine, timed here on a randomly initialised model of the estimate's
-shape, in float32 (what `auto` runs a CPU variant's estimate in, pipeline/tools/cost_model.py Cost.shape):
-
-    step   one decode step: 1 new token after CONTEXT cached positions (the bandwidth term: weights / step)
-    token  one more prefill row-token: (a call of PREFILL_ROWS x PREFILL_WIDTH tokens - a 1-token call) / (n - 1)
-           (the compute term: 2 x parameters / token)
-
-Each is the fastest of `reps` timings after a warm-up (other work on the machine only ever adds time). GPTQ
-(`cpu-2core`: 150 s measured for SmolLM2-135M) is scaled by cpu-2core's FLOP/s over this CPU's: its
-calibration forwards and Hessian updates are matmuls. Everything else is `cpu-2core`'s (disk,
-start-up, the quantized slowdowns). Why it exists: the 2-core machines this project runs on are not all alike; an AVX2-only AMD EPYC
-(no AVX-512, no native bf16) ran the same quality items 2.5x slower than `cpu-2core` predicts
-(docs/results/2026-12-03-run-costs.md, "An AVX2-only CPU").
+`cpu-2core` profile took from one machine, timed here on a randomly initialised float32 model of
+the estimate's shape.
 
     from pipeline.tools.cost_here import measure
     from pipeline.tools.cost_model import SHAPES
-    device, timed = measure(SHAPES["smollm2-135m"])   # ~10-30 s on a 2-core CPU
+    device, timed = measure(SHAPES["smollm2-135m"])
+
+`step` is one decode step after CONTEXT cached positions (the bandwidth term), `token` one more
+prefill row-token (the compute term), each the fastest of `reps` timings after a warm-up. GPTQ is
+scaled by cpu-2core's FLOP/s over this CPU's; everything else is cpu-2core's. Why: the 2-core
+machines this project runs on are not all alike (docs/methods/budget.md#the-estimate).
 """
 from __future__ import annotations
 

@@ -1,31 +1,14 @@
 """What a run costs: each stage's wall time for a config, a model shape and a device, from a cost
-model whose every constant is named with its source, here or, for the devices, in
-pipeline/tools/cost_devices.py (issue 27). An estimate, not a measurement.
+model whose every constant is named with its source (the devices' in pipeline/tools/cost_devices.py).
 
     python -m pipeline.tools.estimate --config configs/gpu.yaml --shape 8b --device h100
     python -m pipeline.tools.estimate --config configs/gpu.yaml --shape 8b --device h100 --minutes 120
     python -m pipeline.tools.estimate --config configs/default.yaml --shape smollm2-135m --device cpu-2core \\
         --json estimate.json
 
-The cost of one forward is pipeline/tools/cost_model.py (its docstring has the formula).
-Each stage sums its forwards from the config's own numbers (prompts, temperatures, k, cells, repeats,
-items, generation caps) and the plans the stages make: the workload's prompts (drawn by
-pipeline/speculation/workload.py with a character-counting tokenizer), the latency memory plan and its
-compiled shapes (pipeline/latency/plan.py), the quality slices' waves and the prefix evaluator's batches.
-
-The budget (config `budget`, pipeline/core/budget.py): each planning stage is capped at budget.minutes
-x 60 x its share, but never below its floor, the work it does whatever the budget: acceptance's texts,
-teacher forcing and lossless check (the budget bounds the direct check); latency's compiles, the plain
-grids' warm-up and first repeat, and for every pair it times the warm-up and the MIN_TIMING_REPEATS (2)
-repeats a k is recommended from, with the closed-loop waves that come with a batched pair's first two
-repeats (it bounds later repeats and waves; a pair the screen drops is probed, not timed); quality's
-first look of every model: each slice's
-and each lm-eval task's first wave (it bounds the later looks).
-
-Warm-ups (pipeline/latency/*, since 2026-12-02): a plain grid cell warms up on whole runs of new_tokens
-(latency.warmup of them); a B = 1 pair on one run of min(new_tokens, WARMUP_TOKENS) tokens per temperature
-and k (plain included) on the shortest prompt; a batched pair on every cell once, min(new_tokens,
-WARMUP_TOKENS) tokens each (latency.warmup times).
+An estimate, not a measurement: each stage sums its forwards (pipeline/tools/cost_model.py) from the
+config's own numbers and the plans the stages make, exhaustive and under the budget (never below a
+planning stage's floor). Floors, warm-ups and every other assumption: docs/methods/budget.md.
 """
 from __future__ import annotations
 

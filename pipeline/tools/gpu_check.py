@@ -3,28 +3,12 @@
     make gpu-check OUT=runs/gpu-check                  # PYTHONPATH=. <python> -m pipeline.tools.gpu_check OUT
     PYTHONPATH=. python3 -m pipeline.tools.gpu_check OUTDIR [--shape 8b|tiny] [--budget-s 420] [--ks 1,2,3,4,5,6]
 
-On a random-weight model of Llama-3-8B's shape built on the device (decode latency does not depend
-on weight values), it measures, in this order:
-  1. copy bandwidth (pipeline.latency.roofline.measure_bandwidth);
-  2. plain decode at B = 1 and 8: TTFT, TPOT, and the share of the bandwidth roofline reached;
-  3. speculative rounds for k = 1..6 with a layer-skip draft (the target's first layers), and
-     whether greedy speculative output equals plain greedy output (in bf16 a difference is only
-     acceptable at a near-tie: the logit gap at the first divergence is recorded);
-  4. the same cells with the steps compiled (pipeline/decode/compiled.py: inductor + CUDA graphs),
-     with the compile record (what compiled, what fell back and why);
-  5. the greedy check again in float32, where equality must be exact.
-Each part is skipped with a note when the time budget (--budget-s, default 7 minutes) would not
-cover it. OUTDIR/gpu_check.json and OUTDIR/gpu_check.md are rewritten after every part, so a run
-cut short keeps what it measured. Progress lines go to stderr.
-
-It imports only torch, transformers and the repository's decode core (no GPTQModel, bitsandbytes,
-torchao, scipy or pydantic), so it runs on a bare image's python with the repository on PYTHONPATH.
-`make gpu-check` runs it on .venv's python when `make install` has finished there (the torch that
-`make evaluate` uses), else on the machine's python3; GPU_PY=... picks another. It prints, and
-records under "environment", the python, torch (and the CUDA it was built for), transformers and
-NVIDIA driver it ran with, before anything else; a driver too old for that torch's CUDA ends the
-run there with one line (pipeline.core.device), exit status 2.
-`--shape tiny` runs the same parts on a small model on CPU in seconds (tests/test_gpu_check.py).
+On a random-weight model of Llama-3-8B's shape it measures copy bandwidth, plain decode, speculative
+rounds with a layer-skip draft (and whether greedy output stays the target's), the same compiled,
+and the greedy check in float32, skipping any part the time budget would not cover. It imports only
+torch, transformers and the decode core, so it runs on a bare image's python; a driver too old for
+torch's CUDA ends it in one line, exit 2. OUTDIR/gpu_check.json and .md are rewritten after every
+part (docs/methods/gpu-box.md#make-gpu-check).
 """
 from __future__ import annotations
 

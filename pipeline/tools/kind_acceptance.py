@@ -4,33 +4,12 @@
     python -m pipeline quantize --run /tmp/kinds --config configs/smoke.yaml
     python -m pipeline.tools.kind_acceptance --run /tmp/kinds --variant bf16 --per-kind 3 --max-new-tokens 48
 
-What it is for: the built-in set (pipeline/speculation/prompts.py) has open kinds (chat, code,
-long_context, structured) and input-grounded kinds (summarize, extract, code_edit, doc_qa), on the
-claim that prompt lookup pays where the output copies the input. This prints the evidence: per kind,
-E(k) = expected tokens per round at k = 1..k_max with its prompt-bootstrap CI, through the
-acceptance stage's own code (generate_texts, then measure_pair: the teacher-forced round chain
-on the target's greedy text), plus a direct engine run at --direct-k; greedy and in float32 (the
-CPU default) derived and direct must be equal, which the table checks. Also printed per kind: the mean
-prompt length and the share of generated tokens that continue an n-gram of the prompt (what the
-`ngram` draft can find; pure text, no model), so a low E(k) can be told from a model that
-paraphrases. The first --per-kind prompts of each kind are used (ids as in the artifacts).
-
-It writes nothing unless --out is given (the slices' E(k), CIs and the copy shares, JSON).
-
-Measured (SmolLM2-135M-Instruct, bf16 variant loaded in float32 on CPU, ngram, the command above:
-3 prompts per kind, 48 tokens; 20 CPU-minutes, 39 min wall on a shared 2-core machine). `copy` is
-the share above; CI: 95% prompt bootstrap (3 prompts: wide); direct equalled derived in every kind.
-
-    kind          prompt tok  copy   E(1)   E(2)   E(3)   E(4)  CI at k=4
-    chat                  42  0.00   1.04   1.05   1.05   1.05  [1.02, 1.09]
-    code                  46  0.07   1.13   1.18   1.19   1.21  [1.09, 1.38]
-    long_context         255  0.50   1.45   1.72   1.88   1.96  [1.21, 3.92]
-    structured            53  0.13   1.14   1.17   1.21   1.23  [1.02, 1.57]
-    summarize            226  0.45   1.48   1.76   1.93   2.10  [1.38, 3.62]
-    extract              268  0.18   1.26   1.36   1.37   1.40  [1.18, 1.68]
-    code_edit            151  0.33   1.41   1.57   1.68   1.73  [1.18, 2.47]
-    doc_qa               225  0.33   1.29   1.40   1.48   1.53  [1.09, 2.14]
-    all                  158  0.25   1.26   1.36   1.41   1.45  [1.29, 1.67]
+The evidence for the claim that prompt lookup pays where the output copies the input: per kind of
+pipeline/speculation/prompts.py, E(k) at k = 1..k_max with its prompt-bootstrap CI, through the
+acceptance stage's own code, beside a direct engine run at --direct-k (greedy in float32: they must
+be equal), the mean prompt length and the share of generated tokens that continue an n-gram of the
+prompt. Writes nothing unless --out is given (JSON). The measured table:
+docs/results/2026-12-02-prompt-kinds.md.
 """
 from __future__ import annotations
 

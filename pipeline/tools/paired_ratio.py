@@ -4,19 +4,11 @@
     s = ratio_summary(baseline_s=[2.0, 2.1, 1.9], candidate_s=[1.0, 1.1, 0.9], goal=1.5)
     s["ratio"], s["ci"], s["bootstrap_ci"], s["goal_status"]
 
-A repeat is one candidate run and one baseline run taken back to back on the same work (their
-order alternates between repeats: `run_order`), so the two share whatever the machine was doing
-then. The ratio of a repeat is baseline seconds / candidate seconds (> 1: the candidate is
-faster), and the repeat is the unit of every interval here:
-  * `ratio`: the geometric mean of the per-repeat ratios (the mean of log ratios, exponentiated);
-  * `ci`: Student's t interval on the mean log ratio over repeats (n - 1 df), exponentiated: the
-    primary interval (with a handful of repeats a percentile bootstrap is too narrow);
-  * `bootstrap_ci`: percentile bootstrap of the same geometric mean, resampling whole repeats
-    (the pair stays together);
-  * `median` and `range` of the per-repeat ratios.
-`goal_status` reads the interval: "met" when its lower end reaches the goal, "not met" when its
-upper end is below it, else "inconclusive"; with one repeat (no interval) the point decides, and
-the status says so.
+A repeat, one candidate and one baseline run back to back (order alternating: `run_order`), is the
+unit of every interval: `ratio` is the geometric mean of baseline / candidate seconds, `ci` a t
+interval on the mean log ratio (the primary one: with a handful of repeats the percentile
+bootstrap, `bootstrap_ci`, is too narrow). `goal_status` is "met" when the CI's lower end reaches
+the goal, "not met" when its upper end is below it, else "inconclusive".
 """
 from __future__ import annotations
 

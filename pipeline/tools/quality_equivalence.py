@@ -4,23 +4,11 @@
     from pipeline.tools.quality_equivalence import measure, compare
     report = measure(run_dir, config, items=40)      # writes <run>/quality-equivalence/{report,records}.json
 
-The reference variant is scored twice on the first `items` items of each built-in slice (the
-quality stage's own item order): through a vLLM server (pipeline/quality/vllm_backend.py) and
-with transformers (the hf backend, quality.evaluator), in the same compute dtype. Then, per slice:
-
-- generation items: the share whose text is identical; each other one is judged at its first
-  differing token by the hf model in float32: a near-tie when the two tokens' log-probabilities
-  are closer than the compute dtype can move them apart, a divergence otherwise. "Can move" is
-  the larger of two spacings of the dtype at the largest logit (tie_tolerance: 0.25 nats for bf16
-  logits of 16 to 32) and twice the shift of that very gap between the model in float32 and in
-  the compute dtype (bf16 rounding accumulates through the layers). Where one text is the other
-  cut short, the shorter one's choice there is taken to be the model's best other token. Each
-  divergence says which backend's token the float32 model prefers.
-- log-likelihood items (calibration): the share with the same choice, and the largest difference
-  of an option's probability;
-- the score: vLLM's mean minus hf's, with the gate's own paired CI (pipeline.stats.paired).
-
-Equivalent means no divergence beyond near-ties and every choice the same.
+The reference is scored on the first `items` items of each built-in slice through a vLLM server
+and with transformers, in the same compute dtype. Per slice: identical generations, near-ties and
+divergences (judged at the first differing token by the model in float32), same multiple-choice
+picks, and the score difference with the gate's paired CI. Equivalent means no divergence beyond
+near-ties and every choice the same (docs/methods/quality-vllm.md).
 """
 from __future__ import annotations
 

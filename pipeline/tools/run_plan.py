@@ -5,27 +5,11 @@
 
     python -m pipeline.tools.run_plan --run runs/smollm2-135m --config configs/default.yaml
 
-The Makefile's prepare target runs the command after the prepare stage, so `make evaluate` (and
-`make prepare`) write the plan before any planning stage starts. (`python -m pipeline evaluate`,
-which runs the stages in one process, does not: pipeline/__main__ sits beside the tools, not above
-them; its stages take their shares.)
-
-A planning stage (acceptance, latency, quality) cannot go below its floor, the work it does
-whatever the budget. Where a floor is over the stage's share, the shares as written overrun the
-budget while another stage may leave time unused: on configs/gpu.yaml (an 8B model on an H100)
-latency's floor is 58 min against a 36-minute share and quality's 49 against 42, while acceptance
-plans its direct check to fill 24 minutes over a floor of 8. The plan takes the cost model's floors
-(pipeline/tools/estimate.py, for the model's own shape from its config.json on the device's
-profile) and shares the planning stages' time (budget.minutes x 60 x the sum of their shares)
-again: each stage gets max(its floor, lambda x its share).
-
-Where it is made: on a CUDA device the cost model has a profile for (DEVICE_PROFILES: H100, H200,
-A100 80 GB), with `budget.minutes` set and `budget.rebalance` on. Elsewhere (a CPU, any other GPU)
-no plan is written and each stage takes its share: the CPU profile is one measured machine
-(pipeline/tools/cost_devices.py) and on another CPU the floors can be off by 2-3x
-(docs/results/2026-12-03-run-costs.md), and on a 2-core CPU acceptance's floor is about its share anyway, so there is no slack
-to move. A stale plan (another budget, another device) is removed. The plan is a prediction: each
-stage still stops on its own clock and records what it spent.
+A planning stage cannot go below its floor, so where a floor is over the stage's share the plan
+shares the planning stages' time again from the cost model's floors for the model's own shape:
+each stage gets max(its floor, lambda x its share). It is made only on a GPU the cost model has a
+profile for, with `budget.minutes` set and `budget.rebalance` on; elsewhere each stage takes its
+share (docs/methods/budget.md#the-runs-ledger).
 """
 from __future__ import annotations
 

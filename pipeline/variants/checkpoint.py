@@ -5,24 +5,11 @@
         finetune: {scheme: checkpoint, path: /data/models/my-llama-finetune}   # plain bf16 / fp32
         awq:      {scheme: checkpoint, path: /data/models/my-llama-awq}        # pre-quantized
 
-The directory may hold a plain (unquantized) fine-tune or merge, or a checkpoint quantized with
-any method transformers can load on this machine (its config.json `quantization_config`:
-AWQ, FP8, compressed-tensors, bitsandbytes, torchao, ...). GPTQ and auto-gptq checkpoints load
-through GPTQModel, as the `gptq` scheme's variants do; everything else through transformers'
-own `from_pretrained`.
-
-Every check runs in quantize's fail-fast pass, before the first variant is built
-(`check_checkpoint`): the path is a directory with a config.json of a causal LM transformers
-knows; it has a tokenizer, and that tokenizer is the reference's (same vocabulary, same ids for a
-probe text, same EOS/BOS); its weight files are present and readable (safetensors headers); the
-quantization method is one transformers knows and its environment check passes here (the
-method's library installed, the device it needs); `bits` / `group_size`, where the variant's
-config names them, match the checkpoint's.
-
-The variant directory hard-links the checkpoint's weight files and copies the rest, and its
-meta.json records what was found under `checkpoint`: architecture, model_type, dtype,
-quant_method (null for a plain checkpoint), the quantization config, and every file with its
-size in bytes.
+GPTQ and auto-gptq directories load through GPTQModel, every other one through transformers'
+`from_pretrained`. `check_checkpoint` runs in quantize's fail-fast pass, before the first variant
+is built: a causal LM config, the reference's tokenizer, readable weight files, a quantization
+method that can load here, matching `bits` / `group_size`. The variant directory hard-links the
+weights and its meta.json records what was found (README, "Gating a checkpoint made elsewhere").
 """
 from __future__ import annotations
 
