@@ -185,7 +185,7 @@ def test_a_warm_up_is_short_runs_not_a_repeat():
         return {w: s for w, s, _ in est.latency(c).parts}, c
 
     (p0, c), (p2, _) = parts(0), parts(2)
-    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
+    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.vllm.k_max or cfg.acceptance.k_max) + 1)
     temps, new = len(cfg.acceptance.temperatures), min(lat.new_tokens, 8)
     shortest = min(cm.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None))
     one = temps * (c.generate("bf16", 1, shortest, new, eager=False)
@@ -211,7 +211,7 @@ def test_latency_floor_holds_each_pairs_first_repeat_and_every_compile():
     that one repeat (exact: 1e-9 relative)."""
     cfg = load_config(GPU)
     c = cm.Cost(cfg, "8b", DEVICES["h100"])
-    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
+    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.vllm.k_max or cfg.acceptance.k_max) + 1)
     parts = {w: (s, f) for w, s, f in est.latency(c).parts}
     temps = len(cfg.acceptance.temperatures)
     lengths = cm.prompt_lengths(c, "latency", lat.speculative_prompts_per_kind or None)
@@ -239,7 +239,7 @@ def test_batched_floor_holds_the_waves_that_come_with_the_first_two_repeats():
     eagerly and compiles nothing)."""
     cfg = load_config(DEFAULT)
     c = cm.Cost(cfg, "smollm2-135m", DEVICES["cpu-2core"])
-    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.acceptance.k_max) + 1)
+    lat, ks = cfg.latency, range(1, (cfg.latency.k_max or cfg.vllm.k_max or cfg.acceptance.k_max) + 1)
     parts = {w: (s, f) for w, s, f in est.latency(c).parts}
     row = min(cm.prompt_lengths(c, "latency", 1))
     sizes, loops, new = sorted(set(lat.spec_batch_sizes)), lat.closed_loop_batch_sizes, min(lat.new_tokens, 8)
@@ -316,13 +316,13 @@ def test_screen_is_predicted_only_as_the_stage_screens():
 
 
 def test_budget_caps_each_planning_stage_at_its_share():
-    cfg = with_section(load_config(DEFAULT), "budget", minutes=120.0)
+    cfg = with_section(load_config(DEFAULT), "budget", minutes=60.0)
     doc = est.estimate(cfg, "smollm2-135m", DEVICES["cpu-2core"])
     for name, share in cfg.budget.shares.items():
         if name == "vllm":  # the cost model has no vllm stage: it plans specq's own engine
             continue
         row = _stage(doc, name)
-        assert row["cap_s"] == pytest.approx(120 * 60 * share)
+        assert row["cap_s"] == pytest.approx(60 * 60 * share)
         assert row["floor_s"] <= row["cap_s"], name  # this config's floors fit, so the cap binds
         assert row["budgeted_s"] == pytest.approx(min(row["exhaustive_s"], row["cap_s"]), abs=0.1)
         assert row["budgeted_s"] <= row["cap_s"] + 0.1

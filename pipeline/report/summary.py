@@ -11,10 +11,12 @@ meant to be copied).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.report.format import interval, number
 from pipeline.report.inputs import json_files, optional_json
+from pipeline.vllm.spec_config import draft_method
 
 
 def deciding_cell(entry: dict) -> str:
@@ -43,6 +45,17 @@ def _best_pair(pairs: dict[str, dict]) -> tuple[str, dict, dict | None] | None:
         return max(paying, key=lambda x: x[2]["speedup"])
     seen = [(p, m, max(m["rows"], key=lambda r: r["speedup"])) for p, m in pairs.items() if m.get("rows")]
     return max(seen, key=lambda x: x[2]["speedup"]) if seen else None
+
+
+def _config_line(m: dict, run_dir: Path) -> str | None:
+    """The speculative_config for a pair specq's engine measured: vLLM's keys, with the draft's
+    method (and model) where vLLM has one, as JSON."""
+    cfg = (m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config")
+    if not cfg:
+        return None
+    base = draft_method(m["draft"], run_dir) if m.get("draft") else None
+    full = {**(base if isinstance(base, dict) else {}), **cfg}
+    return "speculative_config: " + json.dumps(full, sort_keys=True, separators=(",", ":"))
 
 
 def summary_data(run_dir: Path) -> dict:
@@ -77,9 +90,7 @@ def summary_data(run_dir: Path) -> dict:
             batch = (", by batch size " + ", ".join(f"B={b}: {k}" for b, k in sorted(by_b.items(), key=lambda x: int(x[0])))
                      if by_b and len(set(by_b.values())) > 1 else "")
             spec["deploy"] = f"{draft} k = {m['recommended_k']}{batch}"
-            spec["line"] = m.get("serve_command") or (
-                f"speculative_config: {m['speculative_config_by_batch']['vllm_speculative_config']}"
-                if (m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config") else None)
+            spec["line"] = m.get("serve_command") or _config_line(m, run_dir)
         else:
             spec["deploy"] = f"do not speculate (best seen: {draft} k = {row['k']})"
             spec["best_seen"] = f"{draft} k = {row['k']}"

@@ -64,7 +64,7 @@ def make_plan(cfg, shape, profile: str) -> dict:
     # the plan's seconds (budget.allot over the floors), so they are read, not computed again.
     doc = estimate(cfg, shape, DEVICES[profile])
     rows = {r["stage"]: r for r in doc["stages"] if r["stage"] in b.shares}
-    total = b.minutes * 60 * sum(b.shares.values())
+    total = b.minutes * 60 * sum(b.shares[n] for n in rows)  # the stages the cost model plans (not vllm)
     seconds = {n: r["cap_s"] for n, r in rows.items()}
     return {"minutes": b.minutes, "shares": dict(b.shares), "device_profile": profile,
             "shape": shape, "time_s": round(total, 1),
@@ -104,7 +104,10 @@ def write_plan(run_dir: Path, cfg, device_name: str | None = None) -> str:
             why = "the model's config.json lacks the fields the cost model reads"
     if why is not None:
         path.unlink(missing_ok=True)
-        return f"each planning stage takes its share; no plan: {why}" if b.minutes else "no time budget: no plan"
+        if not b.minutes:
+            return "no time budget: no plan"
+        return (f"no cost-model plan ({why}): the run's ledger shares the time as the stages measure it"
+                if b.rebalance else "each planning stage takes its share (budget.rebalance is off)")
     plan = make_plan(cfg, shape, profile)
     atomic_write_json(path, plan)
     return plan_text(plan)
