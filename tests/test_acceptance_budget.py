@@ -230,7 +230,7 @@ def test_stage_with_a_budget_too_small_for_any_direct_run(tiny_run):
     run_stage(STAGES["drafts"], tiny_run, cfg, {}, STAGES)
     meta = json.loads(run_stage(STAGES["acceptance"], tiny_run, cfg, {}, STAGES).read_text())
     budget = meta["budget"]
-    assert budget["minutes"] == 0.001 and budget["share"] == 0.2 and budget["estimates"]
+    assert budget["minutes"] == 0.001 and budget["share"] == cfg.budget.shares["acceptance"] and budget["estimates"]
     assert "exceeds the stage's share" in budget["estimates"][0]["what"]
     assert [s["what"].split(":")[0] for s in budget["skipped"]] == ["bf16__ngram", "bf16__layerskip-2"]
     for name in ("bf16__ngram", "bf16__layerskip-2"):

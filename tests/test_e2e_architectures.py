@@ -26,11 +26,12 @@ def smoke_config(calibration, variants: dict) -> dict:
                      "calibration": {"source": str(calibration), "n_samples": 4, "max_tokens": 64,
                                      "min_tokens": 128}},
         "drafts": ["ngram", "layerskip:1"],
-        "acceptance": {"k_max": 2, "temperatures": [0.0, 0.7], "max_new_tokens": 8, "prompts_per_kind": 1,
+        "acceptance": {"targets": ["ref"], "k_max": 2, "temperatures": [0.0, 0.7], "max_new_tokens": 8, "prompts_per_kind": 1,
                        "lossless_samples": 20},
         "latency": {"batch_sizes": [1], "context_lengths": [32], "new_tokens": 4, "warmup": 1, "repeats": 2,
                     "screen": False},  # timed whatever the machine's load (screening: test_latency_screen)
-        "quality": {"items_per_slice": 3, "long_context_lengths": [256], "max_new_tokens": 8,
+        "quality": {"slices": ["reasoning", "language", "long_context", "calibration", "tool_args", "bfcl"],
+                    "items_per_slice": 3, "long_context_lengths": [256], "max_new_tokens": 8,
                     "distribution_docs": 2, "distribution_tokens": 32,
                     "per_slice": {"bfcl": {"items": 3, "max_new_tokens": 8}}},
     }

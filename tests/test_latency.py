@@ -198,7 +198,7 @@ def test_stage_writes_grid_and_pairs_then_is_up_to_date(tmp_path, tiny_model, ti
     cfg = Config.model_validate({
         "device": "cpu", "drafts": ["layerskip:2", "ngram"],
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}, "copy": {"scheme": "none"}}},
-        "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
+        "acceptance": {"targets": ["bf16"], "k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
         "latency": {"batch_sizes": [2], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
                     "spec_batch_sizes": [1, 2], "closed_loop_batch_sizes": [2], "closed_loop_waves": 2,
                     "closed_loop_tokens": 3, "screen": False},

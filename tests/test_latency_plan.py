@@ -94,7 +94,7 @@ def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str
         "device": "cpu", "drafts": drafts,
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
         "acceptance": {"k_max": k_max, "temperatures": [0.0], "prompts_per_kind": 1},
-        "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
+        "latency": {"k_max": k_max, "batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
                     "compile": True, "compile_backend": "eager", "spec_batch_sizes": [2], "screen": False,
                     "closed_loop_batch_sizes": [2], "closed_loop_waves": 1, "closed_loop_tokens": 4},
     })

@@ -119,7 +119,8 @@ def test_quality_precheck_refusals(tmp_path, monkeypatch):
         "backend": "vllm", "slices": ["reasoning"], "vllm": {"distribution": True}}}), {})
     stop = {"backend": "vllm", "slices": ["reasoning"], "vllm": {"fallback": "stop"}}
     with pytest.raises(StageError, match="vLLM cannot load variant 'w8a16': scheme torchao-int8wo"):
-        precheck(load_config(cfg, {"quality": stop}), {})  # the default variants include torchao's
+        precheck(load_config(cfg, {"quality": stop, "quantize": {"variants": {
+            "bf16": {"scheme": "none", "release": False}, "w8a16": {"scheme": "torchao-int8wo", "bits": 8}}}}), {})
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mystery-quant"}}))

@@ -221,7 +221,7 @@ def test_default_config_identical_copy_is_go_and_planted_damage_no_go(tmp_path):
     assert copy["decision"] == "go" and dmg["decision"] == "no-go" and g["decision"] == "no-go"
     spent = {k: c["items_spent"] for k, c in copy["slices"].items()}
     # docs/methods/gate.md, "The default CPU config's items": what an identical copy spends per slice.
-    assert spent == {"reasoning": 160, "language": 160, "tool_args": 160, "bfcl": 160,
-                     "calibration": 160, "calibration:brier": 200, "long_context": 240}
+    assert spent == {"reasoning": 160, "language": 160, "tool_args": 160,
+                     "calibration": 160, "calibration:brier": 200}
     assert all(c["items_spent"] <= plans[k.split(":")[0]]["n_max"] for k, c in dmg["slices"].items())
     assert any(c["status"] == "fail" and c["items_spent"] < 240 for c in dmg["slices"].values())
