@@ -337,7 +337,8 @@ class VllmOpenLoopConfig(Section):
 class VllmEngineConfig(Section):
     """Speculation measured in vLLM (pipeline/stages/vllm_engine.py), in the venv `make install`
     builds (.venv-vllm): one engine per (target, draft, k), started on 127.0.0.1 and always stopped."""
-    # Target variants; null = the reference and every release variant vLLM can serve here.
+    # Target variants; null = every release variant (those vLLM cannot serve here are skipped with
+    # one line; list the reference to measure it too).
     targets: list[str] | None = None
     # Draft lengths 1..k_max, one engine each (about half a minute to start on a 2-core CPU, seconds
     # of it on a GPU box); null = acceptance.k_max.

@@ -2,21 +2,13 @@
 
     python -m pipeline vllm --run runs/smollm2-135m --config configs/default.yaml
 
-For each target (vllm.targets; default the reference and every release variant vLLM can serve
-here) it starts a plain engine, then one engine per (draft, k = 1..k_max), each on 127.0.0.1 and
-stopped when done (pipeline/vllm/server.py), and sends the acceptance workload's prompts through
-it (pipeline/latency/served.py): B = 1 per prompt and temperature, then closed loops. It writes
-vllm/<target>.json (the plain baseline) and vllm/<target>__<draft>.json: per k, per-position
-acceptance and E[tokens per step] from vLLM's per-request counts, TTFT / TPOT / ITL percentiles,
-the greedy and sampled lossless checks against the plain engine, and the recommendation
-(pipeline/serving/served_k.py) as a speculative_config, checked under open-loop load.
-
-A target vLLM cannot serve, or a draft it has no counterpart for (layer-skip), is one line and a
-`skipped` entry in meta.json; those pairs keep the specq engine's figures. With
-speculation_engine auto and no vLLM environment the stage records why and does nothing.
-With a time budget it plans engine by engine from what the engines before cost (start and work),
-every pair's k = 1 before any pair's k = 2, and records what did not fit. Each (pair, k) is an item
-of its own, so a stopped stage, or a re-run with a larger budget, resumes at the next k.
+For each target (vllm.targets; default every release variant vLLM can serve here) it starts a plain
+engine, then one engine per (draft, k), and sends the acceptance workload's prompts through each
+(pipeline/latency/served.py). It writes vllm/<target>.json (the baseline) and
+vllm/<target>__<draft>.json: per k, per-position acceptance from vLLM's own counts, latency
+percentiles, the lossless checks, and the recommended speculative_config, checked under open-loop
+load. Under a time budget it starts an engine only when its measured cost fits, every pair's
+k = 1 before any k = 2; each (pair, k) is an item, so a re-run resumes (docs/methods/vllm-engine.md).
 """
 from __future__ import annotations
 
