@@ -17,6 +17,7 @@ from pydantic import (Field, PositiveFloat, PositiveInt, ValidationError, comput
                       model_validator)
 
 from pipeline.core.quality_config import QualityConfig
+from pipeline.core.serve_config import ServingConfig, VllmEngineConfig
 from pipeline.core.section import Section
 
 
@@ -325,109 +326,12 @@ class BudgetConfig(Section):
         return merged
 
 
-class VllmOpenLoopConfig(Section):
-    """The recommendation checked under open-loop load: Poisson arrivals at these shares of the
-    plain engine's measured capacity (its closed-loop requests/s at the largest concurrency)."""
-    # Offered loads, as shares of the plain engine's capacity: one open-loop run per load on the plain
-    # engine and on each speculative config checked. Needs open_loop_check and a non-empty concurrency.
-    loads: list[PositiveFloat] = Field(default_factory=lambda: [0.8])
-    requests: PositiveInt = 16  # per load and engine
-
-
-class VllmEngineConfig(Section):
-    """Speculation measured in vLLM (pipeline/stages/vllm_engine.py), in the venv `make install`
-    builds (.venv-vllm): one engine per (target, draft, k), started on 127.0.0.1 and always stopped."""
-    # Target variants; null = every release variant (those vLLM cannot serve here are skipped with
-    # one line; list the reference to measure it too).
-    targets: list[str] | None = None
-    # Draft lengths 1..k_max, one engine each (about half a minute to start on a 2-core CPU, seconds
-    # of it on a GPU box); null = acceptance.k_max.
-    k_max: PositiveInt | None = 2
-    # Closed-loop concurrencies measured besides B = 1 (each k's own table, and k per batch size).
-    concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
-    # Compute dtype; auto = bfloat16.
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    # Context length in tokens each engine is built for (vLLM's --max-model-len); workload prompts
-    # longer than it less the tokens generated and the verify width (k + 1) are skipped.
-    max_model_len: PositiveInt = 2048
-    # CUDA graphs off; null = on CPU (where vLLM compiles nothing useful for a small model) only.
-    enforce_eager: bool | None = None
-    kv_cache_gib: PositiveFloat = 2.0  # CPU: VLLM_CPU_KVCACHE_SPACE
-    # Share of each GPU's memory one engine takes (vLLM's --gpu-memory-utilization); not passed on CPU.
-    gpu_memory_utilization: PositiveFloat = 0.9
-    # GPUs each engine is split over (vLLM's --tensor-parallel-size); not passed on CPU.
-    tensor_parallel_size: PositiveInt = 1
-    # Seconds an engine may take to start serving (answer /health) before its start counts as
-    # failed; the quality stage's vLLM engines use it too.
-    startup_timeout_s: PositiveFloat = 600.0
-    # Seconds one request to an engine may take before it fails (the HTTP timeout); the quality
-    # stage's vLLM requests use it too.
-    request_timeout_s: PositiveFloat = 600.0
-    # Check the recommendation under open-loop load against no speculation and the best fixed k.
-    open_loop_check: bool = True
-    open_loop: VllmOpenLoopConfig = Field(default_factory=VllmOpenLoopConfig)
-    # More api_server flags, as --<key> <value> (true: the bare flag).
-    engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
-
-    @field_validator("concurrency")
-    @classmethod
-    def _conc(cls, v: list[int]) -> list[int]:
-        if any(c < 2 for c in v):
-            raise ValueError("concurrencies are >= 2 (B = 1 is always measured)")
-        return v
-
-
 class MarginalConfig(Section):
     """The marginal stage: acceptance and latency joined per pair into ms/token and the marginal cost
     of each k, the recommended k (per category and batch size), and the serving simulation (`serving`)."""
     # Level of the CIs the recommended k is chosen from: the marginal stage's ms/token and speedup
     # intervals, and the vllm stage's speedup tables.
     confidence: float = 0.95
-
-
-class ServingConfig(Section):
-    """What pays at a request rate (pipeline/serving/batching.py, run by the marginal stage): a simulated
-    continuous-batching server fed the measured step costs, under open-loop Poisson arrivals."""
-
-    # Prompt tokens of every simulated request when lengths are fixed (an acceptance JSON made
-    # without a workload block); otherwise each request draws its lengths from the acceptance workload.
-    prompt_tokens: int = 128
-    # Output tokens (at least 2) of every simulated request when lengths are fixed (an acceptance
-    # JSON made without a workload block); otherwise each request draws its lengths from the workload.
-    output_tokens: int = 64
-    requests: int = 200  # per simulated run
-    seeds: int = 5  # runs per rate and policy (the same arrivals for every policy)
-    # Arrival rates in requests/s; empty = rate_points rates from 5% to max_load x the plain
-    # server's full-batch capacity (past saturation).
-    rates: list[float] = Field(default_factory=list)
-    # How many arrival rates the sweep simulates when `rates` is empty, evenly spaced from 5% to
-    # max_load x the plain server's full-batch capacity.
-    rate_points: int = 10
-    # Highest rate of the sweep when `rates` is empty, as a multiple of the plain server's full-batch
-    # capacity (above 1: past saturation).
-    max_load: float = 1.3
-    # SLO on time to first token, in ms. A request meets the SLO when its TTFT and TPOT are both
-    # within their limits; goodput = such requests per second.
-    slo_ttft_ms: float = 2000.0
-    # SLO on time per output token after the first, in ms. A request meets the SLO when its TTFT and
-    # TPOT are both within their limits; goodput = such requests per second.
-    slo_tpot_ms: float = 100.0
-    # Simulated closed-loop runs behind the validation's predicted TPOT and its interval.
-    validation_resamples: int = 100
-
-    @field_validator("prompt_tokens", "requests", "seeds", "rate_points", "validation_resamples")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1")
-        return v
-
-    @field_validator("output_tokens")
-    @classmethod
-    def _two(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError("must be >= 2 (TPOT is undefined for one output token)")
-        return v
 
 
 class GateConfig(Section):
