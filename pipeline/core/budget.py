@@ -1,22 +1,14 @@
-"""The run's time budget (config `budget`): a stage's clock, its estimates and the record of what
-it planned, spent and skipped.
+"""The run's time budget (config `budget`): a stage's clock, its estimates and what it skipped.
 
-    from pipeline.core.budget import StageBudget
     budget = StageBudget(ctx.config, "latency", run_dir=ctx.run_dir)
-    budget.announce("plain grids 5 x 8 cells, then 3 pairs", estimate_s=410.0)
     if not budget.affords(next_repeat_s):
         budget.skip("bf16__ngram repeats 4-5", "budget: 38 s left, a repeat takes 52 s")
     ctx.meta["budget"] = budget.to_json()
 
 A planning stage's seconds come from the run's ledger (`ledger`): the budget less what the stages
-before it took (their meta.json's wall_s), shared in proportion to `budget.shares` among this
-stage and the planning stages after it, counted from the stage's start. So the plan follows
-what this machine measured: a slow quantize shrinks the later stages, a stage that finishes early
-leaves its time to them. Without a run directory (unit tests) a stage gets minutes x 60 x share.
-With `budget.minutes` unset every method still works: `seconds` is None, `left()` is infinite and
-`affords()` is always true, so a stage written against a budget runs exhaustively without one.
-On a GPU the cost model has a profile for, the run's plan (PLAN_FILE, `allot`, written by
-pipeline/tools/run_plan.py) sets the seconds instead, shared around each stage's floor.
+before it took, shared by `budget.shares` with the planning stages after it. Without a budget
+`left()` is infinite, so a stage written against one runs exhaustively without it. On a profiled
+GPU the cost model's plan (PLAN_FILE, `allot`) sets the seconds instead (docs/methods/budget.md).
 """
 from __future__ import annotations
 
