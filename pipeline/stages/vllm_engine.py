@@ -365,7 +365,7 @@ def run(ctx: StageContext) -> None:
             if item.fresh:
                 pair["parts"].append(item.meta)
                 continue
-            if not cost.fits(budget, f"{name} at k = {k}" + (" and up" if k < k_max else ""), cost.k_engine(target)):
+            if not cost.fits(budget, f"{name} at k = {k}" + (" and up" if k < k_max else ""), cost.plain(target)):
                 pair["stopped"] = "budget"
                 continue
             try:
@@ -437,9 +437,6 @@ class _EngineCost:
                  if target is None or e["engine"] == target or e["engine"].startswith(f"{target}__")]
         works = works or [e["total_s"] - e["start_s"] for e in self.eng.started]
         return start + max(works)
-
-    def k_engine(self, target: str) -> float | None:
-        return self.plain(target)
 
     @staticmethod
     def fits(budget: StageBudget, what: str, estimate_s: float | None) -> bool:
