@@ -45,7 +45,6 @@ PIPE    = GPTQMODEL_CPU_WORKERS=$${GPTQMODEL_CPU_WORKERS:-2} SPECQ_VERBOSE=$${SP
 ARGS    = --run '$(RUN)' --config '$(CONFIG)' --model '$(MODEL)' --drafts '$(DRAFTS)'
 
 .PHONY: all evaluate test install prepare quantize drafts acceptance vllm latency marginal quality gate report bench bench-quality bench-engines quality-equivalence report-screenshot gpu-check \
-        estimate \
         clean FORCE
 all: evaluate
 
@@ -83,7 +82,6 @@ install: $(STAMP) $(VLLM_STAMP)
 # ------------------------------------------------------------------ stages (artifact = stage meta.json)
 $(RUN)/model/meta.json: $(STAMP) FORCE
 	$(PIPE) prepare $(ARGS)
-	$(PY) -m pipeline.tools.run_plan --run '$(RUN)' --config '$(CONFIG)'
 $(RUN)/variants/meta.json: $(RUN)/model/meta.json FORCE
 	$(PIPE) quantize $(ARGS)
 $(RUN)/drafts/meta.json: $(RUN)/variants/meta.json FORCE
@@ -151,15 +149,6 @@ report-screenshot: $(RUN)/report/meta.json
 
 bench-quality: $(RUN)/model/meta.json
 	$(PY) -m pipeline.tools.bench_quality $(ARGS) $(BENCH_QUALITY_ARGS)
-
-# Not a stage: what CONFIG costs, stage by stage, from the cost model (pipeline/tools/estimate.py), with
-# its CPU figures timed on this machine (--device here, ~20 s); for a GPU box name one, e.g.
-# ESTIMATE_DEVICE=h100 ESTIMATE_SHAPE=8b. Extra flags: ESTIMATE_ARGS (e.g. "--minutes 60").
-ESTIMATE_DEVICE ?= here
-ESTIMATE_SHAPE  ?= smollm2-135m
-ESTIMATE_ARGS   ?=
-estimate: $(STAMP)
-	$(PY) -m pipeline.tools.estimate --config '$(CONFIG)' --shape '$(ESTIMATE_SHAPE)' --device '$(ESTIMATE_DEVICE)' $(ESTIMATE_ARGS)
 
 # On a GPU box (no network needed): copy bandwidth, plain decode and its roofline, speculative
 # rounds k = 1..6, compile on vs off, on a random 8B-shaped model; about 6-8 minutes on one H200.

@@ -1,11 +1,11 @@
-"""The run's time budget (issue 27): the config section, a stage's clock and the run's plan
+"""The run's time budget (issue 27): the config section, a stage's clock and the run's ledger
 (pipeline/core/budget.py)."""
 import json
 import math
 
 import pytest
 
-from pipeline.core.budget import PLAN_FILE, StageBudget, allot, fmt_s
+from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.config import BUDGET_SHARES, ConfigError, load_config
 
 
@@ -122,54 +122,13 @@ def test_a_part_of_the_budget_splits_what_is_left_and_never_exceeds_the_stage():
     assert not none.active and math.isinf(none.left()) and none.affords(1e9)
 
 
-def test_allot_is_the_shares_when_every_floor_fits():
-    shares = {"acceptance": 0.2, "latency": 0.3, "quality": 0.35}
-    got = allot(850.0, shares, {"acceptance": 10.0, "latency": 100.0, "quality": 50.0})
-    assert got == pytest.approx({"acceptance": 200.0, "latency": 300.0, "quality": 350.0}, rel=1e-9)
-
-
-def test_allot_moves_time_to_a_floor_from_the_others_in_proportion():
-    """A floor over its share: that stage gets its floor, the others lam x share, the sum is the time
-    (by hand: 850 s, latency's floor 500 -> the other two share 350 s as 0.2 : 0.35)."""
-    shares = {"acceptance": 0.2, "latency": 0.3, "quality": 0.35}
-    got = allot(850.0, shares, {"acceptance": 10.0, "latency": 500.0, "quality": 50.0})
-    assert got["latency"] == 500.0
-    assert got["acceptance"] == pytest.approx(350 * 0.2 / 0.55, rel=1e-9)
-    assert got["quality"] == pytest.approx(350 * 0.35 / 0.55, rel=1e-9)
-    assert sum(got.values()) == pytest.approx(850.0, rel=1e-12)
-    # Two floors over lam x share: acceptance's 150 is over 0.2 x 350 / 0.55 = 127, so it keeps 150
-    # and quality takes the 200 left (lam = 571: 0.2 lam = 114 < 150, as it must be).
-    got = allot(850.0, shares, {"acceptance": 150.0, "latency": 500.0, "quality": 50.0})
-    assert got == pytest.approx({"acceptance": 150.0, "latency": 500.0, "quality": 200.0}, rel=1e-9)
-
-
-def test_allot_gives_every_stage_its_floor_when_the_floors_are_over_the_time():
-    shares = {"acceptance": 0.2, "latency": 0.3, "quality": 0.35}
-    floors = {"acceptance": 400.0, "latency": 3500.0, "quality": 2600.0}
-    assert allot(6120.0, shares, floors) == floors
-
-
-def _plan(run_dir, cfg, seconds: dict):
-    b = cfg.budget
-    doc = {"minutes": b.minutes, "shares": dict(b.shares), "device_profile": "h100",
-           "stages": {n: {"seconds": s} for n, s in seconds.items()}}
-    (run_dir / PLAN_FILE).write_text(json.dumps(doc))
-
-
-def test_a_stage_takes_its_seconds_from_the_runs_plan_made_for_its_budget(tmp_path):
+def test_where_a_stages_seconds_come_from(tmp_path):
+    """The ledger with a run directory; without one, or with rebalance off, the share; no budget, none."""
     cfg = load_config("configs/smoke.yaml", {"budget": {"minutes": 30}})
-    _plan(tmp_path, cfg, {"acceptance": 100.0, "latency": 1000.0, "quality": 500.0})
-    b = StageBudget(cfg, "latency", run_dir=tmp_path)
-    assert b.seconds == 1000.0
-    doc = b.to_json()
-    assert doc["seconds_from"] == "plan" and doc["plan"]["seconds"] == 1000.0 and doc["share"] == 0.15
-    # Without a run directory or with rebalance off: the share; for another budget, the ledger.
-    assert StageBudget(cfg, "latency").seconds == pytest.approx(270.0)
-    other = load_config("configs/smoke.yaml", {"budget": {"minutes": 40}})
-    assert StageBudget(other, "latency", run_dir=tmp_path).to_json()["seconds_from"] == "ledger"
+    assert StageBudget(cfg, "latency", run_dir=tmp_path).to_json()["seconds_from"] == "ledger"
+    alone = StageBudget(cfg, "latency")
+    assert alone.seconds == pytest.approx(270.0) and alone.to_json()["seconds_from"] == "share"
     off = load_config("configs/smoke.yaml", {"budget": {"minutes": 30, "rebalance": False}})
     assert StageBudget(off, "latency", run_dir=tmp_path).to_json()["seconds_from"] == "share"
     none = load_config("configs/smoke.yaml", {"budget": {"minutes": None}})
     assert StageBudget(none, "latency", run_dir=tmp_path).seconds is None
-    (tmp_path / PLAN_FILE).write_text("{not json")
-    assert StageBudget(cfg, "latency", run_dir=tmp_path).to_json()["seconds_from"] == "ledger"

@@ -6,9 +6,9 @@
     ctx.meta["budget"] = budget.to_json()
 
 A planning stage's seconds come from the run's ledger (`ledger`): the budget less what the stages
-before it took, shared by `budget.shares` with the planning stages after it. Without a budget
-`left()` is infinite, so a stage written against one runs exhaustively without it. On a profiled
-GPU the cost model's plan (PLAN_FILE, `allot`) sets the seconds instead (docs/methods/budget.md).
+before it took, shared by `budget.shares` with the planning stages after it (on every device).
+Without a run directory, or with `budget.rebalance` off, a stage takes its share of the minutes.
+Without a budget `left()` is infinite, so a stage written against one runs exhaustively without it.
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 
 from pipeline.core.stage import progress
-
-PLAN_FILE = "budget.json"  # runs/<run>/budget.json: the run's plan (pipeline/tools/run_plan.py)
 
 
 def fmt_s(seconds: float | None) -> str:
@@ -51,40 +49,6 @@ class _Clock:
         left = rate * (total - done) if rate is not None else None
         budget = f"; {self.label} {fmt_s(max(self.left(), 0.0))} left" if self.active else ""
         return f" ({fmt_s(left)} left{budget})"
-
-
-def allot(total_s: float, shares: dict[str, float], floors: dict[str, float]) -> dict[str, float]:
-    """Seconds per stage: max(floor, lam x share), with lam >= 0 such that they sum to total_s
-    (water-filling), or every stage's floor where the floors alone sum to more than total_s.
-    A stage whose floor is over its share of total_s takes the difference from the others in
-    proportion to their shares; with every floor under its share it is the shares themselves."""
-    names = list(shares)
-    if sum(floors.get(n, 0.0) for n in names) >= total_s:
-        return {n: float(floors.get(n, 0.0)) for n in names}
-
-    def used(lam: float) -> float:
-        return sum(max(floors.get(n, 0.0), lam * shares[n]) for n in names)
-
-    lo, hi = 0.0, total_s / min(shares.values())  # used(hi) >= total_s: every stage at least its lam share
-    for _ in range(200):  # used() is continuous and increasing in lam: bisection to float precision
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if used(mid) < total_s else (lo, mid)
-    return {n: max(float(floors.get(n, 0.0)), hi * shares[n]) for n in names}
-
-
-def planned(run_dir, config, stage: str) -> dict | None:
-    """The stage's entry in the run's plan (PLAN_FILE), if the plan was made for this config's
-    budget (its minutes and shares); None otherwise (the stage takes its share)."""
-    if run_dir is None or not config.budget.minutes or not config.budget.rebalance:
-        return None
-    path = Path(run_dir) / PLAN_FILE
-    try:
-        plan = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if plan.get("minutes") != config.budget.minutes or plan.get("shares") != dict(config.budget.shares):
-        return None
-    return (plan.get("stages") or {}).get(stage)
 
 
 # The run's stages in the order make runs them, and where each writes its meta.json (the ledger
@@ -129,12 +93,8 @@ class StageBudget(_Clock):
         self.share = config.budget.shares.get(stage) if minutes else None
         self.seconds = minutes * 60 * self.share if minutes and self.share else None
         self.minutes = minutes
-        # The run's plan (module docstring): the stage's seconds shared again around the floors.
-        self.plan = planned(run_dir, config, stage) if self.seconds is not None else None
         self.ledger = None
-        if self.plan is not None:
-            self.seconds = float(self.plan["seconds"])
-        elif self.seconds is not None and run_dir is not None and config.budget.rebalance:
+        if self.seconds is not None and run_dir is not None and config.budget.rebalance:
             self.ledger = ledger(run_dir, config, stage)
             self.seconds = self.ledger["seconds"]
         self.estimates: list[dict] = []
@@ -168,10 +128,7 @@ class StageBudget(_Clock):
     def to_json(self) -> dict:
         return {"minutes": self.minutes, "share": self.share,
                 "seconds": None if self.seconds is None else round(self.seconds, 1),
-                # "plan": the run's plan set the seconds (PLAN_FILE; its entry is `plan`); "share": the share.
-                "seconds_from": None if self.seconds is None else (
-                    "plan" if self.plan is not None else "ledger" if self.ledger is not None else "share"),
-                **({"plan": self.plan} if self.plan is not None else {}),
+                "seconds_from": None if self.seconds is None else "ledger" if self.ledger is not None else "share",
                 **({"ledger": self.ledger} if self.ledger is not None else {}),
                 "spent_s": round(self.spent(), 1), "estimates": self.estimates, "skipped": self.skipped}
 

@@ -308,9 +308,9 @@ class BudgetConfig(Section):
     # Relative shares of the planning stages (quality, acceptance, vllm, latency), each > 0; a stage
     # not named keeps its default.
     shares: dict[str, float] = Field(default_factory=lambda: dict(BUDGET_SHARES))
-    # Where a stage's floor (what it does whatever the budget) is over its share, share the planning
-    # stages' time again around the floors (pipeline/core/budget.py: allot), from the cost model's
-    # floors on a device it has a profile for (pipeline/tools/run_plan.py); false: the shares as written.
+    # true: each planning stage's seconds come from the run's ledger (pipeline/core/budget.py: the
+    # budget less what the stages before it measured, shared among the planning stages still to
+    # run), on every device; false: each stage takes its share of the minutes as written.
     rebalance: bool = True
 
     @field_validator("shares")
