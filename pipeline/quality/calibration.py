@@ -6,7 +6,7 @@ once per loaded model, and the decode KV budget from free memory.
     m = measure_call_tokens(forward, sync); call_tokens = bucket_call_tokens(m["ratio"])
 
 Kept apart from the evaluator so that what only needs its constants (the quality stage's
-counters, the cost model in pipeline/tools/estimate.py) does not import lm-eval's HFLM.
+counters) does not import lm-eval's HFLM.
 """
 from __future__ import annotations
 
@@ -15,14 +15,12 @@ import time
 
 import torch
 
-# Cost of a forward pass ~ CALL_COST + TOKEN_COST * rows * width, as measured on the 2-core CPU
-# (seconds, SmolLM2-135M in float32: one call of 1 token took 119 ms, each further token about
-# 2.3 ms; pipeline/tools/estimate.py reads TOKEN_COST). Only the ratio steers the plan:
-# plan_batches works in tokens, a call being worth `call_tokens` of them. CPU_CALL_TOKENS is its
-# default; PrefixCachedLM measures its own (calibrate).
-CALL_COST = 0.11
-TOKEN_COST = 0.0023
-CPU_CALL_TOKENS = round(CALL_COST / TOKEN_COST)  # 48
+# Cost of a forward pass ~ a call cost + a token cost x rows x width, as measured on the 2-core CPU
+# (SmolLM2-135M in float32: one call of 1 token took 119 ms, each further token about 2.3 ms).
+# Only the ratio steers the plan: plan_batches works in tokens, a call being worth `call_tokens`
+# of them. CPU_CALL_TOKENS is its default (0.11 s / 0.0023 s); PrefixCachedLM measures its own
+# (calibrate).
+CPU_CALL_TOKENS = 48
 # The largest ratio calibration reports (4^8): a batch of quality.batch_size rows of a few hundred
 # tokens is far below it, so beyond it every join is worth it anyway.
 MAX_CALL_TOKENS = 4 ** 8
