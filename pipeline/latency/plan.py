@@ -1,10 +1,9 @@
 """The latency stage's memory plan and compile session: built before any cell runs, recorded after.
 
-    from pipeline.latency.plan import plain_phase, speculative_phase, estimated_weight_bytes
+    from pipeline.latency.plan import plain_phase, speculative_phase
     plan, budget = plain_phase(model, lat, device)                 # after the variant is loaded
     plan, budget = speculative_phase(model, drafts, lat, k_max, prompt_len, device)
     session, record = compile_session(lat, device)                 # None + a record when off
-    estimated_weight_bytes(shape, variant_config)                  # planning without loading
 
 Two phases per model: the plain grid of each variant, then each target's speculative pairs. Every
 shape a compiled run needs is known and compiled before any timing, never inside it. The phases,
@@ -17,7 +16,6 @@ from pipeline.decode.cache import hf_model
 from pipeline.decode.compiled import CompileSession, not_compiled, step_shapes
 from pipeline.latency.memory import CellPlan, MemoryPlan, ModelShape, cache_len, device_budget, plan_grid
 from pipeline.latency.roofline import model_bytes
-from pipeline.variants.schemes import SCHEMES
 
 # ---------------------------------------------------------------- the compiled shapes and the session
 
@@ -162,27 +160,3 @@ def speculative_plan(shape: ModelShape, draft_kv: dict[str, int], context: int, 
         if step["action"] == "run":
             step["draft_cache_bytes"] = int(largest)
     return plan
-
-
-# ---------------------------------------------------------------- the whole stage, from a config
-
-
-def linear_parameters(shape: ModelShape) -> int:
-    """Parameters in the decoder layers' linear maps (what GPTQ, bnb and torchao quantize; the
-    embeddings and the LM head stay 16-bit)."""
-    q = shape.heads * shape.head_dim
-    kv = shape.kv_heads * shape.head_dim
-    per_layer = shape.hidden * (q + 2 * kv) + q * shape.hidden + 3 * shape.hidden * shape.intermediate
-    return shape.layers * per_layer
-
-
-def estimated_weight_bytes(shape: ModelShape, variant) -> int:
-    """Bytes a variant's weights take once loaded, from its scheme's bytes per quantized weight
-    (pipeline/variants/schemes.py; an estimate for planning without loading it, the stage itself
-    measures). The decoder's linear maps are quantized; the rest stays in the compute dtype."""
-    per_weight = SCHEMES[variant.scheme].bytes_per_weight
-    if per_weight is None:
-        return shape.weight_bytes
-    linear = linear_parameters(shape)
-    rest = shape.weight_bytes - linear * shape.element_bytes
-    return int(rest + linear * per_weight(variant.bits, variant.group_size))

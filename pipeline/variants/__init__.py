@@ -1,1 +1,1 @@
-"""Quantization schemes: one registry (schemes.SCHEMES) of quantizer, loader and byte figures per scheme; checks; `checkpoint` variants."""
+"""Quantization schemes: one registry (schemes.SCHEMES) of quantizer and loader per scheme; checks; `checkpoint` variants."""

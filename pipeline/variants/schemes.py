@@ -4,10 +4,10 @@
     SCHEMES["gptq"].quantize(src, out, spec, job)          # the quantize stage
     model, tokenizer = load_variant("runs/x/variants/w4a16-gptq", device="cpu")
 
-A plain dict scheme -> Scheme (quantizer, loader, library, devices, what it quantizes, the bytes
-a weight costs). Nothing registers itself: adding a scheme means a quantizer and a loader
-(pipeline/variants/quantizers.py or a module of its own) and one entry here, plus its name in the
-config's `scheme` list (pipeline/core/config.py, which cannot import this package).
+A plain dict scheme -> Scheme (quantizer, loader, library, devices, what it quantizes). Nothing
+registers itself: adding a scheme means a quantizer and a loader (pipeline/variants/quantizers.py
+or a module of its own) and one entry here, plus its name in the config's `scheme` list
+(pipeline/core/config.py, which cannot import this package).
 
 `load_variant` reads the directory's meta.json: its `scheme` says how it was made; nothing is
 inferred from the directory's name. The prepared reference (runs/<run>/model/, scheme
@@ -30,12 +30,6 @@ from pipeline.variants.quantizers import (load_bnb, load_gptq, load_torchao, qua
                                           quantize_gptq, quantize_none, quantize_torchao_int8wo)
 
 
-def _gptq_bytes(bits: int | None, group_size: int | None) -> float:
-    """bits/8 bytes per weight, plus a 16-bit scale and a packed zero (bits/8) per group."""
-    bits, group = bits or 4, group_size or 128
-    return bits / 8 + (2 + bits / 8) / group
-
-
 @dataclass(frozen=True)
 class Scheme:
     quantize: Callable[..., dict]
@@ -48,27 +42,17 @@ class Scheme:
     # transformers' bitsandbytes integration replaces Linear and Conv1D; torchao's quantize_
     # filter takes nn.Linear only.
     quantizes: tuple[str, ...] = ()
-    # Bytes one quantized weight costs once loaded, scales included, as a function of the
-    # variant's (bits, group_size): a planning estimate (pipeline/latency/plan.py); the quantize
-    # stage measures the real figure. None: the scheme keeps the reference's dtype.
-    bytes_per_weight: Callable[[int | None, int | None], float] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {
     "none": Scheme(quantize_none, load_hf, "transformers", ("cpu", "cuda")),
     "gptq": Scheme(quantize_gptq, load_gptq, "gptqmodel", ("cpu", "cuda"), calibrated=True,
-                   quantizes=("linear", "conv1d", "fused"), bytes_per_weight=_gptq_bytes),
-    # int8: one byte a weight, plus one scale per output row (negligible).
-    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d"),
-                       bytes_per_weight=lambda bits, group: 1.0),
-    # NF4: half a byte, plus one float32 absmax per block of 64 (before double quantization).
-    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d"),
-                      bytes_per_weight=lambda bits, group: 0.5 + 4 / 64),
-    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda"), quantizes=("linear",),
-                             bytes_per_weight=lambda bits, group: 1.0),
-    # A checkpoint made elsewhere: planned as GPTQ-shaped (the common pre-quantized case).
-    "checkpoint": Scheme(quantize_checkpoint, load_checkpoint, "transformers", ("cpu", "cuda"),
-                         bytes_per_weight=_gptq_bytes),
+                   quantizes=("linear", "conv1d", "fused")),
+    "bnb-int8": Scheme(quantize_bnb_int8, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d")),
+    "bnb-nf4": Scheme(quantize_bnb_nf4, load_bnb, "bitsandbytes", ("cpu", "cuda"), quantizes=("linear", "conv1d")),
+    "torchao-int8wo": Scheme(quantize_torchao_int8wo, load_torchao, "torchao", ("cpu", "cuda"), quantizes=("linear",)),
+    # A checkpoint made elsewhere (pipeline/variants/checkpoint.py).
+    "checkpoint": Scheme(quantize_checkpoint, load_checkpoint, "transformers", ("cpu", "cuda")),
 }
 
 
