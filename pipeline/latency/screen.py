@@ -260,22 +260,15 @@ def ks_to_time(rec: dict, ks: list[int]) -> tuple[list[int], dict[str, float]]:
     recommends a k only where the speedup CI lies above 1), so timing it cannot change the
     recommendation. The k are kept a prefix 1..k_hi (a k below k_hi whose own bound is under 1 is
     still timed): the marginal stage reads a pair's k up to the largest timed drafted count.
-    A model-free or unscreened record keeps every k."""
+    A model-free or unscreened record, or one with no bound at 1, keeps every k."""
     blocks = list((rec.get("by_batch") or {}).values()) if "batch_sizes" in rec else [rec]
     bounds = [{int(row["k"]): float(row["bound"]) for row in block.get("rows") or []} for block in blocks]
     if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not any(bounds) \
             or any(k not in b for b in bounds for k in ks):
         return list(ks), {}
-    timed = timed_prefix(ks, bounds)
-    return timed, {str(k): round(max(b[k] for b in bounds), 4) for k in ks if k not in timed}
-
-
-def timed_prefix(ks: list[int], bounds: list[dict[int, float]]) -> list[int]:
-    """The cut itself (ks_to_time; the estimate applies it to predicted bounds): k = 1..k_hi, k_hi
-    the largest k whose bound reaches 1 in any of `bounds` (one k -> bound dict per batch size);
-    every k when none does or no bound is given."""
     paying = [k for k in ks if any(b[k] >= 1.0 for b in bounds)]
-    return [k for k in ks if k <= max(paying)] if paying else list(ks)
+    timed = [k for k in ks if k <= max(paying)] if paying else list(ks)
+    return timed, {str(k): round(max(b[k] for b in bounds), 4) for k in ks if k not in timed}
 
 
 def cut_line(ks: list[int], cut: dict[str, float]) -> str:
