@@ -177,10 +177,10 @@ def test_every_subcommand_in_the_readme_is_a_pipeline_subcommand():
 def test_the_command_readers_find_what_they_should():
     """The parsers above on known text: variables, flags, comments and quotes are not targets."""
     text = ('```sh\nmake evaluate MODEL=x DRAFTS="ngram layerskip:8"   # make nothing\n'
-            'make -j2 gate estimate\n.venv/bin/specq summary --run r\n```\n'
+            'make -j2 gate report\n.venv/bin/specq summary --run r\n```\n'
             'Run `make quality-equivalence ITEMS=4`, `python -m pipeline gate-check --run r`, '
-            '`python -m pipeline.tools.estimate`, `python -m pipeline --help`, `speculation_engine: specq`.')
-    assert _make_targets_named(text) == {"evaluate", "gate", "estimate", "quality-equivalence"}
+            '`python -m pipeline.tools.bench`, `python -m pipeline --help`, `speculation_engine: specq`.')
+    assert _make_targets_named(text) == {"evaluate", "gate", "report", "quality-equivalence"}
     assert _commands_named(text) == {"summary", "gate-check"}
 
 
