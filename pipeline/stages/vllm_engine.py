@@ -293,7 +293,7 @@ def run(ctx: StageContext) -> None:
     ctx.meta["vllm"] = info
     s = settings_for(ctx.config, info["platform"])
     acc = ctx.config.acceptance
-    confidence = ctx.config.marginal.confidence
+    confidence = ctx.config.confidence
     k_max = ctx.config.vllm.k_max or acc.k_max
     tok = AutoTokenizer.from_pretrained(ctx.run_dir / "model")
     prompts = workload_prompts(ctx.config, tok, "vllm", context=s.max_model_len)
