@@ -71,8 +71,6 @@ class CalibrationConfig(Section):
     # (or one shorter one), said in one line and recorded in each variant's meta.json.
     max_tokens: int = 256
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
-    # Calibration windows per forward pass while quantizing (GPTQ); 4 is ~4x faster on CPU than 1.
-    batch_size: int = 4
 
 
 class QuantizeConfig(Section):
@@ -146,16 +144,12 @@ class AcceptanceConfig(Section):
     max_new_tokens: int = 48
     # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/speculation/prompts.py), all of them on GPU.
     prompts_per_kind: int = 2
-    # Sampled lossless check: samples per mode (speculative and plain), compared by a two-sample
-    # chi-square at lossless_alpha, at lossless_temperature. specq's engine samples the first
-    # verify-emitted token; vLLM 8-token completions, one test per output position 2..8.
+    # Sampled lossless check: samples per mode (speculative and plain), drawn at temperature 1.0
+    # (specq's engine with acceptance.sampling's top-k / top-p too) and compared by a two-sample
+    # chi-square at alpha 0.001 (pipeline/speculation/lossless.py). specq's engine samples the first
+    # verify-emitted token; vLLM 8-token completions, one test per output position 2..8 (Bonferroni).
+    # The gate adjusts the pairs' p-values with gate.multiplicity.
     lossless_samples: int = 120
-    # Significance level of the sampled lossless check: a p-value at or below it fails (in vLLM,
-    # Bonferroni over the positions). The gate adjusts the pairs' p-values with gate.multiplicity.
-    lossless_alpha: float = 0.001
-    # Sampling temperature of the sampled lossless check (specq's engine also applies
-    # acceptance.sampling's top-k / top-p; vLLM's draws use the temperature alone).
-    lossless_temperature: float = 1.0
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
     # The prompts acceptance, the speculative round times and the closed loop measure
@@ -365,9 +359,6 @@ class GateConfig(Section):
     # of held-out positions where both models' most likely token is the same, 0..1); fails when the
     # CI's upper bound is below it, passes when the lower bound reaches it. null = reported, not gated.
     min_top1_agreement: float | None = None
-    # Power at which an open cell's items_to_settle is computed: the items per slice that would pass
-    # or fail it with this probability if the observed difference were the truth. A guide only.
-    power: float = 0.8
     # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
     # true they are also gated and join their variant's fail family (few items each: low power).
     gate_groups: bool = False
@@ -444,6 +435,13 @@ DEPRECATED = {
        for s in ("acceptance", "latency", "marginal", "quality", "gate")},
     "gate.min_clusters": "clusters are always honoured",
     "gate.bootstrap_resamples": "ECE is reported, not bootstrapped",
+    "gate.power": "items_to_settle, a guide only, is at a fixed power (pipeline/gate/decision.py: SETTLE_POWER)",
+    "acceptance.lossless_alpha": "the sampled lossless check's level is fixed (pipeline/speculation/lossless.py: "
+                                 "LOSSLESS_ALPHA)",
+    "acceptance.lossless_temperature": "the sampled lossless check's temperature is fixed "
+                                       "(pipeline/speculation/lossless.py: LOSSLESS_TEMPERATURE)",
+    "quantize.calibration.batch_size": "GPTQ's calibration windows per forward pass are fixed "
+                                       "(pipeline/variants/quantizers.py: CALIBRATION_BATCH)",
 }
 
 

@@ -27,6 +27,9 @@ from pipeline.stats import paired as stats, scoring_rules
 
 # gate-check's exit status per decision (2 is bad input): a contract release jobs rely on.
 EXIT_CODES = {"go": 0, "no-go": 1, "inconclusive": 3}
+# Power of an open cell's items_to_settle: the items that would settle it with this probability if
+# the observed difference were the truth. A guide only, never a level (formerly the gate.power key).
+SETTLE_POWER = 0.8
 
 
 # ---------------------------------------------------------------- estimates per slice
@@ -81,14 +84,14 @@ def _margin(gcfg, key: str, slice_name: str) -> float:
     return float(gcfg.margins.get(key, gcfg.margins.get(slice_name, gcfg.margin)))
 
 
-def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, gcfg,
+def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float,
           p_adj: tuple[float, float] | None) -> dict:
     lo, hi = est.ci(alpha_lo, alpha_hi)
     status = stats.noninferiority_status(lo, hi, margin)
     settle = None
     if status == "inconclusive":
         # Settling means reaching pass (diff above -margin) or fail (below): the side it is on.
-        settle = est.items_needed(margin, alpha_lo if est.diff > -margin else alpha_hi, gcfg.power)
+        settle = est.items_needed(margin, alpha_lo if est.diff > -margin else alpha_hi, SETTLE_POWER)
     return {
         "metric": est.metric, "higher_is_better": est.higher_is_better,
         "reference": est.reference, "variant": est.variant, "diff": est.diff, "ci": [lo, hi],
@@ -260,7 +263,7 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
     quality stage writes to quality/meta.json. A record: the row's `slice`, its `diff` and
     `margin` at its last look, `side` ("fail" when the difference is below -margin, where only a
     fail can settle it; else "pass"), `n` and `items_to_settle` (at a fixed-n test on that side,
-    at `gate.power`: a guide to which row is nearest a decision, never a level). Whether the next
+    at SETTLE_POWER: a guide to which row is nearest a decision, never a level). Whether the next
     look is affordable is the stage's question (its time budget), not this one's: a row it stops
     on stays open, and the gate reports it open on the budget. One failed row makes the variant
     no-go whatever its open rows do, which a budgeted stage uses to stop scoring it."""
@@ -281,7 +284,7 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
             out.append({"row": key, "slice": key.split(":", 1)[0].split("/", 1)[0], "diff": est.diff,
                         "margin": margin, "side": side, "n": est.n,
                         "items_to_settle": est.items_needed(margin, a_fail if side == "fail" else a_pass,
-                                                            gcfg.power)})
+                                                            SETTLE_POWER)})
         elif record[-1]["status"] == "fail":
             failed.append(key)
     return out, failed
@@ -349,7 +352,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         for i, key in enumerate(keys):
             est, margin, record, sched = cells[key]
             p_go = p_go_adjusted[name] if p_go_adjusted[name] is not None else est.p_pass(margin)
-            cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"], gcfg,
+            cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"],
                          (p_go, fail_adj[i]))
             cell["looks"] = record
             cell["items_spent"] = est.n
@@ -371,7 +374,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             for g, est in info["groups"].items():
                 gated = entry["slices"].pop(f"{s}/{g}", None)
                 cell["groups"][g] = ({**gated, "gated": True} if gated else
-                                     {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, gcfg, None),
+                                     {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, None),
                                       "gated": False})
 
     for name, entry in variants.items():
