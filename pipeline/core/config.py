@@ -392,7 +392,7 @@ class Config(Section):
     # at alpha = (1 - confidence) / 2, 0.025 at 0.95, before the multiplicity adjustment and the
     # looks' spending), the quality, acceptance and latency CIs, and those the recommended k is
     # chosen from (marginal and vllm).
-    confidence: float = 0.95
+    confidence: float = Field(0.95, gt=0, lt=1)
     # Where the stages that load models through transformers run them (quantize, drafts, acceptance,
     # latency, quality): "auto" = CUDA where torch sees it, else the CPU; "cuda" is an error where no
     # CUDA device is visible. vLLM engines run on the platform their vLLM build targets.
@@ -415,13 +415,6 @@ class Config(Section):
     gate: GateConfig = Field(default_factory=GateConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
-
-    @field_validator("confidence")
-    @classmethod
-    def _confidence(cls, v: float) -> float:
-        if not 0 < v < 1:
-            raise ValueError("must be between 0 and 1 (0.95: 95% intervals)")
-        return v
 
     def section(self, name: str) -> dict:
         """The JSON-able view of one section (or a top-level scalar), as stages hash it."""
