@@ -19,12 +19,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.core.config import GateConfig  # noqa: E402
+from pipeline.core.config import Config, GateConfig  # noqa: E402
 from pipeline.stats import paired as S  # noqa: E402
 from pipeline.stats import sequential as Q  # noqa: E402
 
 MARGIN = GateConfig().margin
-ALPHA = (1 - GateConfig().confidence) / 2
+ALPHA = (1 - Config().confidence) / 2
 LOOKS = [40, 80, 120, 160, 200, 240]
 ROWS = 7
 CASES = [("identical", 0.0, 0.0), ("clear pass 2/2", 0.02, 0.02), ("on the margin 6/1", 0.06, 0.01),

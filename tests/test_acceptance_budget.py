@@ -112,7 +112,7 @@ def test_without_a_budget_the_direct_check_is_what_it_was(tiny_model, tiny_token
             block = by_t[key]
             pids = [r["prompt"] for r in block["per_prompt"]]
             want = direct_check(block["per_prompt"], {k: [runs[k][p] for p in pids] for k in runs},
-                                sampling.greedy, cfg.confidence, 0, exact=True)
+                                sampling.greedy, 0.95, 0, exact=True)
             got = block["direct_check"]
             assert set(got) == {"1", "2"}
             for k, entry in got.items():

@@ -53,6 +53,40 @@ def test_unknown_key_is_named(tmp_path):
         load_config(p)
 
 
+def test_a_key_no_longer_read_loads_with_one_warning_line_each(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text("gate:\n  min_clusters: 5\n  confidence: 0.95\nmarginal:\n  confidence: 0.9\n"
+                 "quantize:\n  calibration: {batch_size: 2}\n")
+    assert load_config(p) == Config()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4
+    assert "gate.min_clusters is no longer read and is ignored: clusters are always honoured" in err[2]
+    # A stage's own confidence: the top-level one is read, and a value that differs from it says so.
+    assert err[0].endswith("marginal.confidence is no longer read; set the top-level confidence (0.95 now, not 0.9)")
+    assert "gate.confidence is no longer read and is ignored" in err[1]
+    assert "quantize.calibration.batch_size is no longer read" in err[3]
+    p.write_text("confidence: 0.9\nquality: {confidence: 0.9}\n")
+    assert load_config(p).confidence == 0.9
+    assert "quality.confidence is no longer read and is ignored" in capsys.readouterr().err
+    # Keys that were never in the schema are still refused, a removed section's too.
+    for text, key in (("gate:\n  min_clusterz: 5\n", "gate.min_clusterz"), ("marginal:\n  k: 1\n", "marginal")):
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=rf"unknown config key '{key}'"):
+            load_config(p)
+
+
+def test_no_key_no_longer_read_is_in_the_schema():
+    from pipeline.core.config import DEPRECATED
+
+    for key in DEPRECATED:
+        model, *parents, leaf = [Config, *key.split(".")]
+        for name in parents:
+            model = model.model_fields[name].annotation if name in model.model_fields else None
+            if model is None:
+                break
+        assert model is None or leaf not in model.model_fields, key
+
+
 def test_bad_value_and_bad_yaml_and_missing_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("acceptance:\n  k_max: 0\n")

@@ -213,6 +213,14 @@ def test_choosing_among_release_variants_adjusts_the_pass_side_across_them_only(
     assert all(c["alpha_lower"] == pytest.approx(0.025) for c in g["variants"]["exp"]["slices"].values())
 
 
+def test_the_top_level_confidence_is_the_gates_alpha(tmp_path):
+    run, config = make_fake_run(tmp_path, gate_yaml="confidence: 0.9\n")
+    rc, _, g = gate(run, config)
+    assert rc == 0 and g["confidence"] == 0.9 and "one-sided alpha 0.05 per bound" in g["method"]
+    cells = list(g["variants"]["good"]["slices"].values())
+    assert cells and all(c["alpha_lower"] == pytest.approx(0.05) for c in cells)  # (1 - 0.9) / 2
+
+
 def test_holm_on_the_fail_side_within_a_variant(tmp_path):
     run, config = make_fake_run(tmp_path, {"a": {"flip": 0.02}, "b": {"flip": 0.02}})
     _, _, g = gate(run, config)

@@ -15,11 +15,11 @@ from scipy import stats as sps
 from pipeline.stats import scoring_rules as R
 from pipeline.stats import paired as S
 from pipeline.stats import tango
-from pipeline.core.config import GateConfig
+from pipeline.core.config import Config, GateConfig
 from pipeline.core.quality_config import QualityConfig
 
 MARGIN = GateConfig().margin
-ALPHA = (1 - GateConfig().confidence) / 2
+ALPHA = (1 - Config().confidence) / 2
 DEFAULT_N = QualityConfig().items_per_slice
 MIXES = [(0.05, 0.0), (0.06, 0.01), (0.10, 0.05), (0.20, 0.15)]  # (worse, better): diff = -margin
 

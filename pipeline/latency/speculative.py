@@ -40,7 +40,7 @@ SETTLE_MIN_SHARE = 0.05
 
 SETTLE_RULE = (
     "After each repeat from latency.min_repeats on, stop when every figure the recommendation is "
-    "computed from has a CI (median_ci, latency.confidence, over the repeats so far) whose half-width is at "
+    "computed from has a CI (median_ci, the config's confidence, over the repeats so far) whose half-width is at "
     "most latency.settle_rel of its median: B = 1 pairs: plain ms/token and the round time of every "
     "drafted count d, at every temperature; batched: plain ms/token and the round time of every verify "
     f"width, at every B; plain grid: each cell's TPOT. Drafted counts (widths) that together hold at most "

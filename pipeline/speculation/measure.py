@@ -3,7 +3,8 @@ chain on them, direct engine runs beside it, the lossless checks.
 
     from pipeline.speculation.measure import generate_texts, measure_pair
     texts = generate_texts(model, prompts, cfg.acceptance, seed, tokenizer.eos_token_id)
-    result = measure_pair(model, tokenizer, draft, cfg.acceptance, seed, prompts, texts, batch_sizes=[2, 4])
+    result = measure_pair(model, tokenizer, draft, cfg.acceptance, seed, prompts, texts, batch_sizes=[2, 4],
+                          confidence=cfg.confidence)
 
 The measurement (texts, teacher-forced passes, the sampled lossless test) always runs whole; the
 direct check beside it may be cut by a time budget (CheckPlan), and always keeps its first prompt
@@ -180,10 +181,11 @@ def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, 
 
 
 def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
-                 batch_sizes: list[int] = (), plan: CheckPlan | None = None) -> dict:
+                 batch_sizes: list[int] = (), plan: CheckPlan | None = None, confidence: float = 0.95) -> dict:
     """The acceptance JSON for one (target, draft) pair (without the variant/draft names);
     batch_sizes: B > 1 for `expected_tokens_per_round_by_batch` (pipeline/speculation/batch_rounds.py);
-    plan: how much of the direct check to run (CheckPlan; None = all of it, category by category)."""
+    plan: how much of the direct check to run (CheckPlan; None = all of it, category by category);
+    confidence: the level of its t intervals and the direct check's test (the config's `confidence`)."""
     plan = plan or CheckPlan()
     k_max, eos = cfg.k_max, tokenizer.eos_token_id
     check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
@@ -246,14 +248,14 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
             if not pids:
                 continue
             recs = [records[key][p] for p in pids]
-            summary = summarize_slice(recs, k_max, cfg.confidence, seed)
+            summary = summarize_slice(recs, k_max, confidence, seed)
             summary.update(by_batch_blocks([scored[key][p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
-                                           cfg.confidence, seed))
+                                           confidence, seed))
             run_pids = [p for p in pids if p in done]
             skipped = [p for p in pids if p not in done]
             check = direct_check([records[key][p] for p in run_pids],
                                  {k: [runs[f"{key} k={k}"][p] for p in run_pids] for k in check_ks},
-                                 sampling.greedy, cfg.confidence, seed, exact=exact) if run_pids else {}
+                                 sampling.greedy, confidence, seed, exact=exact) if run_pids else {}
             for entry in check.values():
                 entry.update({"prompts_run": run_pids, "prompts_skipped": skipped,
                               "stopped": ran["stopped"] if skipped else None})

@@ -131,7 +131,8 @@ def run(ctx: StageContext) -> None:
             # budget_s: a pair measured under a budget may have cut its direct check; it is not
             # the exhaustive run's, nor another budget's.
             inputs = {"variant": vmeta.get("input_hash"), "draft": dmeta.get("input_hash"),
-                      "acceptance": ctx.config.section("acceptance"), "seed": ctx.config.seed, "device": str(device),
+                      "acceptance": ctx.config.section("acceptance"), "confidence": ctx.config.confidence,
+                      "seed": ctx.config.seed, "device": str(device),
                       "spec_batch_sizes": batch_sizes, "prompt_limit": prompt_limit_inputs(ctx.config),
                       "budget_s": budget.seconds}
             item = ctx.item(f"{name}.json", inputs, is_dir=False)
@@ -169,7 +170,7 @@ def run(ctx: StageContext) -> None:
             plan = CheckPlan(allot=planner.allot, budgeted=budget.active, text_s=text_s or None,
                              on_progress=_direct_progress(name, budget))
             result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts, batch_sizes,
-                                  plan=plan)
+                                  plan=plan, confidence=ctx.config.confidence)
             release_caches(getattr(draft, "model", None))
             del draft  # a layer-skip draft holds the target's layers: it goes before the next one is built
             collect(device)

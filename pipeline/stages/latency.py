@@ -58,9 +58,10 @@ def workload_inputs(cfg) -> dict:
 
 
 def timing_inputs(cfg) -> dict:
-    """The latency section as the stage's items key on it: without `screen`, which decides whether a
-    pair is timed, not how (turning it off times the screened pairs only, nothing else)."""
-    return {k: v for k, v in cfg.section("latency").items() if k != "screen"}
+    """The latency section as the stage's items key on it, with the confidence of their intervals:
+    without `screen`, which decides whether a pair is timed, not how (turning it off times the
+    screened pairs only, nothing else)."""
+    return {**{k: v for k, v in cfg.section("latency").items() if k != "screen"}, "confidence": cfg.confidence}
 
 
 def _resolve_dir(ctx, name: str, d: str | None) -> Path:
@@ -137,7 +138,7 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
             progress("latency: measuring device bandwidth (large tensor copy)")
             bandwidth = ctx.meta["bandwidth"] = measure_bandwidth(device)
         model, _ = load_variant(d, device=device)
-        doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, lat.confidence,
+        doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, cfg.confidence,
                          budget=phase.piece(f"{name} grid", len(pending) - pending.index(name)))
         _record(ctx.meta, "plain", name, doc)
         item.write_json(doc)
@@ -148,7 +149,7 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
     if reference in dirs:
         grids = {name: read_json(ctx.out_dir / f"{name}.json", "latency grid") for name in dirs}
         for name, grid in grids.items():  # a cheap join, redone on every run: never stale
-            if add_reference_ratios(grid, grids[reference], lat.confidence, cfg.seed):
+            if add_reference_ratios(grid, grids[reference], cfg.confidence, cfg.seed):
                 atomic_write_json(ctx.out_dir / f"{name}.json", grid)
         png = tpot_ratio_plot(grids, reference)
         if png:
@@ -334,7 +335,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
                 pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks, "speculative")
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
-                                       device, lat.confidence, cfg.seed, pair_ks, session=session,
+                                       device, cfg.confidence, cfg.seed, pair_ks, session=session,
                                        budget=phase.piece(f"{target} + {spec}", left))
                 doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)
                 doc["workload"] = workload_summary(prompts)
@@ -396,7 +397,7 @@ def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str],
                 left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
                 pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
                 pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks, "batched")
-                doc = batched_pair(target, spec, model, drafts[spec], tok, pair_ks, lat, device, lat.confidence,
+                doc = batched_pair(target, spec, model, drafts[spec], tok, pair_ks, lat, device, cfg.confidence,
                                    cfg.seed, session=session, rows=rows,
                                    budget=phase.piece(f"{target} + {spec} batched", left))
                 doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)

@@ -122,7 +122,7 @@ def run(ctx: StageContext) -> None:
     if missing:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
-    confidence = ctx.config.marginal.confidence
+    confidence = ctx.config.confidence
     lat_docs, batched_docs = _latency_docs(ctx.run_dir, {p: f for p, f in lat_files.items() if p not in served})
     noise = pooled_noise(lat_docs, batched_docs)
     progress("marginal: " + noise_line(noise_for(noise)))

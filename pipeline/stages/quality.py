@@ -351,7 +351,7 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
                    # The stage's code: a fix in a scorer re-scores (the lines are not kept).
                    "code": ctx.code, **({"backend": backend} if backend is not None else {})}
     inputs = {**scored_with, "reference_meta": sha256_file(ref_dir / "meta.json"),
-              "quality": quality, "gate": cfg.section("gate"),
+              "quality": quality, "gate": cfg.section("gate"), "confidence": cfg.confidence,
               "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
     stage_budget = {"minutes": cfg.budget.minutes, "share": cfg.budget.shares.get("quality")}
 
@@ -403,7 +403,7 @@ def _announce_plan(budget: StageBudget, waves: "Waves", reference: str, pending:
 # Config keys that change when scoring stops, never what an item scores: a run that changes only
 # these re-uses every item already scored.
 STOPPING_KEYS = ("wave_items", "max_items", "items_per_slice", "distribution_docs",
-                 "distribution_tokens", "confidence")
+                 "distribution_tokens")
 # quality.vllm keys that change where engines live or what happens after scoring, never a line:
 # what falling back does is in the variant's backend (item_inputs' `backend`).
 VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback", "devices")
@@ -411,7 +411,7 @@ VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback", "devices")
 
 def _write_summary(ctx, name: str, reference: str, tasks: list[str]) -> None:
     vdir = ctx.out_dir / name
-    conf = ctx.config.quality.confidence
+    conf = ctx.config.confidence
     summary = {"variant": name, "reference": reference, "slices": {}}
     for task in tasks:
         recs = read_jsonl(vdir / f"{task}.jsonl")

@@ -121,8 +121,7 @@ def run(ctx: StageContext) -> None:
             progress(f"quantize {name}: scheme {spec.scheme} -> {item.path}")
             job = Job(name=name, device=device, storage_dtype=storage_dtype, compute_dtype=compute_dtype,
                       seed=ctx.config.seed, log_dir=ctx.run_dir / "logs",
-                      calibration=(lambda: calibration.windows) if calibration else None,
-                      calibration_batch=qcfg.calibration.batch_size)
+                      calibration=(lambda: calibration.windows) if calibration else None)
             with item.writing() as tmp:
                 start = time.perf_counter()
                 extra = scheme.quantize(src, tmp, spec, job)

@@ -21,6 +21,7 @@ from pipeline.latency.served import (Settings, b1_records, measure, open_loop_ru
                                      serve_reason)
 from pipeline.serving.served_k import engine_tables, recommend, speed_row
 from pipeline.speculation.engine_stats import greedy_lossless, latency_summary, sampled_lossless, summarize_requests
+from pipeline.speculation.lossless import LOSSLESS_ALPHA, LOSSLESS_TEMPERATURE
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import workload_prompts, workload_summary
 from pipeline.stages.targets import vllm_targets
@@ -108,7 +109,7 @@ def _measure_plain(eng: _Engines, target: str, vdir, acc) -> dict:
 
     def work(url):
         m = measure(url, eng.prompts, s, 0, progress=eng.b1_progress(target))
-        samples = sampled_texts(url, ids, acc.lossless_samples, acc.lossless_temperature, s.seed,
+        samples = sampled_texts(url, ids, acc.lossless_samples, LOSSLESS_TEMPERATURE, s.seed,
                                 timeout_s=s.request_timeout_s)
         capacity = _capacity(m, s)
         loops = []
@@ -137,7 +138,7 @@ def _measure_k(eng: _Engines, name: str, vdir, spec: str, k: int, last: bool, ac
 
     def work(url):
         m = measure(url, eng.prompts, s, k, progress=eng.b1_progress(f"{name} k={k}"))
-        samples = (sampled_texts(url, ids, acc.lossless_samples, acc.lossless_temperature, s.seed + 1,
+        samples = (sampled_texts(url, ids, acc.lossless_samples, LOSSLESS_TEMPERATURE, s.seed + 1,
                                  timeout_s=s.request_timeout_s) if last else None)
         return {"measure": m, "samples": samples}
     out, start_s = eng.run(f"{name}.k{k}", vdir, config, work)
@@ -169,8 +170,8 @@ def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
         sp = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in m["b1"]["0.0"]}
         out["lossless"]["greedy"] = greedy_lossless(p, sp)
     if part.get("samples"):
-        out["lossless"]["sampled"] = {"temperature": acc.lossless_temperature,
-                                      **sampled_lossless(plain["samples"], part["samples"], acc.lossless_alpha)}
+        out["lossless"]["sampled"] = {"temperature": LOSSLESS_TEMPERATURE,
+                                      **sampled_lossless(plain["samples"], part["samples"], LOSSLESS_ALPHA)}
     out["b1"] = _strip_logprobs(m)["b1"]
     return out
 
@@ -293,14 +294,13 @@ def run(ctx: StageContext) -> None:
     ctx.meta["vllm"] = info
     s = settings_for(ctx.config, info["platform"])
     acc = ctx.config.acceptance
-    confidence = ctx.config.marginal.confidence
+    confidence = ctx.config.confidence
     k_max = ctx.config.vllm.k_max or acc.k_max
     tok = AutoTokenizer.from_pretrained(ctx.run_dir / "model")
     prompts = workload_prompts(ctx.config, tok, "vllm", context=s.max_model_len)
     eng = _Engines(ctx, s, prompts)
     common = {"settings": _settings_inputs(s), "vllm": info.get("vllm"), "workload": workload_summary(prompts),
-              "acceptance": {k: ctx.config.section("acceptance")[k] for k in
-                             ("lossless_samples", "lossless_temperature", "lossless_alpha")}}
+              "acceptance": {"lossless_samples": acc.lossless_samples}}
     measured, skipped, recs = {}, {}, {}
     budget = StageBudget(ctx.config, "vllm", run_dir=ctx.run_dir)
     cost = _EngineCost(eng)

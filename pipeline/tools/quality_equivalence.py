@@ -189,7 +189,7 @@ def measure(run_dir: str | Path, config, items: int = 40, slices: list[str] | No
     mismatch = [k for k in prompts_h if prompts_v.get(k) != prompts_h[k]]
     judge, _ = load_variant(vdir, device, dtype="float32")
     dtype = choice.kwargs["dtype"]
-    rows = compare(hf, served, prompts_h, judge, htok, dtype=dtype, confidence=config.gate.confidence,
+    rows = compare(hf, served, prompts_h, judge, htok, dtype=dtype, confidence=config.confidence,
                    computed=model if dtype != "float32" else None)
     for name, row in rows.items():
         row["items_per_second"] = {b: row["items"] / seconds[b][name] for b in ("hf", "vllm")}

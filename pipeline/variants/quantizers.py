@@ -30,6 +30,10 @@ from pipeline.core.stage import StageError, library_version, progress
 from pipeline.models.architecture import architecture, text_config, weight_matrices
 from pipeline.variants.files import link_or_copy_tree
 
+# Calibration windows per GPTQ forward pass: 4 was ~4x faster than 1 on CPU (formerly the
+# quantize.calibration.batch_size key, whose default this is).
+CALIBRATION_BATCH = 4
+
 
 @dataclass
 class Job:
@@ -42,7 +46,6 @@ class Job:
     seed: int
     log_dir: Path
     calibration: Callable[[], list[list[int]]] | None = None  # token-id windows, made on demand
-    calibration_batch: int = 1
 
 
 # ---------------------------------------------------------------- helpers
@@ -139,7 +142,7 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
         gm = GPTQModel.load(str(src), qc, **({"dtype": torch.float32} if qdevice == "cpu" else {}))
         gm.layer_callback = layer_done
         gm.quantize(calibration, backend="torch" if qdevice == "cpu" else "auto",
-                    batch_size=job.calibration_batch)
+                    batch_size=CALIBRATION_BATCH)
         # The unquantized parameters (embeddings, norms) go to disk in the reference's dtype, not
         # the float32 used for quantizing (SmolLM2: 108 MiB of float32 embeddings otherwise). The
         # GPTQ buffers (packed weights, float16 scales) are left as GPTQModel made them.
@@ -150,7 +153,7 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
         gm.save(str(out))
     return {"storage": "GPTQ packed weights (GPTQModel format, safetensors)", "library": "gptqmodel",
             "bits": bits, "group_size": group_size, "quantize_dtype": "float32" if qdevice == "cpu" else "auto",
-            "calibration_batch": job.calibration_batch,
+            "calibration_batch": CALIBRATION_BATCH,
             "library_version": library_version("gptqmodel"), "desc_act": False, "sym": True,
             "quantize_log": str(log)}
 
