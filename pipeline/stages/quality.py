@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from evals import sandbox
-from pipeline.core.budget import StageBudget, fmt_s, planned
+from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json,
                                  hash_obj, progress, read_json, read_jsonl, sha256_file)
@@ -354,9 +354,6 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
               "quality": quality, "gate": cfg.section("gate"),
               "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
     stage_budget = {"minutes": cfg.budget.minutes, "share": cfg.budget.shares.get("quality")}
-    plan = planned(ctx.run_dir, cfg, "quality")  # the run's plan's seconds, where it set them
-    if plan is not None:
-        stage_budget["seconds"] = plan.get("seconds")
 
     def inputs_for(stopped: bool) -> dict:
         return {**inputs, "budget": stage_budget} if stopped else inputs
