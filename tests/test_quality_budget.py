@@ -18,10 +18,8 @@ from pipeline.core.budget import StageBudget
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
-from pipeline.stats import sequential as Q
-from pipeline.quality.design import VARIANT_PACE, fit_design
 from pipeline.quality.sequential import Waves, score_in_waves, score_variants
-from pipeline.quality.waves import Allowance, Pace
+from pipeline.quality.waves import Allowance, Pace, pace_priors
 from pipeline.report.gate_table import render_table
 from pipeline.stages.quality import _budget_stopped, item_inputs
 from tests.test_sequential_gate import (_config, damaged, flips, identical, independent_slice, reference_score,
@@ -47,15 +45,10 @@ def timed(score, clock: Clock, per_item: float | dict):
     return run
 
 
-def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, quality_share: float = 0.5,
-                  fit: float | None = None):
-    """`fit`: gate.budget_alpha_share (None here: the looks spend as gate.spending says, the tests
-    of the budget's stops; the fitted design has tests of its own)."""
+def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, quality_share: float = 0.5):
     budget = ("budget: {minutes: null}\n" if minutes is None else
               f"budget: {{minutes: {minutes}, shares: {{quality: {quality_share}}}}}\n")
-    gate = f"gate: {{budget_alpha_share: {'null' if fit is None else fit}}}\n"
-    cfg = _config(tmp_path, variants, budget + gate)
-    return cfg
+    return _config(tmp_path, variants, budget)
 
 
 def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: dict, per_item=1.0,
@@ -94,7 +87,6 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
     pending = [n for n in fns if n != "bf16" and not items[n].fresh]
     ref_score = timed(scorer(fns["bf16"], calls.setdefault("bf16", [])), clock, per_item)
     waves.first_look("bf16", ref_score)
-    design = fit_design(out, waves, "bf16", [n for n in fns if n != "bf16"], pending, budget, cfg.gate)
 
     def finish(name: str) -> None:
         items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
@@ -116,7 +108,6 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
         waves.finish("bf16", "fake")
     records = {n: json.loads((out / n / "meta.json").read_text()).get("budget") for n in fns if n != "bf16"}
     (out / "meta.json").write_text(json.dumps({"slices": list(data), "tasks": [], "sequential": plans,
-                                               "design": design,
                                                "budget": {**budget.to_json(), "variants": records}}))
     return build_gate(run, cfg)
 
@@ -369,81 +360,6 @@ def test_the_stage_on_a_tiny_budget_stops_after_the_first_look_and_a_rerun_witho
     assert json.loads((q / "noisy" / "meta.json").read_text())["budget"]["stopped"] is False
 
 
-# ---------------------------------------------------------------- looks fitted to the budget
-
-
-def test_a_budget_for_the_first_look_fits_the_spending_and_settles_there(tmp_path):
-    """gate.budget_alpha_share 0.5: the budget is predicted to afford v's first look only, so the
-    slice's spending is fitted to spend half of each side's alpha by it (quality/design.json, the
-    meta's `sequential`, the gate's cell), and a variant with 18% of the reference's items turned
-    wrong fails at its first look, and one with 3% flipped each way passes there. The same run with
-    the O'Brien-Fleming looks alone tests that look at 1e-5 and leaves the damaged variant open on
-    the budget."""
-    data, plans = one_slice(400, 100)
-    fns = {"bf16": reference_score, "v": damaged(0.3)}
-    # 0.5 x 5 minutes = 150 s at 0.6 s an item: the reference's first look 60 s; then 90 s left,
-    # v's first look predicted at VARIANT_PACE (1.3) x 60 = 78 s (fits), its second at 60 + 1.3 x
-    # 120 = 216 s.
-    (tmp_path / "fit").mkdir()
-    (tmp_path / "obf").mkdir()
-    g = run_budget(tmp_path / "fit", budget_config(tmp_path / "fit", ["v"], 5, 0.5, fit=0.5), data, plans, fns,
-                   per_item=0.6)
-    q = tmp_path / "fit/run/quality"
-    design = json.loads((q / "design.json").read_text())
-    name = Q.fitted("obf", 100 / 400, 0.5)
-    assert design["fitted"] is True and design["look_index"] == 0 and design["spending"] == {"s": name}
-    assert design["left_s"] == pytest.approx(90.0) and design["predicted_s"] == pytest.approx(VARIANT_PACE * 60.0)
-    assert "afford look 1 of 4" in design["why"]
-    assert json.loads((q / "meta.json").read_text())["sequential"]["s"]["spending"] == name
-    cell = g["variants"]["v"]["slices"]["s"]
-    assert cell["status"] == "fail" and cell["items_spent"] == 100 and cell["spending"] == name
-    assert cell["looks"][0]["alpha_upper"] == pytest.approx(0.025 / 2, rel=1e-6)
-    assert g["variants"]["v"]["decision"] == "no-go" and g["spending_fitted"] == {"s": name}
-    assert "spend alpha as fitted to the time budget" in render_table(g)
-    plain = run_budget(tmp_path / "obf", budget_config(tmp_path / "obf", ["v"], 5, 0.5), data,
-                       {s: dict(p) for s, p in plans.items()}, fns, per_item=0.6)
-    cell = plain["variants"]["v"]["slices"]["s"]
-    assert cell["status"] == "inconclusive" and cell["stopped_on"] == "budget" and cell["spending"] == "obf"
-    assert cell["looks"][0]["alpha_upper"] < 1e-4 and plain["spending_fitted"] == {}
-    # An equivalent variant (3% of items flipped each way) passes at that first look when fitted.
-    (tmp_path / "close").mkdir()
-    close = run_budget(tmp_path / "close", budget_config(tmp_path / "close", ["v"], 5, 0.5, fit=0.5), data,
-                       {s: dict(p) for s, p in plans.items()}, {"bf16": reference_score, "v": flips(0.03)},
-                       per_item=0.6)
-    assert close["variants"]["v"]["decision"] == "go" and close["variants"]["v"]["slices"]["s"]["items_spent"] == 100
-
-
-def test_a_fitted_design_is_kept_by_a_rerun_with_a_larger_budget(tmp_path):
-    """The design is fixed before any variant item: a re-run with a larger budget continues the
-    same spending function over the later looks (design.json unchanged), so each side's error
-    over all the looks stays at alpha; a budget that affords every look fits nothing."""
-    data, plans = one_slice(400, 100)
-    fns = {"bf16": reference_score, "v": flips(0.08)}  # equivalent, with 16% disagreement: open at 100
-    first = run_budget(tmp_path, budget_config(tmp_path, ["v"], 5, 0.5, fit=0.5), data, plans, fns,
-                       per_item=0.6)
-    q = tmp_path / "run/quality"
-    name = Q.fitted("obf", 0.25, 0.5)
-    assert first["variants"]["v"]["slices"]["s"]["stopped_on"] == "budget"
-    saved = (q / "design.json").read_text()
-    more = run_budget(tmp_path, budget_config(tmp_path, ["v"], 60, 0.5, fit=0.5), data,
-                      {s: {k: v for k, v in p.items() if k != "spending"} for s, p in plans.items()}, fns,
-                      per_item=0.6)
-    assert (q / "design.json").read_text() == saved
-    assert json.loads((q / "meta.json").read_text())["design"]["kept"] is True
-    cell = more["variants"]["v"]["slices"]["s"]
-    assert cell["spending"] == name and cell["items_spent"] > 100 and cell["stopped_on"] != "budget"
-    lv = levels((100, 200, 300, 400), 400, 0.025, name)
-    assert [lk["alpha_lower"] for lk in cell["looks"]] == pytest.approx(list(lv[:len(cell["looks"])]))
-    # A budget that affords every look: the base spending, fitted nothing.
-    (tmp_path / "wide").mkdir()
-    wide = run_budget(tmp_path / "wide", budget_config(tmp_path / "wide", ["v"], 60, 0.5, fit=0.5), data,
-                      {s: {k: v for k, v in p.items() if k != "spending"} for s, p in plans.items()}, fns,
-                      per_item=0.6)
-    design = json.loads((tmp_path / "wide/run/quality/design.json").read_text())
-    assert design["fitted"] is False and design["spending"] == {"s": "obf"} and "affords every look" in design["why"]
-    assert wide["spending_fitted"] == {}
-
-
 def test_a_slices_own_wave_items_keeps_its_scored_items(tmp_path):
     """quality.per_slice.<name>.wave_items changes when a slice's looks fall, never what an item
     scores: like quality.wave_items it is out of what the lines were scored with (item_inputs), so a
@@ -518,11 +434,9 @@ def test_a_variant_near_a_decision_may_take_what_it_needs_up_to_half_the_time_le
 
 
 def test_a_variants_prior_pace_is_its_timed_forward_over_the_references(tmp_path):
-    """pace_priors reads the quantize stage's timed forwards; a variant without one has no prior
-    (the fit then takes VARIANT_PACE for it); model_cost prices a variant that has not scored at
-    the reference's pace times its prior, and at its own pace once it has."""
-    from pipeline.quality.design import pace_priors
-
+    """pace_priors reads the quantize stage's timed forwards; a variant without one has no prior;
+    model_cost prices a variant that has not scored at the reference's pace times its prior (at
+    the reference's pace without one), and at its own pace once it has."""
     metas = {"bf16": {"forward_seconds": {"tokens": 512, "seconds": 0.25}},
              "w4": {"forward_seconds": {"tokens": 512, "seconds": 0.31}},
              "nf4": {"forward_seconds": {"tokens": 512, "seconds": 0.86}}, "old": {}}

@@ -29,10 +29,7 @@ def test_boundaries_match_published_values(k):
     assert np.allclose(got, PUBLISHED[k], atol=1.5e-3), (k, got)
 
 
-FITTED = Q.fitted("obf", 0.25, 0.5)  # half of alpha by t = 1/4 (a budget that affords the first of four looks)
-
-
-@pytest.mark.parametrize("spending", sorted(Q.SPENDING) + [FITTED])
+@pytest.mark.parametrize("spending", sorted(Q.SPENDING))
 def test_boundaries_spend_what_the_function_says_by_simulation(spending):
     """Brownian motion at the looks (independent increments): the share crossing at or before
     look k equals the spending function at t_k (3 MC SE), for equal and unequal spacing."""
@@ -50,9 +47,6 @@ def test_boundaries_spend_what_the_function_says_by_simulation(spending):
     levels = Q.nominal_levels([100, 200, 300, 400], 400, ALPHA, spending)
     if spending == "obf":
         assert levels[0] < 1e-4 and levels[-1] < ALPHA and levels[-1] > 0.02
-    elif spending == FITTED:  # the first of four looks at exactly half of alpha; O'Brien-Fleming after it
-        assert levels[0] == pytest.approx(ALPHA / 2, rel=1e-9)
-        assert levels[1] < levels[0] / 10 and ALPHA / 4 < levels[-1] < ALPHA
     else:  # about even: every look between alpha / K and alpha / 2
         assert all(ALPHA / 4 < a < ALPHA / 2 for a in levels), levels
 
@@ -69,30 +63,6 @@ def test_pocock_type_spending_by_hand():
         ALPHA * np.log1p((np.e - 1) / 6), rel=1e-9)
     with pytest.raises(ValueError, match="unknown spending"):
         Q.boundaries([0.5, 1.0], ALPHA, "haybittle")
-
-
-def test_fitted_spending_by_hand():
-    """fit(base, t_fit, share): share x base(t / t_fit) up to t_fit, then share x alpha + (1 - share) x
-    base((t - t_fit) / (1 - t_fit)): 0 at 0, share x alpha at t_fit, alpha at 1, nondecreasing; its
-    name round-trips through spending_function; bad parameters are refused."""
-    fn = Q.spending_function(Q.fitted("obf", 1 / 6, 0.5))
-    t = np.linspace(0.0, 1.0, 601)
-    a = fn(t, ALPHA)
-    assert a[0] == 0.0 and a[-1] == pytest.approx(ALPHA, rel=1e-12) and np.all(np.diff(a) >= -1e-15)
-    assert fn(1 / 6, ALPHA) == pytest.approx(ALPHA / 2, rel=1e-4)  # t_fit is named to 10 digits
-    assert fn(1 / 12, ALPHA) == pytest.approx(0.5 * Q.obf_spending(0.5, ALPHA), rel=1e-4)
-    assert fn(7 / 12, ALPHA) == pytest.approx(ALPHA / 2 + 0.5 * Q.obf_spending(0.5, ALPHA), rel=1e-4)
-    pocock = Q.spending_function(Q.fitted("pocock", 0.5, 0.75))
-    assert pocock(0.5, ALPHA) == pytest.approx(0.75 * ALPHA) and pocock(1.0, ALPHA) == pytest.approx(ALPHA)
-    # The default config's six looks with a budget for the first: 0.0125 there, against 4e-08.
-    levels = Q.nominal_levels([40, 80, 120, 160, 200, 240], 240, ALPHA, Q.fitted("obf", 40 / 240, 0.5))
-    assert levels[0] == pytest.approx(ALPHA / 2, rel=1e-9)
-    assert Q.nominal_levels([40, 80, 120, 160, 200, 240], 240, ALPHA)[0] < 1e-7
-    for bad in (("obf", 0.0, 0.5), ("obf", 1.0, 0.5), ("obf", 0.5, 0.0), ("haybittle", 0.5, 0.5)):
-        with pytest.raises(ValueError):
-            Q.fitted(*bad)
-    with pytest.raises(ValueError, match="bad fitted spending"):
-        Q.spending_function("fit(obf,1.5,0.5)")
 
 
 def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int], codes=None,
@@ -120,9 +90,7 @@ def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int
 
 @pytest.mark.parametrize("looks,spending", [([200, 400], "obf"), ([100, 200, 300, 400], "obf"),
                                             ([80, 160, 240, 320, 400, 480, 560, 640], "obf"),
-                                            ([40, 80, 120, 160, 200, 240], "pocock"),
-                                            ([40, 80, 120, 160, 200, 240], Q.fitted("obf", 40 / 240, 0.5)),
-                                            ([40, 80, 120, 160, 200, 240], Q.fitted("obf", 80 / 240, 0.5))])
+                                            ([40, 80, 120, 160, 200, 240], "pocock")])
 def test_sequential_gate_holds_both_errors_at_the_margin(looks, spending):
     rng = np.random.default_rng(len(looks))
     sims = 8000
@@ -207,7 +175,7 @@ def aimed_gate(rng, sims: int, cells: list[tuple[float, float]], looks: list[int
     return status, decision
 
 
-@pytest.mark.parametrize("spending,budget", [("obf", None), (Q.fitted("obf", 40 / 240, 0.5), 6)])
+@pytest.mark.parametrize("spending,budget", [("obf", None)])
 def test_aimed_looks_keep_the_variants_errors_at_their_levels(spending, budget):
     """A false no-go (every cell exactly at -margin) and a false go (one cell at -margin, the
     others equivalent) under the aimed order of looks, by simulation (3000 runs a case): each at

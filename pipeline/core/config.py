@@ -21,6 +21,12 @@ from pipeline.core.serve_config import ServingConfig, VllmEngineConfig
 from pipeline.core.section import Section
 
 
+# Keys the schema once had and no longer has: "section.key" -> why it went.
+DEPRECATED_KEYS = {
+    "gate.budget_alpha_share": "budget-fitted alpha spending was removed; the looks use gate.spending as written",
+}
+
+
 class ConfigError(Exception):
     """A config that cannot be used; the message is one line meant for the user."""
 
@@ -360,14 +366,6 @@ class GateConfig(Section):
     # "pocock" (Pocock type: about evenly, so a clear regression or an identical model stops at an
     # earlier look; a row near the margin needs more). docs/methods/gate.md: "Pocock-type spending".
     spending: Literal["obf", "pocock"] = "obf"
-    # With a time budget (`budget.minutes`), the share of each side's alpha that a slice's looks
-    # spend by the last look the quality stage predicts its budget affords (the rest in the same
-    # shape over the later looks). Fitted once, after the reference's first look and before any
-    # variant is scored, from the measured seconds per item, and kept in quality/design.json so a
-    # re-run (a larger budget) continues the same design. Without it a budget that affords only
-    # the first looks spends almost none of O'Brien-Fleming's alpha there: nothing settles.
-    # null: the looks spend as `spending` says, whatever the budget (docs/methods/gate.md: "Looks fitted to the budget").
-    budget_alpha_share: float | None = 0.5
     # A variant is go only if all its cells pass (intersection-union), so the pass side is not
     # adjusted within a variant. Set true when the release picks whichever release variant passes:
     # the pass side is then adjusted across the release variants (never the release: false ones).
@@ -394,13 +392,6 @@ class GateConfig(Section):
     min_clusters: int = 10
     # No longer used, kept so configs that set it still load: ECE is reported, not bootstrapped.
     bootstrap_resamples: int = 2000
-
-    @field_validator("budget_alpha_share")
-    @classmethod
-    def _budget_alpha_share(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 < v <= 1.0:
-            raise ValueError("budget_alpha_share must be in (0, 1], or null")
-        return v
 
 
 class ReportConfig(Section):

@@ -206,7 +206,7 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: d
                 rows[f"{s}/{g}"][k] = est
     for key in rows:
         margins[key] = _margin(gcfg, key, s)
-    # The slice's spending, resolved once: fitted to the quality stage's budget, else gate.spending.
+    # The slice's spending, resolved once: as the quality stage recorded it, else gate.spending.
     return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done,
                                            "spending": (sched or {}).get("spending") or gcfg.spending}
 
@@ -395,10 +395,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
         "spending": gcfg.spending,
-        # Slices whose looks spend alpha as the quality stage fitted it to its time budget
-        # (quality/design.json; pipeline/quality/sequential.py: fit_design), else gcfg.spending.
-        "spending_fitted": {s: v["spending"] for s, v in scheds.items()
-                            if v.get("spending") not in (None, gcfg.spending)},
         "select_among_variants": gcfg.select_among_variants,
         # The largest family any bound is adjusted over (kept from the single-family gate).
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),

@@ -22,8 +22,8 @@ from pipeline.stats.sequential import spending_function
 
 def schedules(quality: Path) -> dict[str, dict]:
     """slice -> {"looks": planned look sizes, "n_max": the slice's maximum, and "spending" where the
-    stage fitted one to its budget} from quality/meta.json's `sequential` (written by the quality
-    stage); {} for results without it (one look at the n scored: the fixed-n gate)."""
+    stage recorded the one its looks stopped on} from quality/meta.json's `sequential` (written by
+    the quality stage); {} for results without it (one look at the n scored: the fixed-n gate)."""
     meta_path = quality / "meta.json"
     if not meta_path.is_file():
         return {}
@@ -35,7 +35,7 @@ def schedules(quality: Path) -> dict[str, dict]:
         except (KeyError, TypeError, ValueError):
             raise StageError(f"corrupt artifact: {meta_path}: sequential.{s} needs looks and n_max") from None
         out[str(s)] = {"looks": looks, "n_max": n_max}
-        if sched.get("spending") is not None:  # a spending fitted to the stage's budget (gate/looks.py)
+        if sched.get("spending") is not None:
             try:
                 spending_function(str(sched["spending"]))
             except ValueError as e:

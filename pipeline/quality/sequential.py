@@ -4,7 +4,6 @@ which the quality stage spends its looks over the variants (score_variants).
     from pipeline.quality.sequential import Waves, score_variants
     waves = Waves(out_dir, lines, plans, named, configs, timings)
     waves.first_look(reference, ref_score)
-    fit_design(out_dir, waves, reference, variants, pending, budget, config.gate)  # pipeline/quality/design.py
     score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
 A variant is scored a look at a time on its open cells (the gate's own replay), the reference
@@ -68,7 +67,7 @@ class Waves:
         self.pace: dict[str, Pace] = {}  # model -> seconds per item per slice (kept in scoring.json)
         self.allowances: dict[str, Allowance] = {}
         # model -> its seconds per item against the reference's before it has scored one (the
-        # quantize stage's timed forward, pipeline/quality/design.py: pace_priors)
+        # quantize stage's timed forward, pipeline/quality/waves.py: pace_priors)
         self.prior: dict[str, float] = {}
 
     def open(self, item, scored_with: dict):

@@ -9,7 +9,8 @@ A slice's clusters are put once in a seeded random order (quality/data/<slice>.j
 model scores a prefix of it, so each look is a random sample that never splits a cluster. Where
 clusters have unequal sizes or outnumber n_max, one item per cluster is taken, so a big cluster
 cannot keep an identical copy from passing (docs/methods/quality-slices.md#the-order-items-are-scored-in).
-`Pace`: a model's seconds per item per slice; `Allowance`: a variant's time (docs/methods/budget.md).
+`Pace`: a model's seconds per item per slice (`pace_priors`: a variant's before it has scored);
+`Allowance`: a variant's time (docs/methods/budget.md).
 """
 from __future__ import annotations
 
@@ -119,6 +120,24 @@ class Pace:
                 "weighted": [round(self.weighted[0], 3), round(self.weighted[1], 3)],
                 "per_item_s": {s: round(r, 4) for s in sorted(set(self.weights) | set(self.solo))
                                if (r := self.per_item(s)) is not None}}
+
+
+def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
+    """variant -> its forward's seconds over the reference's, both timed by the quantize stage on
+    the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
+    that has one: its seconds per item against the reference's before it has scored one
+    (Waves.model_cost; a variant without one is priced at the reference's pace). A prefill's
+    ratio, where the first looks also decode: in the cold default run of 2026-12-03 the priors
+    were about 2x the first looks' measured ratios (a forward timed in a fresh process)."""
+    ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
+    if not ref:
+        return {}
+    out = {}
+    for name, meta in metas.items():
+        got = ((meta or {}).get("forward_seconds") or {}).get("seconds")
+        if name != reference and got:
+            out[name] = float(got) / float(ref)
+    return out
 
 
 class Allowance(budget_mod.Allowance):
