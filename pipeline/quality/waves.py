@@ -144,22 +144,14 @@ class Allowance(budget_mod.Allowance):
     """One variant's share of the quality stage's budget (a pipeline.core.budget.StageBudget):
     the stage's time left divided over the `variants_left` variants still to score (this one
     included), less `reserve_s` for its work after scoring (its distribution drift, as measured on
-    the variant before). `wants_s`: what the variant is predicted to need to settle (a cell
-    heading to fail, quality/sequential.py: aim_cost); it may take that much, up to half of
-    what the stage has left, where the even split is less. What a variant leaves unused is in the next one's `left()`; the
+    the variant before). What a variant leaves unused is in the next one's `left()`; the
     reference's items for the variant's looks are the variant's cost. Without a budget it affords
     everything. (pipeline.core.budget.Allowance, with the reserve, a look of unknown cost and the
     reason a look was not taken.)"""
 
-    def __init__(self, budget, variants_left: int, reserve_s: float = 0.0, wants_s: float | None = None):
-        seconds = None
-        if budget.active:
-            left = budget.left()
-            seconds = left / max(variants_left, 1)
-            if wants_s is not None and variants_left > 1:  # a variant near a decision: up to half
-                seconds = max(seconds, min(wants_s, left / 2))
-            seconds = max(seconds - reserve_s, 0.0)
-        super().__init__(budget, "variant", seconds)
+    def __init__(self, budget, variants_left: int, reserve_s: float = 0.0):
+        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1) - reserve_s, 0.0)
+                         if budget.active else None)
 
     def affords(self, estimate_s: float | None) -> bool:
         """Whether a look estimated at `estimate_s` fits (an unknown estimate: while time is left)."""

@@ -71,12 +71,6 @@ def headline(gate: dict) -> list[str]:
         why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the "
                 f"data, with {cells} cell(s) of {', '.join(stopped)} open; a re-run with a larger budget "
                 f"continues from the items already scored.")
-    aimed = ((gate.get("quality_budget") or {}).get("aimed") or {})
-    if aimed:
-        why += (" Under the time budget, " + "; ".join(
-            f"{n}'s next {len(s)} look(s) went to {', '.join(dict.fromkeys(s))} alone"
-            for n, s in aimed.items()) + ": a cell heading to fail, the one nearest a decision for its "
-            "seconds (its other open slices waited).")
     return [f"# specq gate: {decision.upper()}", "", why]
 
 
