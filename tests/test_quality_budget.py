@@ -18,10 +18,8 @@ from pipeline.core.budget import StageBudget
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
-from pipeline.stats import sequential as Q
-from pipeline.quality.design import VARIANT_PACE, fit_design
 from pipeline.quality.sequential import Waves, score_in_waves, score_variants
-from pipeline.quality.waves import Allowance, Pace
+from pipeline.quality.waves import Allowance, Pace, pace_priors
 from pipeline.report.gate_table import render_table
 from pipeline.stages.quality import _budget_stopped, item_inputs
 from tests.test_sequential_gate import (_config, damaged, flips, identical, independent_slice, reference_score,
@@ -47,26 +45,19 @@ def timed(score, clock: Clock, per_item: float | dict):
     return run
 
 
-def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, quality_share: float = 0.5,
-                  fit: float | None = None):
-    """`fit`: gate.budget_alpha_share (None here: the looks spend as gate.spending says, the tests
-    of the budget's stops; the fitted design has tests of its own)."""
+def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, quality_share: float = 0.5):
     budget = ("budget: {minutes: null}\n" if minutes is None else
               f"budget: {{minutes: {minutes}, shares: {{quality: {quality_share}}}}}\n")
-    gate = f"gate: {{budget_alpha_share: {'null' if fit is None else fit}}}\n"
-    cfg = _config(tmp_path, variants, budget + gate)
-    return cfg
+    return _config(tmp_path, variants, budget)
 
 
 def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: dict, per_item=1.0,
-               calls: dict | None = None, clock: Clock | None = None, one_pass: bool = False,
-               aim: bool = True) -> dict:
+               calls: dict | None = None, clock: Clock | None = None, one_pass: bool = False) -> dict:
     """What the quality stage does (pipeline/stages/quality.py: run), with fake scorers: items
     opened with the stage's own inputs (item_inputs), the reference's first look, the variants'
     looks (score_variants), the variants' meta, quality/meta.json's `sequential` and `budget`;
     then the gate stage's decision. `one_pass`: each variant whole in turn with 1/n of the time
-    left (score_in_waves per variant: the stage's loop before the two passes), for comparison.
-    `aim=False`: budgeted looks take every open slice (the loop before aimed_look)."""
+    left (score_in_waves per variant: the stage's loop before the two passes), for comparison."""
     run = tmp_path / "run"
     out = run / "quality"
     clock = clock or Clock()
@@ -94,29 +85,22 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
     pending = [n for n in fns if n != "bf16" and not items[n].fresh]
     ref_score = timed(scorer(fns["bf16"], calls.setdefault("bf16", [])), clock, per_item)
     waves.first_look("bf16", ref_score)
-    design = fit_design(out, waves, "bf16", [n for n in fns if n != "bf16"], pending, budget, cfg.gate)
 
     def finish(name: str) -> None:
         items[name].input_hash = ctx.item(name, inputs_of[name](waves.stopped(name))).input_hash
         waves.finish(name, "fake")
     def score_of(name: str):
         return timed(scorer(fns[name], calls.setdefault(name, [])), clock, per_item)
-    if not aim:
-        monkey = pytest.MonkeyPatch()
-        monkey.setattr("pipeline.quality.sequential.aimed_look", lambda waves, ref, name, rows, need: (need, None))
     if one_pass:
         for i, name in enumerate(pending):
             score_in_waves(waves, "bf16", name, ref_score, score_of(name), cfg, Allowance(budget, len(pending) - i))
             finish(name)
     else:
         score_variants(waves, "bf16", pending, ref_score, score_of, cfg, budget, finish=finish)
-    if not aim:
-        monkey.undo()
     if not items["bf16"].fresh or waves.grew("bf16"):
         waves.finish("bf16", "fake")
     records = {n: json.loads((out / n / "meta.json").read_text()).get("budget") for n in fns if n != "bf16"}
     (out / "meta.json").write_text(json.dumps({"slices": list(data), "tasks": [], "sequential": plans,
-                                               "design": design,
                                                "budget": {**budget.to_json(), "variants": records}}))
     return build_gate(run, cfg)
 
@@ -369,81 +353,6 @@ def test_the_stage_on_a_tiny_budget_stops_after_the_first_look_and_a_rerun_witho
     assert json.loads((q / "noisy" / "meta.json").read_text())["budget"]["stopped"] is False
 
 
-# ---------------------------------------------------------------- looks fitted to the budget
-
-
-def test_a_budget_for_the_first_look_fits_the_spending_and_settles_there(tmp_path):
-    """gate.budget_alpha_share 0.5: the budget is predicted to afford v's first look only, so the
-    slice's spending is fitted to spend half of each side's alpha by it (quality/design.json, the
-    meta's `sequential`, the gate's cell), and a variant with 18% of the reference's items turned
-    wrong fails at its first look, and one with 3% flipped each way passes there. The same run with
-    the O'Brien-Fleming looks alone tests that look at 1e-5 and leaves the damaged variant open on
-    the budget."""
-    data, plans = one_slice(400, 100)
-    fns = {"bf16": reference_score, "v": damaged(0.3)}
-    # 0.5 x 5 minutes = 150 s at 0.6 s an item: the reference's first look 60 s; then 90 s left,
-    # v's first look predicted at VARIANT_PACE (1.3) x 60 = 78 s (fits), its second at 60 + 1.3 x
-    # 120 = 216 s.
-    (tmp_path / "fit").mkdir()
-    (tmp_path / "obf").mkdir()
-    g = run_budget(tmp_path / "fit", budget_config(tmp_path / "fit", ["v"], 5, 0.5, fit=0.5), data, plans, fns,
-                   per_item=0.6)
-    q = tmp_path / "fit/run/quality"
-    design = json.loads((q / "design.json").read_text())
-    name = Q.fitted("obf", 100 / 400, 0.5)
-    assert design["fitted"] is True and design["look_index"] == 0 and design["spending"] == {"s": name}
-    assert design["left_s"] == pytest.approx(90.0) and design["predicted_s"] == pytest.approx(VARIANT_PACE * 60.0)
-    assert "afford look 1 of 4" in design["why"]
-    assert json.loads((q / "meta.json").read_text())["sequential"]["s"]["spending"] == name
-    cell = g["variants"]["v"]["slices"]["s"]
-    assert cell["status"] == "fail" and cell["items_spent"] == 100 and cell["spending"] == name
-    assert cell["looks"][0]["alpha_upper"] == pytest.approx(0.025 / 2, rel=1e-6)
-    assert g["variants"]["v"]["decision"] == "no-go" and g["spending_fitted"] == {"s": name}
-    assert "spend alpha as fitted to the time budget" in render_table(g)
-    plain = run_budget(tmp_path / "obf", budget_config(tmp_path / "obf", ["v"], 5, 0.5), data,
-                       {s: dict(p) for s, p in plans.items()}, fns, per_item=0.6)
-    cell = plain["variants"]["v"]["slices"]["s"]
-    assert cell["status"] == "inconclusive" and cell["stopped_on"] == "budget" and cell["spending"] == "obf"
-    assert cell["looks"][0]["alpha_upper"] < 1e-4 and plain["spending_fitted"] == {}
-    # An equivalent variant (3% of items flipped each way) passes at that first look when fitted.
-    (tmp_path / "close").mkdir()
-    close = run_budget(tmp_path / "close", budget_config(tmp_path / "close", ["v"], 5, 0.5, fit=0.5), data,
-                       {s: dict(p) for s, p in plans.items()}, {"bf16": reference_score, "v": flips(0.03)},
-                       per_item=0.6)
-    assert close["variants"]["v"]["decision"] == "go" and close["variants"]["v"]["slices"]["s"]["items_spent"] == 100
-
-
-def test_a_fitted_design_is_kept_by_a_rerun_with_a_larger_budget(tmp_path):
-    """The design is fixed before any variant item: a re-run with a larger budget continues the
-    same spending function over the later looks (design.json unchanged), so each side's error
-    over all the looks stays at alpha; a budget that affords every look fits nothing."""
-    data, plans = one_slice(400, 100)
-    fns = {"bf16": reference_score, "v": flips(0.08)}  # equivalent, with 16% disagreement: open at 100
-    first = run_budget(tmp_path, budget_config(tmp_path, ["v"], 5, 0.5, fit=0.5), data, plans, fns,
-                       per_item=0.6)
-    q = tmp_path / "run/quality"
-    name = Q.fitted("obf", 0.25, 0.5)
-    assert first["variants"]["v"]["slices"]["s"]["stopped_on"] == "budget"
-    saved = (q / "design.json").read_text()
-    more = run_budget(tmp_path, budget_config(tmp_path, ["v"], 60, 0.5, fit=0.5), data,
-                      {s: {k: v for k, v in p.items() if k != "spending"} for s, p in plans.items()}, fns,
-                      per_item=0.6)
-    assert (q / "design.json").read_text() == saved
-    assert json.loads((q / "meta.json").read_text())["design"]["kept"] is True
-    cell = more["variants"]["v"]["slices"]["s"]
-    assert cell["spending"] == name and cell["items_spent"] > 100 and cell["stopped_on"] != "budget"
-    lv = levels((100, 200, 300, 400), 400, 0.025, name)
-    assert [lk["alpha_lower"] for lk in cell["looks"]] == pytest.approx(list(lv[:len(cell["looks"])]))
-    # A budget that affords every look: the base spending, fitted nothing.
-    (tmp_path / "wide").mkdir()
-    wide = run_budget(tmp_path / "wide", budget_config(tmp_path / "wide", ["v"], 60, 0.5, fit=0.5), data,
-                      {s: {k: v for k, v in p.items() if k != "spending"} for s, p in plans.items()}, fns,
-                      per_item=0.6)
-    design = json.loads((tmp_path / "wide/run/quality/design.json").read_text())
-    assert design["fitted"] is False and design["spending"] == {"s": "obf"} and "affords every look" in design["why"]
-    assert wide["spending_fitted"] == {}
-
-
 def test_a_slices_own_wave_items_keeps_its_scored_items(tmp_path):
     """quality.per_slice.<name>.wave_items changes when a slice's looks fall, never what an item
     scores: like quality.wave_items it is out of what the lines were scored with (item_inputs), so a
@@ -464,11 +373,11 @@ def test_a_slices_own_wave_items_keeps_its_scored_items(tmp_path):
     assert scored_with("{reasoning: {max_new_tokens: 8}}") != base
 
 
-def test_a_budgeted_look_is_aimed_at_the_cheapest_cell_heading_to_fail(tmp_path):
+def test_a_budgeted_look_takes_every_open_slice_and_stops_open_when_they_do_not_fit(tmp_path):
     """Slice a is cheap and damaged (its difference heads to fail from the first look); b is
-    dear and equivalent. After the first looks the budget holds a's later looks but not one of
-    b's: aimed at a, the variant fails there (no-go) and b keeps its first look; every open
-    slice's look together would not fit and stop the variant open (the loop before)."""
+    dear and equivalent. After the first looks the budget holds a's next look but not b's: a
+    budgeted look takes every open slice's next look together, so it does not fit and the variant
+    stops open on the budget at its first looks, a's and b's alike."""
     data = {"a": independent_slice("a", 400), "b": independent_slice("b", 400)}
     plans = {s: {"looks": plan(400, 100), "n_max": 400} for s in data}
 
@@ -476,53 +385,35 @@ def test_a_budgeted_look_is_aimed_at_the_cheapest_cell_heading_to_fail(tmp_path)
         return damaged(0.25)(s, i) if s == "a" else flips(0.02)(s, i)
     fns = {"bf16": reference_score, "v": mixed}
     per_item = {"a": 0.1, "b": 1.0}
-    # The first looks take 2 x (10 + 100) = 220 s of the 0.5 x 10 min = 300 s; a's later looks
-    # 20 s each (the reference's and the variant's), b's 200 s.
+    # The first looks take 2 x (10 + 100) = 220 s of the 0.5 x 10 min = 300 s; the next look
+    # (a's 20 s and b's 200 s, the reference's items and the variant's) needs 220 s.
     calls: dict = {}
     g = run_budget(tmp_path, budget_config(tmp_path, ["v"], 10, 0.5), data, plans, fns, per_item=per_item,
                    calls=calls)
     v = g["variants"]["v"]
-    assert v["slices"]["a"]["status"] == "fail" and v["decision"] == "no-go"
-    a_items = v["slices"]["a"]["items_spent"]
-    assert 100 < a_items <= 400
-    assert v["slices"]["b"]["items_spent"] == 100 and v["slices"]["b"]["stopped_on"] == "verdict"
-    assert not [i for i in scored_ids(calls["v"]) if i.startswith("b-") and int(i[2:]) >= 100]
+    assert v["decision"] == "inconclusive" and v["stopped_on_budget"] == ["a", "b"]
+    for s in ("a", "b"):
+        assert v["slices"][s]["items_spent"] == 100 and v["slices"][s]["stopped_on"] == "budget"
+    assert v["slices"]["a"]["stop_reason"] == "budget: 80 s left, the next look needs ~3.7 min"
+    assert len(scored_ids(calls["v"])) == 200
     rec = json.loads((tmp_path / "run/quality/v/meta.json").read_text())["budget"]
-    assert len(rec["aimed_looks"]) == a_items // 100 - 1
-    assert all(list(x["look"]) == ["a"] and x["why"].startswith("a heads to fail") for x in rec["aimed_looks"])
-    assert "the other open slices (b) wait" in rec["aimed_looks"][0]["why"]
-    assert g["quality_budget"]["aimed"] == {"v": ["a"] * len(rec["aimed_looks"])}
-    assert f"v's next {len(rec['aimed_looks'])} look(s) went to a alone" in render_table(g)
-    # The same cell, fixed-n, at the items the aimed looks reached: a fail there too (the replay
-    # did not need more), while the unaimed loop stops open on the budget at the first looks.
-    (tmp_path / "one").mkdir()
-    old = run_budget(tmp_path / "one", budget_config(tmp_path / "one", ["v"], 10, 0.5), data, plans, fns,
-                     per_item=per_item, one_pass=True, aim=False)
-    assert old["variants"]["v"]["decision"] == "inconclusive"
-    assert old["variants"]["v"]["slices"]["a"]["items_spent"] == 100
-    assert old["variants"]["v"]["slices"]["a"]["stopped_on"] == "budget"
+    assert rec["stopped"] is True and set(rec["slices"]) == {"a", "b"}
+    assert "aimed_looks" not in rec and "aimed" not in g["quality_budget"]
 
 
-def test_a_variant_near_a_decision_may_take_what_it_needs_up_to_half_the_time_left(tmp_path):
-    """The second pass's allowance: the even split, or (wants_s: a cell heading to fail is
-    predicted to settle in that many seconds) as much as it needs, up to half of what is left;
-    the last variant takes everything left either way."""
-    clock = Clock()
-    budget = StageBudget(budget_config(tmp_path, ["v"], 10, 0.5), "quality", clock=clock)  # 300 s
+def test_the_second_pass_splits_the_time_left_evenly(tmp_path):
+    """The second pass's allowance: the time left over the open variants still to score, less
+    the reserve; the last variant takes everything left."""
+    budget = StageBudget(budget_config(tmp_path, ["v"], 10, 0.5), "quality", clock=Clock())  # 300 s
     assert Allowance(budget, 4).seconds == pytest.approx(75.0)
-    assert Allowance(budget, 4, wants_s=120.0).seconds == pytest.approx(120.0)
-    assert Allowance(budget, 4, wants_s=400.0).seconds == pytest.approx(150.0)
-    assert Allowance(budget, 4, wants_s=30.0).seconds == pytest.approx(75.0)
-    assert Allowance(budget, 1, wants_s=30.0).seconds == pytest.approx(300.0)
-    assert Allowance(budget, 4, reserve_s=10.0, wants_s=120.0).seconds == pytest.approx(110.0)
+    assert Allowance(budget, 4, reserve_s=10.0).seconds == pytest.approx(65.0)
+    assert Allowance(budget, 1).seconds == pytest.approx(300.0)
 
 
 def test_a_variants_prior_pace_is_its_timed_forward_over_the_references(tmp_path):
-    """pace_priors reads the quantize stage's timed forwards; a variant without one has no prior
-    (the fit then takes VARIANT_PACE for it); model_cost prices a variant that has not scored at
-    the reference's pace times its prior, and at its own pace once it has."""
-    from pipeline.quality.design import pace_priors
-
+    """pace_priors reads the quantize stage's timed forwards; a variant without one has no prior;
+    model_cost prices a variant that has not scored at the reference's pace times its prior (at
+    the reference's pace without one), and at its own pace once it has."""
     metas = {"bf16": {"forward_seconds": {"tokens": 512, "seconds": 0.25}},
              "w4": {"forward_seconds": {"tokens": 512, "seconds": 0.31}},
              "nf4": {"forward_seconds": {"tokens": 512, "seconds": 0.86}}, "old": {}}

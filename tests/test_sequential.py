@@ -29,10 +29,7 @@ def test_boundaries_match_published_values(k):
     assert np.allclose(got, PUBLISHED[k], atol=1.5e-3), (k, got)
 
 
-FITTED = Q.fitted("obf", 0.25, 0.5)  # half of alpha by t = 1/4 (a budget that affords the first of four looks)
-
-
-@pytest.mark.parametrize("spending", sorted(Q.SPENDING) + [FITTED])
+@pytest.mark.parametrize("spending", sorted(Q.SPENDING))
 def test_boundaries_spend_what_the_function_says_by_simulation(spending):
     """Brownian motion at the looks (independent increments): the share crossing at or before
     look k equals the spending function at t_k (3 MC SE), for equal and unequal spacing."""
@@ -50,9 +47,6 @@ def test_boundaries_spend_what_the_function_says_by_simulation(spending):
     levels = Q.nominal_levels([100, 200, 300, 400], 400, ALPHA, spending)
     if spending == "obf":
         assert levels[0] < 1e-4 and levels[-1] < ALPHA and levels[-1] > 0.02
-    elif spending == FITTED:  # the first of four looks at exactly half of alpha; O'Brien-Fleming after it
-        assert levels[0] == pytest.approx(ALPHA / 2, rel=1e-9)
-        assert levels[1] < levels[0] / 10 and ALPHA / 4 < levels[-1] < ALPHA
     else:  # about even: every look between alpha / K and alpha / 2
         assert all(ALPHA / 4 < a < ALPHA / 2 for a in levels), levels
 
@@ -69,30 +63,6 @@ def test_pocock_type_spending_by_hand():
         ALPHA * np.log1p((np.e - 1) / 6), rel=1e-9)
     with pytest.raises(ValueError, match="unknown spending"):
         Q.boundaries([0.5, 1.0], ALPHA, "haybittle")
-
-
-def test_fitted_spending_by_hand():
-    """fit(base, t_fit, share): share x base(t / t_fit) up to t_fit, then share x alpha + (1 - share) x
-    base((t - t_fit) / (1 - t_fit)): 0 at 0, share x alpha at t_fit, alpha at 1, nondecreasing; its
-    name round-trips through spending_function; bad parameters are refused."""
-    fn = Q.spending_function(Q.fitted("obf", 1 / 6, 0.5))
-    t = np.linspace(0.0, 1.0, 601)
-    a = fn(t, ALPHA)
-    assert a[0] == 0.0 and a[-1] == pytest.approx(ALPHA, rel=1e-12) and np.all(np.diff(a) >= -1e-15)
-    assert fn(1 / 6, ALPHA) == pytest.approx(ALPHA / 2, rel=1e-4)  # t_fit is named to 10 digits
-    assert fn(1 / 12, ALPHA) == pytest.approx(0.5 * Q.obf_spending(0.5, ALPHA), rel=1e-4)
-    assert fn(7 / 12, ALPHA) == pytest.approx(ALPHA / 2 + 0.5 * Q.obf_spending(0.5, ALPHA), rel=1e-4)
-    pocock = Q.spending_function(Q.fitted("pocock", 0.5, 0.75))
-    assert pocock(0.5, ALPHA) == pytest.approx(0.75 * ALPHA) and pocock(1.0, ALPHA) == pytest.approx(ALPHA)
-    # The default config's six looks with a budget for the first: 0.0125 there, against 4e-08.
-    levels = Q.nominal_levels([40, 80, 120, 160, 200, 240], 240, ALPHA, Q.fitted("obf", 40 / 240, 0.5))
-    assert levels[0] == pytest.approx(ALPHA / 2, rel=1e-9)
-    assert Q.nominal_levels([40, 80, 120, 160, 200, 240], 240, ALPHA)[0] < 1e-7
-    for bad in (("obf", 0.0, 0.5), ("obf", 1.0, 0.5), ("obf", 0.5, 0.0), ("haybittle", 0.5, 0.5)):
-        with pytest.raises(ValueError):
-            Q.fitted(*bad)
-    with pytest.raises(ValueError, match="bad fitted spending"):
-        Q.spending_function("fit(obf,1.5,0.5)")
 
 
 def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int], codes=None,
@@ -120,9 +90,7 @@ def sequential_gate(rng, sims: int, worse: float, better: float, looks: list[int
 
 @pytest.mark.parametrize("looks,spending", [([200, 400], "obf"), ([100, 200, 300, 400], "obf"),
                                             ([80, 160, 240, 320, 400, 480, 560, 640], "obf"),
-                                            ([40, 80, 120, 160, 200, 240], "pocock"),
-                                            ([40, 80, 120, 160, 200, 240], Q.fitted("obf", 40 / 240, 0.5)),
-                                            ([40, 80, 120, 160, 200, 240], Q.fitted("obf", 80 / 240, 0.5))])
+                                            ([40, 80, 120, 160, 200, 240], "pocock")])
 def test_sequential_gate_holds_both_errors_at_the_margin(looks, spending):
     rng = np.random.default_rng(len(looks))
     sims = 8000
@@ -149,88 +117,3 @@ def test_items_spent_table():
             assert np.all(status == "pass") and spent.max() <= 300  # OBF spends little early
         if label == "clear fail":
             assert np.mean(status == "fail") > 0.95 and spent.mean() < 500  # 408 measured
-
-
-def aimed_gate(rng, sims: int, cells: list[tuple[float, float]], looks: list[int], spending: str,
-               aim: bool = True, budget: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """One variant's cells (each (worse, better) on independent items) under the budgeted stage's
-    order of looks (pipeline/quality/sequential.py: aimed_look): after each look, while an open
-    cell's difference is below -margin only the most negative such cell gets its next look,
-    otherwise every open cell; a failed cell stops the variant. `aim=False`: every open cell
-    each time (the exhaustive loop). `budget`: the cell looks (one cell's next look each) a
-    simulation may take after the first looks; a step that needs more than are left is not taken
-    (the stage's allowance). Returns (status per cell and simulation, variant decision)."""
-    n_max, m = looks[-1], len(cells)
-    lp = Q.nominal_levels(looks, n_max, ALPHA, spending)
-    lf = Q.nominal_levels(looks, n_max, ALPHA / m, spending)  # the fail side at alpha / m
-    better, worse = [], []
-    for w, b in cells:
-        u = rng.random((sims, n_max))
-        better.append(np.cumsum(u >= 1 - b, 1))
-        worse.append(np.cumsum(u < w, 1))
-    k = np.zeros((m, sims), dtype=int)
-    status = np.full((m, sims), "open", dtype=object)
-    every = np.arange(sims)
-    left = np.full(sims, np.inf if budget is None else budget)
-
-    def test(c: int, who: np.ndarray) -> None:
-        for j, n in enumerate(looks):
-            sel = who[k[c, who] == j]
-            if not sel.size:
-                continue
-            split = S.cluster_split(np.arange(n))
-            b, w = better[c][sel, n - 1], worse[c][sel, n - 1]
-            passed = S.binary_p(b, w, split, MARGIN, "pass") < lp[j]
-            failed = ~passed & (S.binary_p(b, w, split, MARGIN, "fail") < lf[j])
-            status[c, sel[passed]], status[c, sel[failed]] = "pass", "fail"
-
-    for c in range(m):
-        test(c, every)
-    for _ in range(m * len(looks)):
-        no_go = (status == "fail").any(0)
-        open_ = (status == "open") & (k < len(looks) - 1) & ~no_go[None, :]
-        if not open_.any():
-            break
-        n_now = np.asarray(looks)[k]
-        diff = np.stack([(better[c][every, n_now[c] - 1] - worse[c][every, n_now[c] - 1]) / n_now[c]
-                         for c in range(m)])
-        heading = open_ & (diff < -MARGIN)
-        choice = np.where(heading, diff, np.inf).argmin(0)
-        aimed = (np.arange(m)[:, None] == choice[None, :]) & heading.any(0)[None, :]
-        advance = np.where(heading.any(0)[None, :], aimed, open_) if aim else open_
-        advance &= (advance.sum(0) <= left)[None, :]
-        left -= advance.sum(0)
-        k[advance] += 1
-        for c in range(m):
-            test(c, every[advance[c]])
-    decision = np.where((status == "fail").any(0), "no-go", np.where((status == "pass").all(0), "go", "inconclusive"))
-    return status, decision
-
-
-@pytest.mark.parametrize("spending,budget", [("obf", None), (Q.fitted("obf", 40 / 240, 0.5), 6)])
-def test_aimed_looks_keep_the_variants_errors_at_their_levels(spending, budget):
-    """A false no-go (every cell exactly at -margin) and a false go (one cell at -margin, the
-    others equivalent) under the aimed order of looks, by simulation (3000 runs a case): each at
-    most its level + 3 MC SE. On the same items, every run the aimed order calls no-go (or go)
-    the loop over every open cell calls so too: each cell is tested only at its planned looks,
-    and the aim only changes which looks are taken. Under a budget of 6 cell looks after the
-    first, a variant with one damaged cell (10% of items worse) is found no-go more often aimed."""
-    looks, sims = [40, 80, 120, 160, 200, 240], 3000
-    limit = ALPHA + 3 * np.sqrt(ALPHA * (1 - ALPHA) / sims)
-    cases = {"no-go": [(0.06, 0.01), (0.05, 0.0), (0.10, 0.05)],
-             "go": [(0.06, 0.01), (0.02, 0.02), (0.0, 0.0)]}
-    for i, (wrong, cells) in enumerate(cases.items()):
-        aimed = aimed_gate(np.random.default_rng(20 + i), sims, cells, looks, spending, True, budget)[1]
-        every = aimed_gate(np.random.default_rng(20 + i), sims, cells, looks, spending, False, budget)[1]
-        print(f"\nfalse {wrong} ({spending}, budget {budget}): aimed {np.mean(aimed == wrong):.4f}, "
-              f"every open cell {np.mean(every == wrong):.4f}")
-        assert np.mean(aimed == wrong) <= limit and np.mean(every == wrong) <= limit
-        if budget is None:
-            assert not np.any((aimed == wrong) & (every != wrong))
-    if budget is not None:
-        cells = [(0.10, 0.0), (0.02, 0.02), (0.02, 0.02)]
-        aimed = aimed_gate(np.random.default_rng(30), sims, cells, looks, spending, True, budget)[1]
-        every = aimed_gate(np.random.default_rng(30), sims, cells, looks, spending, False, budget)[1]
-        print(f"one damaged cell: no-go aimed {np.mean(aimed == 'no-go'):.3f}, "
-              f"every open cell {np.mean(every == 'no-go'):.3f}")
-        assert np.mean(aimed == "no-go") > np.mean(every == "no-go") + 0.1

@@ -22,6 +22,8 @@ from pipeline.core.section import Section
 from pipeline.core.stage import progress
 
 
+# Keys the schema once had and no longer has: "section.key" -> why it went.
+
 class ConfigError(Exception):
     """A config that cannot be used; the message is one line meant for the user."""
 
@@ -339,14 +341,6 @@ class GateConfig(Section):
     # "pocock" (Pocock type: about evenly, so a clear regression or an identical model stops at an
     # earlier look; a row near the margin needs more). docs/methods/gate.md: "Pocock-type spending".
     spending: Literal["obf", "pocock"] = "obf"
-    # With a time budget (`budget.minutes`), the share of each side's alpha that a slice's looks
-    # spend by the last look the quality stage predicts its budget affords (the rest in the same
-    # shape over the later looks). Fitted once, after the reference's first look and before any
-    # variant is scored, from the measured seconds per item, and kept in quality/design.json so a
-    # re-run (a larger budget) continues the same design. Without it a budget that affords only
-    # the first looks spends almost none of O'Brien-Fleming's alpha there: nothing settles.
-    # null: the looks spend as `spending` says, whatever the budget (docs/methods/gate.md: "Looks fitted to the budget").
-    budget_alpha_share: float | None = 0.5
     # A variant is go only if all its cells pass (intersection-union), so the pass side is not
     # adjusted within a variant. Set true when the release picks whichever release variant passes:
     # the pass side is then adjusted across the release variants (never the release: false ones).
@@ -365,13 +359,6 @@ class GateConfig(Section):
     # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
     # report ECE (debiased; not gated).
     calibration_metrics: bool = True
-
-    @field_validator("budget_alpha_share")
-    @classmethod
-    def _budget_alpha_share(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 < v <= 1.0:
-            raise ValueError("budget_alpha_share must be in (0, 1], or null")
-        return v
 
 
 class ReportConfig(Section):
@@ -435,6 +422,15 @@ DEPRECATED = {
                                        "(pipeline/speculation/lossless.py: LOSSLESS_TEMPERATURE)",
     "quantize.calibration.batch_size": "GPTQ's calibration windows per forward pass are fixed "
                                        "(pipeline/variants/quantizers.py: CALIBRATION_BATCH)",
+    "gate.budget_alpha_share": "budget-fitted alpha spending was removed; the looks use gate.spending as written",
+    **{f"latency.{k}": "speculation under batching is measured in vLLM (the vllm stage); specq's engine "
+                       "times B = 1 only" for k in ("spec_batch_sizes", "closed_loop_batch_sizes",
+                                                  "closed_loop_waves", "closed_loop_tokens")},
+    **{f"latency.{k}": "specq's engine runs its steps eagerly; vLLM times speculation as served"
+       for k in ("compile", "compile_backend", "compile_dynamic_width")},
+    **{f"serving.{k}": "the serving simulation was removed; vLLM's open-loop check measures goodput"
+       for k in ("prompt_tokens", "output_tokens", "requests", "seeds", "rates", "rate_points", "max_load",
+                 "validation_resamples")},
 }
 
 

@@ -7,7 +7,7 @@ Each cell pairs the variant's items with the reference's by id and bounds the di
 end: pass if the lower bound is above -margin, fail if the upper bound is below it, else
 inconclusive. A variant is go when every cell passes, no-go when any fails. Item files are paired
 in pipeline/gate/items.py, the sequential looks replayed in pipeline/gate/looks.py (the quality
-stage stops with the same `open_rows`), speculation pairs judged in pipeline/gate/speculation.py.
+stage stops with the same `open_slices`), speculation pairs judged in pipeline/gate/speculation.py.
 Clusters, bounds and multiplicity: docs/methods/gate.md.
 """
 from __future__ import annotations
@@ -209,21 +209,16 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: d
                 rows[f"{s}/{g}"][k] = est
     for key in rows:
         margins[key] = _margin(gcfg, key, s)
-    # The slice's spending, resolved once: fitted to the quality stage's budget, else gate.spending.
+    # The slice's spending, resolved once: as the quality stage recorded it, else gate.spending.
     return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done,
                                            "spending": (sched or {}).get("spending") or gcfg.spending}
-
-
-def fail_alpha(m: int, alpha: float, gcfg) -> float:
-    """The fail side's alpha per row of a variant with `m` gated rows (Bonferroni: alpha / m)."""
-    return alpha / m if (gcfg.multiplicity != "none" and m) else alpha
 
 
 def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, alpha: float,
                    gcfg) -> dict[str, tuple[int, list[dict]]]:
     """Row key -> (deciding look, per-look record): every gated row of one variant, the fail side
     at alpha / m over its m rows (pipeline/gate/looks.py says why)."""
-    alpha_fail = fail_alpha(len(rows), alpha, gcfg)
+    alpha_fail = alpha / len(rows) if (gcfg.multiplicity != "none" and rows) else alpha
     out = {}
     for key, ests in rows.items():
         sched = scheds[key]
@@ -257,34 +252,24 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
     return rows, margins, row_sched, (reported, groups)
 
 
-def open_rows(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tuple[list[dict], list[str]]:
-    """(one record per row of variant `name` that no look has settled and that has a planned
+def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tuple[set[str], list[str]]:
+    """(the slices of variant `name` with a row that no look has settled and that has a planned
     look left, the row keys a look has failed): the gate's own replay, on the schedules the
-    quality stage writes to quality/meta.json. A record: the row's `slice`, its `diff` and
-    `margin` at its last look, `side` ("fail" when the difference is below -margin, where only a
-    fail can settle it; else "pass"), `n` and `items_to_settle` (at a fixed-n test on that side,
-    at SETTLE_POWER: a guide to which row is nearest a decision, never a level). Whether the next
-    look is affordable is the stage's question (its time budget), not this one's: a row it stops
-    on stays open, and the gate reports it open on the budget. One failed row makes the variant
-    no-go whatever its open rows do, which a budgeted stage uses to stop scoring it."""
+    quality stage writes to quality/meta.json. Whether the next look is affordable is the
+    stage's question (its time budget), not this one's: a slice it stops on stays open, and the
+    gate reports it open on the budget. One failed row makes the variant no-go whatever its open
+    rows do, which a budgeted stage uses to stop scoring it."""
     gcfg = cfg.gate
     alpha = (1.0 - cfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
     a_pass, chosen = pass_alpha(release, alpha, gcfg)
-    a_pass = a_pass if name in chosen else alpha
     rows, margins, row_sched, _ = variant_rows(quality, reference, name, gcfg, scheds)
-    a_fail = fail_alpha(len(rows), alpha, gcfg)
-    settled = settle_variant(rows, margins, row_sched, a_pass, alpha, gcfg)
-    out, failed = [], []
-    for key, (k, record) in settled.items():
+    settled = settle_variant(rows, margins, row_sched, a_pass if name in chosen else alpha, alpha, gcfg)
+    out, failed = set(), []
+    for key, (_, record) in settled.items():
         sched = row_sched[key]
         if record[-1]["status"] == "inconclusive" and len(sched["done"]) < len(sched["looks"]):
-            est, margin = rows[key][k], margins[key]
-            side = "fail" if est.diff < -margin else "pass"
-            out.append({"row": key, "slice": key.split(":", 1)[0].split("/", 1)[0], "diff": est.diff,
-                        "margin": margin, "side": side, "n": est.n,
-                        "items_to_settle": est.items_needed(margin, a_fail if side == "fail" else a_pass,
-                                                            SETTLE_POWER)})
+            out.add(key.split(":", 1)[0].split("/", 1)[0])
         elif record[-1]["status"] == "fail":
             failed.append(key)
     return out, failed
@@ -398,10 +383,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
         "alpha_one_sided": alpha,
         "multiplicity": gcfg.multiplicity,
         "spending": gcfg.spending,
-        # Slices whose looks spend alpha as the quality stage fitted it to its time budget
-        # (quality/design.json; pipeline/quality/sequential.py: fit_design), else gcfg.spending.
-        "spending_fitted": {s: v["spending"] for s, v in scheds.items()
-                            if v.get("spending") not in (None, gcfg.spending)},
         "select_among_variants": gcfg.select_among_variants,
         # The largest family any bound is adjusted over (kept from the single-family gate).
         "family_size": max([len(c) for c in tests.values()] + [len(chosen)]),

@@ -22,8 +22,8 @@ from pipeline.stats.sequential import spending_function
 
 def schedules(quality: Path) -> dict[str, dict]:
     """slice -> {"looks": planned look sizes, "n_max": the slice's maximum, and "spending" where the
-    stage fitted one to its budget} from quality/meta.json's `sequential` (written by the quality
-    stage); {} for results without it (one look at the n scored: the fixed-n gate)."""
+    stage recorded the one its looks stopped on} from quality/meta.json's `sequential` (written by
+    the quality stage); {} for results without it (one look at the n scored: the fixed-n gate)."""
     meta_path = quality / "meta.json"
     if not meta_path.is_file():
         return {}
@@ -35,7 +35,7 @@ def schedules(quality: Path) -> dict[str, dict]:
         except (KeyError, TypeError, ValueError):
             raise StageError(f"corrupt artifact: {meta_path}: sequential.{s} needs looks and n_max") from None
         out[str(s)] = {"looks": looks, "n_max": n_max}
-        if sched.get("spending") is not None:  # a spending fitted to the stage's budget (gate/looks.py)
+        if sched.get("spending") is not None:
             try:
                 spending_function(str(sched["spending"]))
             except ValueError as e:
@@ -57,20 +57,14 @@ def budget_stops(quality: Path) -> dict[str, dict[str, dict]]:
 
 
 def quality_budget(quality: Path) -> dict | None:
-    """The quality stage's time budget as it ran (minutes, its share, seconds, spent, skipped, and
-    `aimed`: variant -> the slices of its looks aimed at a cell heading to fail), or None when it
-    had none."""
+    """The quality stage's time budget as it ran (minutes, its share, seconds, spent, skipped), or
+    None when it had none."""
     meta_path = quality / "meta.json"
     meta = read_json(meta_path, "quality meta.json") if meta_path.is_file() else {}
     b = meta.get("budget") if isinstance(meta, dict) else None
     if not isinstance(b, dict) or b.get("seconds") is None:
         return None
-    aimed = {}  # variant -> the slices its aimed looks went to, in order (quality/sequential.py: aimed_look)
-    for v, rec in (b.get("variants") or {}).items():
-        looks = [s for x in ((rec or {}).get("aimed_looks") or []) for s in (x.get("look") or {})]
-        if looks:
-            aimed[str(v)] = looks
-    return {**{k: b.get(k) for k in ("minutes", "share", "seconds", "spent_s", "skipped")}, "aimed": aimed}
+    return {k: b.get(k) for k in ("minutes", "share", "seconds", "spent_s", "skipped")}
 
 
 def stop_fields(status: str, sched: dict, record: dict | None) -> dict:

@@ -4,35 +4,25 @@ which the quality stage spends its looks over the variants (score_variants).
     from pipeline.quality.sequential import Waves, score_variants
     waves = Waves(out_dir, lines, plans, named, configs, timings)
     waves.first_look(reference, ref_score)
-    fit_design(out_dir, waves, reference, variants, pending, budget, config.gate)  # pipeline/quality/design.py
     score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
 A variant is scored a look at a time on its open cells (the gate's own replay), the reference
 first. Without a budget each variant goes to its end in turn. With one, in two passes, so that a
 variant its first look settles leaves its time to the open ones: every variant's first look, then
-the later looks of the variants still open, each given the time left over them and aimed at a row
-heading to fail (docs/methods/budget.md, docs/methods/gate.md#aimed-looks)."""
+the later looks of the variants still open, each given the time left over them (docs/methods/budget.md)."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from pathlib import Path
 
 from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, hash_obj, progress, read_json
-from pipeline.gate.decision import open_rows
+from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
 from pipeline.quality.calibration import CALIBRATION_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
-
-# The items an aimed cell is priced for (what orders the aims and what a variant may take in the
-# second pass), as a multiple of its fixed-n items to settle, up to the slice's maximum: the
-# sequential looks test at lower levels than a fixed-n test, and a difference first seen beyond
-# -margin tends to shrink (w4a16-gptq's tool_args on the default config, 2026-12-03: -0.175 at
-# 40 items, 108 to settle at fixed n; it failed at 200, at -0.130).
-AIM_SLACK = 2.0
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
@@ -68,7 +58,7 @@ class Waves:
         self.pace: dict[str, Pace] = {}  # model -> seconds per item per slice (kept in scoring.json)
         self.allowances: dict[str, Allowance] = {}
         # model -> its seconds per item against the reference's before it has scored one (the
-        # quantize stage's timed forward, pipeline/quality/design.py: pace_priors)
+        # quantize stage's timed forward, pipeline/quality/waves.py: pace_priors)
         self.prior: dict[str, float] = {}
 
     def open(self, item, scored_with: dict):
@@ -77,7 +67,7 @@ class Waves:
         d, h = item.path, hash_obj(scored_with)
         self.items[d.name] = item
         self.hashes[d.name] = h
-        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None, "aimed": []}
+        self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None}
         state = d / "scoring.json"
         try:
             old = read_json(state, "quality scoring state") if state.is_file() else {}
@@ -121,11 +111,6 @@ class Waves:
         """Record that `name`'s next looks (`need`: slice -> items) were not taken, and why: on the
         "budget", or on the "verdict" (the variant is no-go already)."""
         self.stats[name]["stop"] = {"need": dict(need), "why": why, "kind": kind}
-
-    def aim(self, name: str, look: dict[str, int], why: str) -> None:
-        """Record (and say) that a budgeted look of `name` was narrowed to `look` (aimed_look)."""
-        self.stats[name]["aimed"].append({"look": dict(look), "why": why})
-        progress(f"quality: {name}: next look on {', '.join(f'{s} to {n}' for s, n in look.items())} only: {why}")
 
     def _save_state(self, name: str) -> None:
         atomic_write_json(self.out_dir / name / "scoring.json",
@@ -176,8 +161,7 @@ class Waves:
                 rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
             slices[s] = rec
         return {**(allowance.to_json() if allowance else {"allowance_s": None, "spent_s": None}),
-                "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices,
-                "aimed_looks": list(self.stats[name]["aimed"])}
+                "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
 
     def first_look(self, name: str, score) -> None:
         self.cover(name, score, {s: p["looks"][0] for s, p in self.plans.items()})
@@ -291,103 +275,46 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
     waves.first_look(name, score)
 
 
-def next_need(waves: Waves, reference: str, name: str, cfg,
-              budgeted: bool) -> tuple[dict[str, int], list[str], list[dict]]:
-    """(the look each open slice of `name` needs next, slice -> items; the rows a look has failed;
-    the open rows, pipeline/gate/decision.py: open_rows). Budgeted, a variant with a failed row
-    needs nothing more (its no-go is settled): the failed rows are returned so the caller can
-    record why it stopped."""
-    rows, failed = open_rows(waves.out_dir, reference, name, cfg, waves.plans)
-    need = waves.next_looks(name, {r["slice"] for r in rows})
+def next_need(waves: Waves, reference: str, name: str, cfg, budgeted: bool) -> tuple[dict[str, int], list[str]]:
+    """(the look each open slice of `name` needs next, slice -> items, pipeline/gate/decision.py:
+    open_slices; the rows a look has failed). Budgeted, a variant with a failed row needs nothing
+    more (its no-go is settled): the failed rows are returned so the caller can record why it
+    stopped."""
+    open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
+    need = waves.next_looks(name, open_)
     if budgeted and failed and need:
-        return need, failed, rows
-    return need, [], rows
-
-
-def _best_aim(waves: Waves, reference: str, name: str, rows: list[dict],
-              need: dict[str, int]) -> tuple[float, dict, int] | None:
-    """(seconds, row, items) of the row of `name` heading to fail that would settle soonest for
-    its seconds: AIM_SLACK times its items to settle at a fixed-n test (at least its next look, at
-    most the slice's maximum), priced at the variant's and the reference's measured seconds per
-    item; None when no open row heads to fail within reach (its fixed-n items to settle past the
-    slice's maximum)."""
-    best = None
-    for r in rows:
-        s, to = r["slice"], r["items_to_settle"]
-        if r["side"] != "fail" or s not in need or to is None or to > waves.plans[s]["n_max"]:
-            continue
-        want = max(min(math.ceil(AIM_SLACK * to), waves.plans[s]["n_max"]), need[s])
-        cost = waves.look_cost(reference, name, {s: want})
-        if cost is not None and (best is None or cost < best[0]):
-            best = (cost, r, want)
-    return best
-
-
-def aim_cost(waves: Waves, reference: str, name: str, cfg) -> float | None:
-    """Seconds `name`'s aimed looks are predicted to need to settle its nearest row heading to
-    fail (_best_aim), None when it has none: the order and the allowance of the second pass."""
-    need, _, rows = next_need(waves, reference, name, cfg, budgeted=True)
-    best = _best_aim(waves, reference, name, rows, need) if need else None
-    return None if best is None else best[0]
-
-
-def aimed_look(waves: Waves, reference: str, name: str, rows: list[dict],
-               need: dict[str, int]) -> tuple[dict[str, int], str | None]:
-    """Under a budget, the part of the next look (`need`: every open slice's) to take first: while
-    a row heads to fail (its difference below -margin), only one slice, the one whose row would
-    settle soonest for the seconds it costs (_best_aim). One failed row makes the variant no-go,
-    whatever its other rows do, and a variant with a row heading to fail can be go only if that
-    row turns; so its passing rows' items are spent last. With no row heading to fail (the
-    variant can be go only if every open row passes), every open slice's look, as without a
-    budget. Returns (the look to take, why it is narrowed: None when it is not).
-
-    This chooses which cells get items from their data. Each cell is still tested only at its
-    planned looks, at their planned levels: a cell given fewer looks than the exhaustive loop
-    gives it crosses a boundary on a subset of the paths where that loop's would, so each side's
-    error stays at or below its level (tests/test_sequential.py simulates it)."""
-    best = _best_aim(waves, reference, name, rows, need) if len(need) > 1 else None
-    if best is None:
-        return need, None
-    seconds, r, want = best
-    s = r["slice"]
-    return {s: need[s]}, (f"{r['row']} heads to fail (difference {r['diff']:+.3f}, margin -{r['margin']:g}); "
-                          f"priced to settle by {want} items (~{fmt_s(seconds)}): the other open slices "
-                          f"({', '.join(sorted(x for x in need if x != s))}) wait")
+        return need, failed
+    return need, []
 
 
 def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                 allowance: Allowance | None = None) -> None:
-    """A look at a time for the slices of `name` whose cells are open, the reference first
-    scoring whatever the look needs. With an active `allowance`, while a row heads to fail the
-    look is narrowed to the slice that would settle soonest (aimed_look); before each look its
-    cost is estimated (the items the variant and the reference lack for it, at each one's
-    measured seconds per item) and a look that does not fit what is left is not taken: the
-    variant stops there, its open cells stay open and its meta.json says which looks were
-    skipped and why; a variant that has a failed cell stops too (its no-go is settled). None, or
-    no budget: every look of every open cell."""
+    """A look at a time for the slices of `name` whose cells are open (each look every open
+    slice's next), the reference first scoring whatever the look needs. With an active
+    `allowance`, before each look its cost is estimated (the items the variant and the reference
+    lack for it, at each one's measured seconds per item) and a look that does not fit what is
+    left is not taken: the variant stops there, its open cells stay open and its meta.json says
+    which looks were skipped and why; a variant that has a failed cell stops too (its no-go is
+    settled). None, or no budget: every look of every open cell."""
     budgeted = allowance is not None and allowance.active
     if allowance is not None:
         waves.allowances[name] = allowance
     while True:
-        need, failed, rows = next_need(waves, reference, name, cfg, budgeted)
+        need, failed = next_need(waves, reference, name, cfg, budgeted)
         if not need:
             return
         if failed:
             _stop_on_verdict(waves, name, need, failed, allowance.parent)
             return
-        take = need
         if budgeted:
-            take, aimed = aimed_look(waves, reference, name, rows, need)
-            est = waves.look_cost(reference, name, take)
+            est = waves.look_cost(reference, name, need)
             if not allowance.affords(est):
                 why = allowance.why_not(est)
                 waves.stop(name, need, why)
                 allowance.parent.skip(_looks_skipped(name, need), why)
                 return
-            if aimed:
-                waves.aim(name, take, aimed)
-        waves.cover(reference, ref_score, take)
-        waves.cover(name, score, take)
+        waves.cover(reference, ref_score, need)
+        waves.cover(name, score, need)
         if budgeted:
             progress(f"quality: {name}: allowance {fmt_s(max(allowance.left(), 0.0))} left of "
                      f"{fmt_s(allowance.seconds)}; stage budget {fmt_s(max(allowance.parent.left(), 0.0))} left")
@@ -428,7 +355,7 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
     for i, name in enumerate(pending):
         first_look(waves, reference, name, scorer(name), Allowance(budget, len(pending) - i))
         after_first(name)
-        need, failed, _ = next_need(waves, reference, name, cfg, budgeted=True)
+        need, failed = next_need(waves, reference, name, cfg, budgeted=True)
         if failed:
             _stop_on_verdict(waves, name, need, failed, budget)
         elif need:
@@ -438,18 +365,8 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
             park(name)
             continue
         finish(name)
-    # The open variants nearest a decision first (a row heading to fail, cheapest to settle), each
-    # allowed what it is predicted to need (aim_cost) up to half the time left, where the even
-    # split is less: a no-go within reach is not starved by variants that are far from one.
-    costs = {name: aim_cost(waves, reference, name, cfg) for name in later}
-    later.sort(key=lambda n: (costs[n] is None, costs[n] or 0.0))
     for i, name in enumerate(later):
-        wants = costs[name]
-        allowance = Allowance(budget, len(later) - i, wants_s=wants)
-        if wants is not None:
-            progress(f"quality: {name}: its nearest cell heading to fail needs ~{fmt_s(wants)} to settle; "
-                     f"allowance {fmt_s(allowance.seconds)} of {fmt_s(max(budget.left(), 0.0))} left")
-        later_looks(waves, reference, name, ref_score, scorer(name), cfg, allowance)
+        later_looks(waves, reference, name, ref_score, scorer(name), cfg, Allowance(budget, len(later) - i))
         finish(name)
 
 

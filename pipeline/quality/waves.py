@@ -9,7 +9,8 @@ A slice's clusters are put once in a seeded random order (quality/data/<slice>.j
 model scores a prefix of it, so each look is a random sample that never splits a cluster. Where
 clusters have unequal sizes or outnumber n_max, one item per cluster is taken, so a big cluster
 cannot keep an identical copy from passing (docs/methods/quality-slices.md#the-order-items-are-scored-in).
-`Pace`: a model's seconds per item per slice; `Allowance`: a variant's time (docs/methods/budget.md).
+`Pace`: a model's seconds per item per slice (`pace_priors`: a variant's before it has scored);
+`Allowance`: a variant's time (docs/methods/budget.md).
 """
 from __future__ import annotations
 
@@ -121,26 +122,36 @@ class Pace:
                                if (r := self.per_item(s)) is not None}}
 
 
+def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
+    """variant -> its forward's seconds over the reference's, both timed by the quantize stage on
+    the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
+    that has one: its seconds per item against the reference's before it has scored one
+    (Waves.model_cost; a variant without one is priced at the reference's pace). A prefill's
+    ratio, where the first looks also decode: in the cold default run of 2026-12-03 the priors
+    were about 2x the first looks' measured ratios (a forward timed in a fresh process)."""
+    ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
+    if not ref:
+        return {}
+    out = {}
+    for name, meta in metas.items():
+        got = ((meta or {}).get("forward_seconds") or {}).get("seconds")
+        if name != reference and got:
+            out[name] = float(got) / float(ref)
+    return out
+
+
 class Allowance(budget_mod.Allowance):
     """One variant's share of the quality stage's budget (a pipeline.core.budget.StageBudget):
     the stage's time left divided over the `variants_left` variants still to score (this one
     included), less `reserve_s` for its work after scoring (its distribution drift, as measured on
-    the variant before). `wants_s`: what the variant is predicted to need to settle (a cell
-    heading to fail, quality/sequential.py: aim_cost); it may take that much, up to half of
-    what the stage has left, where the even split is less. What a variant leaves unused is in the next one's `left()`; the
+    the variant before). What a variant leaves unused is in the next one's `left()`; the
     reference's items for the variant's looks are the variant's cost. Without a budget it affords
     everything. (pipeline.core.budget.Allowance, with the reserve, a look of unknown cost and the
     reason a look was not taken.)"""
 
-    def __init__(self, budget, variants_left: int, reserve_s: float = 0.0, wants_s: float | None = None):
-        seconds = None
-        if budget.active:
-            left = budget.left()
-            seconds = left / max(variants_left, 1)
-            if wants_s is not None and variants_left > 1:  # a variant near a decision: up to half
-                seconds = max(seconds, min(wants_s, left / 2))
-            seconds = max(seconds - reserve_s, 0.0)
-        super().__init__(budget, "variant", seconds)
+    def __init__(self, budget, variants_left: int, reserve_s: float = 0.0):
+        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1) - reserve_s, 0.0)
+                         if budget.active else None)
 
     def affords(self, estimate_s: float | None) -> bool:
         """Whether a look estimated at `estimate_s` fits (an unknown estimate: while time is left)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pipeline.report.document import Block
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import interval, number
-from pipeline.stats.sequential import fitted_parts
 
 
 def cell_text(c: dict) -> str:
@@ -72,19 +71,6 @@ def headline(gate: dict) -> list[str]:
         why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the "
                 f"data, with {cells} cell(s) of {', '.join(stopped)} open; a re-run with a larger budget "
                 f"continues from the items already scored.")
-    aimed = ((gate.get("quality_budget") or {}).get("aimed") or {})
-    if aimed:
-        why += (" Under the time budget, " + "; ".join(
-            f"{n}'s next {len(s)} look(s) went to {', '.join(dict.fromkeys(s))} alone"
-            for n, s in aimed.items()) + ": a cell heading to fail, the one nearest a decision for its "
-            "seconds (its other open slices waited).")
-    fitted = [parts for parts in map(fitted_parts, (gate.get("spending_fitted") or {}).values()) if parts]
-    if fitted:
-        share = fitted[0][2]
-        why += (f" The looks of {len(fitted)} slice(s) spend alpha as fitted to the time budget "
-                f"(quality/design.json): {share:.0%} of each side's alpha by the last look the budget was "
-                f"predicted to afford, the rest over the later looks, which a re-run with a larger budget "
-                f"continues.")
     return [f"# specq gate: {decision.upper()}", "", why]
 
 

@@ -5,7 +5,7 @@
 
 Each slice's items (generated, BFCL, HumanEval, lm-eval tasks) are put once in a seeded cluster
 order and scored in looks of `quality.wave_items`; after each look the gate's own replay
-(pipeline/gate/decision.py: open_rows) says which variants still have open cells, and only those
+(pipeline/gate/decision.py: open_slices) says which variants still have open cells, and only those
 score on, as far as the stage's time budget allows. Lines are appended look by look, so a re-run
 resumes. Method: docs/methods/gate.md (looks), budget.md (time), quality-slices.md (slices and
 outputs), quality-vllm.md (`quality.backend: vllm`).
@@ -24,13 +24,12 @@ from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, a
 from pipeline.decode.release import collect
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
-from pipeline.quality.design import fit_design, pace_priors
 from pipeline.quality.evaluate import evaluate, summarize_slice
 from pipeline.quality.items import KNOWN_SLICES, builtin_task_config
 from pipeline.quality.plans import cost_weights, prompt_tokens_of, slice_data, task_plan
 from pipeline.quality.gpu_groups import device_groups, side_by_side, visible_gpus
 from pipeline.quality.sequential import Waves, score_in_waves, score_variants
-from pipeline.quality.waves import Allowance
+from pipeline.quality.waves import Allowance, pace_priors
 from pipeline.variants.schemes import load_variant
 
 
@@ -191,9 +190,6 @@ def run(ctx: StageContext) -> None:
     waves.first_look(reference, ref_score)
     if pending:
         _announce_plan(budget, waves, reference, pending, first=False)
-    # Each slice's alpha spending, fitted to the budget before any variant is scored (or kept from
-    # an earlier run's quality/design.json): the gate replays the looks with it.
-    design = fit_design(ctx.out_dir, waves, reference, order[1:], pending, budget, cfg.gate)
     ref_logp: dict = {}
     heldout = heldout_info = None
     for name in order[1:]:
@@ -289,8 +285,7 @@ def run(ctx: StageContext) -> None:
         "skipped_tasks": skipped, "items_per_slice": qcfg.items_per_slice,
         "max_items": qcfg.max_items, "wave_items": qcfg.wave_items,
         "sequential": {s: {"looks": p["looks"], "n_max": p["n_max"], "order": p["order"],
-                           "spending": p.get("spending", cfg.gate.spending)} for s, p in plans.items()},
-        "design": {k: v for k, v in design.items() if k != "key"},
+                           "spending": cfg.gate.spending} for s, p in plans.items()},
         "generation": {"greedy": True, "max_new_tokens": qcfg.max_new_tokens,
                        "chat_template": qcfg.chat_template, "batch_size": qcfg.batch_size,
                        "evaluator": _one_or_mixed([r.get("evaluator", qcfg.evaluator) for r in ran.values()])},

@@ -39,59 +39,16 @@ def pocock_spending(t, alpha: float):
 SPENDING = {"obf": obf_spending, "pocock": pocock_spending}
 
 
-def fitted(base: str, t_fit: float, share: float) -> str:
-    """The name of a budget-fitted spending function (fitted_spending): `share` of alpha spent, in
-    `base`'s shape, by information fraction `t_fit` (the last look a time budget is predicted to
-    afford); the rest, in the same shape, over (t_fit, 1]. Rounded so the name is stable in JSON."""
-    if base not in SPENDING:
-        raise ValueError(f"unknown spending function {base!r} (known: {', '.join(SPENDING)})")
-    if not 0.0 < t_fit < 1.0 or not 0.0 < share <= 1.0:
-        raise ValueError(f"fitted spending needs 0 < t_fit < 1 and 0 < share <= 1, got {t_fit}, {share}")
-    return f"fit({base},{t_fit:.10g},{share:.6g})"
-
-
-def fitted_spending(t, alpha: float, base: str, t_fit: float, share: float):
-    """alpha(t) = share * base(t / t_fit) on [0, t_fit]; share * alpha + (1 - share) *
-    base((t - t_fit) / (1 - t_fit)) after it: a spending function like any other (0 at 0,
-    nondecreasing, alpha at 1), so each side's error over all looks stays at alpha whichever looks
-    happen, as long as the function is fixed before the looks' data are seen. A run whose time
-    budget affords only the looks up to t_fit spends `share` of alpha on them, where the base
-    function alone (O'Brien-Fleming) would spend almost none; a later run with more time
-    continues the same function on the rest."""
-    t = np.clip(np.asarray(t, dtype=float), 0.0, 1.0)
-    fn = SPENDING[base]
-    early = share * fn(np.minimum(t / t_fit, 1.0), alpha)
-    late = (1.0 - share) * fn(np.clip((t - t_fit) / (1.0 - t_fit), 0.0, 1.0), alpha)
-    return np.where(t <= t_fit, early, share * alpha + late)
-
-
-def fitted_parts(name: str) -> tuple[str, float, float] | None:
-    """(base, t_fit, share) of a fitted spending's name (fitted), None for any other name; a
-    malformed fitted name raises ValueError."""
-    if not (name.startswith("fit(") and name.endswith(")")):
-        return None
-    try:
-        base, t_fit, share = name[4:-1].split(",")
-        fitted(base, float(t_fit), float(share))  # validates
-    except ValueError as e:
-        raise ValueError(f"bad fitted spending {name!r}: {e}") from None
-    return base, float(t_fit), float(share)
-
-
 def spending_function(name: str):
-    """`alpha(t)` of a spending name: "obf", "pocock" or a fitted one ("fit(obf,0.1666666667,0.5)")."""
-    if name in SPENDING:
-        return SPENDING[name]
-    parts = fitted_parts(name)
-    if parts is None:
-        raise ValueError(f"unknown spending function {name!r} (known: {', '.join(SPENDING)}, fit(base,t,share))")
-    return lambda t, alpha: fitted_spending(t, alpha, *parts)
+    """`alpha(t)` of a spending name: "obf" or "pocock"."""
+    if name not in SPENDING:
+        raise ValueError(f"unknown spending function {name!r} (known: {', '.join(SPENDING)})")
+    return SPENDING[name]
 
 
 def boundaries(fractions: Sequence[float], alpha: float, spending: str = "obf") -> list[float]:
     """The z boundary of each look at information fractions t_1 < ... < t_K (t_K <= 1; the last
-    look at t_K = 1 spends all of alpha), under the `spending` function ("obf", "pocock" or a
-    fitted one: spending_function)."""
+    look at t_K = 1 spends all of alpha), under the `spending` function ("obf" or "pocock")."""
     t = np.asarray(fractions, dtype=float)
     if t.ndim != 1 or t.size == 0 or np.any(np.diff(t) <= 0) or t[0] <= 0 or t[-1] > 1 + 1e-12:
         raise ValueError(f"information fractions must increase in (0, 1], got {list(fractions)}")

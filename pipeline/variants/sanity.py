@@ -58,7 +58,7 @@ def perplexity(model, ids: list[int], window: int = 512) -> float:
 def timed_forward(model, ids: list[int], window: int = 512) -> dict:
     """Seconds of one forward over the first `window` held-out tokens, timed after the perplexity
     pass has warmed the kernels (the best of two): what the quality stage takes as a variant's
-    pace against the reference's before it has scored an item (pipeline/quality/design.py)."""
+    pace against the reference's before it has scored an item (pipeline/quality/waves.py: pace_priors)."""
     device = next(model.parameters()).device
     chunk = torch.tensor([ids[:window]], device=device)
     best = math.inf
