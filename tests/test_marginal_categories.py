@@ -10,7 +10,7 @@ from tests.test_marginal import _acc, _expected, _latency
 
 
 def _workload(categories: list[str], per: int) -> dict:
-    return {"name": "builtin", "source": "pipeline/speculation/prompts.py", "seed": 0, "categories": categories,
+    return {"name": "builtin", "source": "evals/data/speculation_prompts.json", "seed": 0, "categories": categories,
             "n_prompts": per * len(categories), "skipped_too_long": 0, "cut": 0,
             "prompts": [{"id": f"{c}-{i}", "category": c, "prompt_tokens": 20 + i, "output_tokens": None}
                         for c in categories for i in range(per)]}

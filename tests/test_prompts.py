@@ -1,9 +1,10 @@
-"""The built-in prompt set (pipeline/speculation/prompts.py): what artifacts and the acceptance slices
-rely on. No model: the open kinds are pinned by a hash taken before the input-grounded kinds were
-added (their ids name artifacts), and every input-grounded prompt carries its input.
+"""The built-in prompt set (evals/data/speculation_prompts.json, read by pipeline/speculation/prompts.py):
+what artifacts and the acceptance slices rely on. No model: the open kinds are pinned by a hash taken
+before the input-grounded kinds were added (their ids name artifacts), and every input-grounded
+prompt carries its input.
 
 What the grounded kinds are for (prompt lookup pays where the output copies the input) is measured,
-not tested: python -m pipeline.tools.kind_acceptance (docs/results/2026-12-02-prompt-kinds.md)."""
+not tested (docs/results/2026-12-02-prompt-kinds.md; the tool that measured it has been removed)."""
 from __future__ import annotations
 
 import ast

