@@ -8,7 +8,7 @@ from acceptance's upper CI and a probe of a few seconds.
 upper_speedup(k) = E_hi(k) x T_plain_hi / (T_verify_lo(k + 1) + T_draft_lo(k)), each term taken in
 the direction that keeps a pair timed: a pair below 1 at every k cannot have a k recommended, and
 one that may pay is timed only at the k whose bound reaches 1 (`ks_to_time`). Prompt lookup is
-never screened. The terms, and when the screen is off: docs/methods/batching.md.
+never screened. The terms, and when the screen is off: docs/methods/marginal.md.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ for pairs the vllm stage did not measure: pipeline/latency/speculative.py; specu
 batching is measured in vLLM). A memory plan
 (pipeline/latency/plan.py) runs first, a screen (pipeline/latency/screen.py) skips pairs that
 cannot pay, and every ratio says whether both sides ran the same way (pipeline/latency/modes.py).
-Method: docs/methods/stages.md, screen.md, budget.md, gpu-box.md.
+Method: docs/methods/stages.md, marginal.md, budget.md, gpu-box.md.
 """
 from __future__ import annotations
 
