@@ -5,9 +5,8 @@ docs/validation/timing-coverage.md:
     .venv/bin/python tests/sim_timing_coverage.py              # about a minute
     .venv/bin/python tests/sim_timing_coverage.py --reps 2000
 
-Both intervals the marginal stage recommends k from go through the project's own functions:
-the B = 1 table (pipeline/serving/marginal.py marginal_table) and the batched rows
-(pipeline/serving/batch_k.py batch_rows). Each resamples the timing repeats (percentile bootstrap
+The interval the marginal stage recommends k from goes through the project's own function
+(pipeline/serving/marginal.py marginal_table). It resamples the timing repeats (percentile bootstrap
 of the median) and, independently, the acceptance prompts. The world:
 
 - timing: every repeat scales plain ms/token and the round time by their own lognormal factors
@@ -37,11 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline.serving.batch_k import batch_rows  # noqa: E402
 from pipeline.serving.marginal import marginal_table  # noqa: E402
 from pipeline.serving.timing_noise import noise_for, pooled_noise  # noqa: E402
-from pipeline.speculation.acceptance_stats import ratio_t_interval  # noqa: E402
-from pipeline.stats.intervals import median_ci  # noqa: E402
 
 ALPHA, K_MAX, TOKENS = 0.6, 3, 1200.0
 E_POP = {k: sum(ALPHA ** i for i in range(k + 1)) for k in range(1, K_MAX + 1)}
@@ -92,8 +88,7 @@ def _other_block(rng, repeats: int, noise: float, figures: int, hetero: float) -
 def loop_noise(rng, table: dict, repeats: int, noise: float, loops: int, hetero: float, figures: int = 7) -> dict | None:
     """The pooled noise (timing_noise.py) the table's intervals get in a run like the default
     config's: the table's loop holds its own temperature and a second one (`figures` round times),
-    and the run `loops` more loops of two plain sequences each (a pair's B = 1 temperatures, or
-    its batch sizes); noise_for takes the loop's own pool, or the run's where the loop's is short."""
+    and the run `loops` more loops of two plain sequences each (a pair's temperatures); noise_for takes the loop's own pool, or the run's where the loop's is short."""
     pairs = {"table": {"by_temperature": {"0.0": table, "0.7": _other_block(rng, repeats, noise, figures, hetero)}}}
     for i in range(loops):
         pairs[f"other{i}"] = {"by_temperature": {t: _other_block(rng, repeats, noise, figures, hetero)
@@ -106,28 +101,7 @@ def b1_cis(acc: dict, plain, rounds, seed: int, noise: dict | None = None) -> di
                                                             noise=noise)["rows"]}
 
 
-def batched_cis(acc: dict, plain, rounds, seed: int, noise: dict | None = None) -> dict[int, list[float]]:
-    """batch_rows at B = 1 from cells (no width keys: the cells' own round time), E(k) and its
-    interval from the acceptance block (the exact E's interval is the point)."""
-    recs = acc["per_prompt"]
-    e = {k: float(acc["expected_tokens_per_round"][str(k)]) for k in E_POP}
-    if len({round(r["expected_rounds"]["1"], 9) for r in recs}) == 1:
-        ci = {k: [v, v] for k, v in e.items()}
-    else:  # the acceptance stage's own interval for E(k) (t on n - 1 df, log(E - 1) scale)
-        tok = np.array([r["tokens"] for r in recs])
-        ci = {k: ratio_t_interval(tok, np.array([r["expected_rounds"][str(k)] for r in recs]), e[k], 0.95,
-                                  (1.0, k + 1.0), log_above=1.0) for k in E_POP}
-    cells = [{"batch": 1, "k": 0, "ms_per_token": median_ci(plain), "prefill_ms": median_ci([5.0] * plain.size)}]
-    for k in E_POP:
-        cells.append({"batch": 1, "k": k, "round_ms": median_ci(rounds[k]), "ms_per_token": median_ci(rounds[k] / e[k]),
-                      "speedup": median_ci(plain * e[k] / rounds[k]), "prefill_ms": median_ci([5.0] * plain.size),
-                      "tokens_per_round": e[k], "thrown_away_fraction": 0.0})
-    block = {"expected_tokens_per_round": {str(k): v for k, v in e.items()},
-             "expected_tokens_per_round_ci": {str(k): v for k, v in ci.items()}, "per_position": []}
-    return {r["k"]: r["speedup_ci"] for r in batch_rows(block, cells, 0.95, seed=seed, noise=noise)}
-
-
-METHODS = ("own: B = 1", "own: batched", "pooled: B = 1", "pooled: batched")
+METHODS = ("own", "pooled")
 
 
 def coverage(repeats: int, noise: float, mode: str, reps: int, seed: int, spread: float = 0.15,
@@ -144,9 +118,7 @@ def coverage(repeats: int, noise: float, mode: str, reps: int, seed: int, spread
         plain, rounds = timing(rng, repeats, own_sd)
         pool = loop_noise(rng, _block(plain, rounds), repeats, noise, loops, hetero)
         truth = 10.0 * e_true[k] / (12.0 + k)
-        cis = {"own: B = 1": b1_cis(acc, plain, rounds, r), "own: batched": batched_cis(acc, plain, rounds, r),
-               "pooled: B = 1": b1_cis(acc, plain, rounds, r, pool),
-               "pooled: batched": batched_cis(acc, plain, rounds, r, pool)}
+        cis = {"own": b1_cis(acc, plain, rounds, r), "pooled": b1_cis(acc, plain, rounds, r, pool)}
         for m in METHODS:
             lo, hi = cis[m][k]
             hit[m] += lo <= truth <= hi

@@ -136,7 +136,7 @@ def test_the_graph_reads_module_and_name_imports():
     """The reader itself: `from pkg import module` names the module, a name imported from a
     module counts as that module, and Tarjan finds a circle."""
     graph = import_graph()
-    assert "pipeline.decode.steps" in graph["pipeline.decode.batched"]  # from pipeline.decode.steps import ...
+    assert "pipeline.decode.steps" in graph["pipeline.decode.engine"]  # from pipeline.decode.steps import ...
     assert "pipeline.stats.tango" in graph["pipeline.stats.paired"]  # from pipeline.stats import tango
     # The STAGES table names its entry modules as strings (imported on use, nothing loops); the
     # stage hash test checks those strings resolve.
@@ -181,7 +181,7 @@ def test_a_rule_break_is_reported():
     """The checker catches what it should: an upward import, a sibling import, and anything out
     of decode or core."""
     graph = {
-        "pipeline.stats.paired": {"pipeline.serving.batch_k"},  # upward
+        "pipeline.stats.paired": {"pipeline.serving.served_k"},  # upward
         "pipeline.latency.plan": {"pipeline.quality.lm_tasks"},  # same rank
         "pipeline.decode.engine": {"pipeline.core.stage"},  # decode imports nothing
         "pipeline.stages.gate": {"pipeline.gate.decision"},  # fine

@@ -79,7 +79,7 @@ def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
 
 def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str], k_max: int = 1):
     """The latency stage on a prepared tiny model, compiled with dynamo's eager backend on CPU: one
-    plain cell, B = 1 pairs at k = 1, batched pairs at B = 2. Returns (meta, graphs dynamo made, run)."""
+    plain cell, pairs at k = 1. Returns (meta, graphs dynamo made, run)."""
     from conftest import save_as_prepared
     from pipeline.__main__ import STAGES
     from pipeline.core.stage import run_stage
@@ -95,8 +95,7 @@ def _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, drafts: list[str
         "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
         "acceptance": {"k_max": k_max, "temperatures": [0.0], "prompts_per_kind": 1},
         "latency": {"k_max": k_max, "batch_sizes": [1], "context_lengths": [8], "new_tokens": 4, "warmup": 1, "repeats": 1,
-                    "compile": True, "compile_backend": "eager", "spec_batch_sizes": [2], "screen": False,
-                    "closed_loop_batch_sizes": [2], "closed_loop_waves": 1, "closed_loop_tokens": 4},
+                    "compile": True, "compile_backend": "eager", "screen": False},
     })
     before = counters["stats"]["unique_graphs"]
     meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES).read_text())
@@ -114,11 +113,8 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
     # widths 1 and 2.
     assert plain["graphs_compiled"] == plain["planned_graphs"] == 1
     assert pair["graphs_compiled"] == pair["planned_graphs"] == 4
-    # Batched (B = 2, its own session): the same four shapes at B = 2, one cache length.
-    batched = meta["compile_record"]["batched"]["bf16__layerskip-2"]
-    assert batched["graphs_compiled"] == batched["planned_graphs"] == 4
-    assert made == 9 and plain["recompiles"] == pair["recompiles"] == batched["recompiles"] == 0
-    for rec in (plain, pair, batched):
+    assert made == 5 and plain["recompiles"] == pair["recompiles"] == 0
+    for rec in (plain, pair):
         assert rec["ran"] == "compiled" and rec["backend"] == "eager"
         assert all(s["ran"] == "compiled" and s["calls"] == s["compiled_calls"] > 0 for s in rec["shapes"])
     assert {s["model"] for s in pair["shapes"]} == {"target", "draft layerskip:2"}
@@ -129,11 +125,11 @@ def test_stage_with_compile_records_what_compiled(tmp_path, tiny_model, tiny_tok
 
 def test_verify_widths_up_to_k_max_cost_no_more_graphs(tmp_path, tiny_model, tiny_tokenizer):
     """k_max = 3: the target's verify widths 2, 3 and 4 share one graph (latency.compile_dynamic_width,
-    the default), at B = 1 and at B = 2, so dynamo makes as many graphs as at k_max = 1 (9), and the
+    the default), so dynamo makes as many graphs as at k_max = 1 (5), and the
     record plans one graph per width group while listing every width it ran compiled."""
     meta, made, _ = _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, ["layerskip:2"], k_max=3)
-    assert made == 1 + 4 + 4
-    for phase in ("speculative", "batched"):
+    assert made == 1 + 4
+    for phase in ("speculative",):
         rec = meta["compile_record"][phase]["bf16__layerskip-2"]
         assert rec["dynamic"] == "width" and rec["planned_graphs"] == rec["graphs_compiled"] == 4
         assert rec["planned_shapes"] == 6 and rec["recompiles"] == 0 and rec["eager_shapes"] == 0
@@ -150,23 +146,3 @@ def test_compile_requested_on_cpu_without_a_backend_says_eager():
     session, record = compile_session(_lat(compile=True), CPU)  # compile_backend: auto
     assert session is None and record["ran"] == "eager" and record["requested"]
     assert "not run on CPU" in record["reason"]
-
-
-def test_batched_pairs_of_a_target_share_its_compiled_graphs(tmp_path, tiny_model, tiny_tokenizer):
-    """Two drafts of one target, batched at B = 2: the target's graphs (decode step, verify width 2)
-    compile once for both pairs, in one session per target as at B = 1; the model draft adds its
-    own widths 1 and 2, prompt lookup nothing (dynamo's own graph count: 9, where a session per
-    pair made 11)."""
-    meta, made, run = _compiled_latency_run(tmp_path, tiny_model, tiny_tokenizer, ["layerskip:2", "ngram"])
-    batched = meta["compile_record"]["batched"]
-    skip, lookup = batched["bf16__layerskip-2"], batched["bf16__ngram"]
-    assert skip["compiled_for_this_pair"] == 4 and lookup["compiled_for_this_pair"] == 0
-    assert made == 1 + 4 + 4  # plain cell; B = 1 session; batched session
-    for rec in (skip, lookup):
-        assert rec["ran"] == "compiled" and rec["recompiles"] == 0
-    # The prompt-lookup pair ran on the target's graphs the first pair compiled.
-    ran = {s["model"] for s in lookup["shapes"] if s["calls"]}
-    assert "target" in ran
-    for name in ("bf16__layerskip-2", "bf16__ngram"):
-        doc = json.loads((run / "latency" / "batched" / f"{name}.json").read_text())
-        assert len(doc["cells"]) == 2 and all(c["run_mode"]["steps"] == "compiled" for c in doc["cells"])

@@ -6,7 +6,7 @@ budget cannot afford another.
   noisy one runs to the maximum ("max"); rare drafted counts are not asked to settle;
 - a simulation of round times by drafted count: the k recommended from the early-stopped repeats
   against the one from every repeat (figures in test_early_stop_keeps_the_recommendation);
-- the tiny random Llama: speculative_pair, plain_grid and batched_pair stop at min_repeats with a
+- the tiny random Llama: speculative_pair and plain_grid stop at min_repeats with a
   huge tolerance, do exactly `repeats` with settle off, and stop after one repeat (recording the
   skip) on a budget that is already spent.
 
@@ -268,37 +268,3 @@ def test_plain_grid_cells_settle_or_stop_on_the_budget(tiny_model):
                        budget=budget)
     assert [(c["repeats_done"], c["stopped"]) for c in spent["grid"]] == [(1, "budget"), (1, "budget")]
     assert [s["what"] for s in budget.skipped] == ["tiny B=1 context=8: repeats 2-4", "tiny B=2 context=8: repeats 2-4"]
-
-
-def test_batched_pair_settles_and_still_runs_every_wave(tiny_tokenizer, monkeypatch):
-    """Waves are spread over the repeats (wave w after repeat w mod repeats): the pair settles
-    after 2 of 3 repeats, and wave 3's leftover still runs after them; on a spent budget the
-    leftover waves are skipped and recorded."""
-    from draft_models.layerskip import truncate
-    from pipeline.decode.drafts import ModelDraft
-    from pipeline.latency import batched
-    from tests.conftest import make_tiny_llama
-
-    monkeypatch.setattr(batched, "KINDS", ("chat", "code", "structured"))  # short prompts: seconds
-    model = make_tiny_llama(tiny_tokenizer, layers=2, seed=5)
-    draft = ModelDraft("layerskip:1", truncate(model, 1), model.config.vocab_size)
-    lat = _lat(spec_batch_sizes=[2], new_tokens=4, repeats=3, min_repeats=2, settle_rel=1e9,
-               closed_loop_waves=3, closed_loop_batch_sizes=[2], closed_loop_tokens=4)
-    doc = batched.batched_pair("tiny", "layerskip:1", model, draft, tiny_tokenizer, [1], lat, CPU, 0.95, 0)
-    assert doc["repeats"] == 3 and doc["repeats_done"] == 2 and doc["stopped"] == "settled"
-    # Plain and the widths with rounds (1; 0 too where the last round of a run had nothing left to draft).
-    assert {"B=2 plain", "B=2 w=1"} <= set(doc["settle_widths"]) <= {"B=2 plain", "B=2 w=0", "B=2 w=1"}
-    assert all(c["repeats_done"] == 2 and c["stopped"] == "settled" for c in doc["cells"])
-    assert all(len(c["ms_per_token"]["samples"]) == 2 for c in doc["cells"])
-    loop = doc["closed_loop"][0]
-    assert loop["waves"] == loop["waves_asked"] == 3
-    assert sorted(w["wave"] for w in loop["plain"]["waves"]) == [0, 1, 2]
-    budget = _spent_budget()
-    lat.settle = False  # so that only the budget stops it
-    spent = batched.batched_pair("tiny", "layerskip:1", model, draft, tiny_tokenizer, [1], lat, CPU, 0.95, 0,
-                                 budget=budget)
-    # A spent budget: the two repeats a k needs, with their waves (0 and 1); wave 3 is skipped.
-    assert spent["repeats_done"] == 2 and spent["stopped"] == "budget"
-    assert spent["closed_loop"][0]["waves"] == 2 and spent["closed_loop"][0]["waves_asked"] == 3
-    assert [s["what"] for s in budget.skipped] == [
-        "tiny + layerskip:1: B = 2: repeats 3-3", "tiny + layerskip:1: closed-loop B=2 wave 3/3"]

@@ -18,8 +18,7 @@ from conftest import make_tiny_llama, save_as_prepared
 
 from pipeline.core.config import Config
 from pipeline.decode.drafts import ModelDraft, NgramDraft
-from pipeline.latency.screen import (DOES_NOT_PAY, MAY_PAY, bound_rows, cut_line, e_upper, ks_to_time,
-                                     screen_batched, screen_pair, verdict_of)
+from pipeline.latency.screen import DOES_NOT_PAY, MAY_PAY, bound_rows, cut_line, e_upper, ks_to_time, screen_pair, verdict_of
 
 CPU = torch.device("cpu")
 SLEEP_S = 0.25
@@ -27,13 +26,10 @@ ACC = Config.model_validate({"acceptance": {"temperatures": [0.0, 0.7]}}).accept
 KS = [1, 2, 3]
 
 
-def fake_acceptance(hi: dict[int, float], batch_hi: dict[int, dict[int, float]] | None = None,
-                    temps=("0.0", "0.7")) -> dict:
-    """An acceptance JSON with only what the screen reads: slice "all", E(k) CIs (and per B)."""
+def fake_acceptance(hi: dict[int, float], temps=("0.0", "0.7")) -> dict:
+    """An acceptance JSON with only what the screen reads: slice "all", E(k) CIs."""
     block = {"expected_tokens_per_round": {str(k): 1.0 for k in hi},
-             "expected_tokens_per_round_ci": {str(k): [1.0, v] for k, v in hi.items()},
-             "expected_tokens_per_round_by_batch_ci": {str(b): {str(k): [1.0, v] for k, v in by_k.items()}
-                                                       for b, by_k in (batch_hi or {}).items()}}
+             "expected_tokens_per_round_ci": {str(k): [1.0, v] for k, v in hi.items()}}
     return {"slices": {"all": {t: block for t in temps}}}
 
 
@@ -68,13 +64,12 @@ def costly_draft(tiny_tokenizer):
 
 
 def test_e_upper_reads_the_largest_upper_end_and_falls_back_to_k_plus_1():
-    acc = fake_acceptance({1: 1.2, 2: 1.3}, {4: {1: 1.1}})
+    acc = fake_acceptance({1: 1.2, 2: 1.3})
     acc["slices"]["all"]["0.7"] = {**acc["slices"]["all"]["0.7"],
                                    "expected_tokens_per_round_ci": {"1": [1.0, 1.25], "2": [1.0, 1.28]}}
     up = e_upper(acc, [1, 2, 3])
     assert up[1]["e_hi"] == 1.25 and up[2]["e_hi"] == 1.3  # the larger over temperatures
     assert up[3]["e_hi"] == 4.0 and up[3]["source"].startswith("k + 1")  # no CI at k = 3
-    assert e_upper(acc, [1, 2], batch=4)[1]["e_hi"] == 1.1 and e_upper(acc, [1, 2], batch=4)[2]["e_hi"] == 3.0
     assert e_upper(None, [2])[2]["e_hi"] == 3.0  # no acceptance JSON: the most a round can emit
 
 
@@ -123,7 +118,7 @@ def _does_not_pay(screen, attempts: int = 3) -> dict:
 def test_costly_draft_with_low_acceptance_does_not_pay(tiny_model, tiny_tokenizer, costly_draft):
     ks = [1, 2]
     ids = tiny_tokenizer.encode("the quick brown fox jumps over the lazy dog")
-    acc = fake_acceptance({k: 1.05 for k in ks}, {2: {k: 1.03 for k in ks}})
+    acc = fake_acceptance({k: 1.05 for k in ks})
     rec = _does_not_pay(lambda: screen_pair(tiny_model, costly_draft, ids, ks, acc, ACC, CPU, 64, prompt_id="p0"))
     assert rec["verdict"] == DOES_NOT_PAY and rec["max_bound"] < 1.0, rec["rows"]
     assert [r["k"] for r in rec["rows"]] == ks and all(r["bound"] < 1.0 for r in rec["rows"])
@@ -138,12 +133,6 @@ def test_costly_draft_with_low_acceptance_does_not_pay(tiny_model, tiny_tokenize
     assert len(p["plain_ms"]) == p["repeats"] == 6  # a second probe confirmed it, pooled
     assert rec["reason"].startswith("speedup at most") and rec["assumes"] and "E_hi" in rec["formula"]
     json.dumps(rec)  # JSON-able
-    # The batched screen at B = 2 on the cells' rows: the same verdict from E_B_hi and a probe at B rows.
-    rows = torch.tensor([ids, ids[::-1]])
-    batched = _does_not_pay(lambda: screen_batched(tiny_model, costly_draft, {2: rows}, {2: 64}, ks, acc, ACC, CPU))
-    assert batched["verdict"] == DOES_NOT_PAY and batched["at_batch"] == 2, batched["by_batch"]["2"]["rows"]
-    assert batched["by_batch"]["2"]["probe"]["batch"] == 2
-    assert all(r["e_hi"] == 1.03 for r in batched["by_batch"]["2"]["rows"])
 
 
 def test_prompt_lookup_is_never_screened(tiny_model, tiny_tokenizer):
@@ -152,9 +141,6 @@ def test_prompt_lookup_is_never_screened(tiny_model, tiny_tokenizer):
     rec = screen_pair(tiny_model, NgramDraft("ngram"), ids, KS, acc, ACC, CPU, 64)
     assert rec["verdict"] == MAY_PAY and rec["model_free"] and rec["probe"] is None and rec["rows"] == []
     assert "never screened" in rec["reason"]
-    batched = screen_batched(tiny_model, NgramDraft("ngram"), {2: torch.tensor([ids, ids])}, {2: 64}, KS, acc,
-                             ACC, CPU)
-    assert batched["verdict"] == MAY_PAY and batched["model_free"] and batched["by_batch"] == {}
 
 
 def test_free_draft_with_high_acceptance_may_pay(tiny_model, tiny_tokenizer):
@@ -170,8 +156,7 @@ def _rows(bounds: list[float]) -> list[dict]:
 
 
 def test_ks_to_time_keeps_the_prefix_up_to_the_last_k_that_may_pay():
-    """By hand: the k timed are 1..k_hi (k_hi the largest k whose bound reaches 1, at any B of a
-    batched record), a k below k_hi is kept whatever its own bound, the rest are returned with
+    """By hand: the k timed are 1..k_hi (k_hi the largest k whose bound reaches 1), a k below k_hi is kept whatever its own bound, the rest are returned with
     their bounds; a model-free, unscreened or does-not-pay record keeps every k."""
     ks = [1, 2, 3, 4, 5, 6]
     b1 = {"verdict": MAY_PAY, "rows": _rows([1.052, 1.045, 0.966, 0.906, 0.834, 0.776])}
@@ -180,13 +165,6 @@ def test_ks_to_time_keeps_the_prefix_up_to_the_last_k_that_may_pay():
     assert ks_to_time(dip, [1, 2, 3]) == ([1, 2], {"3": 0.9})
     none_cut = {"verdict": MAY_PAY, "rows": _rows([1.2, 1.1, 1.0])}
     assert ks_to_time(none_cut, [1, 2, 3]) == ([1, 2, 3], {})
-    batched = {"verdict": MAY_PAY, "batch_sizes": [1, 4],
-               "by_batch": {"1": {"rows": _rows([1.12, 1.11, 1.03, 0.95, 0.88, 0.81])},
-                            "4": {"rows": _rows([0.81, 0.62, 0.49, 0.4, 0.34, 0.3])}}}
-    assert ks_to_time(batched, ks) == ([1, 2, 3], {"4": 0.95, "5": 0.88, "6": 0.81})
-    late = {"verdict": MAY_PAY, "batch_sizes": [1, 4],
-            "by_batch": {"1": {"rows": _rows([1.1, 0.9, 0.8])}, "4": {"rows": _rows([0.7, 0.8, 1.01])}}}
-    assert ks_to_time(late, [1, 2, 3]) == ([1, 2, 3], {})  # k = 3 may pay at B = 4: nothing cut
     assert ks_to_time({"verdict": MAY_PAY, "model_free": True, "rows": []}, ks) == (ks, {})
     assert ks_to_time({"verdict": DOES_NOT_PAY, "rows": _rows([0.9] * 6)}, ks) == (ks, {})
     assert ks_to_time({"verdict": MAY_PAY, "max_bound": None, "reason": "not screened: x"}, ks) == (ks, {})
@@ -266,26 +244,24 @@ def _screen_run(tmp_path, tiny_model, tiny_tokenizer, monkeypatch, acc: dict):
            "quantize": {"reference": "bf16", "variants": {"bf16": {"scheme": "none"}}},
            "acceptance": {"k_max": 2, "prompts_per_kind": 1, "temperatures": [0.0]},
            "latency": {"batch_sizes": [1], "context_lengths": [8], "new_tokens": 3, "warmup": 0, "repeats": 2,
-                       "spec_batch_sizes": [2], "closed_loop_waves": 0},
-           "serving": {"requests": 10, "seeds": 1, "rate_points": 2, "validation_resamples": 5}}
+                       }}
     return run, raw
 
 
 def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_model, tiny_tokenizer, capsys,
                                                                 monkeypatch):
     """A draft far costlier than the target (self:big, slowed) with E(k) near 1: the latency stage
-    writes its JSONs (B = 1 and batched) with `screened` and nothing timed, says so in one line, and
+    writes its JSON with `screened` and nothing timed, says so in one line, and
     a re-run keeps them; the marginal stage gives k = 0 with the reason, the .md page and the plot;
     the report says "does not pay" and what was skipped. With latency.screen off the pair is timed
     (only it: the timing functions are stand-ins here)."""
     from pipeline.__main__ import STAGES
     from pipeline.core.stage import run_stage
-    from pipeline.report.batching import batching_blocks
     from pipeline.report.document import to_markdown
     from pipeline.report.speculation import speculation_blocks
     from pipeline.stages import latency as stage
 
-    acc = fake_acceptance({1: 1.08, 2: 1.1}, {2: {1: 1.05, 2: 1.06}}, temps=("0.0",))
+    acc = fake_acceptance({1: 1.08, 2: 1.1}, temps=("0.0",))
     acc["slices"]["all"]["0.0"]["per_position"] = [
         {"position": i, "conditional": 0.05, "prefix": 0.05 ** i, "expected_beta": 0.1, "n": 10,
          "ci": [0.0, 0.2]} for i in (1, 2)]
@@ -294,8 +270,7 @@ def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_
     meta = {}
     for _ in range(3):  # contention only raises the bound (module docstring)
         meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES, force=True).read_text())
-        if meta["screened"]["bf16__self-big"]["speculative"]["verdict"] == DOES_NOT_PAY == \
-                meta["screened"]["bf16__self-big"]["batched"]["verdict"]:
+        if meta["screened"]["bf16__self-big"]["speculative"]["verdict"] == DOES_NOT_PAY:
             break
         for path in (run / "latency").rglob("bf16__self-big.json"):
             path.unlink()
@@ -306,8 +281,6 @@ def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_
     assert pair["screened"]["verdict"] == DOES_NOT_PAY and pair["rows"] == [] and pair["by_temperature"] == {}
     assert pair["screened"]["acceptance"]["file"] == "acceptance/bf16__self-big.json"
     assert "B = 1 round times" in pair["screened"]["skipped"]
-    batched = json.loads((run / "latency" / "batched" / "bf16__self-big.json").read_text())
-    assert batched["screened"]["verdict"] == DOES_NOT_PAY and batched["cells"] == [] and batched["closed_loop"] == []
     assert "bf16__self-big" not in meta["compile_record"]["speculative"]  # nothing ran
     before = (run / "latency" / "bf16__self-big.json").read_text()
     meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES, force=True).read_text())
@@ -318,70 +291,61 @@ def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_
     rep = json.loads((run / "marginal" / "bf16__self-big.json").read_text())
     assert rep["recommended_k"] == 0 and rep["rows"] == [] and rep["screened"]["verdict"] == DOES_NOT_PAY
     assert rep["screened_note"].startswith("does not pay: speedup at most ") and "not timed" in rep["screened_note"]
-    assert rep["recommended_k_by_batch"] == {"2": 0} and rep["serving"] is None and "not simulated" in rep["serving_note"]
-    assert rep["speculative_config_by_batch"]["vllm_speculative_config"] is None
+    assert rep["recommended_k_by_batch"] is None and "measured in vLLM" in rep["by_batch_note"]
     md = (run / "marginal" / "bf16__self-big.md").read_text()
     assert "Recommended k = 0: do not speculate." in md and "does not pay: speedup at most" in md
-    assert "Not timed: B = 1 round times" in md and "## Speculation under batching" in md
+    assert "Not timed: B = 1 round times" in md
     assert (run / "marginal" / "bf16__self-big.png").read_bytes()[:4] == b"\x89PNG"
 
     figures: dict[str, bytes] = {}
-    text = to_markdown("t", speculation_blocks(run, {}, figures, 60) + batching_blocks(run, figures))
+    text = to_markdown("t", speculation_blocks(run, {}, figures, 60))
     assert "0 (does not pay, not timed)" in text and "does not pay: speedup at most" in text
-    assert "skipped: B = 1 round times" in text and "Not timed: (B, k) cells at B = 2" in text
+    assert "skipped: B = 1 round times" in text
     assert "speed-bf16__self-big.png" in figures
 
     timed = []
     monkeypatch.setattr(stage, "speculative_pair", lambda target, spec, *a, **kw: timed.append(spec) or {
         "variant": target, "draft": spec, "rows": [{"k": 1}], "memory_plan": {}, "compile": {}})
-    monkeypatch.setattr(stage, "batched_pair", lambda target, spec, *a, **kw: timed.append(f"{spec} batched") or {
-        "variant": target, "draft": spec, "cells": [{"batch": 2}], "compile": {}})
     off = Config.model_validate({**raw, "latency": {**raw["latency"], "screen": False}})
     run_stage(STAGES["latency"], run, off, {}, STAGES)
-    assert timed == ["self:big", "self:big batched"]  # the plain grid stays: screen is no timing input
+    assert timed == ["self:big"]  # the plain grid stays: screen is no timing input
     pair = json.loads((run / "latency" / "bf16__self-big.json").read_text())
     assert "screened" not in pair and "screen" not in pair and pair["rows"] == [{"k": 1}]
-    assert json.loads((run / "latency" / "batched" / "bf16__self-big.json").read_text())["cells"]
 
 
 def test_the_stage_times_a_pair_only_at_the_k_that_may_pay(tmp_path, tiny_model, tiny_tokenizer, capsys,
                                                            monkeypatch):
-    """The latency stage with a draft far dearer than the target, E_hi(1) huge and E_hi(2) = 1 (at
-    B = 1 and under batching): the pair is timed at k = 1 only (the timing functions are stand-ins
-    that record the k they are given), its JSONs and meta.json name k = 2 with its bound, a line
+    """The latency stage with a draft far dearer than the target, E_hi(1) huge and E_hi(2) = 1: the
+    pair is timed at k = 1 only (the timing function is a stand-in that records the k it is given),
+    its JSON and meta.json name k = 2 with its bound, a line
     says so; a re-run keeps the pair; with latency.screen off it is timed at every k."""
     from pipeline.__main__ import STAGES
     from pipeline.core.stage import run_stage
     from pipeline.stages import latency as stage
 
     run, raw = _screen_run(tmp_path, tiny_model, tiny_tokenizer, monkeypatch,
-                           fake_acceptance({1: 1e6, 2: 1.0}, {2: {1: 1e6, 2: 1.0}}, temps=("0.0",)))
+                           fake_acceptance({1: 1e6, 2: 1.0}, temps=("0.0",)))
     timed = []
     monkeypatch.setattr(stage, "speculative_pair",
                         lambda target, spec, model, draft, prompts, lat, acc, device, conf, seed, ks, **kw:
                         timed.append(("b1", list(ks))) or {"variant": target, "draft": spec,
                                                            "rows": [{"k": k} for k in ks], "memory_plan": {},
                                                            "compile": {}})
-    monkeypatch.setattr(stage, "batched_pair", lambda target, spec, model, draft, tok, ks, *a, **kw:
-                        timed.append(("batched", list(ks))) or {"variant": target, "draft": spec,
-                                                                "cells": [{"batch": 2, "k": k} for k in ks],
-                                                                "compile": {}})
     cfg = Config.model_validate(raw)
     meta = json.loads(run_stage(STAGES["latency"], run, cfg, {}, STAGES, force=True).read_text())
-    assert timed == [("b1", [1]), ("batched", [1])]
+    assert timed == [("b1", [1])]
     err = capsys.readouterr().err
     assert "latency: bf16 + self:big: k = 2 not timed: speedup at most" in err
-    assert "latency: bf16 + self:big (batched): k = 2 not timed: speedup at most" in err
-    for path in (run / "latency" / "bf16__self-big.json", run / "latency" / "batched" / "bf16__self-big.json"):
+    for path in (run / "latency" / "bf16__self-big.json",):
         doc = json.loads(path.read_text())
         assert doc["ks_asked"] == [1, 2] and doc["ks_timed"] == [1] and set(doc["ks_not_timed"]) == {"2"}
         assert doc["ks_not_timed"]["2"] < 1.0 and doc["screen"]["ks_not_timed"] == doc["ks_not_timed"]
-    for phase in ("speculative", "batched"):
+    for phase in ("speculative",):
         assert set(meta["screened"]["bf16__self-big"][phase]["ks_not_timed"]) == {"2"}
     run_stage(STAGES["latency"], run, cfg, {}, STAGES)
-    assert len(timed) == 2  # resumed: the cut pair is current
+    assert len(timed) == 1  # resumed: the cut pair is current
     off = Config.model_validate({**raw, "latency": {**raw["latency"], "screen": False}})
     run_stage(STAGES["latency"], run, off, {}, STAGES)
-    assert timed[2:] == [("b1", [1, 2]), ("batched", [1, 2])]
+    assert timed[1:] == [("b1", [1, 2])]
     doc = json.loads((run / "latency" / "bf16__self-big.json").read_text())
     assert doc["ks_timed"] == [1, 2] and doc["ks_not_timed"] == {}

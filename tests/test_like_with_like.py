@@ -1,11 +1,8 @@
-"""Issue #24, points 2(a), 2(c) and 5: the batched cells run the way B = 1 runs, ratios between
-cells that ran differently are flagged and kept out of every recommendation, and a dropped
-variant's memory is handed back before the next one is planned.
-
-2(a): latency.compile with dynamo's eager backend on CPU (the compile machinery, cheaply: a
-2-layer model, B = 2, k_max = 1, four graphs). 2(c): synthetic artifacts with known answers.
-5: the latency and acceptance stages on tiny models with the cyclic collector switched off, so
-only an explicit gc.collect() can free a model caught in a reference cycle.
+"""Like with like: ratios between cells that ran differently are flagged and kept out of every
+recommendation (synthetic artifacts with known answers), and a dropped variant's memory is
+handed back before the next one is planned (the latency and acceptance stages on tiny models with
+the cyclic collector switched off, so only an explicit gc.collect() can free a model caught in a
+reference cycle).
 
     .venv/bin/python -m pytest -q tests/test_like_with_like.py
 """
@@ -31,90 +28,6 @@ def _mode(steps: str, kernel: str | None = None) -> dict:
     return {**m, "label": label(m)}
 
 
-# ---------------------------------------------------------------- 2(a): batched cells compiled
-
-
-@pytest.fixture(scope="module")
-def small(tiny_tokenizer):
-    return make_tiny_llama(tiny_tokenizer, layers=2, seed=5)
-
-
-def _batched_lat(**kw):
-    base = {"spec_batch_sizes": [2], "new_tokens": 4, "warmup": 0, "repeats": 1, "closed_loop_waves": 1,
-            "closed_loop_batch_sizes": [2], "closed_loop_tokens": 4, "compile": True, "compile_backend": "eager"}
-    return Config.model_validate({"latency": {**base, **kw}}).latency
-
-
-def _run_batched(model, tok, lat, monkeypatch, shapes=None):
-    from draft_models.layerskip import truncate
-    from pipeline.decode.drafts import ModelDraft
-    from pipeline.latency import batched as batch_latency
-    from pipeline.latency.plan import compile_session, draft_label
-
-    monkeypatch.setattr(batch_latency, "KINDS", ("chat", "code", "structured"))  # short prompts: seconds
-    if shapes is not None:
-        monkeypatch.setattr(batch_latency, "batched_shapes", shapes)
-    draft = ModelDraft("layerskip:1", truncate(model, 1), model.config.vocab_size)
-    session, _ = compile_session(lat, CPU)
-    assert session is not None
-    session.attach(model, "target")
-    session.attach(draft.model, draft_label("layerskip:1"))
-    try:
-        return batch_latency.batched_pair("tiny", "layerskip:1", model, draft, tok, [1], lat, CPU, 0.95, 0,
-                                          session=session)
-    finally:
-        session.close()
-
-
-def test_batched_cells_and_closed_loop_run_compiled_like_b1(small, tiny_tokenizer, monkeypatch):
-    """With compile on, every (B, k) cell and both closed-loop modes run their decode / verify /
-    draft steps through compiled graphs planned before any timing, and say so per cell."""
-    from pipeline.latency.plan import batched_shapes
-
-    doc = _run_batched(small, tiny_tokenizer, _batched_lat(), monkeypatch)
-    rec = doc["compile"]
-    # B = 2, k_max = 1: the target's step and verify width 2, the draft's widths 1 and 2.
-    assert rec["planned_graphs"] == rec["graphs_compiled"] == 4 == len(batched_shapes(
-        {2: doc["cache_len"]["2"]}, 1, ["draft layerskip:1"]))
-    assert rec["ran"] == "compiled" and rec["eager_shapes"] == 0 and rec["recompiles"] == 0
-    assert all(s["calls"] == s["compiled_calls"] > 0 for s in rec["shapes"])
-    assert {s["cache_len"] for s in rec["shapes"]} == {doc["cache_len"]["2"]}  # one cache length at B = 2
-    cells = {(c["batch"], c["k"]): c for c in doc["cells"]}
-    for c in cells.values():
-        assert c["run_mode"]["steps"] == "compiled" and "eager_steps" not in c["run_mode"], c["run_mode"]
-    assert cells[(2, 1)]["like_with_like"] is True
-    loop = doc["closed_loop"][0]
-    assert loop["plain"]["run_mode"]["steps"] == loop["speculative"]["run_mode"]["steps"] == "compiled"
-    assert loop["like_with_like"] is True
-
-
-def test_an_unplanned_verify_width_runs_eager_and_its_speedup_is_flagged(small, tiny_tokenizer, monkeypatch):
-    """A plan without the verify widths: the speculative cell's verify steps run eagerly (the
-    record says why), the cell is 'mixed' against a compiled plain cell, its speedup is flagged,
-    and the marginal stage's k per batch size leaves it out."""
-    from pipeline.decode.compiled import step_shapes
-    from pipeline.serving.batch_k import by_batch_section
-
-    def no_verify(lens, k_max, labels):
-        return [s for b, n in lens.items() for s in step_shapes("target", b, n, [1])
-                + [x for label in labels for x in step_shapes(label, b, n, [1, 2])]]
-
-    doc = _run_batched(small, tiny_tokenizer, _batched_lat(), monkeypatch, shapes=no_verify)
-    cells = {(c["batch"], c["k"]): c for c in doc["cells"]}
-    assert cells[(2, 0)]["run_mode"]["steps"] == "compiled"
-    spec = cells[(2, 1)]
-    assert spec["run_mode"]["steps"] == "mixed"
-    assert any("not in the compile plan" in (e["reason"] or "") for e in spec["run_mode"]["eager_steps"])
-    assert spec["like_with_like"] is False and spec["modes"] == {"speculative": "mixed", "plain": "compiled"}
-    # Whatever its speed, a flagged cell is never the recommended k at its B.
-    acc = {"per_position": [{"position": 1, "prefix": 0.9}], "expected_tokens_per_round": {"1": 1.9},
-           "expected_tokens_per_round_by_batch": {"2": {"1": 1.8}}}
-    section = by_batch_section(acc, doc, 0.95)
-    assert section["by_batch"]["rows"][0]["like_with_like"] is False
-    assert section["recommended_k_by_batch"] == {"2": 0}
-    assert section["speculative_config_by_batch"]["vllm_speculative_config"] is None
-
-
 # ---------------------------------------------------------------- 2(c): ratios, flags, recommendations
 
 
@@ -137,30 +50,6 @@ def test_b1_marginal_table_flags_a_mixed_mode_k_and_never_recommends_it():
     # Artifacts without modes (made before they were recorded): unknown, not flagged.
     tab = marginal_table(_acc(e, 0.8), timing)
     assert tab["recommended_k"] == 2 and all(r["like_with_like"] is None for r in tab["rows"])
-
-
-def test_k_by_batch_and_vllm_table_leave_out_a_mixed_mode_cell():
-    from tests.test_serving import _cells, _slice
-    from pipeline.serving.batch_k import batch_rows, recommended_by_batch, speculative_config
-
-    exact = {b: {k: 1 + sum(0.8 ** (i * b) for i in range(1, k + 1)) for k in range(1, 5)} for b in (1, 4)}
-    cells = _cells({1: 10.0, 4: 12.0}, lambda b, k: 10 + 2 * k if b == 1 else 12 + 2 * k, [1, 2, 3, 4])
-    for c in cells:
-        c["run_mode"] = _mode("compiled")
-    rows = batch_rows(_slice(exact, [0.5] * 4), cells, 0.95)
-    rec = recommended_by_batch(rows)
-    assert all(r["like_with_like"] is True for r in rows) and rec[1] >= 1 and rec[4] >= 1
-    # Every cell at B = 4 and the recommended one at B = 1 timed eagerly against a compiled plain cell.
-    for c in cells:
-        if c["k"] and (c["batch"] == 4 or (c["batch"], c["k"]) == (1, rec[1])):
-            c["run_mode"] = _mode("eager")
-    flagged = batch_rows(_slice(exact, [0.5] * 4), cells, 0.95)
-    by = {(r["batch"], r["k"]): r for r in flagged}
-    assert by[(1, rec[1])]["like_with_like"] is False and by[(4, 1)]["modes"] == {"speculative": "eager",
-                                                                                   "plain": "compiled"}
-    new = recommended_by_batch(flagged)
-    assert new[1] not in (0, rec[1]) and new[4] == 0
-    assert speculative_config(new)["rows"] == [[1, 3, new[1]], [4, 4, 0]]
 
 
 def test_tpot_ratio_vs_reference_flags_other_modes_and_fallback_kernels():
@@ -326,14 +215,13 @@ def test_acceptance_stage_frees_drafts_and_each_variant_before_the_next(tmp_path
 
 
 def test_plans_hold_no_one_token_verify_the_engine_never_runs():
-    """A round whose draft offered nothing is a decode step (width 1, last logits) at every B
-    (pipeline/decode/engine.py, pipeline/decode/batched.py), so no plan compiles a width-1
-    all-logits verify: the plans hold exactly the decode step, verify widths 2..k_max+1 and each
-    model draft's widths 1 and 2 (k_max + 3 graphs per B)."""
-    from pipeline.latency.plan import batched_shapes, speculative_shapes
+    """A round whose draft offered nothing is a decode step (width 1, last logits)
+    (pipeline/decode/engine.py), so no plan compiles a width-1 all-logits verify: the plan holds
+    exactly the decode step, verify widths 2..k_max+1 and each model draft's widths 1 and 2."""
+    from pipeline.latency.plan import speculative_shapes
 
     one = ("target", 1, 1, 64, True)  # (model, batch, width, cache length, every logit)
-    assert one not in speculative_shapes(64, 2, []) and one not in batched_shapes({1: 64, 4: 80}, 2, [])
+    assert one not in speculative_shapes(64, 2, [])
     assert ("target", 1, 1, 64, False) in speculative_shapes(64, 2, [])
     assert len(speculative_shapes(64, 3, [])) == 1 + 3
-    assert len(batched_shapes({1: 64, 4: 80}, 3, ["draft x"])) == 2 * (3 + 3)  # k_max + 3 per B
+    assert len(speculative_shapes(64, 3, ["draft x"])) == 1 + 3 + 2

@@ -60,7 +60,7 @@ def test_editing_any_file_a_stage_imports_changes_its_hash(tmp_path, monkeypatch
     monkeypatch.setattr(stage, "REPO", tmp_path)
     entries = STAGES["latency"].code + RUNNER_CODE
     files = sorted(code_files(entries))
-    assert tmp_path / "pipeline/core/config.py" in files and tmp_path / "pipeline/latency/batched.py" in files
+    assert tmp_path / "pipeline/core/config.py" in files and tmp_path / "pipeline/latency/speculative.py" in files
     before = code_hash(entries)
     for path in files:
         original = path.read_text()

@@ -63,14 +63,11 @@ def test_pooled_noise_leaves_out_what_says_nothing_and_falls_back_to_the_run():
     cols["1"]["rounds"] = MIN_ROUNDS * 3 - 1  # too few rounds behind the means: left out
     big = _doc(rng, 10, 3, 0.01)
     noise = pooled_noise({"p__small": small, "p__holes": holes, "p__big": big,
-                          "p__screened": {"screened": True}},
-                         {"p__big": {"cells": [{"batch": 1, "k": 0, "ms_per_token": {"samples": [10.0, 10.1, 9.9]}}],
-                                     "round_ms_by_width": {"1": {"1": {"samples": [12.0, 12.3, 11.8], "rounds": 90}}}}})
+                          "p__screened": {"screened": True}})
     assert noise["phases"]["p__small"] is None and "p__screened" not in noise["phases"]
-    assert noise["phases"]["p__big batched"] is None  # 2 + 2 df: at most 4 effective, below generically
     holes_pool = _Pool_of(holes)
     assert holes_pool.figures == 1 and holes_pool.df == 2 and holes_pool.plain_df == 2
-    assert noise["figure_df"] == 1 + 2 + 2 * 10 * 2 + 2 and noise["plain_df"] == 1 + 2 + 4 + 2
+    assert noise["figure_df"] == 1 + 2 + 2 * 10 * 2 and noise["plain_df"] == 1 + 2 + 4
     assert noise_for(noise, "p__small")["pooled_over"] == "the run" and "phases" not in noise_for(noise, "p__small")
     assert noise_for(noise, "p__big")["figure_df"] == 40
     assert noise_for(None, "p__big") is None

@@ -275,7 +275,7 @@ def _acceptance_inputs(cfg: Config, tmp_path) -> dict:
 
 
 def test_prompt_limit_terms_hashed_alike_by_acceptance_and_latency(tmp_path):
-    """Review 2: the prompt-length limit reads latency.new_tokens, closed_loop_tokens and k_max as
+    """Review 2: the prompt-length limit reads latency.new_tokens and k_max as
     well as acceptance's keys; both stages hash the same prompt_limit_inputs, so a change that can
     move the limit (and so the prompts drawn on a short-context model) re-runs both, and one that
     cannot re-runs neither for this reason."""
@@ -288,14 +288,14 @@ def test_prompt_limit_terms_hashed_alike_by_acceptance_and_latency(tmp_path):
                                      "latency": {"new_tokens": 16, **latency}})
         return cfg, _acceptance_inputs(cfg, tmp_path)["prompt_limit"], workload_inputs(cfg)["prompt_limit"]
 
-    cfg, acc0, lat0 = both(closed_loop_tokens=40)
+    cfg, acc0, lat0 = both(new_tokens=40)
     assert acc0 == lat0 == prompt_limit_inputs(cfg)
     assert prompt_limit(cfg, 100) == 100 - 40 - 5  # the limit is these terms and the context alone
-    _, acc1, lat1 = both(closed_loop_tokens=64)
+    _, acc1, lat1 = both(new_tokens=64)
     assert acc1 == lat1 != acc0 and acc1["generated"] == 64
-    _, acc2, lat2 = both(closed_loop_tokens=20)  # below acceptance.max_new_tokens: the limit cannot move
+    _, acc2, lat2 = both(new_tokens=20)  # below acceptance.max_new_tokens: the limit cannot move
     assert acc2 == lat2 and acc2["generated"] == 32
-    _, acc3, lat3 = both(closed_loop_tokens=40, k_max=7)
+    _, acc3, lat3 = both(new_tokens=40, k_max=7)
     assert acc3 == lat3 and acc3["verify_width"] == 8
 
 
@@ -315,18 +315,6 @@ def test_fewer_workload_prompts_than_categories_is_refused(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "workload_prompts = 3 is fewer than" in proc.stderr and not run.exists()
-
-
-def test_empty_batch_sizes_are_one_clear_line_before_the_batched_draw():
-    """Review 5: spec_batch_sizes and closed_loop_batch_sizes both empty used to end in a bare
-    ValueError from max([]) where the prompts for the batched cells are counted."""
-    from types import SimpleNamespace
-
-    from pipeline.stages.latency import _batched_pairs
-
-    cfg = Config.model_validate({"latency": {"spec_batch_sizes": [], "closed_loop_batch_sizes": []}})
-    with pytest.raises(StageError, match=r"latency.spec_batch_sizes must be batch sizes >= 1 \(got \[\]\)"):
-        _batched_pairs(SimpleNamespace(config=cfg), {}, ["bf16"], [1, 2], "cpu")
 
 
 def test_user_file_bom_suffix_case_and_text_after_the_array(tmp_path):

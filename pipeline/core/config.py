@@ -141,8 +141,7 @@ class AcceptanceConfig(Section):
     temperatures: list[float] = Field(default_factory=lambda: [0.0])
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     # Most tokens the target generates per prompt (fewer at EOS): the texts acceptance is measured on,
-    # the direct check's runs and vLLM's measured requests. Also caps the output lengths the serving
-    # simulation draws from the workload.
+    # the direct check's runs and vLLM's measured requests.
     max_new_tokens: int = 48
     # CPU-sized; the built-in set has 6-8 prompts per kind (evals/data/speculation_prompts.json), all of them
     # on GPU.
@@ -201,21 +200,20 @@ class AcceptanceConfig(Section):
 
 class LatencyConfig(Section):
     """The latency stage: measured decode time of every variant (a plain grid over batch sizes and
-    context lengths) and of every (target, draft) pair specq's engine measures, at B = 1 and under
-    batching, with a closed loop the serving simulation is checked against."""
+    context lengths) and of every (target, draft) pair specq's engine measures, at B = 1 (vLLM
+    measures speculation under batching)."""
     # Batch sizes of the plain decode grid: every variant is timed at each batch size x context
     # length (a cell the memory plan cannot fit is dropped, with one line).
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
     # Prompt lengths in tokens of the plain decode grid (random token ids); a length whose prompt plus
     # new_tokens exceeds the model's positions is skipped.
     context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
-    # Tokens generated per timed run, EOS ignored (the plain grid, the B = 1 speculative runs and the
-    # batched cells); TPOT is over the last new_tokens - 1, so at least 2.
+    # Tokens generated per timed run, EOS ignored (the plain grid and the speculative runs); TPOT is over the last new_tokens - 1, so at least 2.
     new_tokens: int = 16
     # Untimed warm-ups before timing: a plain grid cell runs whole this many times; a pair runs every
     # step shape once per warm-up (short 8-token runs). 0 = none.
     warmup: int = 1
-    # The most timing repeats per cell (a plain grid cell, a B = 1 pair, a pair's batched cells).
+    # The most timing repeats per cell (a plain grid cell, a pair).
     repeats: int = 5
     # Repeats always done before a cell may stop early (settle), whatever its intervals say; a
     # quantity needs 2 samples to have an interval, so 1 still does 2 unless the budget stops it.
@@ -246,19 +244,8 @@ class LatencyConfig(Section):
     # width; CUDA graphs still recorded per width), not one per width: a third of gpu.yaml's
     # compiles (pipeline/decode/compiled.py). false: a static graph per width.
     compile_dynamic_width: bool = True
-    # Speculation under batching (pipeline/latency/batched.py): speculative round time and ms/token
-    # at every (B, k) for these batch sizes, paired with plain decode at the same B.
-    spec_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
-    # Batch sizes B of the closed loop the serving simulation is checked against: closed_loop_waves
-    # waves of B requests of closed_loop_tokens new tokens each, plain and speculative, at each B.
-    closed_loop_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
-    # Closed-loop waves per batch size (each wave runs its B requests to completion, plain and
-    # speculative); 0 = no closed loop.
-    closed_loop_waves: int = 6
-    # New tokens per request in a closed-loop wave, EOS ignored (at least 2).
-    closed_loop_tokens: int = 24
     # Screen each (target, draft) pair before timing it (pipeline/latency/screen.py): a probe of a
-    # few seconds and acceptance's upper CI bound its speedup at every k (and B); a pair whose bound
+    # few seconds and acceptance's upper CI bound its speedup at every k; a pair whose bound
     # is below 1 everywhere "does not pay" and is not timed (its JSON says why). Prompt lookup is
     # never screened. false: every pair is timed.
     screen: bool = True
@@ -373,7 +360,7 @@ class ReportConfig(Section):
 
 class Config(Section):
     # Seed of everything random in a run: sampled generations, the workload's prompt draw, the quality
-    # slices' item order, bootstrap resamples, the serving simulation and variants' weight_noise;
+    # slices' item order, bootstrap resamples and variants' weight_noise;
     # vLLM gets it as --seed.
     seed: int = 0
     # Two-sided level of every interval a stage reports or decides on: the gate's bounds (each side

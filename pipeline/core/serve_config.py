@@ -1,6 +1,6 @@
 """The `vllm` and `serving` sections of the config schema (pipeline/core/config.py is the whole
 schema and the one loader): the vLLM engine the speculation stage starts, its open-loop check, and
-the serving workload and SLO the recommendation is judged against. Every default here is a
+the SLO the open-loop check judges goodput by. Every default here is a
 default of the one schema.
 """
 from __future__ import annotations
@@ -65,45 +65,7 @@ class VllmEngineConfig(Section):
 
 
 class ServingConfig(Section):
-    """What pays at a request rate (pipeline/serving/batching.py, run by the marginal stage): a simulated
-    continuous-batching server fed the measured step costs, under open-loop Poisson arrivals."""
-
-    # Prompt tokens of every simulated request when lengths are fixed (an acceptance JSON made
-    # without a workload block); otherwise each request draws its lengths from the acceptance workload.
-    prompt_tokens: int = 128
-    # Output tokens (at least 2) of every simulated request when lengths are fixed (an acceptance
-    # JSON made without a workload block); otherwise each request draws its lengths from the workload.
-    output_tokens: int = 64
-    requests: int = 200  # per simulated run
-    seeds: int = 5  # runs per rate and policy (the same arrivals for every policy)
-    # Arrival rates in requests/s; empty = rate_points rates from 5% to max_load x the plain
-    # server's full-batch capacity (past saturation).
-    rates: list[float] = Field(default_factory=list)
-    # How many arrival rates the sweep simulates when `rates` is empty, evenly spaced from 5% to
-    # max_load x the plain server's full-batch capacity.
-    rate_points: int = 10
-    # Highest rate of the sweep when `rates` is empty, as a multiple of the plain server's full-batch
-    # capacity (above 1: past saturation).
-    max_load: float = 1.3
-    # SLO on time to first token, in ms. A request meets the SLO when its TTFT and TPOT are both
-    # within their limits; goodput = such requests per second.
-    slo_ttft_ms: float = 2000.0
-    # SLO on time per output token after the first, in ms. A request meets the SLO when its TTFT and
-    # TPOT are both within their limits; goodput = such requests per second.
-    slo_tpot_ms: float = 100.0
-    # Simulated closed-loop runs behind the validation's predicted TPOT and its interval.
-    validation_resamples: int = 100
-
-    @field_validator("prompt_tokens", "requests", "seeds", "rate_points", "validation_resamples")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1")
-        return v
-
-    @field_validator("output_tokens")
-    @classmethod
-    def _two(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError("must be >= 2 (TPOT is undefined for one output token)")
-        return v
+    """The SLO the vllm stage's open-loop check judges goodput by: a request meets it when its TTFT
+    and its TPOT are both within their limits; goodput = such requests per second."""
+    slo_ttft_ms: PositiveFloat = 2000.0  # time to first token
+    slo_tpot_ms: PositiveFloat = 100.0  # time per output token after the first

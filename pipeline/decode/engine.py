@@ -9,7 +9,8 @@
 One set of small functions (`prefill`, `decode_one_token`, `draft_k`, `verify`, `speculative_step`)
 serves both modes, so acceptance and latency describe the same computation. The cache
 (pipeline/decode/cache.py) is rolled back by moving its write position, and a B = 1 round makes
-one device-to-host transfer. Speculation at B > 1 goes to pipeline/decode/batched.py.
+one device-to-host transfer. Speculation runs one row (B = 1); speculation under batching is
+measured in vLLM (pipeline/stages/vllm_engine.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.decode.batched import generate_batched
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.drafts import Draft
 from pipeline.decode.errors import EngineError
@@ -140,9 +140,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     T + max_new_tokens + 1), so a timed cell never attends over a longer pooled cache and a
     compiled step sees one cache length for every prompt of a set. prefill_chunk: see prefill().
 
-    k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B > 1:
-    pipeline/decode/batched.py, whose rounds are BatchRoundRecords; it takes no cache_len):
-    near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
+    k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B = 1
+    only): near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
     (the EOS is emitted; tokens after it, accepted or not, are not). Timer sections: "prefill" once,
     then "decode" per plain step, or "round" (containing "draft" and "verify") per speculative round;
     a round is timed from its start to the next round's start (Timer.lap).
@@ -154,7 +153,7 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         raise EngineError(f"draft length k must be >= 0 (got {k})")
     b, t = input_ids.shape
     if speculative and b != 1:
-        return generate_batched(target, input_ids, max_new_tokens, draft, k, sampling, generator, timer, eos_token_id)
+        raise EngineError(f"speculative decoding runs one row (B = 1), got B = {b}: vLLM measures it under batching")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     need = t + max_new_tokens + 1
     if cache_len is not None and cache_len < need:

@@ -2,8 +2,8 @@
 
     from pipeline.decode.steps import prefill, decode_one_token, GenerationResult
 
-engine.py (B = 1 speculative, and plain at any B) and batched.py (speculative at B > 1) both build
-on these, so a plain step is the same computation in both loops.
+engine.py (B = 1 speculative, and plain at any B) builds on these, so a plain step is the same
+computation in both loops.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ __all__ = ["GenerationResult", "prefill", "decode_one_token", "next_token", "cut
 class GenerationResult:
     # New token ids: a flat list for one prompt; a list of per-sequence lists when B > 1.
     tokens: list
-    # Speculative only (empty for k = 0): engine.RoundRecord at B = 1, batched.BatchRoundRecord at B > 1.
+    # Speculative only (empty for k = 0): one engine.RoundRecord per round.
     rounds: list = field(default_factory=list)
     prefill_s: float = 0.0  # prompt forward(s) + first token (target and draft prefill)
     decode_s: float = 0.0  # every token after the first

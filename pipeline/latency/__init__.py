@@ -1,1 +1,1 @@
-"""Measured decode time: the plain grid, speculative rounds, batched cells and the closed loop, the memory plan, the roofline."""
+"""Measured decode time: the plain grid, speculative rounds, the screen, the memory plan, the roofline."""

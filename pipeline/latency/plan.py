@@ -37,19 +37,6 @@ def speculative_shapes(cache_len: int, k_max: int, draft_labels: list[str]) -> l
     return shapes
 
 
-def batched_shapes(cache_lens: dict[int, int], k_max: int, draft_labels: list[str]) -> list[tuple]:
-    """The batched part's graphs: per B at its one cache length, the target's decode step (plain
-    decode, and a round where no row was offered anything), its verify widths 2..k_max+1 (shortened
-    last rounds use the narrower ones) and each model draft's widths 1 and 2."""
-    shapes = []
-    for b, length in sorted(cache_lens.items()):
-        shapes += step_shapes("target", b, length, [1])
-        shapes += step_shapes("target", b, length, range(2, k_max + 2), all_logits=True)
-        for label in draft_labels:
-            shapes += step_shapes(label, b, length, [1, 2])
-    return shapes
-
-
 def draft_label(spec: str) -> str:
     return f"draft {spec}"
 

@@ -1,14 +1,14 @@
 """Screening a (target, draft) pair before it is timed: an upper bound on its speedup at every k,
 from acceptance's upper CI and a probe of a few seconds.
 
-    from pipeline.latency.screen import screen_pair, screen_batched
+    from pipeline.latency.screen import screen_pair
     rec = screen_pair(model, draft, prompt_ids, ks, acceptance_json, acc_cfg, device, cache_len)
     rec["verdict"]      # "does not pay" (the bound is below 1 at every k) or "may pay"
 
 upper_speedup(k) = E_hi(k) x T_plain_hi / (T_verify_lo(k + 1) + T_draft_lo(k)), each term taken in
 the direction that keeps a pair timed: a pair below 1 at every k cannot have a k recommended, and
 one that may pay is timed only at the k whose bound reaches 1 (`ks_to_time`). Prompt lookup is
-never screened. The terms, and when the screen is off: docs/methods/batching.md.
+never screened. The terms, and when the screen is off: docs/methods/marginal.md.
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ import time
 
 import torch
 
-from pipeline.decode.batched import batched_draft
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
-from pipeline.decode.errors import EngineError
 from pipeline.decode.sampling import SamplingParams, logits_to_probs
 from pipeline.decode.steps import prefill
 from pipeline.decode.timing import Timer, synchronize
@@ -48,26 +46,22 @@ MODEL_FREE = ("the draft proposes without a model forward (prompt lookup): a rou
 # ---------------------------------------------------------------- acceptance's upper end
 
 
-def e_upper(acceptance: dict | None, ks: list[int], batch: int = 1, slice_name: str = "all") -> dict[int, dict]:
-    """k -> {"e_hi", "by_temperature": {t: hi}, "source"}: the upper CI end of E_B(k) on the slice,
+def e_upper(acceptance: dict | None, ks: list[int], slice_name: str = "all") -> dict[int, dict]:
+    """k -> {"e_hi", "by_temperature": {t: hi}, "source"}: the upper CI end of E(k) on the slice,
     the largest over temperatures; k + 1 where the acceptance JSON has no CI at k."""
     temps = ((acceptance or {}).get("slices") or {}).get(slice_name) or {}
     out = {}
     for k in ks:
         by_t = {}
         for t, block in temps.items():
-            if batch == 1:
-                ci = (block.get("expected_tokens_per_round_ci") or {}).get(str(k))
-            else:
-                ci = ((block.get("expected_tokens_per_round_by_batch_ci") or {}).get(str(batch)) or {}).get(str(k))
+            ci = (block.get("expected_tokens_per_round_ci") or {}).get(str(k))
             by_t[t] = float(ci[1]) if ci and ci[1] is not None else None
         found = [v for v in by_t.values() if v is not None]
         if found and len(found) == len(by_t):
             out[k] = {"e_hi": max(found), "by_temperature": by_t, "source": f"acceptance CI, slice {slice_name}"}
         else:
             out[k] = {"e_hi": float(k + 1), "by_temperature": by_t,
-                      "source": "k + 1, the most a round can emit (no acceptance CI at this k"
-                                + (f" for B = {batch}" if batch > 1 else "") + ")"}
+                      "source": "k + 1, the most a round can emit (no acceptance CI at this k)"}
     return out
 
 
@@ -77,17 +71,15 @@ def e_upper(acceptance: dict | None, ks: list[int], batch: int = 1, slice_name: 
 @torch.inference_mode()
 def probe_costs(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, plain_sampling: SamplingParams,
                 repeats: int = PROBE_REPEATS, warmup: int = PROBE_WARMUP, seed: int = 0) -> dict:
-    """Probe timings (ms) for one model draft at ids [B, T] on a static cache of `cache_len`
+    """Probe timings (ms) for one model draft at ids [1, T] on a static cache of `cache_len`
     positions (raised to what the probe itself needs where a tiny config asks fewer): `plain_ms`
     per repeat (plain ms/token as the timed runs measure it), `verify_ms[k + 1]` and `draft_ms[k]`
-    per repeat, and the `cache_len` used. B > 1 drafts through the batched engine's form of the draft."""
+    per repeat, and the `cache_len` used."""
     device = next(model.parameters()).device
     b, t = ids.shape
     cache_len = max(cache_len, t + PLAIN_STEPS + 2, t + max(ks) + 2)
     ids = ids.to(device)
     greedy = SamplingParams(0.0)
-    drafter = None
-    active = torch.ones(b, dtype=torch.bool, device=device)
     out = {"cache_len": cache_len, "plain_ms": [], "verify_ms": {str(k + 1): [] for k in ks},
            "draft_ms": {str(k): [] for k in ks}}
     for r in range(warmup + repeats):
@@ -98,20 +90,15 @@ def probe_costs(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, 
             out["plain_ms"].append(res.decode_s / PLAIN_STEPS * 1e3)
         target = CachedModel(model, batch=b, max_len=cache_len, exact=True)
         first = prefill(target, ids, greedy, None)  # [B]
-        if drafter is None:  # the batched engine's form at B > 1 (EngineError for a draft without one)
-            drafter = draft if b == 1 else batched_draft(draft, b, target.vocab)
-        drafter.prefill(ids, cache_len, exact=True)
+        draft.prefill(ids, cache_len, exact=True)
         seqs = torch.cat([ids, first.unsqueeze(1)], 1)  # [B, T + 1]
         timer = Timer(device)
         marks = []
         for k in ks:
             with timer.measure("draft") as m_draft:
-                if b == 1:
-                    d, _ = drafter.propose(seqs[0], k, greedy, None)
-                    d = d.view(1, -1)
-                else:
-                    d, _, _ = drafter.propose(seqs, k, greedy, None, active)
-            _rewind(drafter, ids, cache_len, t)
+                d, _ = draft.propose(seqs[0], k, greedy, None)
+                d = d.view(1, -1)
+            _rewind(draft, ids, cache_len, t)
             with timer.measure("verify") as m_verify:
                 logits = target.forward(torch.cat([seqs[:, -1:], d.to(device)], 1), all_logits=True)
                 logits_to_probs(logits, greedy)
@@ -160,7 +147,7 @@ def verdict_of(rows: list[dict]) -> tuple[str, float, dict]:
     return (DOES_NOT_PAY if top["bound"] < 1.0 else MAY_PAY), float(top["bound"]), top
 
 
-def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[dict], batch: int = 1) -> list[str]:
+def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[dict]) -> list[str]:
     """The acceptance slices other than "all" whose own E CI would put the bound at or above 1 at
     some k (same probe): categories the pooled screen does not rule out on their own."""
     rounds = {r["k"]: r for r in rows}
@@ -168,19 +155,16 @@ def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[
     for name in sorted(((acceptance or {}).get("slices") or {})):
         if name == "all":
             continue
-        upper = e_upper(acceptance, ks, batch, name)
+        upper = e_upper(acceptance, ks, name)
         if any(upper[k]["e_hi"] * rounds[k]["t_plain_hi_ms"] / max(rounds[k]["round_lo_ms"], 1e-12) >= 1.0
                for k in ks):
             out.append(name)
     return out
 
 
-def _model_free_record(batch_sizes: list[int] | None = None) -> dict:
-    rec = {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
-           "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
-    if batch_sizes is not None:
-        rec.update(batch_sizes=batch_sizes, at_batch=None, by_batch={})
-    return rec
+def _model_free_record() -> dict:
+    return {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
+            "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
 
 
 def pool(a: dict, b: dict) -> dict:
@@ -189,15 +173,15 @@ def pool(a: dict, b: dict) -> dict:
             **{key: {w: a[key][w] + b[key][w] for w in a[key]} for key in ("verify_ms", "draft_ms")}}
 
 
-def _one_batch(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, acceptance: dict | None,
+def _bound(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, acceptance: dict | None,
                acc_cfg, seed: int, prompt_id: str | None = None) -> dict:
-    """The bound at one batch size (ids: [B, T]). A pair (or a k: ks_to_time) is only ruled out
+    """The bound on one prompt (ids: [1, T]). A pair (or a k: ks_to_time) is only ruled out
     when a second probe, its samples pooled with the first's, still puts its bound below 1: a burst
     of load during one probe's round-part measurements would otherwise rule out one that pays."""
     b = int(ids.shape[0])
     hottest = max(acc_cfg.temperatures, default=0.0)
     plain_sampling = sampling_of(acc_cfg.sampling, hottest)
-    upper = e_upper(acceptance, ks, b)
+    upper = e_upper(acceptance, ks)
     t0 = time.perf_counter()
     probe = probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed)
     probes = 1
@@ -209,7 +193,7 @@ def _one_batch(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, a
     seconds = time.perf_counter() - t0
     verdict, top, at = verdict_of(rows)
     return {"batch": b, "verdict": verdict, "max_bound": top, "at_k": at["k"], "rows": rows,
-            "categories_not_ruled_out": categories_not_ruled_out(acceptance, ks, rows, b),
+            "categories_not_ruled_out": categories_not_ruled_out(acceptance, ks, rows),
             "probe": {"prompt_id": prompt_id, "prompt_tokens": int(ids.shape[1]), "batch": b,
                       "probes": probes, "repeats": PROBE_REPEATS * probes, "warmup": PROBE_WARMUP,
                       "plain_steps": PLAIN_STEPS, "plain_temperature": hottest, "seconds": round(seconds, 3),
@@ -223,52 +207,24 @@ def screen_pair(model, draft, prompt_ids: list[int], ks: list[int], acceptance: 
     if getattr(draft, "model", None) is None:
         return _model_free_record()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    one = _one_batch(model, draft, ids, ks, cache_len, acceptance, acc_cfg, seed, prompt_id)
+    one = _bound(model, draft, ids, ks, cache_len, acceptance, acc_cfg, seed, prompt_id)
     return {**one, "model_free": False, "reason": reason(one), "formula": FORMULA, "assumes": ASSUMES}
-
-
-def screen_batched(model, draft, prompts: dict[int, torch.Tensor], cache_lens: dict[int, int], ks: list[int],
-                   acceptance: dict | None, acc_cfg, device, seed: int = 0) -> dict:
-    """The screen of one pair's batched cells: the same bound at every B of `prompts` (B -> [B, T],
-    the cells' own rows) with E_B_hi and a probe at B rows on the cells' cache length. Does not
-    pay when the bound is below 1 at every (B, k)."""
-    batch_sizes = sorted(prompts)
-    if getattr(draft, "model", None) is None:
-        return _model_free_record(batch_sizes)
-    by_batch = {}
-    for b in batch_sizes:
-        try:
-            by_batch[str(b)] = _one_batch(model, draft, prompts[b], ks, cache_lens[b], acceptance, acc_cfg, seed)
-        except EngineError as e:  # a draft with no batched form: batched_pair will say so too
-            return {"verdict": MAY_PAY, "model_free": False, "reason": f"not screened: {e}", "max_bound": None,
-                    "at_k": None, "at_batch": None, "batch_sizes": batch_sizes, "by_batch": by_batch,
-                    "formula": FORMULA, "assumes": ASSUMES}
-    top = max(by_batch.values(), key=lambda x: (x["max_bound"], -x["batch"]))
-    verdict = DOES_NOT_PAY if all(x["verdict"] == DOES_NOT_PAY for x in by_batch.values()) else MAY_PAY
-    rec = {"verdict": verdict, "model_free": False, "max_bound": top["max_bound"], "at_k": top["at_k"],
-           "at_batch": top["batch"], "batch_sizes": batch_sizes, "by_batch": by_batch,
-           "categories_not_ruled_out": sorted({c for x in by_batch.values() for c in x["categories_not_ruled_out"]}),
-           "formula": FORMULA.replace("E_hi", "E_B_hi") + " at each batch size B", "assumes": ASSUMES}
-    rec["reason"] = reason(rec)
-    return rec
 
 
 def ks_to_time(rec: dict, ks: list[int]) -> tuple[list[int], dict[str, float]]:
     """The k a pair that may pay is timed at, and the bound of each k it is not: 1..k_hi, k_hi the
-    largest k whose bound is at least 1 (at any batch size of a batched record). A k past k_hi
+    largest k whose bound is at least 1. A k past k_hi
     cannot be recommended at the bound's level (its speedup is below 1, and the marginal stage
     recommends a k only where the speedup CI lies above 1), so timing it cannot change the
     recommendation. The k are kept a prefix 1..k_hi (a k below k_hi whose own bound is under 1 is
     still timed): the marginal stage reads a pair's k up to the largest timed drafted count.
     A model-free or unscreened record, or one with no bound at 1, keeps every k."""
-    blocks = list((rec.get("by_batch") or {}).values()) if "batch_sizes" in rec else [rec]
-    bounds = [{int(row["k"]): float(row["bound"]) for row in block.get("rows") or []} for block in blocks]
-    if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not any(bounds) \
-            or any(k not in b for b in bounds for k in ks):
+    bound = {int(row["k"]): float(row["bound"]) for row in rec.get("rows") or []}
+    if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not bound or any(k not in bound for k in ks):
         return list(ks), {}
-    paying = [k for k in ks if any(b[k] >= 1.0 for b in bounds)]
+    paying = [k for k in ks if bound[k] >= 1.0]
     timed = [k for k in ks if k <= max(paying)] if paying else list(ks)
-    return timed, {str(k): round(max(b[k] for b in bounds), 4) for k in ks if k not in timed}
+    return timed, {str(k): round(bound[k], 4) for k in ks if k not in timed}
 
 
 def cut_line(ks: list[int], cut: dict[str, float]) -> str:
@@ -291,8 +247,7 @@ def reason(rec: dict) -> str:
         return MODEL_FREE
     if rec.get("max_bound") is None:
         return rec.get("reason") or "not screened"
-    where = f"k={rec['at_k']}" + (f", B={rec['at_batch']}" if rec.get("at_batch") else "")
-    return f"speedup at most {rec['max_bound']:.2f} at {where}"
+    return f"speedup at most {rec['max_bound']:.2f} at k={rec['at_k']}"
 
 
 def progress_line(target: str, spec: str, rec: dict, what: str = "") -> str:
@@ -308,7 +263,6 @@ def progress_line(target: str, spec: str, rec: dict, what: str = "") -> str:
 def summary(rec: dict) -> dict:
     """The stage meta.json's few keys of a screen record."""
     return {"verdict": rec["verdict"], "max_bound": rec.get("max_bound"), "at_k": rec.get("at_k"),
-            **({"at_batch": rec.get("at_batch")} if "batch_sizes" in rec else {}),
             "model_free": rec.get("model_free", False), "reason": reason(rec),
             **({"ks_not_timed": rec["ks_not_timed"]} if rec.get("ks_not_timed") else {})}
 
@@ -320,14 +274,7 @@ def skipped_b1(ks: list[int], prompts: dict, temperatures: list[float]) -> str:
             f"{len(temperatures)} temperatures, every latency repeat")
 
 
-def skipped_batched(ks: list[int], batch_sizes: list[int], loop_sizes: list[int]) -> str:
-    """What a screened pair's batched timing would have run."""
-    out = f"(B, k) cells at B = {', '.join(map(str, batch_sizes))} and k = {ks[0]}..{ks[-1]}"
-    return out + (f", the closed loop at B = {', '.join(map(str, loop_sizes))}" if loop_sizes else "")
-
-
 def screened_note(rec: dict) -> str:
     """The sentence the marginal page and the report give a screened pair."""
-    where = "any (B, k)" if "batch_sizes" in rec else "any k"
-    return (f"does not pay: speedup at most {rec['max_bound']:.2f} at {where} (bound from acceptance's upper CI "
+    return (f"does not pay: speedup at most {rec['max_bound']:.2f} at any k (bound from acceptance's upper CI "
             "and probe timings), not timed")

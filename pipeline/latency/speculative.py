@@ -7,7 +7,7 @@ A round's cost depends on its content through one number, how many tokens the dr
 rounds are timed on the acceptance stage's own prompts at every k and reported by drafted count
 (`round_ms_by_drafted[d]`), which the marginal stage weights by the acceptance stage's drafted
 counts. Repeats stop early once every figure the recommendation uses is settled (SETTLE_RULE,
-also used by pipeline/latency/grid.py and batched.py) or the budget runs out. Why, and the
+also used by pipeline/latency/grid.py) or the budget runs out. Why, and the
 rule: docs/methods/stages.md, docs/methods/budget.md.
 """
 from __future__ import annotations
@@ -42,8 +42,7 @@ SETTLE_RULE = (
     "After each repeat from latency.min_repeats on, stop when every figure the recommendation is "
     "computed from has a CI (median_ci, the config's confidence, over the repeats so far) whose half-width is at "
     "most latency.settle_rel of its median: B = 1 pairs: plain ms/token and the round time of every "
-    "drafted count d, at every temperature; batched: plain ms/token and the round time of every verify "
-    f"width, at every B; plain grid: each cell's TPOT. Drafted counts (widths) that together hold at most "
+    "drafted count d, at every temperature; plain grid: each cell's TPOT. Drafted counts (widths) that together hold at most "
     f"{SETTLE_MIN_SHARE:g} of the timed rounds at every k are left out; a figure with fewer than 2 samples "
     "is never settled. T_round(k) is a weighted mean of the round times by drafted count, so all of them "
     "within settle_rel puts every T_round(k) and ms/token(k) within it too, whatever a slice's weights. "
@@ -99,12 +98,9 @@ def settle_widths(plain, by_d: dict, counts_by_k: dict, confidence: float, seed:
     return out
 
 
-# The fewest timing repeats a k is recommended from (pipeline/serving/marginal.py, batch_k.py): a
-# speedup CI from one repeat has no timing spread in it. On 2026-12-02 a smoke run's one repeat of
-# prompt lookup, its plain runs slowed by another process, gave 1.56 [1.39, 1.93]; the same pair on
-# the quiet machine gave 0.99 [0.88, 1.23] (docs/results/2026-12-03-budgeted-vs-exhaustive.md). So a timed pair's loop is
-# never stopped by the budget before this many repeats (Repeats' `floor`): one repeat would be time
-# spent on a figure no recommendation may use.
+# The fewest timing repeats a k is recommended from (pipeline/serving/marginal.py): a speedup CI
+# from one repeat has no timing spread in it (docs/results/2026-12-03-budgeted-vs-exhaustive.md), so
+# the budget never stops a timed pair's loop before this many repeats (Repeats' `floor`).
 MIN_TIMING_REPEATS = 2
 
 
@@ -256,8 +252,7 @@ def warm_up(model, draft, prompts: dict, temperatures: list[float], sampling_cfg
 
 def round_time_block(times_per_repeat: list[list[float]]) -> dict:
     """{"samples": per repeat the mean of its round times (None where a repeat had none),
-    "rounds": how many rounds in all}: one entry of round_ms_by_drafted (here, by drafted count)
-    and of round_ms_by_width (pipeline/latency/batched.py), which
+    "rounds": how many rounds in all}: one entry of round_ms_by_drafted, which
     pipeline.serving.marginal.by_drafted_matrix reads."""
     return {"samples": [float(np.mean(t)) if t else None for t in times_per_repeat],
             "rounds": sum(len(t) for t in times_per_repeat)}

@@ -7,7 +7,7 @@ Joins a pair's acceptance JSON (E(k), drafted-count shares) with its latency JSO
 drafted count, plain ms/token) per slice and temperature: T_round(k) weights the round times by
 that slice's own drafted counts at k, ms_per_token(k) = T_round(k) / E(k), speedup(k) =
 T_plain / ms_per_token(k). RULE picks k (per category: `recommended_k_by_category`); a row whose
-two sides ran differently is never recommended. Method: docs/methods/batching.md.
+two sides ran differently is never recommended. Method: docs/methods/marginal.md.
 """
 from __future__ import annotations
 

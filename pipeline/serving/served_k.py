@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.serving.batch_k import vllm_rows
 from pipeline.serving.marginal import RULE, recommend_k
 from pipeline.speculation.acceptance_stats import ratio_difference
 from pipeline.stats.intervals import percentile_interval
@@ -86,6 +85,21 @@ def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
         g = run.get("lossless", {}).get("greedy")
         return True if g is None else bool(g["greedy_lossless"])
     return True if sampled is None else bool(sampled["passed"])
+
+
+def vllm_rows(by_batch: dict[int, int]) -> list[list[int]]:
+    """{B: k} -> the [[start_bs, end_bs, k], ...] rows of vLLM's num_speculative_tokens_per_batch_size:
+    each measured B covers up to the next measured B minus one (vLLM gives a gap the previous row's
+    k), the last only itself; neighbouring rows with the same k merge."""
+    rows: list[list[int]] = []
+    bs = sorted(by_batch)
+    for i, b in enumerate(bs):
+        end = bs[i + 1] - 1 if i + 1 < len(bs) else b
+        if rows and rows[-1][2] == by_batch[b]:
+            rows[-1][1] = end
+        else:
+            rows.append([b, end, int(by_batch[b])])
+    return rows
 
 
 def _pick(rows: list[dict]) -> int:

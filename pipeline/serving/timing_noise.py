@@ -1,8 +1,8 @@
 """Timing noise pooled over a timing loop's figures (or the run's), for speedup intervals from few repeats.
 
     from pipeline.serving.timing_noise import noise_for, pooled_noise, timing_factors
-    noise = pooled_noise(latency_pair_docs, batched_docs)   # None when the run has too few repeats
-    marginal_table(..., noise=noise_for(noise, "bf16__ngram"))            # or "bf16__ngram batched"
+    noise = pooled_noise(latency_pair_docs)       # None when the run has too few repeats
+    marginal_table(..., noise=noise_for(noise, "bf16__ngram"))
 
 With n repeats resampled, a median's interval is at most their range, which holds the true median
 only with probability 1 - 2^(1 - n). So the timing part of each replicate is a t draw at the noise
@@ -88,12 +88,11 @@ class _Pool:
                 "unit": UNIT}
 
 
-def pooled_noise(pairs: dict[str, dict], batched: dict[str, dict] | None = None) -> dict | None:
-    """The run's pooled timing noise, from its B = 1 latency pair documents (pair ->
-    latency/<pair>.json) and batched ones (pair -> latency/batched/<pair>.json):
+def pooled_noise(pairs: dict[str, dict]) -> dict | None:
+    """The run's pooled timing noise, from its latency pair documents (pair -> latency/<pair>.json):
     {"ratio_sd", "round_sd", "df" (effective), "figure_df", "plain_df", "figures", "pooled_over": "the run",
-    "unit", "phases": {phase: the same over one document's figures, or None}}, phases named `<pair>`
-    and `<pair> batched`. None when the run holds fewer than MIN_DF effective degrees of freedom."""
+    "unit", "phases": {phase: the same over one document's figures, or None}}, phases named `<pair>`.
+    None when the run holds fewer than MIN_DF effective degrees of freedom."""
     run, phases = _Pool(), {}
 
     def phase(name: str, sequences) -> None:
@@ -107,11 +106,6 @@ def pooled_noise(pairs: dict[str, dict], batched: dict[str, dict] | None = None)
         if isinstance(doc, dict) and not doc.get("screened"):
             phase(pair, [(block.get("plain_ms_per_token"), list((block.get("round_ms_by_drafted") or {}).values()))
                          for block in (doc.get("by_temperature") or {}).values()])
-    for pair, doc in (batched or {}).items():
-        if isinstance(doc, dict) and not doc.get("screened"):
-            plain = {int(c["batch"]): c["ms_per_token"] for c in doc.get("cells") or [] if c.get("k") == 0}
-            phase(f"{pair} batched", [(plain.get(int(b)), list(widths.values()))
-                                      for b, widths in (doc.get("round_ms_by_width") or {}).items()])
     whole = run.figure("the run")
     return None if whole is None else {**whole, "phases": phases}
 

@@ -1,1 +1,1 @@
-"""Acceptance of a (target, draft) pair: the round chain, batch rounds, teacher forcing, acceptance statistics, the lossless checks, the prompts."""
+"""Acceptance of a (target, draft) pair: the round chain, teacher forcing, acceptance statistics, the lossless checks, the prompts."""

@@ -3,8 +3,7 @@ chain on them, direct engine runs beside it, the lossless checks.
 
     from pipeline.speculation.measure import generate_texts, measure_pair
     texts = generate_texts(model, prompts, cfg.acceptance, seed, tokenizer.eos_token_id)
-    result = measure_pair(model, tokenizer, draft, cfg.acceptance, seed, prompts, texts, batch_sizes=[2, 4],
-                          confidence=cfg.confidence)
+    result = measure_pair(model, tokenizer, draft, cfg.acceptance, seed, prompts, texts, confidence=cfg.confidence)
 
 The measurement (texts, teacher-forced passes, the sampled lossless test) always runs whole; the
 direct check beside it may be cut by a time budget (CheckPlan), and always keeps its first prompt
@@ -24,7 +23,6 @@ from pipeline.decode.drafts import Draft
 from pipeline.decode.engine import generate
 from pipeline.decode.sampling import SamplingParams
 from pipeline.speculation.acceptance_stats import direct_check, prompt_record, summarize_slice
-from pipeline.speculation.batch_rounds import by_batch_blocks
 from pipeline.speculation.expected_rounds import round_chain
 from pipeline.speculation.lossless import lossless_checks, sampling_check
 from pipeline.speculation.teacher_forced import score_text
@@ -181,9 +179,8 @@ def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, 
 
 
 def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
-                 batch_sizes: list[int] = (), plan: CheckPlan | None = None, confidence: float = 0.95) -> dict:
+                 plan: CheckPlan | None = None, confidence: float = 0.95) -> dict:
     """The acceptance JSON for one (target, draft) pair (without the variant/draft names);
-    batch_sizes: B > 1 for `expected_tokens_per_round_by_batch` (pipeline/speculation/batch_rounds.py);
     plan: how much of the direct check to run (CheckPlan; None = all of it, category by category);
     confidence: the level of its t intervals and the direct check's test (the config's `confidence`)."""
     plan = plan or CheckPlan()
@@ -195,14 +192,12 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
     # The measurement: teacher-forced passes over every text, and the sampled lossless test.
     start = plan.clock()
     records: dict[str, dict[str, dict]] = {}
-    scored: dict[str, dict] = {}
     for t in cfg.temperatures:
         sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
-        records[key], scored[key] = {}, {}
+        records[key] = {}
         for kind, rows in prompts.items():
             for pid, ids in rows:
-                text = scored[key][pid] = score_text(model, draft, ids, texts[key][pid], sampling, k_max,
-                                                     cfg.max_new_tokens)
+                text = score_text(model, draft, ids, texts[key][pid], sampling, k_max, cfg.max_new_tokens)
                 records[key][pid] = prompt_record(pid, kind, text,
                                                   {k: round_chain(text, k) for k in range(1, k_max + 1)})
     # Under a budget the sampled lossless test (which the gate reads, so it is never cut) is timed
@@ -249,8 +244,6 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
                 continue
             recs = [records[key][p] for p in pids]
             summary = summarize_slice(recs, k_max, confidence, seed)
-            summary.update(by_batch_blocks([scored[key][p] for p in pids], [b for b in batch_sizes if b > 1], k_max,
-                                           confidence, seed))
             run_pids = [p for p in pids if p in done]
             skipped = [p for p in pids if p not in done]
             check = direct_check([records[key][p] for p in run_pids],

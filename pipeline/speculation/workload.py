@@ -340,7 +340,7 @@ def prompt_limit_inputs(config) -> dict:
     before a model loads; it is the variant's, which both stages already hash)."""
     acc, lat = config.acceptance, config.latency
     return {"max_prompt_tokens": acc.max_prompt_tokens,
-            "generated": max(acc.max_new_tokens, lat.new_tokens, lat.closed_loop_tokens),
+            "generated": max(acc.max_new_tokens, lat.new_tokens),
             "verify_width": max(acc.k_max, lat.k_max or 0) + 1}
 
 

@@ -5,8 +5,7 @@
 Per target, temperature and workload prompt (pipeline/speculation/workload.py) the target writes
 its text once with plain decoding; speculation is lossless, so one teacher-forced pass of target
 and draft over that text gives E(k) at every k exactly (pipeline/speculation/measure.py), beside a
-`direct_check` of real engine runs and the lossless checks. E_B(k) under batching comes from the
-same texts (pipeline/speculation/batch_rounds.py). Writes acceptance/<variant>__<draft_slug>.json,
+`direct_check` of real engine runs and the lossless checks. Writes acceptance/<variant>__<draft_slug>.json,
 per slice and temperature. The derivation and intervals: docs/methods/acceptance.md; the budget's
 cut of the direct check: docs/methods/budget.md.
 """
@@ -116,9 +115,6 @@ def run(ctx: StageContext) -> None:
     device = resolve_device(ctx.config.device)
     budget = StageBudget(ctx.config, "acceptance", run_dir=ctx.run_dir)
     targets = speculation_targets(ctx.config, ctx.run_dir)
-    # Every B from 2 to the largest speculative batch size: the serving simulation's running batch
-    # takes every size in between, and draws its rounds' n_min from the chain at that B.
-    batch_sizes = list(range(2, max([1, *map(int, ctx.config.latency.spec_batch_sizes)]) + 1))
     pairs, timings, checks = {}, {}, {}
     todo: dict[str, list] = {}  # variant -> the pairs to measure: (spec, slug, name, item)
     for variant in targets:
@@ -132,8 +128,7 @@ def run(ctx: StageContext) -> None:
             # the exhaustive run's, nor another budget's.
             inputs = {"variant": vmeta.get("input_hash"), "draft": dmeta.get("input_hash"),
                       "acceptance": ctx.config.section("acceptance"), "confidence": ctx.config.confidence,
-                      "seed": ctx.config.seed, "device": str(device),
-                      "spec_batch_sizes": batch_sizes, "prompt_limit": prompt_limit_inputs(ctx.config),
+                      "seed": ctx.config.seed, "device": str(device), "prompt_limit": prompt_limit_inputs(ctx.config),
                       "budget_s": budget.seconds}
             item = ctx.item(f"{name}.json", inputs, is_dir=False)
             pairs[name] = {"variant": variant, "draft": spec, "file": f"acceptance/{name}.json"}
@@ -169,8 +164,8 @@ def run(ctx: StageContext) -> None:
             draft = build_draft(spec, model, tokenizer, ctx.run_dir, device)
             plan = CheckPlan(allot=planner.allot, budgeted=budget.active, text_s=text_s or None,
                              on_progress=_direct_progress(name, budget))
-            result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts, batch_sizes,
-                                  plan=plan, confidence=ctx.config.confidence)
+            result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts, plan=plan,
+                                  confidence=ctx.config.confidence)
             release_caches(getattr(draft, "model", None))
             del draft  # a layer-skip draft holds the target's layers: it goes before the next one is built
             collect(device)

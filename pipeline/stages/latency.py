@@ -4,11 +4,11 @@
 
 Writes `latency/<variant>.json` (the plain grid: pipeline/latency/grid.py),
 `latency/<variant>__<draft_slug>.json` (round time by drafted count on the acceptance workload,
-for pairs the vllm stage did not measure: pipeline/latency/speculative.py) and
-`latency/batched/<variant>__<draft_slug>.json` (pipeline/latency/batched.py). A memory plan
+for pairs the vllm stage did not measure: pipeline/latency/speculative.py; speculation under
+batching is measured in vLLM). A memory plan
 (pipeline/latency/plan.py) runs first, a screen (pipeline/latency/screen.py) skips pairs that
 cannot pay, and every ratio says whether both sides ran the same way (pipeline/latency/modes.py).
-Method: docs/methods/stages.md, batching.md, budget.md, gpu-box.md.
+Method: docs/methods/stages.md, marginal.md, budget.md, gpu-box.md.
 """
 from __future__ import annotations
 
@@ -24,19 +24,17 @@ from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
                                  sha256_file)
 from pipeline.decode.release import collect, release_caches
-from pipeline.latency.batched import batch_prompts, batched_cache_lens, batched_pair, spec_batch_sizes
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
 from pipeline.latency.plan import compile_session, draft_label, why_not_screened
 from pipeline.latency.roofline import measure_bandwidth
-from pipeline.latency.screen import (DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_batched, screen_pair,
-                                     skipped_b1, skipped_batched, summary)
+from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_pair, skipped_b1, summary
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.report.latency import tpot_ratio_plot
 from pipeline.speculation.measure import temp_key
-from pipeline.speculation.workload import interleave, prompt_limit_inputs, workload_prompts, workload_summary
+from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
 from pipeline.stages.targets import engine_drafts, speculation_targets
 from pipeline.variants.schemes import load_variant
 
@@ -78,8 +76,6 @@ def run(ctx: StageContext) -> None:
         raise StageError("latency.new_tokens must be >= 2 (TPOT is undefined for one output token)")
     if lat.repeats < 1 or lat.warmup < 0:
         raise StageError("latency.repeats must be >= 1 and latency.warmup >= 0")
-    if lat.closed_loop_waves > 0 and lat.closed_loop_tokens < 2:
-        raise StageError("latency.closed_loop_tokens must be >= 2 (TPOT is undefined for one output token)")
     device = resolve_device(cfg.device)
     k_max = lat.k_max or cfg.vllm.k_max or cfg.acceptance.k_max
     if k_max < 1:
@@ -102,20 +98,18 @@ def run(ctx: StageContext) -> None:
 
     budget = StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     budget.announce(f"plain grids of {len(dirs)} variants ({PHASE_SHARES['grids']:.0%} of the budget), then "
-                    f"{len(targets) * len(cfg.drafts)} pairs at B = 1 ({PHASE_SHARES['pairs']:.0%} of what is left) "
-                    "and batched (the rest); each piece's estimate follows its first repeat", None)
+                    f"{len(targets) * len(cfg.drafts)} pairs at B = 1 (the rest); each piece's estimate follows its "
+                    "first repeat", None)
     _plain_grids(ctx, dirs, device, budget)  # latency/<variant>.json, tpot_ratio.png
     _speculative_pairs(ctx, dirs, targets, ks, device, budget)  # latency/<target>__<draft>.json
-    _batched_pairs(ctx, dirs, targets, ks, device, budget)  # latency/batched/<target>__<draft>.json
     ctx.meta["budget"] = {**budget.to_json(), "phase_shares": PHASE_SHARES}
 
 
 # With a time budget (pipeline/core/budget.py): the plain grids get this share of the stage's time,
-# the B = 1 pairs this share of what is left after them, the batched pairs the rest; within a
-# phase each piece (a variant, a pair) gets an even split of what the phase has left when it
+# the pairs the rest; within a phase each piece (a variant, a pair) gets an even split of what the phase has left when it
 # starts, so time one does not use carries to the next. A piece's repeats stop when its allowance
 # cannot afford another (pipeline/latency/speculative.py, Repeats); the skip is in meta.json.
-PHASE_SHARES = {"grids": 0.3, "pairs": 0.6}
+PHASE_SHARES = {"grids": 0.3, "pairs": 1.0}
 
 
 def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget | None = None) -> None:
@@ -162,22 +156,21 @@ def served_pairs(run_dir: Path) -> set[str]:
     return set((read_json(meta, "vllm meta.json").get("measured") or {}) if meta.is_file() else ())
 
 
-def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder: str, inputs: dict) -> dict:
-    """draft spec -> the item of (target, draft) under `folder` that is not yet current. A screened
+def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, inputs: dict) -> dict:
+    """draft spec -> the item of (target, draft) that is not yet current. A screened
     item (not timed) is current only while latency.screen is on and its acceptance JSON is the one
     it was screened against; a current item's screen goes into meta.json."""
     target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
-    phase = "batched" if folder else "speculative"
     pending = {}
     served = served_pairs(ctx.run_dir)
     for spec in engine_drafts(engine_specs(ctx.config.drafts, "latency"), target, "latency",
                               reference=ctx.config.quantize.reference):
         slug = draft_slug(spec)
         if f"{target}__{slug}" in served:  # measured where it is served (the vllm stage): not timed here
-            ctx.meta.setdefault("measured_in_vllm", []).append(f"{folder}{target}__{slug}")
+            ctx.meta.setdefault("measured_in_vllm", []).append(f"{target}__{slug}")
             continue
         # latency.screen is not an input of a pair's timing: turning it off times the screened pairs only.
-        item = ctx.item(f"{folder}{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec,
+        item = ctx.item(f"{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec,
                                                              "draft_meta": draft_input_hash(ctx.run_dir, slug)},
                         is_dir=False)
         screened = item.meta.get("screened") if item.fresh else None
@@ -193,11 +186,11 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, folder
         if not item.fresh:
             pending[spec] = item
         elif screened or item.meta.get("screen"):
-            _note_screen(ctx, target, spec, phase, screened or item.meta["screen"])
+            _note_screen(ctx, target, spec, screened or item.meta["screen"])
     return pending
 
 
-def _not_timed(ctx: StageContext, target: str, pending: dict, budget: StageBudget, phase: str) -> bool:
+def _not_timed(ctx: StageContext, target: str, pending: dict, budget: StageBudget) -> bool:
     """Where the stage's time is spent, the target's pending pairs are not timed: each gets a
     `not_timed` document (no k is recommended from it; a re-run with time left times it)."""
     if not budget.active or budget.left() > 0:
@@ -205,9 +198,9 @@ def _not_timed(ctx: StageContext, target: str, pending: dict, budget: StageBudge
     why = f"budget: the latency stage's {fmt_s(budget.seconds)} were spent before this pair"
     for spec, item in pending.items():
         name = f"{target}__{draft_slug(spec)}"
-        budget.skip(f"{'batched ' if phase == 'batched' else ''}{name}: not timed", why)
+        budget.skip(f"{name}: not timed", why)
         item.write_json({"variant": target, "draft": spec, "not_timed": why})
-        ctx.meta.setdefault("not_timed", []).append(f"{'batched/' if phase == 'batched' else ''}{name}")
+        ctx.meta.setdefault("not_timed", []).append(name)
     pending.clear()
     return True
 
@@ -251,8 +244,7 @@ def _screening(ctx: StageContext, lat, device) -> bool:
     return why is None
 
 
-def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[int],
-         phase: str) -> tuple[list[int], dict[str, float]]:
+def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[int]) -> tuple[list[int], dict[str, float]]:
     """The k a pair that may pay is timed at (pipeline/latency/screen.py: ks_to_time) and the
     bound of each k cut; says so in a line, in the screen record and in meta.json."""
     if rec is None:
@@ -260,14 +252,14 @@ def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[i
     pair_ks, cut = ks_to_time(rec, ks)
     if cut:
         rec["ks_not_timed"] = cut
-        progress(f"latency: {target} + {spec}{' (batched)' if phase == 'batched' else ''}: {cut_line(pair_ks, cut)}")
-        _note_screen(ctx, target, spec, phase, rec)
+        progress(f"latency: {target} + {spec}: {cut_line(pair_ks, cut)}")
+        _note_screen(ctx, target, spec, rec)
     return pair_ks, cut
 
 
-def _note_screen(ctx: StageContext, target: str, spec: str, phase: str, rec: dict) -> None:
-    """meta.json's `screened`: pair -> {"speculative" / "batched": the screen's verdict and bound}."""
-    ctx.meta.setdefault("screened", {}).setdefault(f"{target}__{draft_slug(spec)}", {})[phase] = summary(rec)
+def _note_screen(ctx: StageContext, target: str, spec: str, rec: dict) -> None:
+    """meta.json's `screened`: pair -> {"speculative": the screen's verdict and bound}."""
+    ctx.meta.setdefault("screened", {}).setdefault(f"{target}__{draft_slug(spec)}", {})["speculative"] = summary(rec)
 
 
 def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts: dict, ks: list[int], device,
@@ -283,7 +275,7 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
                       seed=cfg.seed, prompt_id=pid)
     rec["acceptance"] = source
     progress(progress_line(target, spec, rec))
-    _note_screen(ctx, target, spec, "speculative", rec)
+    _note_screen(ctx, target, spec, rec)
     if rec["verdict"] == DOES_NOT_PAY:
         rec["skipped"] = skipped_b1(ks, prompts, cfg.acceptance.temperatures)
         has_model = getattr(draft, "model", None) is not None
@@ -311,11 +303,11 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
               "acceptance": acc_inputs}
     budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
-    pending_by_target = {target: _pending_pairs(ctx, dirs, target, "", inputs) for target in targets}
+    pending_by_target = {target: _pending_pairs(ctx, dirs, target, inputs) for target in targets}
     screening = _screening(ctx, lat, device)
     for target in targets:
         pending = pending_by_target[target]
-        if not pending or _not_timed(ctx, target, pending, budget, "speculative"):
+        if not pending or _not_timed(ctx, target, pending, budget):
             continue
         model, tok = load_variant(dirs[target], device=device)
         prompts = workload_prompts(cfg, tok, "latency", lat.speculative_prompts_per_kind or None,
@@ -333,7 +325,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                 t0 = time.time()
                 left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
                 pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-                pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks, "speculative")
+                pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks)
                 doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
                                        device, cfg.confidence, cfg.seed, pair_ks, session=session,
                                        budget=phase.piece(f"{target} + {spec}", left))
@@ -350,98 +342,6 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
         release_caches(model, *(getattr(d, "model", None) for d in drafts.values()))
         del model, drafts
         collect(device)  # before the next target's plan
-
-
-def _batched_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
-                   budget: StageBudget | None = None) -> None:
-    """Speculation under batching: (B, k) cells and the closed loop per (target, draft)
-    (pipeline/latency/batched.py)."""
-    cfg, lat = ctx.config, ctx.config.latency
-    spec_batch_sizes(lat)  # batched_pair's check, before any model loads
-    inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
-              "workload": workload_inputs(cfg)}
-    budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
-    phase = budget.part("batched pairs", 1.0)
-    pending_by_target = {target: _pending_pairs(ctx, dirs, target, "batched/", inputs) for target in targets}
-    screening = _screening(ctx, lat, device)
-    for target in targets:
-        pending = pending_by_target[target]
-        if not pending or _not_timed(ctx, target, pending, budget, "batched"):
-            continue
-        model, tok = load_variant(dirs[target], device=device)
-        # B distinct prompts per cell and per closed-loop wave: every category in turn, enough of
-        # each for the largest B and every wave (fewer where a category has fewer; rows repeat then).
-        need = max([*lat.spec_batch_sizes, *(b * lat.closed_loop_waves for b in lat.closed_loop_batch_sizes)])
-        drawn = workload_prompts(cfg, tok, "latency", need, quiet=True,
-                                 context=context_length(model))
-        rows = [ids for _, ids in interleave(drawn)]
-        drafts, screens = {}, {}
-        for spec in list(pending):
-            drafts[spec] = build_draft(spec, model, tok, ctx.run_dir, device)
-            if screening:  # eagerly, before the session is attached (pipeline/latency/screen.py)
-                screens[spec] = _screen_batched(ctx, target, spec, model, drafts[spec], tok, rows, ks, device,
-                                                pending[spec], drawn)
-                if screens[spec]["verdict"] == DOES_NOT_PAY:
-                    del pending[spec]
-                    pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-                    release_caches(getattr(drafts[spec], "model", None))
-                    del drafts[spec]
-                    collect(device)
-        # One session for the target and every draft it is timed with, as at B = 1: the target's
-        # graphs (decode step and verify widths at each B) are the same for every draft, so they
-        # compile once per target, not once per pair; each draft adds its own widths. The pooled
-        # caches stay until the session closes (CUDA graphs replay on the addresses they recorded).
-        session = _target_session(lat, device, model, drafts)
-        try:
-            for spec, item in pending.items():
-                left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
-                pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-                pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks, "batched")
-                doc = batched_pair(target, spec, model, drafts[spec], tok, pair_ks, lat, device, cfg.confidence,
-                                   cfg.seed, session=session, rows=rows,
-                                   budget=phase.piece(f"{target} + {spec} batched", left))
-                doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)
-                doc["workload"] = workload_summary(drawn)
-                if spec in screens:
-                    doc["screen"] = screens[spec]
-                name = f"{target}__{draft_slug(spec)}"
-                ctx.meta["compile_record"].setdefault("batched", {})[name] = doc["compile"]
-                _summarize_compile(ctx.meta)
-                item.write_json(doc)
-        finally:
-            if session is not None:
-                session.close()
-        release_caches(model, *(getattr(d, "model", None) for d in drafts.values()))
-        del drafts
-        del model
-        collect(device)  # before the next target loads
-
-
-def _screen_batched(ctx: StageContext, target: str, spec: str, model, draft, tok, rows: list, ks: list[int],
-                    device, item, drawn) -> dict:
-    """The batched screen of one pair at the cells' own B rows and cache lengths; writes the
-    pair's batched JSON, not timed, when it does not pay. Returns the record."""
-    cfg, lat = ctx.config, ctx.config.latency
-    batch_sizes = spec_batch_sizes(lat)
-    prompts = {b: batch_prompts(tok, b, rows=rows) for b in batch_sizes}
-    loop_sizes = list(lat.closed_loop_batch_sizes) if lat.closed_loop_waves > 0 else []
-    lens = batched_cache_lens(tok, prompts, lat, loop_sizes, rows)
-    acceptance, source = _acceptance_of(ctx, target, spec)
-    rec = screen_batched(model, draft, prompts, lens, ks, acceptance, cfg.acceptance, device, seed=cfg.seed)
-    rec["acceptance"] = source
-    progress(progress_line(target, spec, rec, " (batched)"))
-    _note_screen(ctx, target, spec, "batched", rec)
-    if rec["verdict"] == DOES_NOT_PAY:
-        rec["skipped"] = skipped_batched(ks, batch_sizes, loop_sizes)
-        item.write_json({
-            "variant": target, "draft": spec, "device": str(device), "threads": torch.get_num_threads(),
-            "batch_sizes": batch_sizes, "ks": ks,
-            "prompt_tokens": {str(b): int(p.shape[1]) for b, p in prompts.items()},
-            "cache_len": {str(b): n for b, n in sorted(lens.items())}, "new_tokens": lat.new_tokens,
-            "warmup": lat.warmup, "repeats": lat.repeats, "repeats_done": 0, "stopped": "screened",
-            "cells": [], "round_ms_by_width": {}, "closed_loop": [], "compile": None,
-            "screened": rec, "workload": workload_summary(drawn)})
-    return rec
 
 
 def _summarize_compile(meta: dict) -> None:

@@ -11,7 +11,6 @@ The sections and their figures are drawn by pipeline/report/ (one module per sec
 from __future__ import annotations
 
 from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, atomic_write_text, read_json
-from pipeline.report.batching import batching_blocks
 from pipeline.report.document import to_html, to_markdown
 from pipeline.report.gate_table import gate_blocks
 from pipeline.report.inputs import optional_json
@@ -34,7 +33,6 @@ def run(ctx: StageContext) -> None:
     blocks = summary_blocks(run_dir)  # what make evaluate prints last, as tables
     blocks += gate_blocks(gate, figures, dpi)  # gate.json: decision, forest plot, groups, distribution
     blocks += speculation_blocks(run_dir, gate, figures, dpi)  # acceptance/, marginal/, latency/ per pair
-    blocks += batching_blocks(run_dir, figures)  # marginal/<pair>.json by batch size, the simulated server
     blocks += variant_blocks(run_dir, figures)  # variants/*/meta.json, latency/<variant>.json grid
     blocks += runtime_blocks(run_dir)  # latency/*.json: device, kernels, compilation, memory plan
     blocks += provenance_blocks(run_dir, cfg, gate_meta)  # every stage's meta.json, the config
