@@ -234,16 +234,6 @@ class LatencyConfig(Section):
     # prompts suffice: one of each kind by default (on a 2-core CPU, two per kind took 22 minutes
     # per pair, most of it the long prompts' prefills).
     speculative_prompts_per_kind: int | None = 1
-    # GPU fast path: the decode / verify / draft steps compiled on the static cache (torch.compile,
-    # CUDA graphs; pipeline/decode/compiled.py). The latency meta says what really ran, per shape.
-    compile: bool = False
-    # auto: inductor + CUDA graphs on CUDA, not run on CPU. eager / aot_eager run the same
-    # compiled path on any device (a check of the machinery, no speed-up expected).
-    compile_backend: Literal["auto", "inductor", "eager", "aot_eager"] = "auto"
-    # One compiled graph for all the verify widths 2..k+1 of a model, batch and cache (a symbolic
-    # width; CUDA graphs still recorded per width), not one per width: a third of gpu.yaml's
-    # compiles (pipeline/decode/compiled.py). false: a static graph per width.
-    compile_dynamic_width: bool = True
     # Screen each (target, draft) pair before timing it (pipeline/latency/screen.py): a probe of a
     # few seconds and acceptance's upper CI bound its speedup at every k; a pair whose bound
     # is below 1 everywhere "does not pay" and is not timed (its JSON says why). Prompt lookup is

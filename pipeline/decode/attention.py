@@ -22,7 +22,7 @@ NAME = "specq_sdpa"
 # The strings attention_path returns (meta.json: what attention a step ran).
 GQA = "sdpa-gqa"  # enable_gqa with the mask: each KV head read once
 GQA_PACKED = "sdpa-gqa-packed"  # query heads folded into rows: each KV head read once
-SDPA_REPEAT = "sdpa+repeat_kv"  # transformers' sdpa on a GQA model: compiled steps and verifies copy K/V
+SDPA_REPEAT = "sdpa+repeat_kv"  # transformers' sdpa on a GQA model: verifies copy K/V
 EAGER_REPEAT = "eager+repeat_kv"  # transformers' eager on a GQA model: every step copies K/V
 READS_ONCE = (GQA, GQA_PACKED)
 

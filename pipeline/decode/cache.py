@@ -8,8 +8,7 @@
 The cache is transformers' StaticCache, allocated once by the first (eager) forward and written in
 place. A rollback moves every layer's write offset in one foreach update; the stale slots past it
 are never attended (explicit position_ids and the causal mask exclude them), but attention reads
-all max_len slots, so a timed cell asks for a cache of exactly its length (`exact=True`). Steps
-after the prefill go through a CompileSession when one is attached (pipeline/decode/compiled.py).
+all max_len slots, so a timed cell asks for a cache of exactly its length (`exact=True`).
 """
 from __future__ import annotations
 
@@ -21,28 +20,6 @@ import torch
 
 from pipeline.decode.attention import use_gqa_attention
 from pipeline.decode.errors import EngineError
-
-# model -> (session, label): the compiled-step sessions (pipeline/decode/compiled.py) attached to
-# models. The cache owns this table because it is the one that reads it, at every step; a session
-# writes it through attach_session / detach_session and nothing else looks at it.
-_SESSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def attach_session(model, session, label: str) -> None:
-    """Route `model`'s cached steps (not its prefill) through `session.run(label, ...)`."""
-    _SESSIONS[hf_model(model)] = (session, label)
-
-
-def detach_session(model, session) -> None:
-    """Undo attach_session, if `model` is still attached to `session`."""
-    if _SESSIONS.get(model, (None,))[0] is session:
-        del _SESSIONS[model]
-
-
-def attached_session(model) -> tuple[object, str] | None:
-    """(session, label) for a model whose steps run compiled, else None."""
-    return _SESSIONS.get(model)
-
 
 def hf_model(model):
     """The transformers model inside a wrapper (GPTQModel returns one around the HF module)."""
@@ -134,8 +111,7 @@ class CachedModel:
 
     def forward(self, tokens: torch.Tensor, all_logits: bool, prefill: bool = False) -> torch.Tensor:
         """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32).
-        prefill=True (or an empty cache) runs eagerly; other forwards are steps (compiled when a
-        CompileSession is attached to the model)."""
+        prefill=True marks a prompt forward (prefill's chunks)."""
         b, t = tokens.shape
         start = self.length
         if start + t > self.max_len:
@@ -147,11 +123,7 @@ class CachedModel:
             _move_offset(self.cache, start - pooled.offset)
             pooled.offset = start
         positions = torch.arange(start, start + t, device=tokens.device).unsqueeze(0).expand(b, t)  # [B, T]
-        session = attached_session(self.model) if start > 0 and not prefill else None
-        if session is not None:  # a decode / verify / draft step on a cache an eager forward made
-            logits = session[0].run(session[1], self, tokens, positions, all_logits)
-        else:
-            logits = self.eager_forward(tokens, positions, all_logits)
+        logits = self.eager_forward(tokens, positions, all_logits)
         self.length = pooled.offset = start + t
         return logits
 
@@ -172,22 +144,12 @@ class CachedModel:
             logits = self.forward(tokens[:, i:i + step], all_logits=False, prefill=True)
         return logits
 
-    def resync(self) -> None:
-        """Set the cache's write offset back to the engine's count (after a failed compiled call,
-        which may or may not have advanced it). Reads the offset: a device sync, on a rare path."""
-        layer = self.cache.layers[0]
-        offset = int(layer.cumulative_length) if isinstance(getattr(layer, "cumulative_length", None),
-                                                            torch.Tensor) else self._pooled.offset
-        if offset != self.length:
-            _move_offset(self.cache, self.length - offset)
-        self._pooled.offset = self.length
-
 
 def _move_offset(cache, delta: int) -> None:
     """Move every layer's write offset by delta (< 0: the next update overwrites the last -delta
     positions), in one foreach update of all the layers' offset tensors (one kernel on CUDA, where
     StaticLayer.crop, transformers' own call for this, is one `sub_` launch per layer). It is
-    what crop does, in place (the tensors' addresses are marked static for compiled steps), and
+    what crop does, in place, and
     it works on 5.17's StaticLayer, which has no crop. Layers on several devices (a model split
     across GPUs) fall back to one update per tensor inside foreach."""
     offsets = [layer.cumulative_length for layer in cache.layers]

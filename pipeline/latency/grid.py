@@ -22,8 +22,8 @@ from pipeline.core.stage import StageError, progress
 from pipeline.decode.attention import attention_path
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
-from pipeline.latency.modes import calls_before, compare, run_mode, steps_ran
-from pipeline.latency.plan import compile_session, plain_phase, plain_shapes, why_not_compiled
+from pipeline.latency.modes import compare, run_mode
+from pipeline.latency.plan import plain_phase
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
 from pipeline.latency.speculative import Repeats, rel_half_width
 from pipeline.models.architecture import context_length
@@ -177,69 +177,55 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
         progress(f"latency: {name}: B={cell['batch']} context={cell['context']} dropped by the memory plan: "
                  f"{cell['reason']}")
         grid.append({"batch": cell["batch"], "context": cell["context"], "skipped": f"memory plan: {cell['reason']}"})
-    session, compiled = compile_session(lat, device)
     kernels = quantized_kernels(model)
-    why_eager = why_not_compiled(lat, device)
-    try:
-        if session is not None:
-            session.attach(model, "target")
-            session.expect(plain_shapes(plan.cells))
-        for planned in plan.cells:
-            batch, context = planned.batch, planned.context
-            cell = {"batch": batch, "context": context, "cache_len": planned.cache_len,
-                    "prefill_chunk": planned.prefill_chunk}
-            progress(f"latency: {name}: B={batch} context={context}"
-                     + (f" (prefill in chunks of {planned.prefill_chunk})" if planned.prefill_chunk else ""))
-            if session is not None:  # this cell's graph compiles now, on its own cache, before any timed run
-                session.warm(model, shapes=plain_shapes([planned]))
-            before = calls_before(session)
-            try:
-                loop = Repeats(lat, f"{name} B={batch} context={context}", budget, confidence=confidence,
-                               seed=seed, verbose=None)
-                raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, lat.repeats, device,
-                                 vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk,
-                                 loop=loop)
-            except torch.cuda.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                grid.append({**cell, "skipped": "out of device memory (the memory plan expected it to fit)"})
-                continue
-            finally:
-                CachedModel.release(model)  # no later cell uses this cache: each gets one of its own length
-            tpot = median_ci(raw["tpot_ms"], confidence, seed)
-            # Attention reads every slot of the static cache each step (pipeline/decode/cache.py),
-            # so the KV bytes are the allocated length's, not the filled length's.
-            # And the attention path says how often those bytes move: once when each KV head is
-            # read once (pipeline/decode/attention.py), 1 + 2 n_rep where repeat_kv copies them.
-            passes = step_kv_passes(model, width=1, compiled=session is not None)
-            step_bytes = bytes_per_step(mb["weight_bytes"], batch, raw["cache_positions"], mb["kv_bytes_per_token"],
-                                        kv_passes=passes)
-            grid.append({**cell,
-                         "ttft_ms": median_ci(raw["ttft_ms"], confidence, seed), "tpot_ms": tpot,
-                         "ttft_percentiles": percentiles_ci([[x] for x in raw["ttft_ms"]], confidence, seed),
-                         "inter_token_ms": {**percentiles_ci(raw["step_ms"], confidence, seed),
-                                            "samples": raw["step_ms"]},
-                         "tokens_per_s": batch * 1e3 / tpot["median"],
-                         "repeats_done": raw["repeats_done"], "stopped": raw["stopped"],
-                         "settle_widths": raw["settle_widths"],
-                         "cache_positions": raw["cache_positions"],
-                         "peak_memory_bytes": raw["peak_memory_bytes"],
-                         "peak_memory_kind": raw["peak_memory_kind"],
-                         "memory_before_bytes": raw["memory_before_bytes"],
-                         "bytes_per_step": step_bytes,
-                         "attention_path": attention_path(model), "kv_passes": passes,
-                         **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"]),
-                         "run_mode": run_mode(steps_ran(session, before), kernels, why_eager)})
-        if session is not None:
-            compiled = session.record()
-    finally:
-        if session is not None:
-            session.close()
+    for planned in plan.cells:
+        batch, context = planned.batch, planned.context
+        cell = {"batch": batch, "context": context, "cache_len": planned.cache_len,
+                "prefill_chunk": planned.prefill_chunk}
+        progress(f"latency: {name}: B={batch} context={context}"
+                 + (f" (prefill in chunks of {planned.prefill_chunk})" if planned.prefill_chunk else ""))
+        try:
+            loop = Repeats(lat, f"{name} B={batch} context={context}", budget, confidence=confidence,
+                           seed=seed, verbose=None)
+            raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, lat.repeats, device,
+                             vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk,
+                             loop=loop)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            grid.append({**cell, "skipped": "out of device memory (the memory plan expected it to fit)"})
+            continue
+        finally:
+            CachedModel.release(model)  # no later cell uses this cache: each gets one of its own length
+        tpot = median_ci(raw["tpot_ms"], confidence, seed)
+        # Attention reads every slot of the static cache each step (pipeline/decode/cache.py),
+        # so the KV bytes are the allocated length's, not the filled length's.
+        # And the attention path says how often those bytes move: once when each KV head is
+        # read once (pipeline/decode/attention.py), 1 + 2 n_rep where repeat_kv copies them.
+        passes = step_kv_passes(model, width=1)
+        step_bytes = bytes_per_step(mb["weight_bytes"], batch, raw["cache_positions"], mb["kv_bytes_per_token"],
+                                    kv_passes=passes)
+        grid.append({**cell,
+                     "ttft_ms": median_ci(raw["ttft_ms"], confidence, seed), "tpot_ms": tpot,
+                     "ttft_percentiles": percentiles_ci([[x] for x in raw["ttft_ms"]], confidence, seed),
+                     "inter_token_ms": {**percentiles_ci(raw["step_ms"], confidence, seed),
+                                        "samples": raw["step_ms"]},
+                     "tokens_per_s": batch * 1e3 / tpot["median"],
+                     "repeats_done": raw["repeats_done"], "stopped": raw["stopped"],
+                     "settle_widths": raw["settle_widths"],
+                     "cache_positions": raw["cache_positions"],
+                     "peak_memory_bytes": raw["peak_memory_bytes"],
+                     "peak_memory_kind": raw["peak_memory_kind"],
+                     "memory_before_bytes": raw["memory_before_bytes"],
+                     "bytes_per_step": step_bytes,
+                     "attention_path": attention_path(model), "kv_passes": passes,
+                     **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"]),
+                     "run_mode": run_mode(kernels)})
     return {"variant": name, "device": str(device), "device_name": device_name(device),
             "bandwidth_gbps": bandwidth["gbps"], "bandwidth": bandwidth, "weight_bytes": mb["weight_bytes"],
             "model_bytes": mb, "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats,
             **{key: v for key, v in rule.to_json().items()
                if key in ("settle", "min_repeats", "settle_rel", "settle_rule")},
-            "grid": grid, "memory_plan": {**plan.to_json(), "budget": memory_budget}, "compile": compiled,
+            "grid": grid, "memory_plan": {**plan.to_json(), "budget": memory_budget},
             "kernels": kernels, "attention_path": attention_path(model)}
 
 

@@ -8,7 +8,7 @@ the prompt is prefilled, and when each KV cache is freed. Arithmetic only: nothi
     plan.steps     # ("run", cell) / ("free", cache) in order; plan.dropped: what cannot fit
 
 Cells run in ascending order, each on a cache of exactly its length, prefilled in chunks where one
-shot would not fit. Why, and the activation and CUDA-graph pool estimates: docs/methods/gpu-box.md.
+shot would not fit. Why, and the activation estimates: docs/methods/gpu-box.md.
 """
 from __future__ import annotations
 
@@ -99,17 +99,6 @@ def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, log
     return residual + max(attention, mlp) + out
 
 
-def graph_pool_bytes(shape: ModelShape, graphs: list[tuple[int, int, int, int]], slack: float = 1.2) -> int:
-    """The CUDA-graph pool of a session that captured `graphs`, each (batch, width, cache_len,
-    logits_rows): the sum of their logits outputs plus the largest one's step activations, times
-    slack (see the module docstring). 0 for no graphs."""
-    if not graphs:
-        return 0
-    outputs = sum(b * rows * shape.vocab * shape.element_bytes for b, _, _, rows in graphs)
-    activations = max(forward_bytes(shape, b, w, length, rows, False, logits=False) for b, w, length, rows in graphs)
-    return int(slack * (outputs + activations))
-
-
 @dataclass
 class CellPlan:
     batch: int
@@ -118,8 +107,7 @@ class CellPlan:
     cache_bytes: int
     prefill_chunk: int | None  # None = the whole prompt in one forward
     activation_bytes: int  # the larger of the prefill (chunk) and a decode / verify step
-    peak_bytes: int  # cache + activations + graph pool (weights are outside the budget)
-    graph_pool_bytes: int = 0  # the CUDA-graph pool once this cell's graphs are captured (0: eager)
+    peak_bytes: int  # cache + activations (weights are outside the budget)
 
 
 @dataclass
@@ -128,7 +116,6 @@ class MemoryPlan:
     steps: list[dict] = field(default_factory=list)  # {"action": "run" | "free", ...} in order
     dropped: list[dict] = field(default_factory=list)
     attention_path: str = GQA  # what the planned steps run (repeated K / V counted or not)
-    cuda_graphs: bool = False  # whether a CUDA-graph pool was counted
 
     @property
     def cells(self) -> list[CellPlan]:
@@ -137,14 +124,14 @@ class MemoryPlan:
 
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "steps": self.steps, "dropped": self.dropped,
-                "attention_path": self.attention_path, "cuda_graph_pool": self.cuda_graphs,
+                "attention_path": self.attention_path,
                 "order": "batch ascending, then context ascending; one cache alive at a time, "
                          "each of exactly its cell's length, freed before the next is allocated"}
 
 
 def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_tokens: int,
               budget_bytes: float, device_type: str, verify_width: int = 1, slack: float = 1.2,
-              min_chunk: int = 128, attention_path: str = GQA, cuda_graphs: bool = False) -> MemoryPlan:
+              min_chunk: int = 128, attention_path: str = GQA) -> MemoryPlan:
     """Plan every (batch, context) cell against `budget_bytes`: the memory left for caches and
     activations once the weights are loaded (the caller subtracts weights and a reserve).
 
@@ -152,46 +139,35 @@ def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_to
     run on the same cache). Prefill is chunked (halving from the whole prompt down to min_chunk)
     only when the one-shot prefill does not fit. attention_path: what the steps run
     (pipeline.decode.attention.attention_path; the engine's "sdpa-gqa" by default): a path that
-    repeats K and V adds one layer's copies. cuda_graphs: the steps are captured as CUDA graphs
-    (compiled, mode "reduce-overhead"; only on CUDA): their pool is counted, growing cell by cell.
+    repeats K and V adds one layer's copies.
     """
     scores = device_type != "cuda"  # CPU SDPA with a mask materialises B x heads x T x S scores
     repeated = repeats_kv(attention_path, shape)
-    graphs_on = cuda_graphs and device_type == "cuda"
-    plan = MemoryPlan(budget_bytes=int(budget_bytes), attention_path=attention_path, cuda_graphs=graphs_on)
+    plan = MemoryPlan(budget_bytes=int(budget_bytes), attention_path=attention_path)
     live: tuple[int, int] | None = None  # (batch, cache_len) of the one cache alive
-    graphs: list[tuple[int, int, int, int]] = []  # (batch, width, cache_len, logits rows) captured so far
     for batch in sorted(set(batches)):
         for context in sorted(set(contexts)):
             length = cache_len(context, new_tokens)
             cache = batch * length * shape.kv_bytes_per_token
             step = forward_bytes(shape, batch, verify_width, length, verify_width, scores, repeated)
-            pool = 0
-            if graphs_on:  # this cell's graphs join the session's pool; the steps run inside it
-                cell_graphs = [(batch, w, length, w) for w in sorted({1, verify_width})]
-                pool, step = graph_pool_bytes(shape, graphs + cell_graphs, slack), 0
             chunk, prefill = None, forward_bytes(shape, batch, context, length, 1, scores, repeated)
-            while cache + slack * max(prefill, step) + pool > budget_bytes and (chunk or context) > min_chunk:
+            while cache + slack * max(prefill, step) > budget_bytes and (chunk or context) > min_chunk:
                 chunk = max(min_chunk, (chunk or context) // 2)
                 prefill = forward_bytes(shape, batch, chunk, length, 1, scores, repeated)
             activation = int(slack * max(prefill, step))
-            need = cache + activation + pool
+            need = cache + activation
             if need > budget_bytes:
                 plan.dropped.append({"batch": batch, "context": context, "cache_len": length,
                                      "needs_bytes": int(need), "budget_bytes": int(budget_bytes),
                                      "reason": f"needs {_size(need)} (cache {_size(cache)} + activations "
-                                               f"{_size(activation)}"
-                                               + (f" + CUDA-graph pool {_size(pool)}" if pool else "")
-                                               + f") of {_size(budget_bytes)}"})
+                                               f"{_size(activation)}) of {_size(budget_bytes)}"})
                 continue
             if live is not None:
                 plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
             plan.steps.append({"action": "run", **asdict(CellPlan(
                 batch=batch, context=context, cache_len=length, cache_bytes=int(cache),
-                prefill_chunk=chunk, activation_bytes=activation, peak_bytes=int(need), graph_pool_bytes=pool))})
+                prefill_chunk=chunk, activation_bytes=activation, peak_bytes=int(need)))})
             live = (batch, length)
-            if graphs_on:
-                graphs += cell_graphs
     if live is not None:
         plan.steps.append({"action": "free", "batch": live[0], "cache_len": live[1]})
     return plan

@@ -1,18 +1,16 @@
-"""How a timed cell really ran, and whether two cells may be compared (like with like).
+"""How a timed cell ran, and whether two cells may be compared (like with like).
 
-    from pipeline.latency.modes import calls_before, steps_ran, run_mode, compare, kernel_fallback
-    before = calls_before(session)                      # None session: compile off
-    res = generate(...)                                 # the cell's runs
-    ran = steps_ran(session, before)                    # the step shapes those runs used, and how each ran
-    mode = run_mode(ran, kernels=quantized_kernels(model), why_eager="off")
+    from pipeline.latency.modes import run_mode, compare, kernel_fallback
+    mode = run_mode(kernels=quantized_kernels(model))  # {"steps": "eager", "kernel": "native" | "fallback", ...}
     compare(mode_a, mode_b, ("variant", "reference"))  # {"like_with_like": False, "modes": {...}} or True
 
-A ratio whose sides ran differently (compiled over eager, a fallback kernel over a native one) is
-flagged and left out of every recommendation. Fallback kernels: docs/methods/gpu-box.md.
+specq's engine runs every step eagerly; what can still differ between two cells is the quantized
+kernel: a ratio whose sides ran differently (a fallback kernel over a native one) is flagged and
+left out of every recommendation. Fallback kernels: docs/methods/gpu-box.md.
 """
 from __future__ import annotations
 
-EAGER, COMPILED, MIXED = "eager", "compiled", "mixed"
+EAGER = "eager"
 
 
 def kernel_fallback(kernels: dict | None) -> str | None:
@@ -26,65 +24,21 @@ def kernel_fallback(kernels: dict | None) -> str | None:
     return ", ".join(sorted(found)) or None
 
 
-def _key_name(key: tuple) -> str:
-    label, batch, width, length, all_logits = key
-    return f"{label} B={batch} w={width} L={length}{' all logits' if all_logits else ''}"
-
-
-def calls_before(session) -> dict:
-    """Calls per shape so far (empty without a session): what steps_ran subtracts."""
-    return {} if session is None else {k: r.calls for k, r in session.shapes.items()}
-
-
-def steps_ran(session, before: dict) -> dict[str, dict]:
-    """The step shapes called since `before`: name -> {"ran": "compiled" | "eager", "reason"}."""
-    if session is None:
-        return {}
-    return {_key_name(k): {"ran": r.ran, "reason": r.reason} for k, r in session.shapes.items()
-            if r.calls > before.get(k, 0)}
-
-
-def merge_ran(*parts: dict) -> dict:
-    """Several runs' steps_ran in one (a shape keeps how it ran: a session decides it once)."""
-    out: dict = {}
-    for p in parts:
-        for name, rec in (p or {}).items():
-            if name in out and out[name]["ran"] != rec["ran"]:
-                out[name] = {"ran": MIXED, "reason": rec.get("reason") or out[name].get("reason")}
-            else:
-                out.setdefault(name, rec)
-    return out
-
-
-def run_mode(ran: dict, kernels: dict | None = None, why_eager: str | None = None) -> dict:
-    """A cell's mode from steps_ran (merged over its runs). No shape recorded means no session
-    ran the steps: eager, for `why_eager` (compile off, or asked for where it cannot run)."""
-    states = {r["ran"] for r in ran.values()}
-    if not ran:
-        steps = EAGER
-    elif states == {COMPILED}:
-        steps = COMPILED
-    elif states == {EAGER}:
-        steps = EAGER
-    else:
-        steps = MIXED
-    mode: dict = {"steps": steps}
+def run_mode(kernels: dict | None = None) -> dict:
+    """A cell's mode: its steps (always eager) and, given the variant's kernels, whether its
+    quantized layers run a fallback kernel."""
+    mode: dict = {"steps": EAGER}
     if kernels is not None:
         fallback = kernel_fallback(kernels)
         mode["kernel"] = "fallback" if fallback else "native"
         if fallback:
             mode["fallback_kernels"] = fallback
-    eager = [{"shape": name, "reason": r.get("reason")} for name, r in sorted(ran.items()) if r["ran"] != COMPILED]
-    if not ran:
-        eager = [{"shape": "every step", "reason": why_eager or "no compile session"}]
-    if eager:
-        mode["eager_steps"] = eager
     mode["label"] = label(mode)
     return mode
 
 
 def label(mode: dict | None) -> str:
-    """"compiled", "eager", "mixed", each with " + fallback kernel" where the variant runs one."""
+    """"eager", with " + fallback kernel" where the variant runs one."""
     if not mode:
         return "unknown"
     return mode["steps"] + (" + fallback kernel" if mode.get("kernel") == "fallback" else "")
@@ -94,7 +48,7 @@ def same_way(a: dict | None, b: dict | None) -> bool | None:
     """True / False, or None when either side's mode was not recorded."""
     if not a or not b:
         return None
-    if a["steps"] != b["steps"] or a["steps"] == MIXED:
+    if a["steps"] != b["steps"]:
         return False
     if "kernel" in a and "kernel" in b and a["kernel"] != b["kernel"]:
         return False

@@ -5,7 +5,7 @@
     mb = model_bytes(model)                             # weight bytes read per step, KV bytes per token
     step = bytes_per_step(mb["weight_bytes"], batch=4, context=1024,
                           kv_bytes_per_token=mb["kv_bytes_per_token"],
-                          kv_passes=step_kv_passes(model, width=1, compiled=False))  # after a CachedModel
+                          kv_passes=step_kv_passes(model, width=1))  # after a CachedModel
 
 A decode step moves W + B x K x kv_passes bytes (kv_passes > 1 where attention repeats K and V:
 docs/methods/gpu-box.md); the share of measured bandwidth it reaches is its distance to the bound.
@@ -121,31 +121,31 @@ def bytes_per_step(weight_bytes: int, batch: int, context: float, kv_bytes_per_t
     return int(weight_bytes + batch * context * kv_bytes_per_token * kv_passes)
 
 
-def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1, compiled: bool = False) -> int:
+def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1) -> int:
     """How many times one step of `width` new tokens moves the KV bytes it attends over, on
     attention path `path` (pipeline.decode.attention.attention_path). 1 for a path that reads each
     KV head once, for a model without grouped heads and for kernels that take GQA themselves
     (flash_attention_2, ...). 1 + 2 * n_rep where repeat_kv runs: one read to copy, n_rep writes,
-    n_rep reads by attention. transformers' sdpa skips the copy in an eager single-token step
-    (pack_gqa) but not under dynamo (compiled) nor for width > 1."""
+    n_rep reads by attention. transformers' sdpa skips the copy in a single-token step (pack_gqa)
+    but not for width > 1."""
     n_rep = heads // kv_heads if kv_heads else 1
     if n_rep <= 1 or path in READS_ONCE:
         return 1
-    if path == SDPA_REPEAT and width == 1 and not compiled:
+    if path == SDPA_REPEAT and width == 1:
         return 1
     if path in (SDPA_REPEAT, EAGER_REPEAT):
         return 1 + 2 * n_rep
     return 1
 
 
-def step_kv_passes(model, width: int = 1, compiled: bool = False) -> int:
+def step_kv_passes(model, width: int = 1) -> int:
     """kv_passes for `model` as its cached steps run now (call it once a CachedModel has been made:
     that is what switches a grouped model to the path that reads each KV head once)."""
     cfg = model.config
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     heads = text.num_attention_heads
     return kv_passes(attention_path(model), heads, getattr(text, "num_key_value_heads", None) or heads,
-                     width, compiled)
+                     width)
 
 
 def roofline(bytes_step: int, seconds_per_step: float, device_gbps: float) -> dict:

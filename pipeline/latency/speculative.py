@@ -22,10 +22,9 @@ import torch
 from pipeline.core.budget import fmt_s
 from pipeline.core.stage import StageError, progress
 from pipeline.decode.cache import CachedModel
-from pipeline.decode.compiled import not_compiled
 from pipeline.decode.engine import generate
-from pipeline.latency.modes import calls_before, compare, merge_ran, run_mode, steps_ran
-from pipeline.latency.plan import draft_label, speculative_phase, speculative_shapes, why_not_compiled
+from pipeline.latency.modes import compare, run_mode
+from pipeline.latency.plan import speculative_phase
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.intervals import median_ci
@@ -193,10 +192,9 @@ class Repeats:
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],
-               new_tokens: int, seed: int, cache_len: int | None = None, session=None) -> dict:
+               new_tokens: int, seed: int, cache_len: int | None = None) -> dict:
     """temperature key -> {k: {"decode_s", "tokens", "rounds": [(k_round, drafted, emitted, round_s,
-    draft_s, verify_s)], "ran": the step shapes used and how each ran}}, k = 0 being plain
-    decoding, over every prompt (`session`: the compile session, for "ran")."""
+    draft_s, verify_s)]}}, k = 0 being plain decoding, over every prompt."""
     device = next(model.parameters()).device
     out = {}
     for ti, t in enumerate(temperatures):
@@ -205,7 +203,6 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
         per_k = {}
         for k in [0, *ks]:
             fig = {"decode_s": 0.0, "tokens": 0, "rounds": []}
-            before = calls_before(session)
             for rows in prompts.values():
                 for _, ids in rows:
                     res = generate(model, torch.tensor([ids], device=device), new_tokens, draft=draft if k else None,
@@ -213,7 +210,6 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
                     fig["decode_s"] += res.decode_s
                     fig["tokens"] += len(res.tokens) - 1
                     fig["rounds"] += [(r.k, r.drafted, r.emitted, r.round_s, r.draft_s, r.verify_s) for r in res.rounds]
-            fig["ran"] = steps_ran(session, before)
             per_k[k] = fig
         out[temp_key(t)] = per_k
     return out
@@ -223,8 +219,7 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
 # once. A B = 1 repeat runs every prompt at every temperature and k; its step shapes (a decode step,
 # a draft step, a verify of width k + 1, on a cache of the pair's one length) do not depend on the
 # prompt, so one run per (temperature, k) on the shortest prompt, WARMUP_TOKENS long, warms each of
-# them. (Until 2026-12-02 a warm-up was a whole untimed repeat: on a 2-core CPU about a minute per
-# pair for the n-gram draft, two for layer-skip, the largest fixed cost of a budgeted run.)
+# them.
 WARMUP_TOKENS = 8
 WARMUP_UNIT = (f"one run of {WARMUP_TOKENS} tokens per (temperature, k) on the shortest prompt, "
                "on the pair's cache length (every step shape a repeat uses, once)")
@@ -265,14 +260,13 @@ def _by_drafted(reps: list[dict], k_max: int, part: int) -> dict:
             for d in range(k_max + 1)}
 
 
-def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, seed: int,
-                          why_eager: str | None = None) -> dict:
+def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, seed: int) -> dict:
     """One temperature's figures over repeats (reps: one_repeat(...)[temperature] per repeat).
     Each k's row carries its `run_mode` and whether its speedup compares like with like
     (pipeline/latency/modes.py)."""
     k_max = max(ks)
     plain = [rep[0]["decode_s"] / max(rep[0]["tokens"], 1) * 1e3 for rep in reps]
-    modes = {k: run_mode(merge_ran(*(rep[k].get("ran") for rep in reps)), why_eager=why_eager) for k in [0, *ks]}
+    modes = {k: run_mode() for k in [0, *ks]}
     rows = []
     for k in ks:
         per_rep = []
@@ -322,10 +316,8 @@ def pair_widths(reps: list[dict], ks: list[int], confidence: float, seed: int) -
 
 
 def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, lat, acc, device: torch.device,
-                     confidence: float, seed: int, ks: list[int], session=None, *, budget=None) -> dict:
-    """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). With a
-    compile `session` (pipeline.decode.compiled), this pair's step shapes compile before any timed run.
-    Repeats: up to lat.repeats, fewer once settled (SETTLE_RULE, lat.settle) or when `budget` (a
+                     confidence: float, seed: int, ks: list[int], *, budget=None) -> dict:
+    """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). Repeats: up to lat.repeats, fewer once settled (SETTLE_RULE, lat.settle) or when `budget` (a
     StageBudget; None = no budget) cannot afford another; the JSON says how many and why."""
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
     plan, memory_budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
@@ -334,11 +326,6 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
                          f"{plan.dropped[0]['reason']}")
     length = plan.cells[0].cache_len
     has_model = getattr(draft, "model", None) is not None
-    if session is not None:
-        labels = [draft_label(draft_spec)] if has_model else []
-        session.expect(speculative_shapes(length, max(ks), labels))
-        ran, made = session.warm_pair(model, draft.model if labels else None)
-        progress(f"latency: {target} + {draft_spec}: compiled {made} graphs for {ran} step shapes")
     warm = warm_up(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens, seed, length,
                    lat.warmup)
     reps = []
@@ -346,12 +333,11 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
                    floor=MIN_TIMING_REPEATS)
     while loop.next():
         reps.append(one_repeat(model, draft, prompts, acc.temperatures, acc.sampling, ks, lat.new_tokens,
-                               seed + loop.done, length, session=session))
+                               seed + loop.done, length))
         loop.finished(lambda: pair_widths(reps, ks, confidence, seed))
     if has_model:
         CachedModel.release(draft.model)  # the next pair's draft gets its own
-    why_eager = why_not_compiled(lat, device) or "requested; this call was given no compile session"
-    by_temp = {t: summarize_temperature([rep[t] for rep in reps], ks, confidence, seed, why_eager) for t in reps[0]}
+    by_temp = {t: summarize_temperature([rep[t] for rep in reps], ks, confidence, seed) for t in reps[0]}
     primary = min(by_temp, key=float)  # greedy when measured: the top-level figures (older readers)
     return {"variant": target, "draft": draft_spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()},
@@ -362,7 +348,5 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
             "plain_ms_per_token": by_temp[primary]["plain_ms_per_token"], "rows": by_temp[primary]["rows"],
             "by_temperature": by_temp, "cache_len": length,
             "memory_plan": {**plan.to_json(), "budget": memory_budget},
-            "compile": session.record() if session is not None else not_compiled(
-                why_not_compiled(lat, device) or "requested; this call was given no compile session"),
             "kernels": quantized_kernels(model),
             "draft_kernels": quantized_kernels(draft.model) if has_model else None}

@@ -1,11 +1,11 @@
 """The report's account of how latency was measured: device, the kernel each variant really ran,
-whether the steps were compiled (and which shapes fell back), and the memory plan.
+and the memory plan.
 
     from pipeline.report.runtime import runtime_blocks
     blocks += runtime_blocks(run_dir)     # report blocks (pipeline/report/document.py)
 
 Read from latency/<variant>.json and latency/<variant>__<draft>.json, which the latency stage
-writes (pipeline/stages/latency.py); older files without these keys give a line saying so.
+writes (pipeline/stages/latency.py).
 """
 from __future__ import annotations
 
@@ -29,22 +29,6 @@ def kernel_text(kernels: dict | None) -> str:
     return f"{kernels.get('library')}: " + "; ".join(parts)
 
 
-def compile_text(rec: dict | None) -> str:
-    if not rec:
-        return "not recorded"
-    if not rec.get("requested"):
-        return "off"
-    if not rec.get("shapes"):
-        return f"{rec.get('ran')}: {rec.get('reason', '')}".rstrip(": ")
-    eager = [s for s in rec["shapes"] if s["ran"] == "eager"]
-    why = sorted({s["reason"] for s in eager})
-    return (f"{rec['ran']} ({rec.get('backend')}): {rec['graphs_compiled']} of {rec['planned_graphs']} planned "
-            f"graphs, {rec['recompiles']} recompiles"
-            + (f", CUDA graphs skipped on {rec['cudagraph_skipped_shapes']} shapes"
-               if rec.get("cudagraph_skipped_shapes") and rec.get("mode") else "")
-            + (f"; eager: {'; '.join(why)}" if why else ""))
-
-
 def runtime_blocks(run_dir: Path) -> list[tuple]:
     docs = json_files(run_dir / "latency", "*.json", "latency result")
     if not docs:
@@ -52,7 +36,7 @@ def runtime_blocks(run_dir: Path) -> list[tuple]:
     rows, plan_rows = [], []
     for name, doc in docs.items():
         rows.append([name, str(doc.get("device_name") or doc.get("device") or MISSING), kernel_text(doc.get("kernels")),
-                     "not timed (screened: does not pay)" if doc.get("screened") else compile_text(doc.get("compile"))])
+                     "not timed (screened: does not pay)" if doc.get("screened") else "timed"])
         plan = doc.get("memory_plan")
         if plan:
             cells = [s for s in plan.get("steps", []) if s["action"] == "run"]
@@ -60,11 +44,11 @@ def runtime_blocks(run_dir: Path) -> list[tuple]:
                                                                    if c.get("prefill_chunk") else "") for c in cells)
             dropped = "; ".join(f"B={d['batch']}x{d['context']}: {d['reason']}" for d in plan.get("dropped", []))
             plan_rows.append([name, nbytes(plan.get("budget_bytes"), "GB", 2), order or MISSING, dropped or "none"])
-    out: list[tuple] = [("h3", "How latency was measured: device, kernels, compilation"),
+    out: list[tuple] = [("h3", "How latency was measured: device, kernels"),
                         ("p", "The kernel each variant ran is read off the loaded modules (GPTQModel's QuantLinear "
-                              "class, bitsandbytes' layer class, torchao's weight subclass). Compilation is what "
-                              "ran, per step shape, not what was asked for."),
-                        ("table", ["result", "device", "quantized kernel", "compiled steps"], rows, None)]
+                              "class, bitsandbytes' layer class, torchao's weight subclass). specq's engine runs "
+                              "every step eagerly; speculation as served is vLLM's measurement (the vllm stage)."),
+                        ("table", ["result", "device", "quantized kernel", "timed"], rows, None)]
     if plan_rows:
         out += [("h3", "Memory plan"),
                 ("p", "Planned before any cell ran, against the memory free once the weights were loaded: cells in "

@@ -26,7 +26,7 @@ from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, a
 from pipeline.decode.release import collect, release_caches
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
-from pipeline.latency.plan import compile_session, draft_label, why_not_screened
+from pipeline.latency.plan import why_not_screened
 from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_pair, skipped_b1, summary
 from pipeline.latency.speculative import speculative_pair
@@ -91,8 +91,7 @@ def run(ctx: StageContext) -> None:
         if target not in dirs:
             raise StageError(f"latency: target '{target}' is not a variant ({', '.join(dirs)})")
     ctx.meta.update(device=str(device), device_name=device_name(device),
-                    compile="off" if not lat.compile else "requested; no cell ran",
-                    compile_record={"plain": {}, "speculative": {}}, memory_plan={"plain": {}, "speculative": {}},
+                    memory_plan={"plain": {}, "speculative": {}},
                     kernels={}, threads=torch.get_num_threads(),
                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
@@ -224,17 +223,6 @@ def _acceptance_of(ctx: StageContext, target: str, spec: str) -> tuple[dict | No
                                                     "sha256": sha256_file(path), "slice": "all"}
 
 
-def _target_session(lat, device, model, drafts: dict):
-    """One compile session (or None) with the target and every model draft of its pairs attached."""
-    session, _ = compile_session(lat, device)
-    if session is not None:
-        session.attach(model, "target")
-        for spec, d in drafts.items():
-            if getattr(d, "model", None) is not None:
-                session.attach(d.model, draft_label(spec))
-    return session
-
-
 def _screening(ctx: StageContext, lat, device) -> bool:
     """Whether pairs are screened here; meta.json's `screen` says so, or why not."""
     why = why_not_screened(lat, device)
@@ -286,7 +274,7 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
             "stopped": "screened", "timing_unit": None,
             "primary_temperature": temp_key(min(cfg.acceptance.temperatures)),
             "plain_ms_per_token": None, "rows": [], "by_temperature": {},
-            "cache_len": cache_len(longest, lat.new_tokens), "memory_plan": None, "compile": None,
+            "cache_len": cache_len(longest, lat.new_tokens), "memory_plan": None,
             "kernels": quantized_kernels(model), "draft_kernels": quantized_kernels(draft.model) if has_model else None,
             "screened": rec, "workload": workload_summary(prompts)})
     return rec
@@ -295,7 +283,7 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
 def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
                        budget: StageBudget | None = None) -> None:
     """B = 1 round times of every (target, draft) pair on the acceptance stage's prompts and
-    temperatures, compiled where latency.compile asks (one session for the target and its drafts)."""
+    temperatures."""
     cfg, lat = ctx.config, ctx.config.latency
     acc_inputs = {key: cfg.section("acceptance")[key] for key in ("temperatures", "sampling", "prompts_per_kind")}
     acc_inputs.update(workload_inputs(cfg))
@@ -314,48 +302,34 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                                    context=context_length(model))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         screens = {}
-        if screening:  # eagerly, before a compile session is attached (pipeline/latency/screen.py)
+        if screening:  # pipeline/latency/screen.py
             for spec in list(pending):
                 screens[spec] = _screen_b1(ctx, target, spec, model, drafts[spec], prompts, ks, device, pending[spec])
                 if screens[spec]["verdict"] == DOES_NOT_PAY:
                     del pending[spec]
-        session = _target_session(lat, device, model, drafts)
-        try:
-            for spec, item in pending.items():
-                t0 = time.time()
-                left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
-                pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-                pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks)
-                doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
-                                       device, cfg.confidence, cfg.seed, pair_ks, session=session,
-                                       budget=phase.piece(f"{target} + {spec}", left))
-                doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)
-                doc["workload"] = workload_summary(prompts)
-                if spec in screens:
-                    doc["screen"] = screens[spec]
-                _record(ctx.meta, "speculative", f"{target}__{draft_slug(spec)}", doc)
-                item.write_json(doc)
-                progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
-        finally:
-            if session is not None:
-                session.close()
+        for spec, item in pending.items():
+            t0 = time.time()
+            left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
+            pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
+            pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks)
+            doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
+                                   device, cfg.confidence, cfg.seed, pair_ks,
+                                   budget=phase.piece(f"{target} + {spec}", left))
+            doc.update(ks_asked=ks, ks_timed=pair_ks, ks_not_timed=cut)
+            doc["workload"] = workload_summary(prompts)
+            if spec in screens:
+                doc["screen"] = screens[spec]
+            _record(ctx.meta, "speculative", f"{target}__{draft_slug(spec)}", doc)
+            item.write_json(doc)
+            progress(f"latency: {target}__{draft_slug(spec)} done in {time.time() - t0:.0f} s")
         release_caches(model, *(getattr(d, "model", None) for d in drafts.values()))
         del model, drafts
         collect(device)  # before the next target's plan
 
 
-def _summarize_compile(meta: dict) -> None:
-    runs = {r["ran"] for p in meta["compile_record"].values() for r in p.values() if r.get("requested")}
-    if runs:
-        meta["compile"] = runs.pop() if len(runs) == 1 else "mixed: " + ", ".join(sorted(runs))
-
-
 def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
-    """What ran, into the stage's meta.json: the plan, the compile record, the kernels. `compile`
-    stays a one-word summary (its old meaning); the per-shape detail is in `compile_record`."""
+    """What ran, into the stage's meta.json: the memory plan, the kernels, the attention path."""
     meta["memory_plan"][phase][name] = doc["memory_plan"]
-    meta["compile_record"][phase][name] = doc["compile"]
-    _summarize_compile(meta)
     if phase == "plain":
         meta["kernels"][name] = doc["kernels"]
         # The attention path the steps ran (pipeline/decode/attention.py): each KV head read once
