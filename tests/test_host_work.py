@@ -155,11 +155,6 @@ def test_rollback_moves_every_offset_in_one_foreach_update(model, monkeypatch):
     fresh = CachedModel(model, 1, 32, slot="test-rb-fresh", exact=True)
     fresh.prefill(ids[:, :6])
     torch.testing.assert_close(after, fresh.forward(ids[:, 8:9], all_logits=False), atol=1e-5, rtol=1e-5)
-    # resync() after a failed compiled call: the offsets back to the engine's count, either way.
-    for moved in (+2, -1):
-        torch._foreach_add_([layer.cumulative_length for layer in cached.cache.layers], moved)
-        cached.resync()
-        assert {int(layer.cumulative_length) for layer in cached.cache.layers} == {7}
     CachedModel.release(model, "test-rb")
     CachedModel.release(model, "test-rb-fresh")
 

@@ -1,5 +1,5 @@
 """The report's runtime section (pipeline/report/runtime.py) from latency JSON shaped like the
-stage's: kernel per variant, compiled or not (with the fallback reasons), the memory plan."""
+stage's: kernel per variant, the memory plan."""
 from __future__ import annotations
 
 import json
@@ -14,10 +14,6 @@ PLAN = {"budget_bytes": 60e9, "steps": [
     {"action": "free", "batch": 32, "cache_len": 8257}],
     "dropped": [{"batch": 64, "context": 8192, "reason": "needs 90.0 GB (cache 69.2 GB + activations 20.8 GB) "
                                                          "of 60.0 GB"}]}
-COMPILED = {"requested": True, "ran": "partly compiled: 1 of 3 shapes eager", "backend": "inductor",
-            "graphs_compiled": 2, "planned_graphs": 2, "recompiles": 0, "shapes": [
-                {"ran": "compiled", "reason": None}, {"ran": "compiled", "reason": None},
-                {"ran": "eager", "reason": "not in the compile plan (run eagerly, as planned)"}]}
 GPTQ = {"library": "gptqmodel", "kernels": {"MarlinQuantLinear": 224},
         "details": {"MarlinQuantLinear": {"backend": "marlin", "bits": "4"}}, "compute_dtype": "bfloat16"}
 
@@ -26,13 +22,11 @@ def test_runtime_section(tmp_path):
     lat = tmp_path / "latency"
     lat.mkdir()
     (lat / "meta.json").write_text("{}")
-    (lat / "w4.json").write_text(json.dumps({"device_name": "NVIDIA H200", "kernels": GPTQ, "compile": COMPILED,
+    (lat / "w4.json").write_text(json.dumps({"device_name": "NVIDIA H200", "kernels": GPTQ,
                                              "memory_plan": PLAN, "grid": []}))
     (lat / "bf16.json").write_text(json.dumps({"device": "cpu", "grid": []}))  # written before these keys
     md = to_markdown("t", runtime_blocks(tmp_path))
-    assert "| w4 | NVIDIA H200 | gptqmodel: MarlinQuantLinear x224 (backend marlin) | partly compiled: 1 of 3 " \
-           "shapes eager (inductor): 2 of 2 planned graphs, 0 recompiles; eager: not in the compile plan (run " \
-           "eagerly, as planned) |" in md
-    assert "| bf16 | cpu | not recorded | not recorded |" in md
+    assert "| w4 | NVIDIA H200 | gptqmodel: MarlinQuantLinear x224 (backend marlin) | timed |" in md
+    assert "| bf16 | cpu | not recorded | timed |" in md
     assert "| w4 | 60.00 GB | B=1x128, B=32x8192 (chunks of 1024) | B=64x8192: needs 90.0 GB" in md
     assert runtime_blocks(tmp_path / "nowhere") == []

@@ -36,7 +36,7 @@ ASSUMES = [
     "plain ms/token is at most the largest probe repeat (engine.generate without a draft, hottest temperature, "
     "the timed runs' static cache length); the round's parts at least the smallest probe repeat (greedy); a "
     "pair is screened only when a second probe, pooled with the first, agrees",
-    "the probe runs eagerly, as the timed steps do (a run whose steps compile with inductor is not screened)",
+    "the probe runs eagerly, as the timed steps do",
 ]
 MODEL_FREE = ("the draft proposes without a model forward (prompt lookup): a round that drafts nothing is a "
               "plain decode step, so a round costs at least a plain step and the bound E_hi(k) x T_plain_hi / "
