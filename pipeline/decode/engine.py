@@ -93,8 +93,7 @@ def _round(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, samplin
     with timer.measure("verify") as t_verify:
         if drafted == 0:
             # Nothing drafted (prompt lookup found no match, or k = 0 with one token left): a plain
-            # decode step, width 1 with the last logits only
-            # (a width-1 verify keeping all logits is not planned and would run eagerly).
+            # decode step, width 1 with the last logits only.
             nxt = decode_one_token(target, seq[-1:], sampling, generator)  # [1]
             outcome = DeviceVerdict(nxt.new_zeros(()), nxt, torch.zeros(0, device=nxt.device))
         else:
