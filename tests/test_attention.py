@@ -10,8 +10,8 @@ over the whole allocated cache (KVCopyBytes in pipeline/tools/attention_check.py
 TorchDispatchMode that sees every aten op, a fused kernel's own internal repeat included; in-place
 cache writes and views share an input's storage, SDPA's output and mask are not [max_len,
 head_dim]). The stock path copies 2 * layers * B * heads * max_len * head_dim elements per verify
-(eager) and per decode step under dynamo (repeat_kv; with one KV head its eager reshape is a
-stride-0 view and copies nothing); the GQA path copies none, eager or compiled.
+(repeat_kv; with one KV head its reshape is a stride-0 view and copies nothing); the GQA path
+copies none. The layout ("gqa" or "packed") follows the kernel SDPA would pick on the device.
 
     .venv/bin/python -m pytest -q tests/test_attention.py
 """
@@ -21,11 +21,10 @@ import pytest
 import torch
 
 import pipeline.decode.cache as cache_module
-from pipeline.decode.attention import (EAGER_REPEAT, GQA, GQA_PACKED, SDPA_REPEAT, attention_path,
+from pipeline.decode.attention import (EAGER_REPEAT, GQA, GQA_PACKED, SDPA_REPEAT, attention_path, gqa_layout,
                                        use_gqa_attention)
 from pipeline.decode.cache import CachedModel
-from pipeline.decode.compiled import CompileSession, step_shapes
-from pipeline.latency.memory import ModelShape, forward_bytes, graph_pool_bytes, plan_grid
+from pipeline.latency.memory import ModelShape, forward_bytes, plan_grid
 from pipeline.latency.roofline import bytes_per_step, kv_passes, step_kv_passes
 from pipeline.tools.attention_check import KVCopyBytes, check
 
@@ -100,56 +99,6 @@ def test_gqa_path_gives_the_stock_logits_and_copies_no_kv(monkeypatch, layout, p
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
-def _counting_eager_backend(max_len: int, counts: list):
-    """A dynamo backend running the traced graph eagerly under the K/V copy counter."""
-    def backend(gm, example_inputs):
-        def run(*args):
-            with KVCopyBytes(max_len, HEAD_DIM) as count:
-                result = gm.forward(*args)
-            counts.append(count.bytes)
-            return result
-        return run
-    return backend
-
-
-def _compiled_run(model, monkeypatch=None):
-    """The decode step (width 1) and a verify (width 4) compiled with fullgraph=True: their logits
-    and the K/V copy bytes per compiled call."""
-    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(9))
-    counts: list = []
-    with CompileSession(backend=_counting_eager_backend(MAX_LEN, counts)) as session:
-        session.attach(model, "target")
-        session.expect(step_shapes("target", 1, MAX_LEN, [1]) + step_shapes("target", 1, MAX_LEN, [4],
-                                                                             all_logits=True))
-        cm = CachedModel(model, batch=1, max_len=MAX_LEN, slot="test-attention-c", exact=True)
-        out = [cm.forward(ids[:, :6], all_logits=False, prefill=True)]
-        for i in range(6, 8):
-            out.append(cm.forward(ids[:, i:i + 1], all_logits=False))
-        cm.rollback(7)
-        out.append(cm.forward(ids[:, 7:11], all_logits=True))
-        record = session.record()
-    CachedModel.release(model, "test-attention-c")
-    assert record["ran"] == "compiled" and record["graphs_compiled"] == 2, record
-    return out, counts
-
-
-@torch.inference_mode()
-def test_compiled_steps_compile_fullgraph_and_copy_no_kv(monkeypatch):
-    """Under dynamo transformers' sdpa repeats K and V even for a single-token step; the GQA path
-    compiles with fullgraph=True and its graphs copy nothing."""
-    stock_model, model = tiny_gqa(), tiny_gqa()
-    with monkeypatch.context() as m:
-        _stock(m)
-        ref, ref_counts = _compiled_run(stock_model)
-    assert ref_counts == [_repeated_bytes(1)] * 3  # two decode steps, one verify
-    for layout in ("gqa", "packed"):
-        use_gqa_attention(model, layout=layout)
-        out, counts = _compiled_run(model)
-        assert counts == [0, 0, 0], layout
-        for a, b in zip(out, ref):
-            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-
-
 def test_the_device_check_runs_on_cpu():
     """pipeline.tools.attention_check (the GPU run's script) on CPU: the kernel that ran, no copy
     on the GQA path, the stock verify's copies, and the same logits."""
@@ -161,6 +110,30 @@ def test_the_device_check_runs_on_cpu():
         assert ours[width]["kv_copy_bytes"] == 0
         assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ours[width]["attention_ops"]
         assert ours[width]["max_abs_logit_diff_vs_stock"] < ATOL
+
+
+@pytest.mark.parametrize("backend,layout", [("FLASH_ATTENTION", "gqa"), ("EFFICIENT_ATTENTION", "gqa"),
+                                            ("CUDNN_ATTENTION", "gqa"), ("MATH", "packed"), ("ERROR", "packed")])
+def test_layout_follows_the_kernel_sdpa_would_pick(monkeypatch, backend, layout):
+    """On CUDA the layout is the kernel SDPA would pick for GQA with a mask (torch._fused_sdp_choice):
+    a fused one takes enable_gqa, math falls back to packed rows. No GPU here: the probe's tensors
+    are fake CUDA tensors and the choice is replaced, so what is checked is the question asked and
+    the mapping of its answer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend
+
+    asked = []
+
+    def choice(q, k, v, mask, dropout_p, is_causal, *, scale=None, enable_gqa=False):
+        asked.append((q.device.type, tuple(q.shape), tuple(k.shape), tuple(mask.shape), dropout_p, is_causal,
+                      enable_gqa, q.dtype))
+        return int(getattr(SDPBackend, backend))
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    with FakeTensorMode():
+        assert gqa_layout(torch.device("cuda"), torch.bfloat16, head_dim=128, groups=4) == layout
+    assert asked == [("cuda", (1, 8, 2, 128), (1, 2, 64, 128), (1, 1, 2, 64), 0.0, False, True, torch.bfloat16)]
+    assert gqa_layout(torch.device("cpu"), torch.float32, 128, 4) == "gqa" and len(asked) == 1  # CPU: not asked
 
 
 def test_which_models_switch(tiny_tokenizer):
@@ -191,11 +164,10 @@ def test_which_models_switch(tiny_tokenizer):
 
 def test_roofline_counts_the_kv_bytes_each_path_moves():
     n_rep = 4  # Llama-3-8B: 32 heads, 8 KV heads
-    assert kv_passes(GQA, 32, 8) == kv_passes(GQA_PACKED, 32, 8, width=5, compiled=True) == 1
-    assert kv_passes(SDPA_REPEAT, 32, 8, width=1, compiled=False) == 1  # pack_gqa
-    assert kv_passes(SDPA_REPEAT, 32, 8, width=1, compiled=True) == 1 + 2 * n_rep
-    assert kv_passes(SDPA_REPEAT, 32, 8, width=5) == kv_passes(EAGER_REPEAT, 32, 8) == 9
-    assert kv_passes(SDPA_REPEAT, 8, 8, compiled=True) == kv_passes("flash_attention_2", 32, 8) == 1
+    assert kv_passes(GQA, 32, 8) == kv_passes(GQA_PACKED, 32, 8, width=5) == 1
+    assert kv_passes(SDPA_REPEAT, 32, 8, width=1) == 1  # pack_gqa
+    assert kv_passes(SDPA_REPEAT, 32, 8, width=5) == kv_passes(EAGER_REPEAT, 32, 8) == 1 + 2 * n_rep == 9
+    assert kv_passes(SDPA_REPEAT, 8, 8, width=5) == kv_passes("flash_attention_2", 32, 8) == 1
     # The issue's cell by hand: W = 16 GB, K = 128 KiB per token, B = 32, 8192 positions.
     w, k = 16_000_000_000, 128 * 1024
     once = bytes_per_step(w, 32, 8192, k)
@@ -208,9 +180,9 @@ def test_roofline_counts_the_kv_bytes_each_path_moves():
 def test_step_kv_passes_reads_the_path_that_ran(monkeypatch):
     model = tiny_gqa(kv_heads=1)
     assert step_kv_passes(model, width=4) == 1 + 2 * HEADS  # stock sdpa, a verify
-    assert step_kv_passes(model, width=1, compiled=True) == 1 + 2 * HEADS
+    assert step_kv_passes(model, width=1) == 1  # stock sdpa's single-token step folds the heads (pack_gqa)
     CachedModel(model, 1, MAX_LEN, slot="test-attention")  # the engine switches it
-    assert step_kv_passes(model, width=4) == step_kv_passes(model, width=1, compiled=True) == 1
+    assert step_kv_passes(model, width=4) == step_kv_passes(model, width=1) == 1
 
 
 def _tiny_shape(**kw) -> ModelShape:
@@ -236,26 +208,3 @@ def test_memory_plan_counts_repeated_kv_only_on_a_repeating_path():
     assert rep.to_json()["attention_path"] == SDPA_REPEAT and once.to_json()["attention_path"] == GQA
     assert plan_grid(_tiny_shape(kv_heads=4), [2], [70], 9, 1e12, "cuda", attention_path=SDPA_REPEAT).cells[0] \
         == plan_grid(_tiny_shape(kv_heads=4), [2], [70], 9, 1e12, "cuda").cells[0]  # no groups: nothing repeats
-
-
-def test_memory_plan_counts_the_cuda_graph_pool():
-    shape = _tiny_shape()
-    slack = 1.2
-    # Each graph's logits output (B * W * vocab * e) stays in the pool; the largest graph's step
-    # activations (without logits) are shared. Hand count for B = 2, widths 1 and 4, S = 80:
-    outputs = 2 * 1 * 96 * 2 + 2 * 4 * 96 * 2
-    act_w4 = 2 * 8 * 64 * 2 + 3 * 8 * 128 * 2  # residual + MLP (larger than attention), W = 4
-    assert graph_pool_bytes(shape, [(2, 1, 80, 1), (2, 4, 80, 4)], slack) == int(slack * (outputs + act_w4))
-    assert graph_pool_bytes(shape, []) == 0
-    eager = plan_grid(shape, [1, 2], [70], 9, 1e12, "cuda", verify_width=4)
-    graphs = plan_grid(shape, [1, 2], [70], 9, 1e12, "cuda", verify_width=4, cuda_graphs=True)
-    assert [c.graph_pool_bytes for c in eager.cells] == [0, 0]
-    first, second = graphs.cells
-    assert first.graph_pool_bytes == graph_pool_bytes(shape, [(1, 1, 80, 1), (1, 4, 80, 4)], slack)
-    # The pool keeps the first cell's graphs while the second cell's join it.
-    assert second.graph_pool_bytes == graph_pool_bytes(
-        shape, [(1, 1, 80, 1), (1, 4, 80, 4), (2, 1, 80, 1), (2, 4, 80, 4)], slack) > first.graph_pool_bytes
-    prefill = forward_bytes(shape, 2, 70, 80, 1, False)
-    assert second.peak_bytes == second.cache_bytes + int(slack * prefill) + second.graph_pool_bytes
-    # Never on CPU (no CUDA graphs there).
-    assert all(c.graph_pool_bytes == 0 for c in plan_grid(shape, [2], [70], 9, 1e12, "cpu", cuda_graphs=True).cells)

@@ -7,7 +7,7 @@
 With a static cache's mask present, transformers' own paths call `repeat_kv`, copying the whole
 allocated K and V heads / kv_heads times at every step. "specq_sdpa" (registered with
 transformers' attention and mask interfaces) calls SDPA on the KV heads as they are, in layout
-"gqa" (`enable_gqa` with the mask, where a fused kernel takes both: on CPU the flash kernel does)
+"gqa" (`enable_gqa` with the mask, where SDPA picks a fused kernel for both: on CPU the flash kernel)
 or "packed" (each KV head's query heads folded into the rows); anything else goes to the stock
 function (docs/methods/gpu-box.md#the-gqa-attention-path).
 """
@@ -27,7 +27,7 @@ EAGER_REPEAT = "eager+repeat_kv"  # transformers' eager on a GQA model: every st
 READS_ONCE = (GQA, GQA_PACKED)
 
 # hf model -> the layout its layers use ("gqa" | "packed"), for the second call's fast path. The
-# layers carry it (an attribute dynamo reads as a constant); attention_path reads it there.
+# layers carry it as an attribute; attention_path reads it there.
 _SWITCHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MODE_ATTR = "specq_gqa_layout"
 
@@ -116,22 +116,22 @@ def use_gqa_attention(model, layout: str | None = None) -> str:
 
 
 def gqa_layout(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> str:
-    """"gqa" where SDPA has a fused kernel for GQA with a mask on this device, else "packed"."""
+    """"gqa" where SDPA, asked for GQA with a mask on this device (torch._fused_sdp_choice, the
+    choice scaled_dot_product_attention itself makes), picks a fused kernel (flash, efficient,
+    cuDNN); "packed" where it would fall back to the math kernel, which repeats K and V."""
     if device.type != "cuda":
         return "gqa"  # CPU: the flash kernel for CPU takes both (see the module docstring)
     try:
-        from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_efficient_attention, \
-            can_use_flash_attention
+        from torch.nn.attention import SDPBackend
 
         q = torch.zeros(1, 2 * groups, 2, head_dim, device=device, dtype=dtype)
         kv = torch.zeros(1, 2, 64, head_dim, device=device, dtype=dtype)
         mask = torch.ones(1, 1, 2, 64, device=device, dtype=torch.bool)
-        params = SDPAParams(q, kv, kv, mask, 0.0, False, True)
-        fused = any(check(params, False) for check in (can_use_flash_attention, can_use_efficient_attention,
-                                                         can_use_cudnn_attention))
-    except Exception:  # noqa: BLE001 - an older torch without the checks: the layout every kernel takes
+        choice = torch._fused_sdp_choice(q, kv, kv, mask, 0.0, False, scale=None, enable_gqa=True)
+    except Exception:  # noqa: BLE001 - a torch without the choice: the layout every kernel takes
         return "packed"
-    return "gqa" if fused else "packed"
+    fused = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+    return "gqa" if choice in {int(b) for b in fused} else "packed"
 
 
 def _head_dim(model) -> int:
