@@ -3,9 +3,10 @@
     make gpu-check OUT=runs/gpu-check                  # PYTHONPATH=. <python> -m pipeline.tools.gpu_check OUT
     PYTHONPATH=. python3 -m pipeline.tools.gpu_check OUTDIR [--shape 8b|tiny] [--budget-s 420] [--ks 1,2,3,4,5,6]
 
-On a random-weight model of Llama-3-8B's shape it measures copy bandwidth, plain decode, speculative
-rounds with a layer-skip draft (and whether greedy output stays the target's), the same compiled,
-and the greedy check in float32, skipping any part the time budget would not cover. It imports only
+On a random-weight model of Llama-3-8B's shape it measures, every step eager, copy bandwidth, plain
+decode against its bandwidth roofline, speculative rounds with a layer-skip draft (and whether greedy
+output stays the target's) and the greedy check in float32, skipping any part the time budget would
+not cover (speculation as served, with CUDA graphs, is vLLM's: the vllm stage). It imports only
 torch, transformers and the decode core, so it runs on a bare image's python; a driver too old for
 torch's CUDA ends it in one line, exit 2. OUTDIR/gpu_check.json and .md are rewritten after every
 part (docs/methods/gpu-box.md#make-gpu-check).
@@ -30,8 +31,8 @@ from pipeline.core.stage import StageError, atomic_write_text, progress
 from pipeline.latency.memory import ModelShape, device_budget, plan_grid
 from pipeline.latency.roofline import measure_bandwidth, model_bytes
 from pipeline.models.kernels import device_name
-from pipeline.tools.gpu_check_parts import (SHAPES, build_model, compile_part, fp32_part, make_draft, plain_part,
-                                            render_markdown, speculative_part)
+from pipeline.tools.gpu_check_parts import (SHAPES, build_model, fp32_part, make_draft, plain_part, render_markdown,
+                                            speculative_part)
 
 
 class Check:
@@ -101,17 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batches", type=_ints, default=None, help="plain decode batch sizes (8b: 1,8)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens (8b: 512)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per generation (8b: 64)")
-    p.add_argument("--ks", type=_ints, default=None, help="draft lengths timed eagerly (8b: 1..6)")
-    p.add_argument("--compile-ks", type=_ints, default=None, help="draft lengths timed compiled (8b: 4,1)")
+    p.add_argument("--ks", type=_ints, default=None, help="draft lengths timed (8b: 1..6)")
     p.add_argument("--draft-layers", type=int, default=None, help="layers of the layer-skip draft (8b: 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (8b: 3)")
-    p.add_argument("--compile", choices=["on", "off"], default="on")
-    p.add_argument("--backend", choices=["auto", "inductor", "eager", "aot_eager"], default="auto",
-                   help="auto: inductor + CUDA graphs on CUDA, eager on CPU (a check of the machinery)")
-    p.add_argument("--fullgraph", choices=["on", "off"], default="on",
-                   help="off: let dynamo split a step at graph breaks (each piece still counted and recorded)")
-    p.add_argument("--dynamic-width", choices=["on", "off"], default="on",
-                   help="one graph for the verify widths (the latency stage's default) or one per width")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size (default 1024 CUDA, 256 CPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -124,7 +117,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--repeats must be >= 1, --new-tokens >= 2 and --context >= 1")
     if not 1 <= args.draft_layers < layers:
         p.error(f"--draft-layers must be between 1 and {layers - 1} for the {args.shape} shape")
-    if min(args.ks + args.compile_ks, default=1) < 1 or not args.ks or not args.batches:
+    if not args.ks or min(args.ks) < 1 or not args.batches:
         p.error("--ks and --batches must be non-empty, every k >= 1")
     return args
 
@@ -198,25 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape.from_model(model, mb["all_weight_bytes"])
     budget = device_budget(device, weights_loaded=True, weight_bytes=mb["all_weight_bytes"])
     plan = plan_grid(shape, args.batches, [args.context], args.new_tokens, budget["budget_bytes"], device.type,
-                     verify_width=max(args.ks + args.compile_ks) + 1)
+                     verify_width=max(args.ks) + 1)
     check.doc["memory_plan"] = {**plan.to_json(), "budget": budget}
     for dropped in plan.dropped:
         check.note(f"B={dropped['batch']} dropped by the memory plan: {dropped['reason']}")
-    cells = plan.cells
 
     draft = make_draft(model, args.draft_layers)
     with check.guard("plain"):
-        plain_part(check, model, cells, args, gbps)
+        plain_part(check, model, plan.cells, args, gbps)
     # Plain greedy output of the B = 1 cell: what every speculative run must reproduce.
     reference = next((c["tokens"] for c in check.doc["parts"].get("plain", {}).get("cells", [])
                       if c["batch"] == 1), None)
     with check.guard("speculative"):
-        speculative_part(check, model, draft, args, reference, args.ks)
-    if args.compile == "on":
-        with check.guard("compiled"):
-            compile_part(check, model, draft, cells, args, gbps, reference)
-    else:
-        check.skip("compiled", "--compile off")
+        speculative_part(check, model, draft, args, reference)
     if dtype != torch.float32:
         with check.guard("greedy float32"):
             fp32_part(check, model, draft, args)

@@ -2,8 +2,8 @@
 checks, and the one Markdown table. See pipeline/tools/gpu_check.py for what the check is and how to run it.
 
 Timing is the engine's own (pipeline.decode.engine.generate with pipeline.decode.timing: CUDA events
-on GPU, a synchronized clock on CPU): one warm-up run per cell (and, compiled, every planned graph
-compiled before it), then `repeats` timed runs; figures are medians with min and max.
+on GPU, a synchronized clock on CPU), every step eager: one warm-up run per cell, then `repeats`
+timed runs; figures are medians with min and max.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 
 from pipeline.decode.attention import attention_path
 from pipeline.decode.cache import CachedModel
-from pipeline.decode.compiled import CompileSession, step_shapes
 from pipeline.decode.drafts import ModelDraft
 from pipeline.decode.engine import generate
 from pipeline.latency.memory import cache_len
@@ -26,13 +25,13 @@ SHAPES = {
     "8b": {"config": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                           tie_word_embeddings=False),
-           "run": dict(batches=[1, 8], context=512, new_tokens=64, ks=[1, 2, 3, 4, 5, 6], compile_ks=[4, 1],
+           "run": dict(batches=[1, 8], context=512, new_tokens=64, ks=[1, 2, 3, 4, 5, 6],
                        draft_layers=8, repeats=3)},
     # The same parts at CPU-test size (tests/test_gpu_check.py).
     "tiny": {"config": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                             tie_word_embeddings=False),
-             "run": dict(batches=[1, 2], context=24, new_tokens=12, ks=[1, 2, 3], compile_ks=[2],
+             "run": dict(batches=[1, 2], context=24, new_tokens=12, ks=[1, 2, 3],
                          draft_layers=1, repeats=2)},
 }
 
@@ -115,35 +114,22 @@ def _step_s(check, device: torch.device) -> float:
     return check.slowest_step_s or (0.08 if device.type == "cuda" else 0.02)
 
 
-def _compile_s(check, device: torch.device, session) -> float:
-    """Seconds to compile one graph, for the budget: the slowest so far, else a cautious guess."""
-    if session is None:
-        return 0.0
-    seen = [s["compile_s"] for s in session.record()["shapes"] if s["graphs"]]
-    return max(seen) if seen else (150.0 if device.type == "cuda" else 15.0)
-
-
 def _note_step(check, seconds: float) -> None:
     check.slowest_step_s = max(check.slowest_step_s, seconds)
 
 
-def plain_part(check, model, cells, args, gbps, session=None, label="plain", reference=None) -> dict:
+def plain_part(check, model, cells, args, gbps) -> dict:
     """TTFT and TPOT of plain decode per planned cell, bytes per step and % of the roofline."""
     device = next(model.parameters()).device
     mb = model_bytes(model)
-    part = check.doc["parts"].setdefault(label, {"cells": []})
+    part = check.doc["parts"].setdefault("plain", {"cells": []})
     for cell in cells:
-        shapes = step_shapes("target", cell.batch, cell.cache_len, [1])
-        graphs = session.new_graphs(shapes) if session is not None else 0
         steps = (1 + args.repeats) * args.new_tokens * max(1.0, cell.batch / 8)
-        if not check.fits(f"{label} B={cell.batch}", steps * _step_s(check, device)
-                          + graphs * _compile_s(check, device, session)):
+        if not check.fits(f"plain B={cell.batch}", steps * _step_s(check, device)):
             continue
         ids = prompt(model.config.vocab_size, cell.batch, cell.context, args.seed)
         run = dict(cache_len=cell.cache_len, prefill_chunk=cell.prefill_chunk)
         t0 = time.perf_counter()
-        if session is not None:
-            session.warm(model, shapes=shapes)
         generate(model, ids, args.new_tokens, **run)
         warm_s = time.perf_counter() - t0
         ttft, tpot = [], []
@@ -153,48 +139,38 @@ def plain_part(check, model, cells, args, gbps, session=None, label="plain", ref
             tpot.append(res.decode_s / (len(res.batch_tokens[0]) - 1) * 1e3)
         CachedModel.release(model)
         _note_step(check, max(tpot) / 1e3)
-        passes = step_kv_passes(model, width=1, compiled=session is not None)
+        passes = step_kv_passes(model, width=1)
         step = bytes_per_step(mb["weight_bytes"], cell.batch, cell.context + args.new_tokens / 2,
                               mb["kv_bytes_per_token"], kv_passes=passes)
         row = {"batch": cell.batch, "context": cell.context, "cache_len": cell.cache_len,
                "prefill_chunk": cell.prefill_chunk, "ttft_ms": summary(ttft), "tpot_ms": summary(tpot),
                "tokens_per_s": cell.batch * 1e3 / statistics.median(tpot), "bytes_per_step": step,
-               "attention_path": attention_path(model), "kv_passes": passes, "warmup_s": round(warm_s, 3), "tokens": res.batch_tokens[0]}
+               "attention_path": attention_path(model), "kv_passes": passes, "warmup_s": round(warm_s, 3),
+               "tokens": res.batch_tokens[0]}
         if gbps:
             row.update(roofline(step, statistics.median(tpot) / 1e3, gbps))
-        if reference is not None and cell.batch == 1:
-            row["greedy_vs_eager"] = compare_greedy(model, ids, reference, res.batch_tokens[0])
         part["cells"].append(row)
-        check.progress(f"{label} B={cell.batch}: TPOT {statistics.median(tpot):.2f} ms"
+        check.progress(f"plain B={cell.batch}: TPOT {statistics.median(tpot):.2f} ms"
                        + (f", {100 * row['roofline_fraction']:.3g}% of the bandwidth roofline" if gbps else ""))
         check.save()
     return part
 
 
-def speculative_part(check, model, draft, args, reference, ks, session=None, label="speculative") -> dict:
+def speculative_part(check, model, draft, args, reference) -> dict:
     """Round time (draft + verify + overhead), tokens per round and ms/token at each k, B = 1 on
     the plain B = 1 cell's prompt, and whether the greedy output equals plain greedy."""
     device = next(model.parameters()).device
     ids = prompt(model.config.vocab_size, 1, args.context, args.seed)
     length = cache_len(args.context, args.new_tokens)
-    part = check.doc["parts"].setdefault(label, {"draft": draft.spec, "cache_len": length, "rows": []})
-    for k in ks:
-        shapes = []
-        if session is not None:
-            shapes = (step_shapes("target", 1, length, [1]) + step_shapes("target", 1, length, [k + 1], True)
-                      + step_shapes("draft", 1, length, [1, 2]))
-        graphs = session.new_graphs(shapes) if session is not None else 0
+    part = check.doc["parts"].setdefault("speculative", {"draft": draft.spec, "cache_len": length, "rows": []})
+    for k in args.ks:
         steps = (1 + args.repeats) * args.new_tokens * (1 + k * args.draft_layers / model.config.num_hidden_layers)
-        if not check.fits(f"{label} k={k}", steps * _step_s(check, device) + graphs * _compile_s(check, device,
-                                                                                                    session)):
+        if not check.fits(f"speculative k={k}", steps * _step_s(check, device)):
             continue
         if reference is None:  # the plain B = 1 cell did not run: plain greedy output made here
             reference = generate(model, ids, args.new_tokens, cache_len=length).tokens
         t0 = time.perf_counter()
-        if session is not None:
-            session.warm_pair(model, draft.model, shapes)
-        warm_tokens = args.new_tokens if session is not None else min(args.new_tokens, 2 * k + 4)
-        generate(model, ids, warm_tokens, draft=draft, k=k, cache_len=length)
+        generate(model, ids, min(args.new_tokens, 2 * k + 4), draft=draft, k=k, cache_len=length)
         warm_s = time.perf_counter() - t0
         fig: dict[str, list[float]] = {n: [] for n in ("round_ms", "draft_ms", "verify_ms", "ms_per_token",
                                                        "tokens_per_round")}
@@ -211,53 +187,13 @@ def speculative_part(check, model, draft, args, reference, ks, session=None, lab
         row = {"k": k, **{name: summary(v) for name, v in fig.items()}, "warmup_s": round(warm_s, 3),
                "greedy": compare_greedy(model, ids, reference, res.tokens)}
         part["rows"].append(row)
-        check.progress(f"{label} k={k}: round {row['round_ms']['median']:.2f} ms, "
+        check.progress(f"speculative k={k}: round {row['round_ms']['median']:.2f} ms, "
                        f"{row['tokens_per_round']['median']:.2f} tokens/round, greedy "
                        + ("== plain" if row["greedy"]["equal"] else f"differs at {row['greedy']['first_divergence']}"))
         check.save()
     CachedModel.release(model)
     CachedModel.release(draft.model)
     return part
-
-
-def compile_part(check, model, draft, cells, args, gbps, reference) -> None:
-    """The same cells with the steps compiled; the session's record of what ran, checked against
-    dynamo's own graph counter. Planned graphs: each plain cell's decode step, the verify at each
-    of --compile-ks, the draft's widths 1 and 2. A round cut short near the end of a generation
-    verifies fewer tokens and runs eagerly (recorded as such): round times count full rounds only,
-    ms/token includes those few eager rounds."""
-    from torch._dynamo.utils import counters
-
-    device = next(model.parameters()).device
-    backend = args.backend if args.backend != "auto" else ("inductor" if device.type == "cuda" else "eager")
-    length = cache_len(args.context, args.new_tokens)
-    before = int(counters["stats"]["unique_graphs"])
-    session = CompileSession(backend=backend, mode="reduce-overhead" if backend == "inductor" else None,
-                             fullgraph=args.fullgraph == "on",
-                             dynamic_width=args.dynamic_width == "on")
-    try:
-        session.attach(model, "target")
-        session.attach(draft.model, "draft")
-        session.expect([s for c in cells for s in step_shapes("target", c.batch, c.cache_len, [1])]
-                       + step_shapes("target", 1, length, [1])
-                       + step_shapes("target", 1, length, [k + 1 for k in args.compile_ks], True)
-                       + step_shapes("draft", 1, length, [1, 2]))
-        # Most telling first, in case the budget runs out: B = 1 decode, the rounds, larger batches.
-        first = [c for c in cells if c.batch == 1]
-        plain_part(check, model, first, args, gbps, session=session, label="plain_compiled", reference=reference)
-        speculative_part(check, model, draft, args, reference, args.compile_ks, session=session,
-                         label="speculative_compiled")
-        plain_part(check, model, [c for c in cells if c.batch != 1], args, gbps, session=session,
-                   label="plain_compiled", reference=reference)
-    finally:  # the record of what ran is kept even when a part failed
-        record = session.record()
-        session.close()
-        record["dynamo_graph_counter"] = int(counters["stats"]["unique_graphs"]) - before
-        record["record_agrees_with_dynamo_counter"] = record["dynamo_graph_counter"] == record["graphs_compiled"]
-        check.doc["parts"]["compile"] = record
-    check.progress(f"compiled ({backend}): {record['graphs_compiled']} graphs, {record['recompiles']} recompiles, "
-                   f"{record['eager_shapes']} shapes eager")
-    check.save()
 
 
 def fp32_part(check, model, draft, args) -> None:
@@ -289,10 +225,6 @@ def _ms(d: dict | None) -> str:
     return "-" if not d else f"{d['median']:.2f}"
 
 
-def _ratio(a: dict | None, b: dict | None) -> str:
-    return f"{a['median'] / b['median']:.2f}x" if a and b and b["median"] > 0 else "-"
-
-
 def _greedy(g: dict | None) -> str:
     if not g:
         return ""
@@ -313,54 +245,27 @@ def render_markdown(doc: dict) -> str:
              f"context {settings.get('context')}, {settings.get('new_tokens')} new tokens, "
              f"{settings.get('repeats')} repeats; {doc.get('elapsed_s', 0):.0f} s of a {doc.get('budget_s', 0):.0f} s "
              f"budget{'' if doc.get('finished') else ' (not finished)'}. Times are medians (ms).", "",
-             "| part | cell | eager | compiled | eager / compiled | note |", "|---|---|---|---|---|---|"]
+             "| part | cell | measured | note |", "|---|---|---|---|"]
     bw = parts.get("bandwidth")
     if bw:
-        lines.append(f"| bandwidth | copy {bw['bytes_per_copy'] / 2 ** 21:.0f} MiB | {bw['gbps']:.1f} GB/s | | | "
+        lines.append(f"| bandwidth | copy {bw['bytes_per_copy'] / 2 ** 21:.0f} MiB | {bw['gbps']:.1f} GB/s | "
                      "tensor copy, read + write |")
-    compiled = {(c["batch"], c["context"]): c for c in parts.get("plain_compiled", {}).get("cells", [])}
     for c in parts.get("plain", {}).get("cells", []):
-        o = compiled.get((c["batch"], c["context"]))
-
-        def cell(x):
-            if not x:
-                return "-"
-            roof = f", {100 * x['roofline_fraction']:.3g}% of roofline" if x.get("roofline_fraction") else ""
-            return f"TPOT {x['tpot_ms']['median']:.2f}{roof}"
-        lines.append(f"| plain decode | B={c['batch']}, context {c['context']} | {cell(c)} | {cell(o)} | "
-                     f"{_ratio(c['tpot_ms'], o['tpot_ms'] if o else None)} | TTFT {_ms(c['ttft_ms'])}"
-                     f"{'; compiled: ' + _greedy(o['greedy_vs_eager']) if o and o.get('greedy_vs_eager') else ''} |")
+        roof = f", {100 * c['roofline_fraction']:.3g}% of roofline" if c.get("roofline_fraction") else ""
+        lines.append(f"| plain decode | B={c['batch']}, context {c['context']} | TPOT {_ms(c['tpot_ms'])}{roof} | "
+                     f"TTFT {_ms(c['ttft_ms'])} |")
     spec = parts.get("speculative", {})
-    comp_rows = {r["k"]: r for r in parts.get("speculative_compiled", {}).get("rows", [])}
     base = next((c for c in parts.get("plain", {}).get("cells", []) if c["batch"] == 1), None)
     for r in spec.get("rows", []):
-        o = comp_rows.get(r["k"])
         verify_cost = (f"; verify / plain step {r['verify_ms']['median'] / base['tpot_ms']['median']:.2f}"
                        if base else "")
         lines.append(f"| speculative ({spec.get('draft')}) | k={r['k']} | round {_ms(r['round_ms'])} (draft "
                      f"{_ms(r['draft_ms'])}, verify {_ms(r['verify_ms'])}), {r['tokens_per_round']['median']:.2f} "
-                     f"tokens/round, {_ms(r['ms_per_token'])} ms/token | "
-                     f"{'round ' + _ms(o['round_ms']) + ', ' + _ms(o['ms_per_token']) + ' ms/token' if o else '-'} | "
-                     f"{_ratio(r['round_ms'], o['round_ms'] if o else None)} | {_greedy(r['greedy'])}"
-                     f"{verify_cost}{'; compiled: ' + _greedy(o['greedy']) if o else ''} |")
-    rec = parts.get("compile")
-    if rec:
-        eager = [s for s in rec["shapes"] if s["ran"] == "eager"]
-        why = sorted({s["reason"] for s in eager})
-        skips = (f", CUDA graphs skipped on {rec['cudagraph_skipped_shapes']} shapes"
-                 if rec.get("cudagraph_skipped_shapes") and rec.get("mode") else "")
-        per_graph = ", ".join(f"{x['compile_s']:.1f}" for x in rec["shapes"] if x["graphs"])
-        lines.append(f"| compile record | {rec['backend']}{' ' + rec['mode'] if rec.get('mode') else ''} | | "
-                     f"{rec['graphs_compiled']} of {rec['planned_graphs']} planned graphs, {rec['recompiles']} "
-                     f"recompiles, {rec['compile_s']:.0f} s (per graph: {per_graph or '-'} s; "
-                     f"{rec.get('dynamic_graphs', 0)} with a symbolic width; CUDA graph recordings "
-                     f"{rec.get('record_s', 0.0):.1f} s){skips} | | {len(eager)} shapes eager"
-                     f"{': ' + '; '.join(why) if why else ''}; dynamo counter agrees: "
-                     f"{rec['record_agrees_with_dynamo_counter']} |")
+                     f"tokens/round, {_ms(r['ms_per_token'])} ms/token | {_greedy(r['greedy'])}{verify_cost} |")
     g32 = parts.get("greedy_float32")
     if g32:
         lines.append(f"| greedy float32 | k={', '.join(str(r['k']) for r in g32['rows'])} | "
-                     f"{'all equal' if g32['all_equal'] else 'DIFFER'} | | | "
+                     f"{'all equal' if g32['all_equal'] else 'DIFFER'} | "
                      f"{'; '.join(_greedy(r) for r in g32['rows'] if not r['equal'])} |")
     lines.append("")
     plan = doc.get("memory_plan")
@@ -369,9 +274,6 @@ def render_markdown(doc: dict) -> str:
         lines.append(f"- memory plan: {len(cells)} cells against {plan['budget_bytes'] / 1e9:.1f} GB free after the "
                      f"weights ({len(plan['dropped'])} dropped); prefill chunks: "
                      f"{', '.join(str(c['prefill_chunk']) for c in cells if c['prefill_chunk']) or 'none'}")
-    if rec and rec.get("backend") != "inductor":
-        lines.append(f"- compiled with the {rec['backend']} backend: a check of the compile machinery and its "
-                     "record, not of speed")
     for e in doc.get("errors", []):
         lines.append(f"- FAILED {e['part']}: {e['error']}")
     for s in doc.get("skipped", []):
