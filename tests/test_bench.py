@@ -1,7 +1,7 @@
 """pipeline.tools.bench (and its bench_clock, bench_hf, bench_roofline) and pipeline.tools.paired_ratio:
 the logic around the timings (paired ratios and their intervals, the goal reading, token equality, the
-bandwidth bound, the compile plan, arguments), and both sides' greedy tokens on a tiny random Llama. No
-timing is asserted."""
+bandwidth bound, arguments), and both sides' greedy tokens on a tiny random Llama, both eager. No timing
+is asserted."""
 from __future__ import annotations
 
 import json
@@ -104,7 +104,7 @@ def test_model_step_bytes_counts_weights_and_the_whole_cache(tiny_model):
     from pipeline.latency.roofline import model_bytes
 
     CachedModel(tiny_model, 1, 64, exact=True)  # switches a grouped model to its read-once attention
-    s = bench_roofline.model_step_bytes(tiny_model, 80, 1, compiled=False)
+    s = bench_roofline.model_step_bytes(tiny_model, 80, 1)
     mb = model_bytes(tiny_model)
     cfg = tiny_model.config
     assert s["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
@@ -115,39 +115,22 @@ def test_model_step_bytes_counts_weights_and_the_whole_cache(tiny_model):
 # ---------------------------------------------------------------- plans and arguments
 
 
-def test_compile_plan():
-    cpu = bench.compile_plan("cpu", "auto")
-    assert not cpu["compile"] and cpu["reason"] == bench.CPU_EAGER
-    cuda = bench.compile_plan("cuda", "auto")
-    assert cuda["compile"] and cuda["cuda_graphs"] and cuda["engine_mode"] == "reduce-overhead"
-    on = bench.compile_plan("cpu", "on")
-    assert on["compile"] and not on["cuda_graphs"] and on["engine_mode"] is None
-    assert not bench.compile_plan("cuda", "off")["compile"]
-    assert not bench.compile_plan("cuda", "on", "eager")["cuda_graphs"]
-
-
 def test_hf_generation_config(tiny_model):
-    off = bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "auto"), "cpu")
-    assert off.cache_implementation == "static" and off.max_new_tokens == 7 and off.eos_token_id is None
-    assert not off.do_sample and off.disable_compile and off.compile_config is None
-    on = bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "on"), "cpu")
-    assert not on.disable_compile and on.compile_config._compile_all_devices
-    assert on.compile_config.mode == "default"
-    cuda = bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cuda", "auto"), "cuda")
-    assert cuda.compile_config is None and not cuda.disable_compile  # transformers' own default
-    assert bench_hf.hf_generation_config(tiny_model, 7, bench.compile_plan("cpu", "off"), "cpu",
-                                      static=False).cache_implementation is None
+    gc = bench_hf.hf_generation_config(tiny_model, 7)
+    assert gc.cache_implementation == "static" and gc.max_new_tokens == 7 and gc.eos_token_id is None
+    assert not gc.do_sample and gc.disable_compile  # eager: transformers compiles a static-cache generate on CUDA
+    assert gc is not tiny_model.generation_config and not tiny_model.generation_config.disable_compile
+    assert bench_hf.hf_generation_config(tiny_model, 7, static=False).cache_implementation is None
 
 
 def test_parse_args_and_pick_draft():
     a = bench.parse_args([])
-    assert (a.k, a.new_tokens, a.repeats, a.warmup, a.compile, a.profile, a.threads) == \
-        (3, 32, 5, 0, "auto", True, None)
+    assert (a.k, a.new_tokens, a.repeats, a.warmup, a.profile, a.threads) == (3, 32, 5, 0, True, None)
     assert bench.parse_args(["--threads", "1"]).threads == 1
-    a = bench.parse_args(["--compile", "off", "--repeats", "2", "--no-profile", "--k", "4"])
-    assert (a.compile, a.repeats, a.profile, a.k) == ("off", 2, False, 4)
-    for bad in (["--k", "0"], ["--new-tokens", "1"], ["--repeats", "0"], ["--compile", "maybe"],
-                ["--confidence", "1.5"], ["--threads", "0"]):
+    a = bench.parse_args(["--repeats", "2", "--no-profile", "--k", "4"])
+    assert (a.repeats, a.profile, a.k) == (2, False, 4)
+    for bad in (["--k", "0"], ["--new-tokens", "1"], ["--repeats", "0"], ["--confidence", "1.5"],
+                ["--threads", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
     assert bench.pick_draft(["ngram", "layerskip:6", "layerskip:4"]) == ("layerskip:6", 6)
@@ -170,28 +153,31 @@ def test_forward_clock_counts_and_restores(tiny_model):
 
 
 def test_both_sides_give_the_same_greedy_tokens(tiny_model, tiny_tokenizer):
+    from torch._dynamo.utils import counters
+
     from draft_models.registry import build_draft
     from pipeline.decode.engine import generate
 
     device = torch.device("cpu")
     ids = torch.tensor([tiny_tokenizer.encode("the quick brown fox")])
     n, k = 10, 2
-    plan = bench.compile_plan("cpu", "auto")
-    gc = bench_hf.hf_generation_config(tiny_model, n, plan, "cpu")
-    rec, gc = bench_hf.hf_first_run(tiny_model, ids, gc, None, plan, "cpu", device)
-    assert rec["ran"] == "eager" and rec["cache"] == "StaticCache" and rec["graphs_compiled"] == 0
+    graphs = int(counters["stats"]["unique_graphs"])
+    gc = bench_hf.hf_generation_config(tiny_model, n)
+    rec = bench_hf.hf_first_run(tiny_model, ids, gc, None, device)
+    assert rec["cache"] == "StaticCache" and rec["first_run_s"] > 0 and "assistant_cache" not in rec
     plain = generate(tiny_model, ids, n, cache_len=ids.shape[1] + n + 1).tokens
     assert token_check(plain, bench_hf.hf_generate(tiny_model, ids, gc))["identical"]
 
     draft = build_draft("layerskip:2", tiny_model, tiny_tokenizer, None, device)
     assistant = bench_hf.truncated_copy(tiny_model, 2)
     bench_hf.set_assistant(assistant, k)
-    rec, gc = bench_hf.hf_first_run(tiny_model, ids, gc, assistant, plan, "cpu", device)
+    rec = bench_hf.hf_first_run(tiny_model, ids, gc, assistant, device)
     assert rec["cache"] == "StaticCache" and rec["assistant_cache"] == "DynamicCache"
     spec = generate(tiny_model, ids, n, draft=draft, k=k, cache_len=ids.shape[1] + n + 1).tokens
     assert spec == plain
     assert token_check(spec, bench_hf.hf_generate(tiny_model, ids, gc, assistant))["identical"]
     assert "forward" not in tiny_model.__dict__ and "forward" not in assistant.__dict__
+    assert int(counters["stats"]["unique_graphs"]) == graphs  # both sides eager: dynamo made no graph
 
 
 def test_main_writes_bench_json(tmp_path, tiny_model_dir, capsys):
@@ -208,7 +194,7 @@ def test_main_writes_bench_json(tmp_path, tiny_model_dir, capsys):
     assert doc["threads"] == 1 and torch.get_num_threads() == threads  # set for the run, then restored
     plain, spec = doc["rows"]
     assert doc["tokens_identical"] and plain["identical_tokens"] and spec["identical_to_plain"]
-    assert doc["compile"]["compile"] is False and "CPU" in doc["compile"]["reason"]
+    assert "disable_compile=True" in doc["baseline"]["plain"]
     assert len(plain["ratios"]) == 2 and plain["goal"] == 1.2 and spec["goal"] == 1.5
     assert plain["transformers"]["cache"] == "StaticCache" and spec["transformers"]["assistant_cache"] == "DynamicCache"
     assert set(plain["profile"]) == {"engine", "transformers"}
@@ -216,23 +202,3 @@ def test_main_writes_bench_json(tmp_path, tiny_model_dir, capsys):
     assert roof["bandwidth"]["gbps"] > 0 and roof["plain"]["bound_ms_per_token"] > 0
     assert roof["plain"]["step_bytes"] == roof["plain"]["bytes_per_token"]
     assert "roofline:" in capsys.readouterr().out
-
-
-def test_main_compiled_machinery_with_the_eager_backend(tmp_path, tiny_model_dir):
-    """--compile on with dynamo's eager backend: both sides go through their compiled paths (the
-    engine's CompileSession, transformers' compiled forward) and bench.json says what ran."""
-    from conftest import REPO
-
-    run = tmp_path / "run"
-    shutil.copytree(tiny_model_dir, run / "model")
-    rc = bench.main(["--run", str(run), "--config", str(REPO / "configs/smoke.yaml"), "--model", "tiny",
-                     "--drafts", "layerskip:2", "--k", "2", "--new-tokens", "4", "--repeats", "1", "--warmup", "0",
-                     "--compile", "on", "--compile-backend", "eager"])
-    assert rc == 0
-    doc = json.loads((run / "bench.json").read_text())
-    assert doc["compile"]["compile"] and doc["compile"]["backend"] == "eager"
-    for row in doc["rows"]:
-        assert row["engine"]["ran"]["ran"] == "compiled" and row["engine"]["ran"]["recompiles"] == 0
-        assert row["transformers"]["ran"] == "compiled" and row["transformers"]["graphs_compiled"] > 0
-        assert row["transformers"]["recompiles_while_timed"] == 0
-        assert "profile" not in row  # clocked forwards would change a compiled graph

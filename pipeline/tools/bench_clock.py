@@ -1,5 +1,5 @@
 """The bench's clocks (pipeline/tools/bench.py): model forwards timed inside a run, where the host's
-share of a run goes, the paired repeats of two sides back to back, and how many graphs dynamo has made.
+share of a run goes, and the paired repeats of two sides back to back.
 """
 from __future__ import annotations
 
@@ -8,16 +8,10 @@ import time
 from contextlib import contextmanager
 
 
-def compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 @contextmanager
 def forward_clock(modules: dict):
     """Time every forward of each module (label -> module) and note the cache class it was handed:
-    {label: {"calls", "seconds", "caches"}}. Eager only (a compiled forward would trace the clock)."""
+    {label: {"calls", "seconds", "caches"}}."""
     stats = {label: {"calls": 0, "seconds": 0.0, "caches": set()} for label in modules}
 
     def wrap(label, fn):

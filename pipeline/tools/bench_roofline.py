@@ -31,28 +31,25 @@ def speculative_bytes(rounds: list[tuple[int, int]], target_verify: int, target_
     return total, sum(e for _, e in rounds)
 
 
-def model_step_bytes(model, cache_len: int, width: int, compiled: bool) -> dict:
+def model_step_bytes(model, cache_len: int, width: int) -> dict:
     from pipeline.latency.roofline import model_bytes, step_kv_passes
 
     mb = model_bytes(model)
-    passes = step_kv_passes(model, width, compiled)
+    passes = step_kv_passes(model, width)
     return {"weight_bytes": mb["weight_bytes"], "kv_bytes_per_token": mb["kv_bytes_per_token"],
             "cache_len": cache_len, "kv_passes": passes,
             "step_bytes": step_bytes(mb["weight_bytes"], mb["kv_bytes_per_token"], cache_len, passes)}
 
 
-def roofline_section(model, draft, plain: dict, spec_row: dict, k: int, plain_compiled: bool,
-                     bandwidth: dict) -> dict:
+def roofline_section(model, draft, plain: dict, spec_row: dict, k: int, bandwidth: dict) -> dict:
     gbps = bandwidth["gbps"]
-    target = model_step_bytes(model, plain["engine"]["cache_len"], 1, plain_compiled)
+    target = model_step_bytes(model, plain["engine"]["cache_len"], 1)
     out = {"bandwidth": bandwidth, "plain": {**target, **bound(target["step_bytes"], gbps,
                                                                plain["engine"]["decode_ms_per_token"])}}
-    compiled = spec_row.get("compiled", False)
     cache_len = spec_row["engine"]["cache_len"]
-    verify = model_step_bytes(model, cache_len, k + 1, compiled)
-    step = model_step_bytes(model, cache_len, 1, compiled)
-    dstep = model_step_bytes(draft.model, draft.cached.max_len if draft.cached is not None else cache_len, 1,
-                             compiled)
+    verify = model_step_bytes(model, cache_len, k + 1)
+    step = model_step_bytes(model, cache_len, 1)
+    dstep = model_step_bytes(draft.model, draft.cached.max_len if draft.cached is not None else cache_len, 1)
     total, tokens = speculative_bytes(spec_row["engine"]["round_shape"], verify["step_bytes"], step["step_bytes"],
                                       dstep["step_bytes"])
     if tokens:
