@@ -39,3 +39,20 @@ def test_summary_answers_both_questions(tmp_path):
     assert "w4a16-gptq     do not speculate (best seen: ngram k = 1, 0.97x [0.90, 1.04], vllm)" in text
     assert "specq gate --table --run" in text
     assert len(lines) <= 25 and all(len(x) <= 100 for x in lines if "vllm serve" not in x and str(run) not in x)
+
+
+def test_a_specq_measured_target_prints_its_speculative_config(tmp_path):
+    """A pair specq's engine timed (B = 1 only: no k per batch size) still gets the
+    speculative_config vLLM would take, its draft's method beside the recommended k."""
+    run = tmp_path / "r"
+    (run / "marginal").mkdir(parents=True)
+    (run / "gate.json").write_text(json.dumps({"decision": "go", "reference": "bf16", "release_variants": [],
+                                               "variants": {}}))
+    (run / "marginal" / "nf4__ngram.json").write_text(json.dumps({
+        "engine": "specq", "draft": "ngram", "recommended_k": 1, "recommended_k_by_batch": None,
+        "speculative_config_by_batch": None, "rows": [{"k": 1, "speedup": 1.31, "speedup_ci": [1.19, 1.5]}]}))
+    text = "\n".join(summary_lines(run))
+    assert "nf4            ngram k = 1: 1.31x [1.19, 1.50]" in text
+    line = next(x for x in text.splitlines() if "speculative_config:" in x)
+    cfg = json.loads(line.split("speculative_config: ", 1)[1])
+    assert cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == 1
