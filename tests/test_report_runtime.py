@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline.core.stage import SCHEMA_VERSION
 from pipeline.report.document import to_markdown
 from pipeline.report.runtime import runtime_blocks
 
@@ -25,10 +26,10 @@ GPTQ = {"library": "gptqmodel", "kernels": {"MarlinQuantLinear": 224},
 def test_runtime_section(tmp_path):
     lat = tmp_path / "latency"
     lat.mkdir()
-    (lat / "meta.json").write_text("{}")
+    (lat / "meta.json").write_text(json.dumps({"stage": "latency", "schema": SCHEMA_VERSION}))
     (lat / "w4.json").write_text(json.dumps({"device_name": "NVIDIA H200", "kernels": GPTQ, "compile": COMPILED,
                                              "memory_plan": PLAN, "grid": []}))
-    (lat / "bf16.json").write_text(json.dumps({"device": "cpu", "grid": []}))  # written before these keys
+    (lat / "bf16.json").write_text(json.dumps({"device": "cpu", "grid": []}))  # without these keys (a pair not timed)
     md = to_markdown("t", runtime_blocks(tmp_path))
     assert "| w4 | NVIDIA H200 | gptqmodel: MarlinQuantLinear x224 (backend marlin) | partly compiled: 1 of 3 " \
            "shapes eager (inductor): 2 of 2 planned graphs, 0 recompiles; eager: not in the compile plan (run " \
