@@ -19,7 +19,7 @@ from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
 from pipeline.stats import sequential as Q
-from pipeline.quality.design import VARIANT_PACE, fit_design
+from pipeline.quality.design import fit_design, pace_priors
 from pipeline.quality.sequential import Waves, score_in_waves, score_variants
 from pipeline.quality.waves import Allowance, Pace
 from pipeline.report.gate_table import render_table
@@ -60,13 +60,14 @@ def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, qu
 
 def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: dict, per_item=1.0,
                calls: dict | None = None, clock: Clock | None = None, one_pass: bool = False,
-               aim: bool = True) -> dict:
+               aim: bool = True, forward: dict[str, float] | None = None) -> dict:
     """What the quality stage does (pipeline/stages/quality.py: run), with fake scorers: items
     opened with the stage's own inputs (item_inputs), the reference's first look, the variants'
     looks (score_variants), the variants' meta, quality/meta.json's `sequential` and `budget`;
     then the gate stage's decision. `one_pass`: each variant whole in turn with 1/n of the time
     left (score_in_waves per variant: the stage's loop before the two passes), for comparison.
-    `aim=False`: budgeted looks take every open slice (the loop before aimed_look)."""
+    `aim=False`: budgeted looks take every open slice (the loop before aimed_look). `forward`:
+    model -> the seconds of its timed forward (the quantize stage's `forward_seconds`), the priors."""
     run = tmp_path / "run"
     out = run / "quality"
     clock = clock or Clock()
@@ -77,13 +78,15 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
         (out / "data" / f"{s}.jsonl").write_bytes(b)
     for name in fns:  # what quantize leaves: variants/<name>/meta.json
         (run / "variants" / name).mkdir(parents=True, exist_ok=True)
-        (run / "variants" / name / "meta.json").write_text(json.dumps({"scheme": "none", "name": name}))
+        prior = {"forward_seconds": {"tokens": 512, "seconds": forward[name]}} if forward else {}
+        (run / "variants" / name / "meta.json").write_text(json.dumps({"scheme": "none", "name": name, **prior}))
     lines = {s: b.splitlines(keepends=True) for s, b in data.items()}
     hashes = {s: hashlib.sha256(b).hexdigest() for s, b in data.items()}
     budget = StageBudget(cfg, "quality", clock=clock)
     # A dict `per_item` is also the stage's prior cost weights (its first look's split by slice).
     waves = Waves(out, lines, plans, [], lambda files: files, {},
                   weights=per_item if isinstance(per_item, dict) else None, clock=clock)
+    waves.prior = pace_priors({n: json.loads((run / "variants" / n / "meta.json").read_text()) for n in fns}, "bf16")
     calls = {} if calls is None else calls
     items, inputs_of = {}, {}
     for name in fns:
@@ -382,17 +385,18 @@ def test_a_budget_for_the_first_look_fits_the_spending_and_settles_there(tmp_pat
     data, plans = one_slice(400, 100)
     fns = {"bf16": reference_score, "v": damaged(0.3)}
     # 0.5 x 5 minutes = 150 s at 0.6 s an item: the reference's first look 60 s; then 90 s left,
-    # v's first look predicted at VARIANT_PACE (1.3) x 60 = 78 s (fits), its second at 60 + 1.3 x
-    # 120 = 216 s.
+    # v's first look predicted at its prior (its timed forward 1.3x the reference's) x 60 = 78 s
+    # (fits), its second at 60 + 1.3 x 120 = 216 s.
     (tmp_path / "fit").mkdir()
     (tmp_path / "obf").mkdir()
+    forward = {"bf16": 0.25, "v": 0.325}
     g = run_budget(tmp_path / "fit", budget_config(tmp_path / "fit", ["v"], 5, 0.5, fit=0.5), data, plans, fns,
-                   per_item=0.6)
+                   per_item=0.6, forward=forward)
     q = tmp_path / "fit/run/quality"
     design = json.loads((q / "design.json").read_text())
     name = Q.fitted("obf", 100 / 400, 0.5)
     assert design["fitted"] is True and design["look_index"] == 0 and design["spending"] == {"s": name}
-    assert design["left_s"] == pytest.approx(90.0) and design["predicted_s"] == pytest.approx(VARIANT_PACE * 60.0)
+    assert design["left_s"] == pytest.approx(90.0) and design["predicted_s"] == pytest.approx(1.3 * 60.0)
     assert "afford look 1 of 4" in design["why"]
     assert json.loads((q / "meta.json").read_text())["sequential"]["s"]["spending"] == name
     cell = g["variants"]["v"]["slices"]["s"]
@@ -519,10 +523,8 @@ def test_a_variant_near_a_decision_may_take_what_it_needs_up_to_half_the_time_le
 
 def test_a_variants_prior_pace_is_its_timed_forward_over_the_references(tmp_path):
     """pace_priors reads the quantize stage's timed forwards; a variant without one has no prior
-    (the fit then takes VARIANT_PACE for it); model_cost prices a variant that has not scored at
+    (it is priced at the reference's pace); model_cost prices a variant that has not scored at
     the reference's pace times its prior, and at its own pace once it has."""
-    from pipeline.quality.design import pace_priors
-
     metas = {"bf16": {"forward_seconds": {"tokens": 512, "seconds": 0.25}},
              "w4": {"forward_seconds": {"tokens": 512, "seconds": 0.31}},
              "nf4": {"forward_seconds": {"tokens": 512, "seconds": 0.86}}, "old": {}}

@@ -17,16 +17,6 @@ from pipeline.quality.sequential import Waves
 from pipeline.stats.sequential import fitted
 
 
-# What the fit assumes a variant's item costs against the reference's, its drift included, where
-# the variant's meta.json lacks the quantize stage's timed forward (made before it; pace_priors
-# otherwise). Measured on a 2-core AVX2 CPU, every variant in float32:
-# 2026-12-02, w4a16-gptq's first look 622 s against the reference's 492 s (1.26x), 1.45x with its
-# 92 s of drift (docs/results/2026-12-03-run-costs.md); 2026-12-03, w8a16 and nf4 at 1.09x and 1.11x the
-# reference's seconds per item over 240 items of two slices. A misprediction costs power, never
-# an error rate: too high, and looks after the fitted one have half of alpha left; too low, and
-# the budget stops before the fitted look, whose alpha is then partly unspent. On the AVX-512 Xeon,
-# every variant in bf16 (2026-12-03), the first looks ran at 1.1-3.1x: one constant fits no CPU.
-VARIANT_PACE = 1.3
 DESIGN_FILE = "design.json"
 
 
@@ -34,11 +24,11 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
     """variant -> its forward's seconds over the reference's, both timed by the quantize stage on
     the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
     that has one: its seconds per item against the reference's before it has scored one. A
-    prefill's ratio, where the first looks also decode. In the cold default run of 2026-12-03
-    (2-core Xeon with AVX-512 bf16, every variant in bf16) the stage's priors were w4a16-gptq 2.0,
-    int8 6.0, w8a16 2.1, nf4 4.6 against first looks at 1.0, 2.9, 1.6 and 2.2x the reference's
-    seconds: about 2x high (a forward timed in a fresh process, a prefill only), where
-    VARIANT_PACE's 1.3 was up to 2.2x low; a cautious fit loses power, never an error rate."""
+    prefill's ratio, where the first looks also decode: in the cold default run on a 2-core AVX-512
+    Xeon, every variant in bf16 (docs/results/2026-12-03-run-costs.md), the priors were w4a16-gptq
+    2.0, int8 6.0, w8a16 2.1, nf4 4.6 against first looks at 1.0, 2.9, 1.6 and 2.2x the reference's
+    seconds: about 2x high (a forward timed in a fresh process, a prefill only); a cautious fit
+    loses power, never an error rate."""
     ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
     if not ref:
         return {}
@@ -60,17 +50,16 @@ def fit_design(out_dir: Path, waves: Waves, reference: str, variants: list[str],
     gate.budget_alpha_share of each side's alpha is spent by the last look the budget affords:
     the largest look index j whose looks, for the reference and every pending variant, cost at
     most the stage's time left, at the reference's measured seconds per item (times the variant's
-    prior, pace_priors, for a variant; VARIANT_PACE where it has none). A budget that affords only the first looks then tests them at that share
-    of alpha, where O'Brien-Fleming spending alone would test them at almost none. Otherwise the
-    base spending (gate.spending).
+    prior, pace_priors, for a variant). A budget that affords only the first looks then tests them
+    at that share of alpha, where O'Brien-Fleming spending alone would test them at almost none.
+    Otherwise the base spending (gate.spending).
 
     The design is decided from timings only, after the reference's first look and before any
     variant item is scored, so it does not depend on any variant-vs-reference difference, and
     it is kept: while any variant holds items, a re-run reads design.json (same planned looks)
     and keeps its spending whatever the new budget, so a larger budget continues the same
     spending function over the later looks and each side's error over all looks stays at its
-    alpha. Variants holding items without a design.json (scored before this existed) keep the
-    base spending."""
+    alpha. Variants holding items with no design.json for these looks keep the base spending."""
     path = out_dir / DESIGN_FILE
     base, share = gcfg.spending, gcfg.budget_alpha_share
     plans = waves.plans
@@ -124,7 +113,7 @@ def _fit(waves: Waves, reference: str, pending: list[str], budget, base: str, sh
         var = [waves.model_cost(v, want, reference) for v in pending]
         if ref is None or None in var:
             return None
-        return ref + sum(c * (1.0 if v in waves.prior else VARIANT_PACE) for v, c in zip(pending, var))
+        return ref + sum(var)
 
     left, fit, fit_s = budget.left(), None, None
     for j in range(looks_max):
