@@ -144,9 +144,9 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU: what a variant computes in when its meta does
-    not say (a quantized variant on CPU, an older artifact). The quantize stage records each
-    variant's own choice in its meta.json (`dtype_compute`, with `dtype_reason`: auto_dtype)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU: what a directory whose meta.json records no
+    compute dtype (the prepared model) computes in. The quantize stage records each variant's own
+    choice in its meta.json (`dtype_compute`, with `dtype_reason`: auto_dtype)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]

@@ -5,7 +5,7 @@ whether the steps were compiled (and which shapes fell back), and the memory pla
     blocks += runtime_blocks(run_dir)     # report blocks (pipeline/report/document.py)
 
 Read from latency/<variant>.json and latency/<variant>__<draft>.json, which the latency stage
-writes (pipeline/stages/latency.py); older files without these keys give a line saying so.
+writes (pipeline/stages/latency.py); a result without these keys (a pair not timed) says "not recorded".
 """
 from __future__ import annotations
 
