@@ -97,7 +97,7 @@ def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float, 
         "design_effect": est.design_effect, "method": est.method,
         "p_noninferior": est.p_pass(margin), "p_inferior": est.p_fail(margin),
         "p_adjusted": list(p_adj) if p_adj else None, "status": status, "items_to_settle": settle,
-        # 0/1 cells: clusters above the design effect, bounded at their worst case (issue 26).
+        # 0/1 cells: clusters above the design effect, bounded at their worst case (paired.cluster_split).
         "worst_case_clusters": getattr(est, "large_clusters", 0),
         "worst_case_share": getattr(est, "large_share", 0.0),
     }

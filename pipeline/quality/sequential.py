@@ -31,8 +31,8 @@ from pipeline.quality.waves import Allowance, Pace
 # The items an aimed cell is priced for (what orders the aims and what a variant may take in the
 # second pass), as a multiple of its fixed-n items to settle, up to the slice's maximum: the
 # sequential looks test at lower levels than a fixed-n test, and a difference first seen beyond
-# -margin tends to shrink (w4a16-gptq's tool_args on the default config, 2026-12-03: -0.175 at
-# 40 items, 108 to settle at fixed n; it failed at 200, at -0.130).
+# -margin tends to shrink (w4a16-gptq's tool_args on the default config: -0.175 at 40 items, 108
+# to settle at fixed n; it failed at 200, at -0.130: docs/methods/gate.md).
 AIM_SLACK = 2.0
 
 

@@ -28,7 +28,7 @@ from pipeline.tools.bench_roofline import roofline_section
 GOALS = {"plain": 1.2, "speculative": 1.5}
 PROMPT = "Explain in a few sentences why the sky is blue, for a ten-year-old."
 # Why --compile auto runs eagerly on CPU: measured on the 2-core CPU (SmolLM2-135M, float32, 16-32
-# tokens, torch 2.14, transformers 5.24, 2026-12-02, the machine shared with other jobs):
+# tokens, torch 2.14, transformers 5.24, the machine shared with other jobs):
 # inductor's C++ compile of the engine's one decode-step graph took 171 s cold (18 s from
 # inductor's on-disk cache), transformers' first compiled static-cache generate 222 s cold (90 s
 # warm); then, paired over 4 repeats, neither compiled side was consistently faster than its eager
