@@ -243,10 +243,30 @@ def run_bias(args) -> None:
 # ---------------------------------------------------------------- coverage
 
 
+def prompt_weights(n_prompts: int, seed: int, resamples: int = 2000) -> np.ndarray:
+    """[resamples, P]: how often each prompt appears in each resample (P drawn with replacement)."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(n_prompts, np.full(n_prompts, 1.0 / n_prompts), size=resamples).astype(float)
+
+
+def ratio_interval(num_b: np.ndarray, den_b: np.ndarray, point: float | None, confidence: float,
+                   bounds: tuple[float, float], n_prompts: int) -> list[float] | None:
+    """The slice E(k) interval summarize_slice gave before its t interval: the percentile interval
+    of num/den over prompt resamples (undefined resamples dropped), clipped to `bounds` and
+    containing `point`; `bounds` itself with one prompt or fewer than 10 defined resamples."""
+    from pipeline.stats.intervals import percentile_interval
+
+    if point is None:
+        return None
+    if n_prompts < 2:
+        return [float(bounds[0]), float(bounds[1])]
+    ok = den_b > 0
+    return percentile_interval(num_b[ok] / den_b[ok], confidence, point, bounds, min_replicates=10, too_few=bounds)
+
+
 def bootstrap_check(tokens, rounds, d_tokens, d_rounds, confidence: float, seed: int) -> bool:
     """The check as it was before issue 28: a percentile prompt bootstrap of direct - derived
     (2000 resamples); agree = the interval contains 0."""
-    from pipeline.speculation.acceptance_stats import prompt_weights
     from pipeline.stats.intervals import percentile_interval
 
     n = len(tokens)
@@ -338,7 +358,7 @@ def slice_coverage(b: dict, ns, reps: int, k: int, confidence: float, seed: int)
     expected tokens / sum of expected rounds over the whole bank), by method (SLICE_METHODS): the
     percentile prompt bootstrap summarize_slice used before, two candidates (the t-calibrated
     bootstrap, the linearized t interval) and the linearized t interval on log(E - 1) it uses now."""
-    from pipeline.speculation.acceptance_stats import prompt_weights, ratio_interval, ratio_t_interval
+    from pipeline.speculation.acceptance_stats import ratio_t_interval
 
     tok = _tokens(b, k)
     truth = tok.mean(1).sum() / b["rounds"][k].mean(1).sum()

@@ -9,7 +9,7 @@ import yaml
 
 from pipeline.__main__ import STAGES, main, slug
 from pipeline.core.config import Config, ConfigError, load_config
-from pipeline.core.stage import StageError, StageSpec, atomic_dir, run_stage
+from pipeline.core.stage import SCHEMA_VERSION, StageError, StageSpec, atomic_dir, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 CALLS: list[str] = []
@@ -194,6 +194,36 @@ def test_crash_mid_stage_keeps_finished_items_only(tmp_path):
     CALLS.clear()
     run_stage(SPECS["c"], tmp_path, cfg, {"crash": False}, SPECS)
     assert CALLS == ["c", "c:y"]  # resumed: x was reused
+
+
+def _set_schema(path: Path, schema) -> None:
+    meta = json.loads(path.read_text())
+    assert meta["schema"] == SCHEMA_VERSION
+    meta.pop("schema")
+    path.write_text(json.dumps(meta if schema is None else {**meta, "schema": schema}))
+
+
+def test_artifacts_of_another_schema_re_run_with_their_items(tmp_path, capsys):
+    """A stage whose meta.json carries another schema version (or none) is not fresh: it re-runs,
+    saying so in one line, and none of its items is reused. An item of another schema is never
+    fresh either (here the stage was interrupted, so only the item says it)."""
+    CALLS.clear()
+    cfg = Config()
+    _run_all(tmp_path, cfg)
+    for path in (tmp_path / "c" / "meta.json", tmp_path / "c" / "x" / "meta.json", tmp_path / "c" / "y" / "meta.json"):
+        _set_schema(path, None)
+    CALLS.clear()
+    capsys.readouterr()
+    _run_all(tmp_path, cfg)
+    assert CALLS == ["c", "c:x", "c:y"]  # a and b are of this schema: up to date
+    err = capsys.readouterr().err
+    assert f"c: artifacts from another specq version (schema none, this is {SCHEMA_VERSION}): re-running" in err
+    assert json.loads((tmp_path / "c" / "meta.json").read_text())["schema"] == SCHEMA_VERSION
+    (tmp_path / "c" / "meta.json").unlink()
+    _set_schema(tmp_path / "c" / "x" / "meta.json", SCHEMA_VERSION + 1)
+    CALLS.clear()
+    _run_all(tmp_path, cfg)
+    assert CALLS == ["c", "c:x"]  # y is of this schema and current: reused
 
 
 def test_failed_stage_leaves_no_directory(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.__main__ import main
 from pipeline.gate.decision import decide, overall_decision
-from pipeline.core.stage import StageError
+from pipeline.core.stage import SCHEMA_VERSION, StageError
 
 SLICES = ("reasoning", "language", "calibration", "long_context")
 
@@ -70,14 +70,15 @@ def make_fake_run(root: Path, variants: dict[str, dict] | None = None, n: int = 
                 "kl_mean": 0.01, "kl_ci": [0.008, 0.012], "top1_agreement": 0.97,
                 "top1_ci": [0.95, 0.99], "ppl_ratio": 1.01, "ppl_ratio_ci": [1.0, 1.02], "n_docs": 4}}))
     for name in ("bf16", *variants):
+        ok = lossless_ok or name != "bf16"
         pair = {"variant": name, "draft": "ngram", "k_max": 3, "slices": {},
-                "lossless": {"greedy_identical": lossless_ok or name != "bf16", "prompts": 4,
-                             "mismatches": [] if lossless_ok or name != "bf16" else [{"prompt": 0}],
+                "lossless": {"greedy_identical": ok, "greedy_lossless": ok, "prompts": 4,
+                             "mismatches": [] if ok else [{"prompt": 0}], "unexplained": 0 if ok else 1,
                              "sampling": {"test": "chi2", "p_value": 0.4, "alpha": 0.01, "pass": True}}}
         (run / "acceptance").mkdir(parents=True, exist_ok=True)
         (run / "acceptance" / f"{name}__ngram.json").write_text(json.dumps(pair))
     for stage in ("quality", "acceptance"):
-        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage}))
+        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "schema": SCHEMA_VERSION, "input_hash": stage}))
     lines = ["quantize:", "  reference: bf16", "  variants:", "    bf16: {scheme: none, release: false}"]
     for name, spec in variants.items():
         lines.append(f"    {name}: {{scheme: none, release: {str(spec.get('release', True)).lower()}}}")
@@ -269,27 +270,21 @@ def test_brier_has_its_own_margin(tmp_path):
 
 def test_duplicated_prompts_form_one_cluster(tmp_path):
     """Items that share a prompt are one cluster even when nothing labels them so: from the
-    per-item prompt hash lm-eval records, or else from quality/data/<slice>.jsonl's prompts.
-    Here 1000 reasoning items come from 145 prompts (the old tool_args slice at gpu.yaml size)."""
+    per-item prompt hash lm-eval records. Here 1000 reasoning items come from 145 prompts (the old
+    tool_args slice at gpu.yaml size) and 1000 language items from 100; calibration's are distinct."""
     run, config = make_fake_run(tmp_path)
-    prompt_of = [f"prompt {i % 145}" for i in range(1000)]
-    data = [{"id": f"reasoning-{i}", "prompt": p} for i, p in enumerate(prompt_of)]
-    _write_jsonl(run / "quality" / "data" / "reasoning.jsonl", data)
+    for name in ("bf16", "good"):
+        for s, prompts in (("reasoning", 145), ("language", 100)):
+            path = run / "quality" / name / f"{s}.jsonl"
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            _write_jsonl(path, [{**r, "prompt_hash": f"h{i % prompts}"} for i, r in enumerate(rows)])
     _, _, g = gate(run, config)
-    cell = g["variants"]["good"]["slices"]["reasoning"]
+    cells = g["variants"]["good"]["slices"]
     sizes = np.bincount(np.arange(1000) % 145)
     # The design effect is the largest cluster's size (7; sum n_g^2 / n = 6.91 holds only when
-    # every prompt has the same discordance rates: issue 26).
-    assert cell["n_clusters"] == 145 and cell["design_effect"] == sizes.max() == 7
-    # The same from the records' own prompt_hash, with no data file.
-    (run / "quality" / "data" / "reasoning.jsonl").unlink()
-    for name in ("bf16", "good"):
-        path = run / "quality" / name / "language.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        _write_jsonl(path, [{**r, "prompt_hash": f"h{i % 100}"} for i, r in enumerate(rows)])
-    _, _, g = gate(run, config, force=True)
-    cells = g["variants"]["good"]["slices"]
-    assert cells["language"]["n_clusters"] == 100 and cells["reasoning"]["n_clusters"] == 1000
+    # every prompt has the same discordance rates).
+    assert cells["reasoning"]["n_clusters"] == 145 and cells["reasoning"]["design_effect"] == sizes.max() == 7
+    assert cells["language"]["n_clusters"] == 100 and cells["calibration"]["n_clusters"] == 1000
 
 
 def test_distribution_threshold_is_gated(tmp_path):
@@ -368,6 +363,26 @@ def test_gate_check_exit_status_and_bad_input(tmp_path, capsys):
         assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml"]) == code
         assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml",
                      "--no-exit-code"]) == (0 if code != 2 else 2)
+
+
+def test_gate_check_refuses_a_gate_of_another_schema(tmp_path, capsys):
+    """gate-check reads gate.json only beside a gate/meta.json of this specq's schema: another
+    schema (or none) is one line on stderr and exit 2, not a guess at its keys."""
+    (tmp_path / "gate.json").write_text(json.dumps(
+        {"decision": "go", "reference": "bf16", "release_variants": ["v"], "method": "m",
+         "variants": {"v": {"decision": "go", "release": True, "slices": {}, "missing": []}}}))
+    (tmp_path / "gate").mkdir()
+    for schema in (None, SCHEMA_VERSION + 1):
+        meta = {"stage": "gate", "input_hash": "h"} | ({} if schema is None else {"schema": schema})
+        (tmp_path / "gate" / "meta.json").write_text(json.dumps(meta))
+        capsys.readouterr()
+        assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml", "--no-exit-code"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"specq: gate: artifacts from another specq version (schema "
+                                    f"{'none' if schema is None else schema}, this is {SCHEMA_VERSION}) in "
+                                    f"{tmp_path / 'gate'}: re-run make gate"]
+    (tmp_path / "gate" / "meta.json").write_text(json.dumps({"stage": "gate", "schema": SCHEMA_VERSION}))
+    assert main(["gate-check", "--run", str(tmp_path), "--config", "configs/smoke.yaml"]) == 0
 
 
 def test_gate_decides_on_one_variant_when_asked(tmp_path, capsys):

@@ -17,6 +17,7 @@ import torch
 from conftest import make_tiny_llama, save_as_prepared
 
 from pipeline.core.config import Config
+from pipeline.core.stage import SCHEMA_VERSION
 from pipeline.decode.drafts import ModelDraft, NgramDraft
 from pipeline.latency.screen import DOES_NOT_PAY, MAY_PAY, bound_rows, cut_line, e_upper, ks_to_time, screen_pair, verdict_of
 
@@ -211,7 +212,7 @@ def test_bound_is_above_the_measured_speedup(tiny_tokenizer):
 
 def _fake_stage(run, name, **extra):
     (run / name).mkdir(parents=True, exist_ok=True)
-    (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name, **extra}))
+    (run / name / "meta.json").write_text(json.dumps({"stage": name, "schema": SCHEMA_VERSION, "input_hash": name, **extra}))
 
 
 def _screen_run(tmp_path, tiny_model, tiny_tokenizer, monkeypatch, acc: dict):

@@ -68,13 +68,15 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
         (out / "data" / f"{s}.jsonl").write_bytes(b)
     for name in fns:  # what quantize leaves: variants/<name>/meta.json
         (run / "variants" / name).mkdir(parents=True, exist_ok=True)
-        (run / "variants" / name / "meta.json").write_text(json.dumps({"scheme": "none", "name": name}))
+        prior = {"forward_seconds": {"tokens": 512, "seconds": forward[name]}} if forward else {}
+        (run / "variants" / name / "meta.json").write_text(json.dumps({"scheme": "none", "name": name, **prior}))
     lines = {s: b.splitlines(keepends=True) for s, b in data.items()}
     hashes = {s: hashlib.sha256(b).hexdigest() for s, b in data.items()}
     budget = StageBudget(cfg, "quality", clock=clock)
     # A dict `per_item` is also the stage's prior cost weights (its first look's split by slice).
     waves = Waves(out, lines, plans, [], lambda files: files, {},
                   weights=per_item if isinstance(per_item, dict) else None, clock=clock)
+    waves.prior = pace_priors({n: json.loads((run / "variants" / n / "meta.json").read_text()) for n in fns}, "bf16")
     calls = {} if calls is None else calls
     items, inputs_of = {}, {}
     for name in fns:

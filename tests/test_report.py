@@ -14,6 +14,7 @@ import pytest
 from test_gate import make_fake_run
 
 from pipeline.__main__ import main
+from pipeline.core.stage import SCHEMA_VERSION
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -73,7 +74,7 @@ def add_speed_artifacts(run: Path, variants=("bf16", "good"), latency: bool = Tr
                  "rows": [{"k": r["k"], "ms_per_token": _median(r["ms_per_token"]), "round_ms": _median(r["round_ms"]),
                            "tokens_per_round": r["tokens_per_round"], "speedup": _median(r["speedup"])} for r in rows]}))
     for stage in ("marginal", "latency"):
-        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "input_hash": stage}))
+        (run / stage / "meta.json").write_text(json.dumps({"stage": stage, "schema": SCHEMA_VERSION, "input_hash": stage}))
 
 
 def report(tmp_path, latency=True, **kw):

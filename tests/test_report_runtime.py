@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline.core.stage import SCHEMA_VERSION
 from pipeline.report.document import to_markdown
 from pipeline.report.runtime import runtime_blocks
 
@@ -21,10 +22,10 @@ GPTQ = {"library": "gptqmodel", "kernels": {"MarlinQuantLinear": 224},
 def test_runtime_section(tmp_path):
     lat = tmp_path / "latency"
     lat.mkdir()
-    (lat / "meta.json").write_text("{}")
+    (lat / "meta.json").write_text(json.dumps({"stage": "latency", "schema": SCHEMA_VERSION}))
     (lat / "w4.json").write_text(json.dumps({"device_name": "NVIDIA H200", "kernels": GPTQ,
                                              "memory_plan": PLAN, "grid": []}))
-    (lat / "bf16.json").write_text(json.dumps({"device": "cpu", "grid": []}))  # written before these keys
+    (lat / "bf16.json").write_text(json.dumps({"device": "cpu", "grid": []}))  # without these keys (a pair not timed)
     md = to_markdown("t", runtime_blocks(tmp_path))
     assert "| w4 | NVIDIA H200 | gptqmodel: MarlinQuantLinear x224 (backend marlin) | timed |" in md
     assert "| bf16 | cpu | not recorded | timed |" in md

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from pipeline.__main__ import main
+from pipeline.core.stage import SCHEMA_VERSION
 from pipeline.report.summary import summary_lines
 
 
@@ -56,3 +58,18 @@ def test_a_specq_measured_target_prints_its_speculative_config(tmp_path):
     line = next(x for x in text.splitlines() if "speculative_config:" in x)
     cfg = json.loads(line.split("speculative_config: ", 1)[1])
     assert cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == 1
+
+
+def test_summary_refuses_artifacts_of_another_schema(tmp_path, capsys):
+    """`specq summary` on a run whose marginal stage ran under another specq version: one line on
+    stderr and exit 2 (bad input), not a summary guessed from keys that may have changed."""
+    run = tmp_path / "r"
+    (run / "marginal").mkdir(parents=True)
+    (run / "marginal" / "meta.json").write_text(json.dumps({"stage": "marginal", "input_hash": "h"}))
+    (run / "marginal" / "bf16__ngram.json").write_text(json.dumps({"recommended_k": 0, "rows": []}))
+    assert main(["summary", "--run", str(run), "--config", "configs/smoke.yaml"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"specq: marginal: artifacts from another specq version (schema none, this is {SCHEMA_VERSION}) in "
+        f"{run / 'marginal'}: re-run make marginal"]
+    (run / "marginal" / "meta.json").write_text(json.dumps({"stage": "marginal", "schema": SCHEMA_VERSION}))
+    assert main(["summary", "--run", str(run), "--config", "configs/smoke.yaml"]) == 0

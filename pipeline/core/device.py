@@ -144,9 +144,9 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU: what a variant computes in when its meta does
-    not say (a quantized variant on CPU, an older artifact). The quantize stage records each
-    variant's own choice in its meta.json (`dtype_compute`, with `dtype_reason`: auto_dtype)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU: what a directory whose meta.json records no
+    compute dtype (the prepared model) computes in. The quantize stage records each variant's own
+    choice in its meta.json (`dtype_compute`, with `dtype_reason`: auto_dtype)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
@@ -173,12 +173,12 @@ def cpu_bf16_native() -> str | None:
 
 
 def auto_dtype(device: torch.device, quantized: bool) -> tuple[torch.dtype, str]:
-    """(compute dtype, why) for a variant whose config says dtype: auto (issue 25, point 4).
+    """(compute dtype, why) for a variant whose config says dtype: auto.
     Every variant computes in bf16 wherever the device does bf16 natively: CUDA, and a CPU with
     avx512_bf16 / amx_bf16. Quantized variants too: their activations are 16-bit where they are
     served, and on such a CPU the libraries have bf16 paths (GPTQModel loads TorchCpuAvx512Linear
     for bf16 instead of TorchFusedLinear; bitsandbytes' NF4 has an avx512-bf16 kernel). Measured
-    2026-12-03 on a 2-core Xeon (avx512_bf16, AMX), SmolLM2-135M, a 512-token forward against the
+    on a 2-core Xeon (avx512_bf16, AMX), SmolLM2-135M, a 512-token forward against the
     bf16 reference's: w4a16-gptq 1.24x in bf16 (4.1x in float32), torchao int8 1.24x (2.8x),
     NF4 3.4x (4.1x), LLM.int8 2.9x (3.2x). Elsewhere on a CPU, float32."""
     if device.type == "cuda":

@@ -9,7 +9,9 @@ re-run never looks finished), the stage runs, and `meta.json` is written last.
 Stages that make several independent things (one directory per variant, one JSON per pair) write
 each as an *item*: `ctx.item(name, inputs)` is fresh (reused as it is) when its own input hash
 matches, and is otherwise written into `name.tmp` and renamed into place, so a crash mid-stage
-leaves only finished items, and the re-run resumes where it stopped.
+leaves only finished items, and the re-run resumes where it stopped. Every meta.json (and item
+record) carries `schema`, SCHEMA_VERSION: one of another version is never fresh, and a reader
+outside the runner refuses it (require_schema) instead of guessing at its keys.
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[2]  # pipeline/core/stage.py -> the repository root
+# The version of the artifacts' layout, in every meta.json and item record the runner writes.
+# Raise it when a change makes artifacts written before it unreadable: older runs then re-run.
+SCHEMA_VERSION = 1
 LIBRARIES = (
     "torch", "transformers", "accelerate", "gptqmodel", "bitsandbytes", "torchao", "lm_eval",
     "datasets", "gguf", "scipy", "numpy", "statsmodels",
@@ -247,6 +252,30 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def other_schema(meta: Any) -> str | None:
+    """None when `meta` (a meta.json or item record) carries SCHEMA_VERSION; otherwise what it
+    carries, as "schema none, this is 1"."""
+    got = meta.get("schema") if isinstance(meta, dict) else None
+    if got == SCHEMA_VERSION:
+        return None
+    return f"schema {'none' if got is None else got}, this is {SCHEMA_VERSION}"
+
+
+def require_schema(meta_path: str | Path) -> None:
+    """For readers of a stage's artifacts outside the runner (summary, gate-check, the report's
+    inputs): a StageError in one line when the stage's meta.json was written by another specq
+    version. Nothing to check where there is no meta.json (the reader says what is missing)."""
+    meta_path = Path(meta_path)
+    if not meta_path.is_file():
+        return
+    meta = read_json(meta_path, "stage meta.json")
+    why = other_schema(meta)
+    if why:
+        stage = (meta.get("stage") if isinstance(meta, dict) else None) or meta_path.parent.name
+        raise StageError(f"{stage}: artifacts from another specq version ({why}) in {meta_path.parent}: "
+                         f"re-run make {stage}")
+
+
 # ---------------------------------------------------------------- stage context
 
 
@@ -261,19 +290,23 @@ class Item:
     fresh: bool = False
     meta: dict = field(default_factory=dict)
 
+    def record(self, obj: dict) -> dict:
+        """`obj` with what makes it this item's record: the schema version and the input hash."""
+        return {**obj, "schema": SCHEMA_VERSION, "input_hash": self.input_hash}
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[Path]:
         """Directory items: yield a temporary directory that replaces `path` if the block succeeds;
-        `self.meta` (plus the input hash) becomes its meta.json."""
+        `self.meta` (plus the schema and input hash) becomes its meta.json."""
         assert self.is_dir
         with atomic_dir(self.path) as tmp:
             yield tmp
-            atomic_write_json(tmp / "meta.json", {**self.meta, "input_hash": self.input_hash})
+            atomic_write_json(tmp / "meta.json", self.record(self.meta))
 
     def write_json(self, obj: dict) -> None:
-        """JSON-file items: write `obj` (with the input hash) atomically."""
+        """JSON-file items: write `obj` (with the schema and input hash) atomically."""
         assert not self.is_dir
-        atomic_write_json(self.path, {**obj, "input_hash": self.input_hash})
+        atomic_write_json(self.path, self.record(obj))
 
 
 @dataclass
@@ -289,7 +322,8 @@ class StageContext:
     meta: dict = field(default_factory=dict)  # extra keys the stage adds to its meta.json
 
     def item(self, name: str, inputs: Any, is_dir: bool = True) -> Item:
-        """An item at out_dir/name, fresh when `inputs` (and the stage's code) are unchanged."""
+        """An item at out_dir/name, fresh when `inputs` (and the stage's code) are unchanged and its
+        record is of this schema."""
         path = self.out_dir / name
         h = hash_obj({"inputs": inputs, "code": self.code})
         item = Item(path=path, input_hash=h, is_dir=is_dir)
@@ -299,7 +333,7 @@ class StageContext:
                 old = json.loads(meta_path.read_text())
             except (json.JSONDecodeError, OSError):
                 old = {}
-            if isinstance(old, dict) and old.get("input_hash") == h:
+            if isinstance(old, dict) and old.get("input_hash") == h and other_schema(old) is None:
                 item.fresh, item.meta = True, old
         return item
 
@@ -353,8 +387,11 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
         try:
             old = json.loads(meta_path.read_text())
         except (json.JSONDecodeError, OSError):
-            old = {}
-        if old.get("input_hash") == input_hash:
+            old = None
+        why = other_schema(old) if isinstance(old, dict) else None
+        if why:
+            print(f"{spec.name}: artifacts from another specq version ({why}): re-running", file=sys.stderr)
+        elif isinstance(old, dict) and old.get("input_hash") == input_hash:
             os.utime(meta_path)  # Make compares mtimes; the artifact is current
             print(f"{spec.name}: up to date ({out_dir})", file=sys.stderr)
             return meta_path
@@ -382,6 +419,7 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
         raise
     meta = {
         "stage": spec.name,
+        "schema": SCHEMA_VERSION,
         "input_hash": input_hash,
         "inputs": {k: v for k, v in inputs.items() if k != "config"},
         "config": config.model_dump(mode="json"),

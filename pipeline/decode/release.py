@@ -1,4 +1,4 @@
-"""Handing a dropped model's memory back before the next one is planned or loaded (issue #24, 5).
+"""Handing a dropped model's memory back before the next one is planned or loaded.
 
     from pipeline.decode.release import release_caches, collect
     release_caches(model, draft_model)     # their pooled static caches (pipeline/decode/cache.py)

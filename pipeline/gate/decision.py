@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline.core.stage import StageError, progress, read_json
 from pipeline.gate import looks as looks_mod
-from pipeline.gate.items import by_item, item_clusters, pair_items, prompt_hashes, read_items, unscored_slices
+from pipeline.gate.items import by_item, item_clusters, pair_items, read_items, unscored_slices
 from pipeline.gate.speculation import speculation
 from pipeline.gate.stops import budget_stops, quality_budget, schedules, stop_fields
 from pipeline.stats import paired as stats, scoring_rules
@@ -100,7 +100,7 @@ def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float,
         "design_effect": est.design_effect, "method": est.method,
         "p_noninferior": est.p_pass(margin), "p_inferior": est.p_fail(margin),
         "p_adjusted": list(p_adj) if p_adj else None, "status": status, "items_to_settle": settle,
-        # 0/1 cells: clusters above the design effect, bounded at their worst case (issue 26).
+        # 0/1 cells: clusters above the design effect, bounded at their worst case (paired.cluster_split).
         "worst_case_clusters": getattr(est, "large_clusters", 0),
         "worst_case_share": getattr(est, "large_share", 0.0),
     }
@@ -168,7 +168,7 @@ def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]
     return alpha, chosen
 
 
-def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: dict | None, gcfg,
+def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcfg,
                 where: str) -> tuple[dict, dict, dict | None, dict]:
     """One variant's slice at every look it reached: ({row key: {look index: estimate}},
     {row key: margin}, the calibration errors and {group: estimate} at the last look, and the
@@ -198,7 +198,7 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, prompts: dict, sched: d
         if n < 2:
             continue
         ids = order[:n]
-        codes = item_clusters(ref, ids, prompts)
+        codes = item_clusters(ref, ids)
         found, reported = slice_estimates(ref, var, ids, codes, gcfg)
         gests = group_estimates(ref, var, ids, codes)
         for row, est in found.items():
@@ -228,7 +228,7 @@ def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, a
 
 
 def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | None = None,
-                 ref_items: dict | None = None, prompts: dict | None = None) -> tuple:
+                 ref_items: dict | None = None) -> tuple:
     """Every slice of variant `name` at every look its files reach: (rows, margins, row key ->
     its slice's schedule, (slice -> calibration errors, slice -> group estimates))."""
     ref_dir = quality / reference
@@ -236,15 +236,13 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
     scheds = schedules(quality) if scheds is None else scheds
     if ref_items is None:
         ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
-    if prompts is None:
-        prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
     vdir = quality / name
     rows, margins, row_sched, reported, groups = {}, {}, {}, {}, {}
     for s in slices:
         if not (vdir / f"{s}.jsonl").is_file():
             raise StageError(f"missing artifact: {vdir / f'{s}.jsonl'} (the reference has it)")
-        r, m, rep, info = slice_looks(ref_items[s], read_items(vdir / f"{s}.jsonl"), s, prompts[s],
-                                      scheds.get(s), gcfg, f"{name}/{s}")
+        r, m, rep, info = slice_looks(ref_items[s], read_items(vdir / f"{s}.jsonl"), s, scheds.get(s), gcfg,
+                                      f"{name}/{s}")
         rows.update(r)
         margins.update(m)
         row_sched.update({k: info for k in r})
@@ -292,7 +290,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
         raise StageError(f"empty artifact: {ref_dir} has no <slice>.jsonl")
     ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
     unscored = unscored_slices(quality, slices)
-    prompts = {s: prompt_hashes(quality / "data" / f"{s}.jsonl") for s in slices}
     scheds = schedules(quality)
     stops = budget_stops(quality)
     a_pass, chosen = pass_alpha(release, alpha, gcfg)
@@ -314,8 +311,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             entry["missing"].append("quality results")
             progress(f"gate: {name} has no quality results; it cannot be go")
             continue
-        rows, margins, row_sched, (reported, groups) = variant_rows(quality, reference, name, gcfg, scheds,
-                                                                    ref_items, prompts)
+        rows, margins, row_sched, (reported, groups) = variant_rows(quality, reference, name, gcfg, scheds, ref_items)
         alpha_pass = a_pass if name in chosen else alpha
         settled = settle_variant(rows, margins, row_sched, alpha_pass, alpha, gcfg)
         for key, (k, record) in settled.items():

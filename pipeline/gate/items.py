@@ -8,7 +8,6 @@ score.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
@@ -59,19 +58,11 @@ def pair_items(ref: dict[str, dict], var: dict[str, dict], where: str) -> list[s
     return sorted(ref)
 
 
-def prompt_hashes(data_file: Path) -> dict[str, str]:
-    """id -> sha256 of the item's prompt, from the items the quality stage scored (for results
-    written before quality recorded lm-eval's prompt hash); {} when there is no such file."""
-    if not data_file.is_file():
-        return {}
-    return {str(it["id"]): hashlib.sha256(str(it.get("prompt", "")).encode()).hexdigest()
-            for it in read_jsonl(data_file, "quality items") if isinstance(it, dict) and "id" in it}
-
-
-def item_clusters(items: dict[str, dict], ids: list[str], prompts: dict[str, str]) -> np.ndarray:
-    """Cluster codes for `ids`: a shared `cluster` label or a shared prompt puts items together."""
+def item_clusters(items: dict[str, dict], ids: list[str]) -> np.ndarray:
+    """Cluster codes for `ids`: a shared `cluster` label or a shared prompt (the `prompt_hash`
+    lm-eval records per item) puts items together."""
     labels = [items[i]["cluster"] for i in ids]
-    keys = [items[i]["prompt_hash"] or prompts.get(i) for i in ids]
+    keys = [items[i]["prompt_hash"] for i in ids]
     return stats.merge_clusters(len(ids), labels, keys)
 
 

@@ -37,12 +37,12 @@ def speculation(run_dir: Path, method: str) -> dict:
         loss = pair.pop("lossless") or {}
         sampling = loss.get("sampling") or {}
         # Lossless at greedy: identical, or every divergence a near-tie of the dtype
-        # (pipeline/speculation/lossless.py); results written before the tie rule have only identity.
-        greedy = loss.get("greedy_lossless", loss.get("greedy_identical"))
+        # (pipeline/speculation/lossless.py); None where no prompt was compared.
+        greedy = loss.get("greedy_lossless")
         pair.update({"greedy_identical": loss.get("greedy_identical"), "greedy_lossless": greedy,
                      "prompts": loss.get("prompts"), "dtype": loss.get("dtype"),
                      "mismatches": len(loss.get("mismatches") or []),
-                     "unexplained_mismatches": loss.get("unexplained", len(loss.get("mismatches") or [])),
+                     "unexplained_mismatches": loss.get("unexplained"),
                      "tie_tolerance": (loss.get("tie_rule") or {}).get("tolerance"),
                      "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
                      "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})

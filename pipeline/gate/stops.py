@@ -9,8 +9,8 @@ variant and slice: the items scored, the looks done and skipped, and why scoring
 the last look, the time budget, or the variant's verdict) into quality/meta.json. The gate reads
 both: the planned looks are the group-sequential schedule its replay tests at
 (pipeline/gate/looks.py), and a cell left open says why (`stopped_on`, `stop_reason`,
-`items_left`). Results without these keys (written elsewhere, or before issue 26) read as one
-look at the items scored and no stop record.
+`items_left`). Results without these keys (quality results made elsewhere than the quality
+stage) read as one look at the items scored and no stop record.
 """
 from __future__ import annotations
 

@@ -155,9 +155,9 @@ def measure_call_tokens(forward, sync=lambda: None, reps: int = 5, max_tokens: i
 CALIBRATION_CONSTANTS = ("call_tokens", "call_tokens_measured", "call_tokens_source", "call_ms", "token_ns",
                          "kv_bytes_per_token", "decode_kv_tokens")
 # Whether the plan uses the ratio measured on a CPU. It does not by default: on a shared CPU the
-# measurement moved 10-200x with other processes' load (2026-12-02: 0.2 to 4.8 under load against
-# ~48 idle), past what the power-of-4 bucket absorbs, and a plan that changes between the
-# reference's evaluator and a variant's changes batch compositions, hence bf16 rounding, on items
-# the two should score alike. A CPU plan uses CPU_CALL_TOKENS (measured idle on the 2-core CPU);
+# measurement moved 10-200x with other processes' load (0.2 to 4.8 under load against ~48 idle:
+# docs/methods/quality-slices.md), past what the power-of-4 bucket absorbs, and a plan that
+# changes between the reference's evaluator and a variant's changes batch compositions, hence
+# bf16 rounding, on items the two should score alike. A CPU plan uses CPU_CALL_TOKENS (measured idle on the 2-core CPU);
 # the measured ratio is still recorded beside it. CUDA always uses its measurement.
 MEASURE_ON_CPU = False

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from pipeline.core.budget import fmt_s
-from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, hash_obj, progress, read_json
+from pipeline.core.stage import (SCHEMA_VERSION, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
+                                 other_schema, progress, read_json)
 from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
 from pipeline.quality.calibration import CALIBRATION_CONSTANTS
@@ -75,7 +76,7 @@ class Waves:
             if not item.fresh:
                 raise
             old = {}  # a finished item's pace is only an estimate: never a reason to stop
-        reusable = isinstance(old, dict) and old.get("score_hash") == h
+        reusable = isinstance(old, dict) and old.get("score_hash") == h and other_schema(old) is None
         self.pace[d.name] = Pace(self.weights, old.get("pace") if reusable else None)
         if item.fresh:
             return item
@@ -113,8 +114,8 @@ class Waves:
         self.stats[name]["stop"] = {"need": dict(need), "why": why, "kind": kind}
 
     def _save_state(self, name: str) -> None:
-        atomic_write_json(self.out_dir / name / "scoring.json",
-                          {"score_hash": self.hashes[name], "pace": self.pace[name].to_json()})
+        atomic_write_json(self.out_dir / name / "scoring.json", {"score_hash": self.hashes[name], "schema": SCHEMA_VERSION,
+                                                                 "pace": self.pace[name].to_json()})
 
     def first_items(self, name: str) -> dict[str, int]:
         """Items `name` lacks for its first look, per slice."""
@@ -244,13 +245,13 @@ class Waves:
         seconds = round(old.get("eval_seconds", 0.0) + st["seconds"], 2)
         counters = dict(old.get("counters") or {})
         _add_counters(counters, st["counters"], digits=2)
-        meta = {k: v for k, v in old.items() if k != "input_hash"}
+        meta = dict(old)
         meta.update({"variant": name, "items": items, "eval_seconds": seconds,
                      "items_per_second": round(items / seconds, 3) if seconds > 0 else None,
                      "evaluator": evaluator, **(ran or {}), "items_scored": self.scored(name),
                      **({"counters": counters} if counters else {}),
                      **({"budget": self.budget_record(name)} if name in self.allowances else {})})
-        atomic_write_json(item.path / "meta.json", {**meta, "input_hash": item.input_hash})
+        atomic_write_json(item.path / "meta.json", item.record(meta))
 
 
 def _count(path: Path) -> int:

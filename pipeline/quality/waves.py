@@ -127,8 +127,7 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
     the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
     that has one: its seconds per item against the reference's before it has scored one
     (Waves.model_cost; a variant without one is priced at the reference's pace). A prefill's
-    ratio, where the first looks also decode: in the cold default run of 2026-12-03 the priors
-    were about 2x the first looks' measured ratios (a forward timed in a fresh process)."""
+    ratio, where the first looks also decode (docs/methods/budget.md)."""
     ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
     if not ref:
         return {}

@@ -9,8 +9,8 @@
 A missing value is written MISSING, "-": None, NaN and infinities alike (a number that is not
 finite was not measured). An absent interval (None or empty) is "" so that "value [lo, hi]" reads
 as "value"; an interval with a missing bound shows it as "-" ("[-, -]"). A value that is not a
-number at all (a string some older artifact holds) is written as it is. Digits are always the
-caller's: each table keeps the precision it has always had.
+number at all (a string) is written as it is. Digits are always the caller's: each table keeps
+the precision it has always had.
 """
 from __future__ import annotations
 

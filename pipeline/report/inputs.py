@@ -1,4 +1,5 @@
-"""Reading a run's artifacts for the report: what a stage did not write is empty, what is corrupt is an error.
+"""Reading a run's artifacts for the report: what a stage did not write is empty, what is corrupt
+or of another specq version is an error.
 
     from pipeline.report.inputs import json_files, optional_json
     pairs = json_files(run_dir / "marginal", "*__*.json", "marginal report")   # {stem: document}
@@ -8,12 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.stage import StageError, read_json
+from pipeline.core.stage import StageError, read_json, require_schema
 
 
 def json_files(folder: Path, pattern: str, what: str) -> dict[str, dict]:
     """{file stem: JSON object} for the files matching `pattern` in `folder`, meta.json left out,
-    in name order; {} when there are none. StageError when a file is not a JSON object."""
+    in name order; {} when there are none. StageError when a file is not a JSON object, or when
+    the folder's meta.json is of another specq version (require_schema)."""
+    require_schema(folder / "meta.json")
     out = {}
     for path in sorted(folder.glob(pattern)):
         if path.name == "meta.json":

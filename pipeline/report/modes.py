@@ -1,4 +1,4 @@
-"""The report's mark for a ratio whose two sides did not run the same way (issue #24, like with like).
+"""The report's mark for a ratio whose two sides did not run the same way (like with like).
 
     from pipeline.report.modes import MARK, mark, footnote
     f"{number(r['speedup'], 2)}x{mark(r)}"      # "1.31x†" when r["like_with_like"] is False

@@ -1,5 +1,5 @@
 """The report's speculation section: per (variant, draft) pair, whether speculation is lossless,
-the recommended draft length k and its speed, the workload and k per category (issue #28), and
+the recommended draft length k and its speed, the workload and k per category, and
 each pair's figures.
 
     from pipeline.report.speculation import speculation_blocks
@@ -125,7 +125,7 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
                   "change the variant's quality decision."),
             ("table", ["pair", "measured in", "lossless", "recommended k", "speedup at k [CI]", "ms/token at k",
                        "E[tokens/round] at k", "plain ms/token"], rows, classes)]
-    if screened:  # issue 27: pairs screened out before timing
+    if screened:  # pairs screened out before timing (latency.screen)
         out.append(("p", "Screened before timing (latency.screen): an upper bound on the speedup at every k, "
                          "from the upper end of acceptance's E(k) CI times the slowest probed plain step over the "
                          "fastest probed draft + verify, is below 1, so no k can be recommended and the pair was "
@@ -139,7 +139,7 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
         if m and m.get("screened"):
             out.append(("p", f"This pair {m['screened_note']}. "
                              + (m.get("recommended_k_by_category_note") or "") + "."))
-        if m and category_rows(m):  # issue #28: the workload, and k per category with CIs
+        if m and category_rows(m):  # the workload, and k per category with CIs
             out += [("p", workload_line(m) + " k per category: RULE on each category's own prompts; where k = 0 "
                           "the figures are at the best k, and 'settled' says whether the CIs decide it."),
                     ("table", CATEGORY_HEADER, category_rows(m), None)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.core.stage import require_schema
 from pipeline.report.format import interval, number
 from pipeline.report.inputs import json_files, optional_json
 from pipeline.vllm.spec_config import draft_method
@@ -64,6 +65,8 @@ def summary_data(run_dir: Path) -> dict:
     cell); per target a dict (target, deploy, speed, engine, line: the serve line or config,
     speculate, best_seen where it does not); the variants vLLM could not serve."""
     run_dir = Path(run_dir)
+    for stage_dir in ("gate", "vllm"):  # marginal's: json_files
+        require_schema(run_dir / stage_dir / "meta.json")
     gate = optional_json(run_dir / "gate.json", "gate result") or {}
     out = {"run": run_dir.name, "decision": gate.get("decision"), "reference": gate.get("reference"),
            "confidence": gate.get("confidence", 0.95), "quality": [], "speculation": [], "not_served": []}

@@ -15,9 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.speculation.expected_rounds import RoundChain, TextAcceptance
-from pipeline.stats.intervals import clip_contain, percentile_interval, t_interval, t_quantile
+from pipeline.stats.intervals import clip_contain, t_interval, t_quantile
 
-RESAMPLES = 2000
 # The sampled direct check needs a spread of per-prompt differences: below this, no interval.
 MIN_CHECK_PROMPTS = 2
 # How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
@@ -54,26 +53,6 @@ def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int
         # E[full rounds with j accepted] at every k: the per-round draws a simulation at k needs.
         "histogram_by_k": {str(k): c.histogram.tolist() for k, c in chains.items()},
     }
-
-
-def prompt_weights(n_prompts: int, seed: int, resamples: int = RESAMPLES) -> np.ndarray:
-    """[resamples, P]: how often each prompt appears in each resample (P drawn with replacement)."""
-    rng = np.random.default_rng(seed)
-    return rng.multinomial(n_prompts, np.full(n_prompts, 1.0 / n_prompts), size=resamples).astype(float)
-
-
-def ratio_interval(num_b: np.ndarray, den_b: np.ndarray, point: float | None, confidence: float,
-                   bounds: tuple[float, float], n_prompts: int) -> list[float] | None:
-    """(Before issue 28 summarize_slice's; now for tests/sim_direct_check.py's comparison.)
-    Percentile interval of num/den over prompt resamples (undefined resamples dropped), clipped
-    to `bounds` and widened to contain `point` (pipeline.stats.intervals.percentile_interval);
-    `bounds` itself with one prompt or fewer than 10 defined resamples."""
-    if point is None:
-        return None
-    if n_prompts < 2:
-        return [float(bounds[0]), float(bounds[1])]
-    ok = den_b > 0
-    return percentile_interval(num_b[ok] / den_b[ok], confidence, point, bounds, min_replicates=10, too_few=bounds)
 
 
 def linearized_se(num, den, point: float) -> float:
@@ -196,9 +175,8 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         drafted[str(k)] = (counts / counts.sum()).tolist() if counts.sum() > 0 else [1.0] + [0.0] * k
     top = np.array(drafted[str(k_max)])
     accepted_pmf = {}
-    for k in ks:  # records written before histogram_by_k (k_max only) give no per-k distribution
-        counts = sum((np.asarray(r["histogram_by_k"][str(k)], float) for r in records if "histogram_by_k" in r),
-                     np.zeros(k + 1))
+    for k in ks:
+        counts = sum((np.asarray(r["histogram_by_k"][str(k)], float) for r in records), np.zeros(k + 1))
         if counts.sum() > 0:
             accepted_pmf[str(k)] = (counts / counts.sum()).tolist()
     return {
@@ -262,12 +240,11 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
     step, so a direct run may follow another text and accept differently:
     pipeline/speculation/lossless.py): `difference_ci`, the interval of direct - derived, must
     contain 0. It is a paired t interval on the prompts (ratio_difference: linearized ratio of
-    sums, n - 1 df), not the prompt bootstrap the check used before issue 28: a percentile
-    bootstrap over 2-8 prompts is far too narrow (tests/sim_direct_check.py, a category whose
-    output copies its prompt: it contained the true difference 0 in 69-70% of checks at 2
-    prompts, 86-88% at 3, 81-91% at 4-8; the t interval in 93-96% at 2-64). Below
-    MIN_CHECK_PROMPTS prompts there is no interval: `difference_ci` and `agree` are None ("too
-    few prompts to check"), where the old check called any single prompt agreeing."""
+    sums, n - 1 df), not a prompt bootstrap: a percentile bootstrap over 2-8 prompts is far too
+    narrow (tests/sim_direct_check.py, a category whose output copies its prompt: it contained
+    the true difference 0 in 69-70% of checks at 2 prompts, 86-88% at 3, 81-91% at 4-8; the t
+    interval in 93-96% at 2-64). Below MIN_CHECK_PROMPTS prompts there is no interval:
+    `difference_ci` and `agree` are None ("too few prompts to check")."""
     n_prompts = len(records)
     tokens = np.array([r["tokens"] for r in records], float)
     out = {}

@@ -135,9 +135,9 @@ _TOLERANCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def shared_tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
     """tie_tolerance, computed once per target model, texts and widths: it reads neither the
-    draft nor the speculative runs, so every draft paired with the target shares it (before
-    issue 27 each pair with a divergence recomputed it: a teacher-forced pass and one engine pass
-    per width, token by token at width 1, over two texts)."""
+    draft nor the speculative runs, so every draft paired with the target shares it (computing it
+    costs a teacher-forced pass and one engine pass per width, token by token at width 1, over
+    two texts)."""
     key = (tuple((tuple(p), tuple(t)) for p, t in samples), tuple(sorted(set(widths))))
     memo = _TOLERANCES.setdefault(hf_model(model), {})
     if key not in memo:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.stage import StageContext, StageError, atomic_write_json, atomic_write_text, read_json
+from pipeline.core.stage import (StageContext, StageError, atomic_write_json, atomic_write_text, read_json,
+                                 require_schema)
 from pipeline.gate.decision import EXIT_CODES, build_gate, overall_decision
 from pipeline.report.gate_table import render_table
 
@@ -32,6 +33,7 @@ def gate_check(run_dir: str | Path, variants: list[str] | None = None, table: bo
     exit status of the decision (EXIT_CODES). `variants`: decide on these release variants only."""
     from pipeline.report.summary import deciding_cell
 
+    require_schema(Path(run_dir) / "gate" / "meta.json")
     path = Path(run_dir) / "gate.json"
     gate = read_json(path, "gate result")
     if not isinstance(gate, dict) or gate.get("decision") not in EXIT_CODES:

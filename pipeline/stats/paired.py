@@ -88,7 +88,7 @@ def cluster_split(codes: np.ndarray, alpha: float = 0.025) -> ClusterSplit:
 
     Why: sum_g n_g^2 / n bounds the variance inflation only if every cluster has the same
     discordance rates. With unequal sizes and the damage concentrated in the big clusters the
-    true SD was 1.1-1.6x the gate's SE and false pass reached 0.13 (issue 26). What holds for
+    true SD was 1.1-1.6x the gate's SE and false pass reached 0.13 (docs/methods/gate.md). What holds for
     ANY rates: Var(S_g) <= n_g sum_i var(d_i) (Cauchy-Schwarz), so clusters of size <= s have a
     variance at most s times the independent one, and Tango's pooled null variance is at least
     the items' mean variance. The bulk (clusters of size <= s) is therefore drawn at design

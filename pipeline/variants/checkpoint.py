@@ -169,9 +169,7 @@ def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
 def load_checkpoint(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     """GPTQ through GPTQModel; bitsandbytes and torchao through the loaders of the schemes that
     make them; anything else (plain, AWQ, FP8, compressed-tensors, ...) through transformers."""
-    info = meta.get("checkpoint")
-    # Variant directories made before `checkpoint` took any directory were all GPTQ.
-    method = info.get("quant_method") if isinstance(info, dict) else "gptq"
+    method = meta["checkpoint"]["quant_method"]  # quantize_checkpoint's record
     if method == "gptq":
         return load_gptq(path, meta, device, dtype)
     if method == "bitsandbytes":
