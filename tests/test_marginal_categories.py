@@ -88,10 +88,10 @@ def test_few_prompts_flag_is_carried_and_unsettles():
     assert e["k"] >= 1 and e["settled"] is False and "one prompt" in e["reason"] and "few_prompts" not in e
 
 
-def test_workload_named_and_old_artifact_without_it():
+def test_workload_named_in_the_report():
     slices = _three_categories()
     rep = pair_report(_acceptance(slices, _workload(["summarize", "chat", "rag"], 3)), _latency(4))
-    assert rep["workload"]["name"] == "builtin" and "prompts" not in rep["workload"] and rep["workload_note"] is None
+    assert rep["workload"]["name"] == "builtin" and "prompts" not in rep["workload"]
     md = render_markdown(rep)
     assert "## k per category" in md and "Workload: `builtin` (9 prompts in 3 categories, 0 skipped" in md
     table = {(r[0], r[1]): r for r in category_rows(rep)}
@@ -99,13 +99,6 @@ def test_workload_named_and_old_artifact_without_it():
     assert table[("rag", "0.0 (greedy)")][4] == "no (inconclusive)"
     assert "(best k = " in table[("chat", "0.0 (greedy)")][6]
     assert next(iter(table))[0] == "all"  # the pooled slice first
-    old = pair_report(_acceptance(slices, None), _latency(4))  # before workloads: categories = slices
-    assert old["workload"] is None and "no workload block" in old["workload_note"]
-    assert set(old["recommended_k_by_category"]) == {"chat", "rag", "summarize"}
-    assert "Workload: not recorded" in render_markdown(old)
-    # a marginal JSON written before categories still renders its slices
-    del old["recommended_k_by_category"]
-    assert {r[0] for r in category_rows(old)} == {"all", "chat", "rag", "summarize"}
 
 
 @pytest.mark.parametrize("prompts,spread", [(2, 0.3), (3, 0.3), (8, 0.1)])
@@ -132,18 +125,3 @@ def test_e_draws_and_speedup_ci_stay_feasible(prompts, spread):
         assert row["speedup_ci"][1] <= top * (1 + 1e-9)
         assert row["ms_per_token_ci"][0] >= (12.5 + 2 * k) / (k + 1) * (1 - 1e-9)
         assert 1.0 <= row["tokens_per_round_ci"][0] <= row["tokens_per_round_ci"][1] <= k + 1.0
-
-
-def test_old_acceptance_without_few_prompts_is_judged_by_its_count():
-    """Review 4: an acceptance JSON written before `few_prompts` existed: a category with fewer than
-    MIN_PROMPTS prompts is not settled even when its CI clears 1; one with MIN_PROMPTS is."""
-    from pipeline.speculation.acceptance_stats import MIN_PROMPTS
-
-    slices = _three_categories()
-    slices["summarize"] = _acc(_expected(0.9, 4), 0.9, prompts=3, spread=0.05)
-    slices["chat"] = _acc({k: 1.0 + 0.05 * k for k in range(1, 5)}, 0.05, prompts=MIN_PROMPTS, spread=0.01)
-    cats = pair_report(_acceptance(slices, None), _latency(4))["recommended_k_by_category"]
-    s = cats["summarize"]["0.0"]
-    assert s["verdict"] == "speculate" and s["speedup_ci"][0] > 1.0  # the rule alone would settle it
-    assert s["settled"] is False and f"3 prompts, fewer than {MIN_PROMPTS}" in s["reason"]
-    assert cats["chat"]["0.0"]["settled"] is True

@@ -178,11 +178,10 @@ def _direct_section(report: dict) -> list[str]:
 
 
 def workload_line(report: dict) -> str:
-    """One sentence naming the workload the acceptance prompts came from (issue #28)."""
+    """One sentence naming the workload the acceptance prompts came from."""
     w = report.get("workload")
     if not w:
-        return ("Workload: not recorded (" + (report.get("workload_note") or "acceptance artifact without a "
-                                                "workload block") + ").")
+        return "Workload: not recorded."
     skipped, short, cut = w.get("skipped_too_long"), w.get("skipped_too_short"), w.get("cut")
     extra = "".join([f", {skipped} skipped as too long" if skipped is not None else "",
                      f", {short} skipped as too short" if short else "", f", {cut} cut" if cut else ""])
@@ -198,11 +197,11 @@ def category_rows(report: dict) -> list[list[str]]:
     slices = report.get("slices") or {}
     cats = dict(report.get("recommended_k_by_category") or {})
     out = []
-    names = list(cats) or sorted(x for x in slices if x != "all")  # a JSON made before categories: every slice
+    names = list(cats) or sorted(x for x in slices if x != "all")  # no per-category entries: every slice
     for s in (["all"] if "all" in slices else []) + names:
         for t in sorted(slices.get(s, {}), key=float):
             tab = slices[s][t]
-            # the pooled slice (or a JSON made before categories): the same rule on its own table
+            # the pooled slice (or a slice without an entry): the same rule on its own table
             e = cats.get(s, {}).get(t) or category_entry(tab, tab)  # the table carries the slice's few_prompts
             shown = "" if e["at_k"] == e["k"] else f" (best k = {e['at_k']})"
             notes = "; ".join(x for x in (e.get("verdict"), "few prompts" if e.get("few_prompts") else "") if x)
@@ -310,8 +309,8 @@ def _position_axes(ax2, report: dict) -> None:
     if pos:
         x = [p["position"] for p in pos]
         cond = [p.get("conditional") if p.get("conditional") is not None else float("nan") for p in pos]
-        # Bars are clipped at 0: a bound a rounding error past its point (a Wilson bound at n/n
-        # made before the acceptance stage clipped them) must not make matplotlib refuse the plot.
+        # Bars are clipped at 0: a bound a rounding error past its point must not make matplotlib
+        # refuse the plot.
         err = [[max(0.0, c - (p.get("ci") or [c, c])[0]) for c, p in zip(cond, pos)],
                [max(0.0, (p.get("ci") or [c, c])[1] - c) for c, p in zip(cond, pos)]]
         ax2.errorbar(x, cond, yerr=err, fmt="o-", capsize=3, label="conditional")

@@ -17,7 +17,7 @@ from pipeline.core.stage import StageError
 from pipeline.latency.modes import comparable, compare
 from pipeline.latency.screen import cut_line, screened_note
 from pipeline.latency.speculative import MIN_TIMING_REPEATS
-from pipeline.speculation.acceptance_stats import MIN_PROMPTS, ratio_t_draws, ratio_t_interval
+from pipeline.speculation.acceptance_stats import ratio_t_draws, ratio_t_interval
 from pipeline.serving.timing_noise import noise_line, timing_factors
 from pipeline.stats.intervals import median_ci, percentile_interval
 
@@ -136,7 +136,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
     idx = rng.integers(0, plain_ms.size, (resamples, plain_ms.size))
     with np.errstate(divide="ignore", invalid="ignore"):
         share_b = np.einsum("bp,pkd->bkd", w, drafted) / (w @ rounds)[..., None]
-        # Small-sample calibration (issue 28): E(k)'s part of each replicate is a draw from the
+        # Small-sample calibration: E(k)'s part of each replicate is a draw from the
         # acceptance stage's own E(k) interval (summarize_slice: t on n - 1 df, log(E - 1) scale),
         # one t draw per replicate shared by every k; the rounds' drafted shares stay resampled
         # as above, and the timing part follows. A percentile bootstrap of E over a handful of prompts is too
@@ -275,8 +275,6 @@ def category_entry(table: dict, acc: dict) -> dict:
     best = min(usable or rows, key=lambda r: (r["ms_per_token"], r["k"]))
     at = next(r for r in rows if r["k"] == (rec or best["k"]))
     few = acc.get("few_prompts")
-    if few is None:  # an acceptance JSON written before the flag: judged by its prompt count
-        few = table["prompts"] < MIN_PROMPTS
     if rec:
         verdict, settled, reason = "speculate", True, f"k = {rec}: speedup CI above 1"
     elif usable and not timed_enough(best):
@@ -297,9 +295,7 @@ def category_entry(table: dict, acc: dict) -> dict:
         reason += "; one prompt: the CI covers the timing repeats only, not which prompts were drawn"
     elif few:
         settled = False
-        reason += ("; too few prompts in this category for its interval to be trusted (few_prompts)"
-                   if "few_prompts" in acc else
-                   f"; {table['prompts']} prompts, fewer than {MIN_PROMPTS}: too few for its interval to be trusted")
+        reason += "; too few prompts in this category for its interval to be trusted (few_prompts)"
     out = {"k": rec, "settled": settled, "verdict": verdict, "reason": reason, "at_k": at["k"],
            "best_k": best["k"], "tokens_per_round": at["tokens_per_round"],
            "tokens_per_round_ci": at["tokens_per_round_ci"], "speedup": at["speedup"],
@@ -367,8 +363,6 @@ def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -
             (f" (the bound does not rule out {', '.join(cats)} on their own acceptance CI)" if cats else "")),
         "category_rule": CATEGORY_RULE,
         "workload": workload_brief(acceptance),
-        "workload_note": (None if isinstance(acceptance.get("workload"), dict) else
-                          "the acceptance artifact has no workload block (made before issue 28)"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
         "latency_new_tokens": latency.get("new_tokens"),
@@ -403,7 +397,7 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise
         slices = acceptance["slices"]
     except (KeyError, TypeError) as e:
         raise StageError(f"marginal: acceptance or latency artifact lacks expected key {e} "
-                         "(made by an older specq: re-run make acceptance latency)") from None
+                         "(re-run make acceptance latency)") from None
     if not slices:
         raise StageError("marginal: acceptance artifact has no slices")
     tables: dict[str, dict[str, dict]] = {}
@@ -441,13 +435,10 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise
         # The run's pooled timing noise behind every speedup CI's timing part (None: each table's own repeats).
         "timing_noise": noise,
         "slices": tables,
-        # Issue #28: k per category, and the workload the acceptance prompts came from.
+        # k per category, and the workload the acceptance prompts came from.
         "recommended_k_by_category": by_category(tables, slices, (acceptance.get("workload") or {}).get("categories")),
         "category_rule": CATEGORY_RULE,
         "workload": workload_brief(acceptance),
-        "workload_note": (None if isinstance(acceptance.get("workload"), dict) else
-                          "the acceptance artifact has no workload block (made before issue 28): its prompts "
-                          "are the built-in ones, and the serving simulation uses fixed lengths"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
         # The k the latency stage did not time (their speedup bound is below 1: screen.ks_to_time).

@@ -36,7 +36,7 @@ def _latency_docs(lat_files: dict[str, Path]) -> dict[str, dict]:
 
 
 def _k_by_category(report: dict) -> dict | None:
-    """{category: {temperature: k}} from a marginal JSON (None for one made before categories)."""
+    """{category: {temperature: k}} from a marginal JSON (None for a pair with no table: screened, not timed)."""
     cats = report.get("recommended_k_by_category")
     return None if cats is None else {c: {t: e["k"] for t, e in temps.items()} for c, temps in cats.items()}
 
@@ -121,8 +121,6 @@ def run(ctx: StageContext) -> None:
         if report.get("screened"):
             progress(f"marginal: {pair}: {report['screened_note']}: recommended k = 0")
         progress(f"marginal: {pair}: recommended k = {report['recommended_k']}, by category {by_category[pair]}")
-        if report.get("workload_note"):
-            progress(f"marginal: {pair}: {report['workload_note']}")
     ctx.meta["timing_noise"] = noise
     ctx.meta["recommended_k"] = recommended
     ctx.meta["recommended_k_by_batch"] = by_batch
