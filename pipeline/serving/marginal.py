@@ -27,8 +27,8 @@ RULE = (
     "its ms/token CI overlaps this k's, step down to it (the data cannot tell them apart, and a "
     "smaller k drafts and verifies less work, which matters once the device is busy). "
     "recommended_k = 0 (do not speculate) when no k beats plain decoding. A k whose speculative and "
-    "plain timings did not run the same way (compiled vs eager, a fallback kernel; like_with_like false) "
-    "is never recommended, nor one timed in a single repeat (timing_repeats 1, as a budget can leave it): "
+    "plain timings did not run the same way (like_with_like false) is never recommended, nor one timed "
+    "in a single repeat (timing_repeats 1, as a budget can leave it): "
     "its CI then resamples the prompts alone and says nothing of the machine's load between the plain "
     "and the speculative runs."
 )
@@ -368,7 +368,7 @@ def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -
         "category_rule": CATEGORY_RULE,
         "workload": workload_brief(acceptance),
         "workload_note": (None if isinstance(acceptance.get("workload"), dict) else
-                          "the acceptance artifact has no workload block (made before issue 28)"),
+                          "the acceptance artifact has no workload block (made by an older specq)"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
         "latency_new_tokens": latency.get("new_tokens"),
@@ -446,8 +446,8 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise
         "category_rule": CATEGORY_RULE,
         "workload": workload_brief(acceptance),
         "workload_note": (None if isinstance(acceptance.get("workload"), dict) else
-                          "the acceptance artifact has no workload block (made before issue 28): its prompts "
-                          "are the built-in ones, and the serving simulation uses fixed lengths"),
+                          "the acceptance artifact has no workload block (made by an older specq): its "
+                          "prompts are the built-in ones"),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
         # The k the latency stage did not time (their speedup bound is below 1: screen.ks_to_time).
