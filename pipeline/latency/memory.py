@@ -85,7 +85,7 @@ def repeats_kv(attention_path: str, shape: ModelShape) -> bool:
 def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, logits_rows: int,
                   materialised_scores: bool, repeated_kv: bool = False, logits: bool = True) -> int:
     """Peak activation bytes of one forward (see the module docstring for the terms);
-    logits=False leaves the logits out (a CUDA graph's output, counted apart in its pool)."""
+    logits=False leaves the logits out."""
     e = shape.element_bytes
     bt = batch * tokens
     residual = 2 * bt * shape.hidden * e

@@ -1,5 +1,5 @@
 """The latency stage's figure: each variant's decode speedup over the reference against B x context.
-A point whose two cells did not run the same way (compiled vs eager, a fallback kernel;
+A point whose two cells did not run the same way (e.g. a fallback quantized kernel on one side;
 `like_with_like` false, pipeline/latency/modes.py) is crossed out with an x."""
 from __future__ import annotations
 

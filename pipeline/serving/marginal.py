@@ -27,8 +27,8 @@ RULE = (
     "its ms/token CI overlaps this k's, step down to it (the data cannot tell them apart, and a "
     "smaller k drafts and verifies less work, which matters once the device is busy). "
     "recommended_k = 0 (do not speculate) when no k beats plain decoding. A k whose speculative and "
-    "plain timings did not run the same way (compiled vs eager, a fallback kernel; like_with_like false) "
-    "is never recommended, nor one timed in a single repeat (timing_repeats 1, as a budget can leave it): "
+    "plain timings did not run the same way (like_with_like false) is never recommended, nor one timed "
+    "in a single repeat (timing_repeats 1, as a budget can leave it): "
     "its CI then resamples the prompts alone and says nothing of the machine's load between the plain "
     "and the speculative runs."
 )

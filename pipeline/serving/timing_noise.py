@@ -20,8 +20,8 @@ MIN_ROUNDS = 10  # per repeat: a figure averaged over fewer rounds is noisier th
 MIN_DF = 4  # plain and effective df a pool needs: a loop below takes the run's, a run below is no pool
 
 UNIT = ("one timing repeat; pooled over the figures of a timing loop, or of the run (per-repeat log plain / "
-        "round time, and log round time, per drafted count or verify width with every repeat holding at "
-        f"least {MIN_ROUNDS} rounds)")
+        "round time, and log round time, per drafted count with every repeat holding at least "
+        f"{MIN_ROUNDS} rounds)")
 
 
 def _samples(col) -> list | None:
@@ -44,7 +44,7 @@ def _ss(x: np.ndarray) -> float:
 
 class _Pool:
     """Sums of squared deviations: per-repeat log plain / round (`ratio`) and log round time over
-    the figures, log plain ms/token over the plain sequences (one per temperature or batch size)."""
+    the figures, log plain ms/token over the plain sequences (one per temperature)."""
 
     def __init__(self) -> None:
         self.ratio_ss = self.round_ss = self.plain_ss = 0.0

@@ -50,7 +50,7 @@ def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int
         "drafted_rounds": {str(k): c.drafted_rounds.tolist() for k, c in chains.items()},
         "full_rounds": top.full_rounds, "reached": top.reached.tolist(), "accepted": top.accepted.tolist(),
         "beta_sum": top.beta_sum.tolist(), "histogram": top.histogram.tolist(),
-        # E[full rounds with j accepted] at every k: the per-round draws a simulation at k needs.
+        # E[full rounds with j accepted] at every k (summarize_slice's accepted_distribution).
         "histogram_by_k": {str(k): c.histogram.tolist() for k, c in chains.items()},
     }
 
@@ -187,7 +187,8 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         "drafted_distribution": drafted,
         "histogram": hist.sum(0).tolist(),
         # k -> P(j accepted in a full round at k), j = 0..k, from the chain at that k (not the k_max
-        # rounds clipped at k, which is the biased shortcut): what pipeline/serving/simulation.py draws.
+        # rounds clipped at k, which is the biased shortcut); recorded in the acceptance JSON, read by
+        # no stage.
         "accepted_distribution": accepted_pmf,
         "rounds": float(full.sum()),
         "tokens": int(tokens.sum()),

@@ -1,4 +1,4 @@
-"""Workloads: the prompts that acceptance, the speculative round times and the closed loop measure.
+"""Workloads: the prompts that acceptance, specq's speculative round times and the vllm stage measure.
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/sharegpt-smoke.yaml
 

@@ -34,7 +34,7 @@ def run(ctx: StageContext) -> None:
     blocks += gate_blocks(gate, figures, dpi)  # gate.json: decision, forest plot, groups, distribution
     blocks += speculation_blocks(run_dir, gate, figures, dpi)  # acceptance/, marginal/, latency/ per pair
     blocks += variant_blocks(run_dir, figures)  # variants/*/meta.json, latency/<variant>.json grid
-    blocks += runtime_blocks(run_dir)  # latency/*.json: device, kernels, compilation, memory plan
+    blocks += runtime_blocks(run_dir)  # latency/*.json: device, kernels, memory plan
     blocks += provenance_blocks(run_dir, cfg, gate_meta)  # every stage's meta.json, the config
 
     title = f"{cfg.report.title}: {run_dir.name}"
