@@ -52,12 +52,15 @@ def budget_config(tmp_path: Path, variants: list[str], minutes: float | None, qu
 
 
 def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: dict, per_item=1.0,
-               calls: dict | None = None, clock: Clock | None = None, one_pass: bool = False) -> dict:
+               calls: dict | None = None, clock: Clock | None = None, one_pass: bool = False,
+               forward: dict[str, float] | None = None) -> dict:
     """What the quality stage does (pipeline/stages/quality.py: run), with fake scorers: items
     opened with the stage's own inputs (item_inputs), the reference's first look, the variants'
     looks (score_variants), the variants' meta, quality/meta.json's `sequential` and `budget`;
     then the gate stage's decision. `one_pass`: each variant whole in turn with 1/n of the time
-    left (score_in_waves per variant: the stage's loop before the two passes), for comparison."""
+    left (score_in_waves per variant: the stage's loop before the two passes), for comparison.
+    `forward`: model -> the seconds of its timed forward (the quantize stage's `forward_seconds`),
+    the priors (None: none, every variant priced at the reference's pace)."""
     run = tmp_path / "run"
     out = run / "quality"
     clock = clock or Clock()
