@@ -93,8 +93,8 @@ def test_bound_formula_on_given_timings():
 def test_screen_off_is_said():
     from pipeline.latency.plan import why_not_screened
 
-    assert why_not_screened(Config.model_validate({"latency": {"screen": False}}).latency, CPU).startswith("off")
-    assert why_not_screened(Config.model_validate({}).latency, CPU) is None
+    assert why_not_screened(Config.model_validate({"latency": {"screen": False}}).latency).startswith("off")
+    assert why_not_screened(Config.model_validate({}).latency) is None
 
 
 def _does_not_pay(screen, attempts: int = 3) -> dict:

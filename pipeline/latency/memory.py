@@ -83,9 +83,8 @@ def repeats_kv(attention_path: str, shape: ModelShape) -> bool:
 
 
 def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, logits_rows: int,
-                  materialised_scores: bool, repeated_kv: bool = False, logits: bool = True) -> int:
-    """Peak activation bytes of one forward (see the module docstring for the terms);
-    logits=False leaves the logits out."""
+                  materialised_scores: bool, repeated_kv: bool = False) -> int:
+    """Peak activation bytes of one forward, its logits included (the module docstring has the terms)."""
     e = shape.element_bytes
     bt = batch * tokens
     residual = 2 * bt * shape.hidden * e
@@ -95,7 +94,7 @@ def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, log
     if repeated_kv:  # one layer's K and V copied to every query head over the attended length
         attention += 2 * batch * shape.heads * attended * shape.head_dim * e
     mlp = 3 * bt * shape.intermediate * e
-    out = batch * logits_rows * shape.vocab * (e + 4) if logits else 0
+    out = batch * logits_rows * shape.vocab * (e + 4)
     return residual + max(attention, mlp) + out
 
 

@@ -21,7 +21,7 @@ def _shape(model, weight_bytes: int) -> ModelShape:
     return ModelShape.from_model(model, weight_bytes)
 
 
-def why_not_screened(lat, device) -> str | None:
+def why_not_screened(lat) -> str | None:
     """Why the pairs are not screened (pipeline/latency/screen.py), or None when they are."""
     return "off (latency.screen: false)" if not lat.screen else None
 

@@ -50,11 +50,11 @@ def _best_pair(pairs: dict[str, dict]) -> tuple[str, dict, dict | None] | None:
 
 def _config_line(m: dict, run_dir: Path) -> str | None:
     """The speculative_config for a pair specq's engine measured (at B = 1: its recommended k),
-    with the draft's method (and model) where vLLM has one, as JSON."""
-    cfg = ((m.get("speculative_config_by_batch") or {}).get("vllm_speculative_config")
-           or ({"num_speculative_tokens": int(m["recommended_k"])} if m.get("recommended_k") else None))
-    if not cfg:
+    with the draft's method (and model) where vLLM has one, as JSON. A pair vLLM measured has its
+    `vllm serve` line instead."""
+    if not m.get("recommended_k"):
         return None
+    cfg = {"num_speculative_tokens": int(m["recommended_k"])}
     base = draft_method(m["draft"], run_dir) if m.get("draft") else None
     full = {**(base if isinstance(base, dict) else {}), **cfg}
     return "speculative_config: " + json.dumps(full, sort_keys=True, separators=(",", ":"))

@@ -105,8 +105,8 @@ def run(ctx: StageContext) -> None:
 
 
 # With a time budget (pipeline/core/budget.py): the plain grids get this share of the stage's time,
-# the pairs the rest; within a phase each piece (a variant, a pair) gets an even split of what the phase has left when it
-# starts, so time one does not use carries to the next. A piece's repeats stop when its allowance
+# the pairs the rest; within a phase each piece (a variant, a pair) gets an even split of what the
+# phase has left when it starts, so time one does not use carries to the next. A piece's repeats stop when its allowance
 # cannot afford another (pipeline/latency/speculative.py, Repeats); the skip is in meta.json.
 PHASE_SHARES = {"grids": 0.3, "pairs": 1.0}
 
@@ -223,9 +223,9 @@ def _acceptance_of(ctx: StageContext, target: str, spec: str) -> tuple[dict | No
                                                     "sha256": sha256_file(path), "slice": "all"}
 
 
-def _screening(ctx: StageContext, lat, device) -> bool:
+def _screening(ctx: StageContext, lat) -> bool:
     """Whether pairs are screened here; meta.json's `screen` says so, or why not."""
-    why = why_not_screened(lat, device)
+    why = why_not_screened(lat)
     if why is not None and ctx.meta.get("screen") != why:
         progress(f"latency: screen {why}")
     ctx.meta["screen"] = "on" if why is None else why
@@ -292,7 +292,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
     budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, inputs) for target in targets}
-    screening = _screening(ctx, lat, device)
+    screening = _screening(ctx, lat)
     for target in targets:
         pending = pending_by_target[target]
         if not pending or _not_timed(ctx, target, pending, budget):
