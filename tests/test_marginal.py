@@ -234,16 +234,22 @@ def _fake_stage(run, name):
     (run / name / "meta.json").write_text(json.dumps({"stage": name, "input_hash": name}))
 
 
-def test_stage_writes_json_md_png_and_refuses_corrupt_input(tmp_path):
-    from pipeline.__main__ import STAGES
-    from pipeline.core.config import Config
-    from pipeline.core.stage import StageError, run_stage
-
+def _one_pair_run(tmp_path):
+    """A run directory with one pair's acceptance and latency JSONs, for the marginal stage."""
     run = tmp_path / "run"
     for name in ("acceptance", "latency"):
         _fake_stage(run, name)
     (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(_acceptance(0.9, 3)))
     (run / "latency" / "bf16__layerskip-4.json").write_text(json.dumps(_latency(3)))
+    return run
+
+
+def test_stage_writes_json_md_png_and_refuses_corrupt_input(tmp_path):
+    from pipeline.__main__ import STAGES
+    from pipeline.core.config import Config
+    from pipeline.core.stage import StageError, run_stage
+
+    run = _one_pair_run(tmp_path)
     run_stage(STAGES["marginal"], run, Config(), {}, STAGES)
     out = run / "marginal"
     rep = json.loads((out / "bf16__layerskip-4.json").read_text())
@@ -265,11 +271,7 @@ def test_the_top_level_confidence_reaches_the_marginal_stage(tmp_path):
     from pipeline.core.config import Config
     from pipeline.core.stage import run_stage
 
-    run = tmp_path / "run"
-    for name in ("acceptance", "latency"):
-        _fake_stage(run, name)
-    (run / "acceptance" / "bf16__layerskip-4.json").write_text(json.dumps(_acceptance(0.9, 3)))
-    (run / "latency" / "bf16__layerskip-4.json").write_text(json.dumps(_latency(3)))
+    run = _one_pair_run(tmp_path)
     for level in (0.95, 0.8):
         run_stage(STAGES["marginal"], run, Config(confidence=level), {}, STAGES)
         rep = json.loads((run / "marginal" / "bf16__layerskip-4.json").read_text())
