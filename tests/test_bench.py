@@ -1,6 +1,6 @@
 """pipeline.tools.bench and pipeline.tools.paired_ratio:
-the logic around the timings (paired ratios and their intervals, the goal reading, token equality, the
-bandwidth bound, arguments), and both sides' greedy tokens on a tiny random Llama, both eager. No timing
+the logic around the timings (paired ratios and their intervals, the goal reading, token equality,
+arguments), and both sides' greedy tokens on a tiny random Llama, both eager. No timing
 is asserted."""
 from __future__ import annotations
 
@@ -76,29 +76,6 @@ def test_token_check():
     assert token_check([1, 2, 3], [1, 5, 3])["first_mismatch"] == 1
     short = token_check([1, 2], [1, 2, 3])
     assert not short["identical"] and short["first_mismatch"] == 2
-
-
-# ---------------------------------------------------------------- bandwidth bound
-
-
-def test_bound_arithmetic():
-    b = bench.bound(2_000_000, gbps=1.0, measured_ms=4.0)  # 2 MB at 1 GB/s: 2 ms
-    assert b["bound_ms_per_token"] == pytest.approx(2.0)
-    assert b["times_bound"] == pytest.approx(2.0) and b["bandwidth_fraction"] == pytest.approx(0.5)
-    assert b["achieved_gbps"] == pytest.approx(0.5)
-
-
-def test_model_step_bytes_counts_weights_and_the_whole_cache(tiny_model):
-    from pipeline.decode.cache import CachedModel
-    from pipeline.latency.roofline import model_bytes
-
-    CachedModel(tiny_model, 1, 64, exact=True)  # switches a grouped model to its read-once attention
-    s = bench.model_step_bytes(tiny_model, 80, 1)
-    mb = model_bytes(tiny_model)
-    cfg = tiny_model.config
-    assert s["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
-        (cfg.hidden_size // cfg.num_attention_heads) * 4
-    assert s["step_bytes"] == mb["weight_bytes"] + 80 * s["kv_bytes_per_token"] * s["kv_passes"]
 
 
 # ---------------------------------------------------------------- plans and arguments
@@ -188,7 +165,4 @@ def test_main_writes_bench_json(tmp_path, tiny_model_dir, capsys):
     assert len(plain["ratios"]) == 2 and plain["goal"] == 1.2 and spec["goal"] == 1.5
     assert plain["transformers"]["cache"] == "StaticCache" and spec["transformers"]["assistant_cache"] == "DynamicCache"
     assert set(plain["profile"]) == {"engine", "transformers"}
-    roof = doc["roofline"]
-    assert roof["bandwidth"]["gbps"] > 0 and roof["plain"]["bound_ms_per_token"] > 0
-    assert roof["plain"]["step_bytes"] == roof["plain"]["bytes_per_token"]
-    assert "roofline:" in capsys.readouterr().out
+    assert "identical" in capsys.readouterr().out

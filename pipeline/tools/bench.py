@@ -8,9 +8,8 @@ Plain greedy decode (`generate` against `model.generate` on a static cache) and 
 decode at the same draft and k (the config's first `layerskip:<n>` draft against assisted
 generation with a copy of the target's first n layers), both eager, in float32 with EOS off, so
 both sides' tokens must be identical (exit 1 otherwise). Paired repeats give each ratio's CI
-(pipeline/tools/paired_ratio.py); the engine's ms/token is set against the copy-bandwidth
-roofline, and one last run per side with its model forwards clocked gives its host share. On a
-CPU shared with other jobs pass `--threads 1`. Writes <run>/bench.json
+(pipeline/tools/paired_ratio.py), and one last run per side with its model forwards clocked
+gives its host share. On a CPU shared with other jobs pass `--threads 1`. Writes <run>/bench.json
 (docs/methods/stages.md#the-benches).
 """
 from __future__ import annotations
@@ -204,8 +203,7 @@ def bench_mode(model, ids, n: int, device, args, draft=None, assistant=None, k: 
         hf_rec["assistant_cache"] = ", ".join(first["forwards"]["assistant"]["caches"]) or None
         hf_rec["assistant"] = {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
         rec.update(rounds=len(rounds), tokens_per_round=sum(r.emitted for r in rounds) / max(len(rounds), 1),
-                   acceptance=sum(r.accepted for r in rounds) / max(sum(r.drafted for r in rounds), 1),
-                   round_shape=[(r.drafted, r.emitted) for r in rounds])
+                   acceptance=sum(r.accepted for r in rounds) / max(sum(r.drafted for r in rounds), 1))
         rec.update({f"{p}_ms": statistics.mean(getattr(r, f"{p}_s") for r in rounds) * 1e3 if rounds else None
                     for p in ("round", "draft", "verify")})
     check = token_check(tokens["engine"], tokens["transformers"])
@@ -226,53 +224,10 @@ def bench_mode(model, ids, n: int, device, args, draft=None, assistant=None, k: 
     return row
 
 
-# ---------------------------------------------------------------- the roofline
-
-
-def model_step_bytes(model, cache_len: int, width: int) -> dict:
-    """Bytes one step of `width` tokens reads: the weights once, every slot of the static cache
-    (attention reads the whole StaticCache), as many passes as the attention path makes."""
-    from pipeline.latency.roofline import bytes_per_step, model_bytes, step_kv_passes
-
-    mb = model_bytes(model)
-    passes = step_kv_passes(model, width)
-    return {"weight_bytes": mb["weight_bytes"], "kv_bytes_per_token": mb["kv_bytes_per_token"],
-            "cache_len": cache_len, "kv_passes": passes,
-            "step_bytes": bytes_per_step(mb["weight_bytes"], 1, cache_len, mb["kv_bytes_per_token"], passes)}
-
-
-def bound(bytes_per_token: float, gbps: float, measured_ms: float) -> dict:
-    """The bandwidth bound for `bytes_per_token` at `gbps`, and a measured ms/token against it."""
-    ms = bytes_per_token / (gbps * 1e9) * 1e3
-    return {"bytes_per_token": int(bytes_per_token), "bound_ms_per_token": ms, "measured_ms_per_token": measured_ms,
-            "times_bound": measured_ms / ms, "achieved_gbps": bytes_per_token / (measured_ms * 1e-3) / 1e9,
-            "bandwidth_fraction": ms / measured_ms}
-
-
-def roofline_section(model, draft, plain: dict, spec_row: dict, k: int, bandwidth: dict) -> dict:
-    """Plain: one step's bytes per token. Speculative: every round's bytes (a verify, or a plain
-    step when nothing was drafted, plus one draft step per drafted token) over the tokens emitted."""
-    gbps = bandwidth["gbps"]
-    target = model_step_bytes(model, plain["engine"]["cache_len"], 1)
-    out = {"bandwidth": bandwidth,
-           "plain": {**target, **bound(target["step_bytes"], gbps, plain["engine"]["decode_ms_per_token"])}}
-    cache_len = spec_row["engine"]["cache_len"]
-    verify, step = model_step_bytes(model, cache_len, k + 1), model_step_bytes(model, cache_len, 1)
-    dstep = model_step_bytes(draft.model, draft.cached.max_len if draft.cached is not None else cache_len, 1)
-    rounds = spec_row["engine"]["round_shape"]
-    total = sum((verify if d else step)["step_bytes"] + d * dstep["step_bytes"] for d, _ in rounds)
-    tokens = sum(e for _, e in rounds)
-    if tokens:
-        out["speculative"] = {"target_verify": verify, "target_step": step, "draft_step": dstep,
-                              "round_bytes": total, "tokens": tokens,
-                              **bound(total / tokens, gbps, spec_row["engine"]["decode_ms_per_token"])}
-    return out
-
-
 # ---------------------------------------------------------------- entry point
 
 
-def print_table(rows: list[dict], roof: dict) -> None:
+def print_table(rows: list[dict]) -> None:
     conf = int(round(rows[0]["confidence"] * 100))
     print(f"\n{'mode':<28} {'engine ms/tok':>13} {'transformers ms/tok':>19} {'ratio':>6} {f'{conf}% CI':>14} "
           f"{'goal':>5}  {'status':<13} tokens")
@@ -280,13 +235,6 @@ def print_table(rows: list[dict], roof: dict) -> None:
         same = "identical" if r["identical_tokens"] else f"DIFFER@{r['first_mismatch']}"
         print(f"{r['mode']:<28} {r['engine_ms_per_token']:>13.2f} {r['transformers_ms_per_token']:>19.2f} "
               f"{r['ratio']:>5.2f}x {format_ci(r['ci']):>14} {r['goal']:>4.1f}x  {r['goal_status']:<13} {same}")
-    print(f"\nroofline: copy bandwidth {roof['bandwidth']['gbps']:.1f} GB/s (best of the copies before and after)")
-    for name in ("plain", "speculative"):
-        b = roof.get(name)
-        if b:
-            print(f"  {name:<11} {b['bytes_per_token'] / 1e6:8.1f} MB read per token -> bound "
-                  f"{b['bound_ms_per_token']:.2f} ms/token; engine decode {b['measured_ms_per_token']:.2f} ms/token "
-                  f"= {b['times_bound']:.2f}x the bound ({100 * b['bandwidth_fraction']:.0f}% of the copy bandwidth)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     from draft_models.registry import build_draft
     from pipeline.core.stage import atomic_write_json, library_versions
-    from pipeline.latency.roofline import measure_bandwidth
     from pipeline.speculation.prompts import prompt_ids
 
     cfg, device, run, model, tok = load_run_model(args, dtype="float32")
@@ -307,17 +254,12 @@ def _main(args) -> int:
           f"prompt {ids.shape[1]} tokens, {n} new tokens, draft {spec}, k={k}, {args.repeats} paired repeats "
           f"after {args.warmup} warm-up", file=sys.stderr)
 
-    bw_before = measure_bandwidth(device)
     plain = bench_mode(model, ids, n, device, args)
     draft = build_draft(spec, model, tok, run, device)
     spec_row = bench_mode(model, ids, n, device, args, draft, truncated_copy(model, n_layers, k), k)
     spec_row["identical_to_plain"] = spec_row["engine_tokens"] == plain["engine_tokens"]
-    bw_after = measure_bandwidth(device)
-    bandwidth = {**max(bw_before, bw_after, key=lambda b: b["gbps"]),
-                 "before_gbps": bw_before["gbps"], "after_gbps": bw_after["gbps"]}
-    roof = roofline_section(model, draft, plain, spec_row, k, bandwidth)
     rows = [plain, spec_row]
-    print_table(rows, roof)
+    print_table(rows)
     ok = all(r["identical_tokens"] for r in rows) and spec_row["identical_to_plain"]
     atomic_write_json(run / "bench.json", {
         "model": args.model, "device": str(device), "threads": torch.get_num_threads(), "dtype": "float32",
@@ -326,7 +268,7 @@ def _main(args) -> int:
         "baseline": {"plain": "model.generate(cache_implementation='static', disable_compile=True)",
                      "speculative": "model.generate(assistant_model=<first n layers, copied>, num_assistant_tokens=k, "
                                     "schedule constant, cache_implementation='static', disable_compile=True)"},
-        "rows": rows, "roofline": roof, "tokens_identical": ok, "libraries": library_versions(),
+        "rows": rows, "tokens_identical": ok, "libraries": library_versions(),
     })
     print(f"\nbench: tokens {'identical' if ok else 'NOT identical'} across engine and transformers; "
           f"written to {run / 'bench.json'}")
