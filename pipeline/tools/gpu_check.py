@@ -355,22 +355,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def versions() -> dict:
-    """What the check runs with, recorded and printed before anything else: `make gpu-check` takes
-    .venv's python when the install finished and the machine's otherwise."""
-    import transformers
-
-    return {"python": platform.python_version(), "python_executable": sys.executable, "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "nvidia_driver": driver_version()}
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     check = Check(args.out_dir, args.budget_s, argv)
-    env = check.doc["environment"] = versions()
+    import transformers
+
+    # What it runs with, first: `make gpu-check` takes .venv's python only when its install finished.
+    env = check.doc["environment"] = {
+        "python": platform.python_version(), "python_executable": sys.executable, "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda, "transformers": transformers.__version__, "nvidia_driver": driver_version()}
     progress(f"gpu-check: python {env['python']} ({env['python_executable']}), torch {env['torch']} "
              f"(CUDA {env['torch_cuda'] or 'none: a CPU build'}), transformers {env['transformers']}"
              f"{', NVIDIA driver ' + env['nvidia_driver'] if env['nvidia_driver'] else ''}")
