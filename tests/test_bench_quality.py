@@ -26,8 +26,8 @@ def test_parse_args_defaults_and_errors():
 
 
 def test_max_length_rule(tiny_tokenizer):
-    assert bq.round_up(1) == 64 and bq.round_up(64) == 64 and bq.round_up(65) == 128
     assert bq.auto_max_length([10, 120, 56]) == 128 and bq.auto_max_length([60]) == 128  # 8 to spare
+    assert bq.auto_max_length([56]) == 64 and bq.auto_max_length([57]) == 128
     docs = [{"prompt": "the quick brown fox", "choices": ["dog", "lazy dog"]}]
     mc = bq.request_tokens(tiny_tokenizer, docs, {"output_type": "multiple_choice", "target_delimiter": " "})
     assert mc == [len(tiny_tokenizer.encode("the quick brown fox lazy dog")) + 1]

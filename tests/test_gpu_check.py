@@ -138,7 +138,7 @@ def test_logit_gap_at_a_divergence():
     """compare_greedy: where two outputs first differ, the target's logit gap between the token
     of the reference and the other one, from an uncached forward (checked by hand here)."""
     from pipeline.decode.engine import generate
-    from pipeline.tools.gpu_check_parts import build_model, compare_greedy, prompt
+    from pipeline.tools.gpu_check import build_model, compare_greedy, prompt
 
     model = build_model("tiny", torch.device("cpu"), torch.float32, seed=1)
     ids = prompt(model.config.vocab_size, 1, 10, seed=2)

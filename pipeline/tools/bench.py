@@ -6,61 +6,37 @@
 
 Plain greedy decode (`generate` against `model.generate` on a static cache) and speculative greedy
 decode at the same draft and k (the config's first `layerskip:<n>` draft against assisted
-generation with the target's first n layers), both eager, in float32 with EOS off, so both sides'
-tokens must be identical (exit 1 otherwise). Paired repeats give each ratio's CI
-(pipeline/tools/paired_ratio.py), and the engine's ms/token is set against the copy-bandwidth
-roofline. On a CPU shared with other jobs pass `--threads 1`. Prints a table; writes
-<run>/bench.json (docs/methods/stages.md#the-benches).
+generation with a copy of the target's first n layers), both eager, in float32 with EOS off, so
+both sides' tokens must be identical (exit 1 otherwise). Paired repeats give each ratio's CI
+(pipeline/tools/paired_ratio.py), and one last run per side with its model forwards clocked
+gives its host share. On a CPU shared with other jobs pass `--threads 1`. Writes <run>/bench.json
+(docs/methods/stages.md#the-benches).
 """
 from __future__ import annotations
 
-import argparse
+import copy
 import statistics
 import sys
-from pathlib import Path
+import time
+from contextlib import contextmanager
 
 import torch
 
-from pipeline.tools.bench_clock import paired_runs, profiled
-from pipeline.tools.bench_hf import hf_first_run, hf_generate, hf_generation_config, set_assistant, truncated_copy
-from pipeline.tools.bench_roofline import roofline_section
+from pipeline.decode.timing import synchronize
+from pipeline.tools.paired_ratio import (at_least, bench_parser, format_ci, load_run_model, ratio_summary,
+                                         run_bench, run_order, token_check)
 
 GOALS = {"plain": 1.2, "speculative": 1.5}
 PROMPT = "Explain in a few sentences why the sky is blue, for a ten-year-old."
 
 
-# ---------------------------------------------------------------- arguments
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pipeline.tools.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--run", default="runs/smollm2-135m")
-    p.add_argument("--config", default="configs/default.yaml")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafts", default="", help="drafts; the first layerskip:<n> is used (default layerskip:8)")
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=0,
-                   help="more untimed runs of each side after its first (untimed, recording) run")
-    p.add_argument("--repeats", type=int, default=5, help="paired timed repeats")
-    p.add_argument("--confidence", type=float, default=0.95)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, one per core). On a CPU shared with other jobs, 1: "
-                        "a multi-row matmul waits for every thread, and a descheduled one stalls it")
+def parse_args(argv: list[str] | None = None):
+    p = bench_parser("python -m pipeline.tools.bench", __doc__, repeats=5)
+    p.add_argument("--k", type=at_least(1), default=3)
+    p.add_argument("--new-tokens", type=at_least(2), default=32, help="at least 2 (the first comes from the prefill)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the last untimed run that times each side's model forwards")
-    args = p.parse_args(argv)
-    if args.k < 1:
-        p.error("--k must be >= 1")
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
-    if args.repeats < 1 or args.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
-    if not 0 < args.confidence < 1:
-        p.error("--confidence must be in (0, 1)")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
-    return args
+    return p.parse_args(argv)
 
 
 def pick_draft(drafts: list[str]) -> tuple[str, int]:
@@ -72,112 +48,186 @@ def pick_draft(drafts: list[str]) -> tuple[str, int]:
         raise SystemExit(f"bench: draft {spec}: expected layerskip:<n> with an integer n") from None
 
 
-# ---------------------------------------------------------------- the two modes
+# ---------------------------------------------------------------- transformers' side
 
 
-def _row(mode: str, runs: dict, n: int, goal: float, confidence: float) -> dict:
-    from pipeline.tools.paired_ratio import ratio_summary, token_check
-
-    eng, hf = runs["seconds"]["engine"], runs["seconds"]["transformers"]
-    check = token_check(runs["tokens"]["engine"], runs["tokens"]["transformers"])
-    return {
-        "mode": mode,
-        "engine_ms_per_token": statistics.median(eng) / n * 1e3,
-        "transformers_ms_per_token": statistics.median(hf) / n * 1e3,
-        "engine_s": eng, "transformers_s": hf,
-        **ratio_summary(hf, eng, goal, confidence),
-        "identical_tokens": check["identical"], "first_mismatch": check["first_mismatch"],
-        "engine_tokens": runs["tokens"]["engine"], "transformers_tokens": runs["tokens"]["transformers"],
-    }
+def hf_generation_config(model, n: int):
+    """Greedy, exactly n tokens (EOS off), on a static cache, never compiled (transformers would
+    compile a static-cache generate on CUDA by itself)."""
+    gc = copy.deepcopy(model.generation_config)
+    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, n, None
+    gc.temperature = gc.top_p = gc.top_k = None
+    gc.eos_token_id = None  # exactly n tokens, like the engine with eos_token_id=None
+    if gc.pad_token_id is None:
+        gc.pad_token_id = model.config.get_text_config().pad_token_id or 0
+    gc.cache_implementation = "static"
+    gc.disable_compile = True
+    return gc
 
 
-def _engine_record(timed: list, n: int) -> dict:
-    return {"cache_len": timed[-1].cache_positions,
-            "decode_ms_per_token": statistics.median(r.decode_s / (n - 1) for r in timed) * 1e3,
-            "prefill_ms": statistics.median(r.prefill_s for r in timed) * 1e3}
+def truncated_copy(model, n_layers: int, k: int):
+    """An assistant drafting k tokens a round (constant schedule): a separate model holding copies
+    of the target's first n decoder layers, final norm and LM head (transformers' view of the
+    layerskip draft: it cannot share the target's modules)."""
+    from pipeline.models.architecture import decoder_layers
+
+    draft = copy.deepcopy(model)
+    path, layers = decoder_layers(draft)
+    if n_layers > len(layers):
+        raise SystemExit(f"bench: cannot truncate {type(model).__name__} to {n_layers} layers")
+    parent_path, _, attr = path.rpartition(".")
+    setattr(draft.get_submodule(parent_path), attr, layers[:n_layers])
+    text = draft.config.get_text_config()
+    text.num_hidden_layers = n_layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:n_layers]
+    agc = draft.generation_config
+    agc.num_assistant_tokens, agc.num_assistant_tokens_schedule, agc.assistant_confidence_threshold = \
+        k, "constant", 0.0
+    return draft.eval()
 
 
-def bench_plain(model, ids, n: int, device, args) -> dict:
+def hf_generate(model, ids: torch.Tensor, gc, assistant=None, record: dict | None = None) -> list[int]:
+    """transformers' generate with `gc`; `record` (optional) receives the cache class it returned."""
+    kwargs = {"assistant_model": assistant} if assistant is not None else {}
+    if record is not None:
+        gc = copy.copy(gc)
+        gc.return_dict_in_generate = True
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **kwargs)
+    if record is not None:
+        cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        record["cache"] = type(cache).__name__ if cache is not None else None
+        out = out.sequences
+    return out[0, ids.shape[1]:].tolist()
+
+
+# ---------------------------------------------------------------- clocks
+
+
+@contextmanager
+def forward_clock(modules: dict):
+    """Time every forward of each module (label -> module) and note the cache class it was handed:
+    {label: {"calls", "seconds", "caches"}}."""
+    stats = {label: {"calls": 0, "seconds": 0.0, "caches": set()} for label in modules}
+
+    def wrap(s, fn):
+        def timed(*args, **kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None:
+                s["caches"].add(type(cache).__name__)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                s["calls"] += 1
+                s["seconds"] += time.perf_counter() - t0
+        return timed
+
+    for label, m in modules.items():
+        m.forward = wrap(stats[label], m.forward)  # instance attribute: shadows the class's forward
+    try:
+        yield stats
+    finally:
+        for m in modules.values():
+            m.__dict__.pop("forward", None)
+        for s in stats.values():
+            s["caches"] = sorted(s["caches"])
+
+
+def clocked(fn, modules: dict, device) -> dict:
+    """One untimed run of fn with its model forwards clocked: total, forward and host seconds."""
+    with forward_clock(modules) as stats:
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        total = time.perf_counter() - t0
+    fwd = sum(s["seconds"] for s in stats.values())
+    return {"total_s": total, "forward_s": fwd, "host_s": total - fwd,
+            "host_share": (total - fwd) / total if total > 0 else None, "forwards": stats}
+
+
+def paired_runs(sides: dict, device, warmup: int, repeats: int, label: str) -> tuple[dict, dict]:
+    """sides: {"engine": fn, "transformers": fn}, each returning its tokens: `warmup` untimed runs
+    of each, then `repeats` timed ones back to back, order alternating. Seconds and last tokens."""
+    for _ in range(warmup):
+        for fn in sides.values():
+            fn()
+    seconds, tokens = {name: [] for name in sides}, {}
+    for r in range(repeats):
+        for name in run_order(r, tuple(sides)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            tokens[name] = sides[name]()
+            synchronize(device)
+            seconds[name].append(time.perf_counter() - t0)
+        e, h = seconds["engine"][-1], seconds["transformers"][-1]
+        print(f"bench: {label}: repeat {r + 1}/{repeats}: engine {e:.2f} s, transformers {h:.2f} s "
+              f"({h / e:.2f}x)", file=sys.stderr, flush=True)
+    return seconds, tokens
+
+
+# ---------------------------------------------------------------- one mode, both sides
+
+
+def bench_mode(model, ids, n: int, device, args, draft=None, assistant=None, k: int = 0) -> dict:
+    """Plain (no draft) or speculative decode on both sides: a first untimed run each (transformers'
+    records its caches), the paired repeats, the row with its ratio, and the profile runs."""
     from pipeline.decode.engine import generate
 
-    cache_len = ids.shape[1] + n + 1
+    mode = "plain" if draft is None else f"speculative {draft.spec} k={k}"
     results: list = []
 
     def engine():
-        res = generate(model, ids, n, cache_len=cache_len)
-        results.append(res)
-        return res.tokens
+        results.append(generate(model, ids, n, draft=draft, k=k, cache_len=ids.shape[1] + n + 1))
+        return results[-1].tokens
 
+    gc = hf_generation_config(model, n)
+
+    def hf(record=None):
+        return hf_generate(model, ids, gc, assistant, record)
+
+    hf_modules = {"target": model, **({"assistant": assistant} if assistant is not None else {})}
     engine()  # the engine's first run: untimed, like transformers'
-    gc = hf_generation_config(model, n)
-    hf_rec = hf_first_run(model, ids, gc, None, device)
-    runs = paired_runs({"engine": engine, "transformers": lambda: hf_generate(model, ids, gc)}, device,
-                       args.warmup, args.repeats, "plain")
-    row = _row("plain", runs, n, GOALS["plain"], args.confidence)
-    row["engine"] = _engine_record(results[-args.repeats:], n)
-    row["transformers"] = hf_rec
-    if args.profile:
-        row["profile"] = {"engine": profiled(engine, {"target": model}, device),
-                          "transformers": profiled(lambda: hf_generate(model, ids, gc), {"target": model}, device)}
-    return row
-
-
-def bench_speculative(model, draft, assistant, ids, n: int, k: int, spec: str, device, args) -> dict:
-    from pipeline.decode.engine import generate
-
-    cache_len = ids.shape[1] + n + 1
-    results: list = []
-
-    def engine():
-        res = generate(model, ids, n, draft=draft, k=k, cache_len=cache_len)
-        results.append(res)
-        return res.tokens
-
-    engine()
-    set_assistant(assistant, k)
-    gc = hf_generation_config(model, n)
-    hf_rec = hf_first_run(model, ids, gc, assistant, device)
-    runs = paired_runs({"engine": engine, "transformers": lambda: hf_generate(model, ids, gc, assistant)},
-                       device, args.warmup, args.repeats, f"speculative {spec} k={k}")
-    hf_rec["assistant"] = {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
+    hf_rec: dict = {}
+    first = clocked(lambda: hf(hf_rec), hf_modules, device)
+    hf_rec["first_run_s"] = first["total_s"]
+    seconds, tokens = paired_runs({"engine": engine, "transformers": hf}, device, args.warmup, args.repeats, mode)
     timed = results[-args.repeats:]
-    rounds = timed[-1].rounds
-    row = _row(f"speculative {spec} k={k}", runs, n, GOALS["speculative"], args.confidence)
-    row["engine"] = {
-        **_engine_record(timed, n),
-        "rounds": len(rounds), "tokens_per_round": sum(r.emitted for r in rounds) / max(len(rounds), 1),
-        "acceptance": (sum(r.accepted for r in rounds) / max(sum(r.drafted for r in rounds), 1)),
-        "round_ms": statistics.mean(r.round_s for r in rounds) * 1e3 if rounds else None,
-        "draft_ms": statistics.mean(r.draft_s for r in rounds) * 1e3 if rounds else None,
-        "verify_ms": statistics.mean(r.verify_s for r in rounds) * 1e3 if rounds else None,
-        "round_shape": [(r.drafted, r.emitted) for r in rounds],
+    rec = {"cache_len": timed[-1].cache_positions,
+           "decode_ms_per_token": statistics.median(r.decode_s / (n - 1) for r in timed) * 1e3,
+           "prefill_ms": statistics.median(r.prefill_s for r in timed) * 1e3}
+    if draft is not None:
+        rounds = timed[-1].rounds
+        hf_rec["assistant_cache"] = ", ".join(first["forwards"]["assistant"]["caches"]) or None
+        hf_rec["assistant"] = {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
+        rec.update(rounds=len(rounds), tokens_per_round=sum(r.emitted for r in rounds) / max(len(rounds), 1),
+                   acceptance=sum(r.accepted for r in rounds) / max(sum(r.drafted for r in rounds), 1))
+        rec.update({f"{p}_ms": statistics.mean(getattr(r, f"{p}_s") for r in rounds) * 1e3 if rounds else None
+                    for p in ("round", "draft", "verify")})
+    check = token_check(tokens["engine"], tokens["transformers"])
+    row = {
+        "mode": mode,
+        "engine_ms_per_token": statistics.median(seconds["engine"]) / n * 1e3,
+        "transformers_ms_per_token": statistics.median(seconds["transformers"]) / n * 1e3,
+        "engine_s": seconds["engine"], "transformers_s": seconds["transformers"],
+        **ratio_summary(seconds["transformers"], seconds["engine"], GOALS[mode.split()[0]], args.confidence),
+        "identical_tokens": check["identical"], "first_mismatch": check["first_mismatch"],
+        "engine_tokens": tokens["engine"], "transformers_tokens": tokens["transformers"],
+        "engine": rec, "transformers": hf_rec,
     }
-    row["transformers"] = hf_rec
     if args.profile:
-        row["profile"] = {
-            "engine": profiled(engine, {"target": model, "draft": draft.model}, device),
-            "transformers": profiled(lambda: hf_generate(model, ids, gc, assistant),
-                                     {"target": model, "assistant": assistant}, device)}
+        engine_modules = {"target": model, **({"draft": draft.model} if draft is not None else {})}
+        row["profile"] = {"engine": clocked(engine, engine_modules, device),
+                          "transformers": clocked(hf, hf_modules, device)}
     return row
 
 
 # ---------------------------------------------------------------- entry point
 
 
-def _model_dir(run: Path, config_path: str, model: str) -> Path:
-    if (run / "model" / "meta.json").is_file():
-        return run / "model"
-    from pipeline.core.config import load_config
-    from pipeline.core.stage import run_stage
-    from pipeline.stages.table import STAGES
-
-    run_stage(STAGES["prepare"], run, load_config(config_path), {"model": model}, STAGES)
-    return run / "model"
-
-
-def print_table(rows: list[dict], roof: dict) -> None:
-    from pipeline.tools.paired_ratio import format_ci
-
+def print_table(rows: list[dict]) -> None:
     conf = int(round(rows[0]["confidence"] * 100))
     print(f"\n{'mode':<28} {'engine ms/tok':>13} {'transformers ms/tok':>19} {'ratio':>6} {f'{conf}% CI':>14} "
           f"{'goal':>5}  {'status':<13} tokens")
@@ -185,63 +235,31 @@ def print_table(rows: list[dict], roof: dict) -> None:
         same = "identical" if r["identical_tokens"] else f"DIFFER@{r['first_mismatch']}"
         print(f"{r['mode']:<28} {r['engine_ms_per_token']:>13.2f} {r['transformers_ms_per_token']:>19.2f} "
               f"{r['ratio']:>5.2f}x {format_ci(r['ci']):>14} {r['goal']:>4.1f}x  {r['goal_status']:<13} {same}")
-    bw = roof["bandwidth"]
-    print(f"\nroofline: copy bandwidth {bw['gbps']:.1f} GB/s (best of the copies before and after)")
-    for name in ("plain", "speculative"):
-        b = roof.get(name)
-        if not b or "measured_ms_per_token" not in b:
-            continue
-        print(f"  {name:<11} {b['bytes_per_token'] / 1e6:8.1f} MB read per token -> "
-              f"bound {b['bound_ms_per_token']:.2f} "
-              f"ms/token; engine decode {b['measured_ms_per_token']:.2f} ms/token = {b['times_bound']:.2f}x the "
-              f"bound ({100 * b['bandwidth_fraction']:.0f}% of the copy bandwidth)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.core.process import set_up_process
-    from pipeline.tools.paired_ratio import with_threads
-
-    set_up_process()
-    args = parse_args(argv)
-    return with_threads(args.threads, lambda: _main(args))
+    return run_bench(parse_args(argv), _main)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args) -> int:
     from draft_models.registry import build_draft
-    from pipeline.core.config import load_config
-    from pipeline.core.device import resolve_device
-    from pipeline.core.stage import StageError, atomic_write_json, library_versions
-    from pipeline.latency.roofline import measure_bandwidth
+    from pipeline.core.stage import atomic_write_json, library_versions
     from pipeline.speculation.prompts import prompt_ids
-    from pipeline.variants.schemes import load_variant
 
-    cfg = load_config(args.config)
+    cfg, device, run, model, tok = load_run_model(args, dtype="float32")
     spec, n_layers = pick_draft(args.drafts.split() or cfg.drafts)
-    try:
-        device = resolve_device(cfg.device)
-    except StageError as e:  # e.g. a driver too old for this torch: one line, exit 2, like the stages
-        print(f"specq: {e}", file=sys.stderr)
-        return 2
-    run = Path(args.run)
-    model, tok = load_variant(_model_dir(run, args.config, args.model), device=device, dtype="float32")
     ids = torch.tensor([prompt_ids(tok, PROMPT)], device=device)
     n, k = args.new_tokens, args.k
     print(f"bench: {args.model} on {device} ({torch.get_num_threads()} threads), float32, greedy, eager, "
           f"prompt {ids.shape[1]} tokens, {n} new tokens, draft {spec}, k={k}, {args.repeats} paired repeats "
           f"after {args.warmup} warm-up", file=sys.stderr)
 
-    bw_before = measure_bandwidth(device)
-    plain = bench_plain(model, ids, n, device, args)
+    plain = bench_mode(model, ids, n, device, args)
     draft = build_draft(spec, model, tok, run, device)
-    assistant = truncated_copy(model, n_layers)
-    spec_row = bench_speculative(model, draft, assistant, ids, n, k, spec, device, args)
+    spec_row = bench_mode(model, ids, n, device, args, draft, truncated_copy(model, n_layers, k), k)
     spec_row["identical_to_plain"] = spec_row["engine_tokens"] == plain["engine_tokens"]
-    bw_after = measure_bandwidth(device)
-    bandwidth = max(bw_before, bw_after, key=lambda b: b["gbps"])
-    bandwidth = {**bandwidth, "before_gbps": bw_before["gbps"], "after_gbps": bw_after["gbps"]}
-    roof = roofline_section(model, draft, plain, spec_row, k, bandwidth)
     rows = [plain, spec_row]
-    print_table(rows, roof)
+    print_table(rows)
     ok = all(r["identical_tokens"] for r in rows) and spec_row["identical_to_plain"]
     atomic_write_json(run / "bench.json", {
         "model": args.model, "device": str(device), "threads": torch.get_num_threads(), "dtype": "float32",
@@ -250,7 +268,7 @@ def _main(args: argparse.Namespace) -> int:
         "baseline": {"plain": "model.generate(cache_implementation='static', disable_compile=True)",
                      "speculative": "model.generate(assistant_model=<first n layers, copied>, num_assistant_tokens=k, "
                                     "schedule constant, cache_implementation='static', disable_compile=True)"},
-        "rows": rows, "roofline": roof, "tokens_identical": ok, "libraries": library_versions(),
+        "rows": rows, "tokens_identical": ok, "libraries": library_versions(),
     })
     print(f"\nbench: tokens {'identical' if ok else 'NOT identical'} across engine and transformers; "
           f"written to {run / 'bench.json'}")

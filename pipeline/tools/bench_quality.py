@@ -13,13 +13,14 @@ ratio CIs over paired repeats. Every item's score must agree (exit 1 otherwise).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from pipeline.tools.paired_ratio import (at_least, bench_parser, format_ci, load_run_model, ratio_summary,
+                                         run_bench, run_order)
 
 GOAL = 1.5
 TASKS = ("calibration", "tool_args")
@@ -28,81 +29,48 @@ SUPPORTED = ("calibration", "tool_args", "reasoning", "language", "long_context"
 REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
-# ---------------------------------------------------------------- arguments
+def _auto_or(text: str) -> str | int:
+    return text if text == "auto" else at_least(1)(text)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pipeline.tools.bench_quality", description=__doc__.split("\n")[0])
-    p.add_argument("--run", default="runs/smollm2-135m")
-    p.add_argument("--config", default="configs/default.yaml")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafts", default="", help="ignored (make bench passes the same arguments to both benches)")
+def parse_args(argv: list[str] | None = None):
+    p = bench_parser("python -m pipeline.tools.bench_quality", __doc__, repeats=3)
     p.add_argument("--tasks", default=",".join(TASKS),
                    help=f"comma-separated built-in slices (default {','.join(TASKS)}; one of: {', '.join(SUPPORTED)})")
-    p.add_argument("--items", type=int, default=16, help="items per task (the first of the slice)")
-    p.add_argument("--repeats", type=int, default=3, help="paired timed repeats")
-    p.add_argument("--warmup", type=int, default=0, help="untimed passes of every task on both evaluators first")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--items", type=at_least(1), default=16, help="items per task (the first of the slice)")
+    p.add_argument("--batch-size", type=at_least(1), default=None,
                    help="the prefix evaluator's rows (default quality.batch_size)")
-    p.add_argument("--hflm-batch-size", default="auto", help='HFLM\'s batch_size (default "auto")')
-    p.add_argument("--hflm-max-batch-size", type=int, default=None,
+    p.add_argument("--hflm-batch-size", type=_auto_or, default="auto", help='HFLM\'s batch_size (default "auto")')
+    p.add_argument("--hflm-max-batch-size", type=at_least(1), default=None,
                    help="HFLM's max_batch_size for auto (default lm-eval's 64, capped at --items)")
-    p.add_argument("--max-length", default="auto",
+    p.add_argument("--max-length", type=_auto_or, default="auto",
                    help="both evaluators' max_length (default auto: the longest request + the generation cap, "
                         "rounded up to 64)")
-    p.add_argument("--confidence", type=float, default=0.95)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, one per core). On a CPU shared with other jobs, 1: "
-                        "a multi-row matmul waits for every thread, and a descheduled one stalls it")
     args = p.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in args.tasks if t not in SUPPORTED]
     if bad or not args.tasks:
         p.error(f"--tasks: {', '.join(bad) or 'none given'}: not a slice this bench runs "
                 f"(one of: {', '.join(SUPPORTED)})")
-    if args.items < 1 or args.repeats < 1 or args.warmup < 0:
-        p.error("--items and --repeats must be >= 1, --warmup >= 0")
-    if args.batch_size is not None and args.batch_size < 1:
-        p.error("--batch-size must be >= 1")
-    if args.hflm_batch_size != "auto" and not (args.hflm_batch_size.isdigit() and int(args.hflm_batch_size) > 0):
-        p.error('--hflm-batch-size must be "auto" or a positive integer')
     if args.hflm_max_batch_size is None:
         args.hflm_max_batch_size = min(64, args.items)
-    elif args.hflm_max_batch_size < 1:
-        p.error("--hflm-max-batch-size must be >= 1")
-    if args.max_length != "auto":
-        if not args.max_length.isdigit() or int(args.max_length) < 1:
-            p.error('--max-length must be "auto" or a positive integer')
-        args.max_length = int(args.max_length)
-    if not 0 < args.confidence < 1:
-        p.error("--confidence must be in (0, 1)")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
     return args
-
-
-def round_up(n: int, to: int = 64) -> int:
-    return -(-n // to) * to
 
 
 def auto_max_length(request_tokens: list[int], margin: int = 8) -> int:
     """The smallest multiple of 64 holding the longest request (prompt + continuation or
     generation cap, in tokens) with a few tokens to spare."""
-    return round_up(max(request_tokens) + margin)
+    return -(-(max(request_tokens) + margin) // 64) * 64
 
 
 def request_tokens(tokenizer, docs: list[dict], cfg: dict) -> list[int]:
     """Per document, the tokens its longest request needs: prompt + the longest option (multiple
     choice) or prompt + the generation cap (generation)."""
     delim = cfg.get("target_delimiter", " ")
-    out = []
-    for d in docs:
-        prompt = len(tokenizer.encode(d["prompt"]))
-        if cfg.get("output_type") == "multiple_choice":
-            out.append(max(len(tokenizer.encode(d["prompt"] + delim + c)) for c in d["choices"]) + 1)
-        else:
-            out.append(prompt + int(cfg.get("generation_kwargs", {}).get("max_gen_toks", 256)))
-    return out
+    if cfg.get("output_type") == "multiple_choice":
+        return [max(len(tokenizer.encode(d["prompt"] + delim + c)) for c in d["choices"]) + 1 for d in docs]
+    cap = int(cfg.get("generation_kwargs", {}).get("max_gen_toks", 256))
+    return [len(tokenizer.encode(d["prompt"])) + cap for d in docs]
 
 
 # ---------------------------------------------------------------- instrumenting the evaluators
@@ -122,14 +90,12 @@ class ProbeMemo:
         self._pending = 0.0
         lm._detect_batch_size = self
 
-    def key(self, requests=None, pos: int = 0) -> int:
-        if requests:
-            _, ctx, cont = requests[pos]
-            return len((ctx + cont)[-(self.lm.max_length + 1):][:-1])
-        return self.lm.max_length
-
     def __call__(self, requests=None, pos: int = 0):
-        key = self.key(requests, pos)
+        if requests:  # the length the probe would run
+            _, ctx, cont = requests[pos]
+            key = len((ctx + cont)[-(self.lm.max_length + 1):][:-1])
+        else:
+            key = self.lm.max_length
         if key in self.answers:
             self.reused += 1
             return self.answers[key]
@@ -218,8 +184,6 @@ def compare_scores(a: dict, b: dict) -> dict:
 
 
 def task_row(name: str, kind: str, items: int, seconds: dict, agreement: dict, confidence: float) -> dict:
-    from pipeline.tools.paired_ratio import ratio_summary
-
     pre, hf = seconds["prefix"], seconds["hflm"]
     return {
         "task": name, "kind": kind, "items": items,
@@ -234,8 +198,6 @@ def task_row(name: str, kind: str, items: int, seconds: dict, agreement: dict, c
 
 
 def print_table(rows: list[dict]) -> None:
-    from pipeline.tools.paired_ratio import format_ci
-
     conf = int(round(rows[0]["confidence"] * 100))
     print(f"\n{'task':<13} {'requests':<15} {'items':>5} {'prefix it/s':>11} {'HFLM it/s':>10} {'ratio':>6} "
           f"{f'{conf}% CI':>14} {'goal':>5}  {'status':<13} {'scores differ':>13} {'preds differ':>12} "
@@ -249,67 +211,45 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.core.process import set_up_process
-    from pipeline.tools.paired_ratio import with_threads
-
-    set_up_process()
     args = parse_args(argv)
     quiet_bars = "TQDM_DISABLE" not in os.environ
     if quiet_bars:  # lm-eval's and the evaluators' progress bars: the per-repeat lines say it
         os.environ["TQDM_DISABLE"] = "1"
     try:
-        return with_threads(args.threads, lambda: _main(args))
+        return run_bench(args, _main)
     finally:
         if quiet_bars:
             os.environ.pop("TQDM_DISABLE", None)
 
 
-def _main(args: argparse.Namespace) -> int:
-
+def _main(args) -> int:
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from pipeline.core.config import load_config
-    from pipeline.core.device import resolve_device
-    from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, library_versions
+    from pipeline.core.stage import atomic_write_bytes, atomic_write_json, library_versions
     from pipeline.quality import lm_tasks
     from pipeline.quality.items import benchmark_items, builtin_task_config, slice_items
     from pipeline.quality.prefix_lm import PrefixCachedLM
-    from pipeline.tools.bench import _model_dir
-    from pipeline.tools.paired_ratio import run_order
-    from pipeline.variants.schemes import load_variant
 
-    cfg = load_config(args.config)
+    cfg, device, run, model, tok = load_run_model(args)
     qcfg = cfg.quality
-    try:
-        device = resolve_device(cfg.device)
-    except StageError as e:
-        print(f"specq: {e}", file=sys.stderr)
-        return 2
-    run = Path(args.run)
-    model, tok = load_variant(_model_dir(run, args.config, args.model), device)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     batch_size = args.batch_size or qcfg.batch_size
 
     # The items, written once; the task configs the quality stage would build for them.
-    data_dir = run / "bench_quality" / "data"
     configs, docs = {}, {}
     for name in args.tasks:
-        try:
-            blob = (benchmark_items(name, args.items, cfg.seed, tok) if name == "bfcl"
-                    else slice_items(name, args.items, qcfg.long_context_lengths))
-        except StageError as e:
-            print(f"specq: {e}", file=sys.stderr)
-            return 2
-        path = data_dir / f"{name}.jsonl"
+        blob = (benchmark_items(name, args.items, cfg.seed, tok) if name == "bfcl"
+                else slice_items(name, args.items, qcfg.long_context_lengths))
+        path = run / "bench_quality" / "data" / f"{name}.jsonl"
         atomic_write_bytes(path, blob)
         configs[name] = builtin_task_config(name, path.resolve(), qcfg.max_new_tokens_for(name), qcfg.sandbox)
         docs[name] = [json.loads(line) for line in blob.splitlines() if line.strip()]
     lengths = {name: request_tokens(tok, docs[name], configs[name]) for name in args.tasks}
     max_length = args.max_length if args.max_length != "auto" else \
         auto_max_length([n for v in lengths.values() for n in v])
-    hflm_bs = args.hflm_batch_size if args.hflm_batch_size == "auto" else int(args.hflm_batch_size)
+    hflm_bs = args.hflm_batch_size
 
     with lm_tasks.quiet():  # HFLM warns that it was handed a loaded model: expected here
         lms = {"prefix": PrefixCachedLM(pretrained=model, tokenizer=tok, batch_size=batch_size, max_length=max_length),
@@ -327,8 +267,7 @@ def _main(args: argparse.Namespace) -> int:
 
     seconds = {name: {"prefix": [], "hflm": []} for name in args.tasks}
     wall = {name: {"prefix": [], "hflm": []} for name in args.tasks}
-    probe_s = {name: 0.0 for name in args.tasks}
-    setup_s = {name: 0.0 for name in args.tasks}
+    excluded = {name: {"prefix": 0.0, "hflm": 0.0} for name in args.tasks}  # setup and probe seconds
     results: dict = {name: {} for name in args.tasks}
     for r in range(args.warmup + args.repeats):
         timed = r >= args.warmup
@@ -340,15 +279,12 @@ def _main(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 results[name][side] = run_task(lms[side], name, configs[name], manager, cfg.seed, chat)
                 total = time.perf_counter() - t0
-                spent = clocks[side].take()
-                if side == "hflm" and memo is not None:
-                    probed = memo.take_seconds()
-                    spent -= probed
-                    probe_s[name] += probed
-                if side == "prefix":  # its one-off cost calibration per model, where it makes one
-                    setup = setup_seconds(lms["prefix"]) - setup_before
-                    spent -= setup
-                    setup_s[name] += setup
+                if side == "hflm":
+                    one_off = memo.take_seconds() if memo is not None else 0.0
+                else:  # its one-off cost calibration per model, where it makes one
+                    one_off = setup_seconds(lms["prefix"]) - setup_before
+                spent = clocks[side].take() - one_off
+                excluded[name][side] += one_off
                 if timed:
                     seconds[name][side].append(spent)
                     wall[name][side].append(total)
@@ -360,12 +296,9 @@ def _main(args: argparse.Namespace) -> int:
     for name in args.tasks:
         kind = "loglikelihood" if configs[name].get("output_type") == "multiple_choice" else "generate_until"
         agreement = compare_scores(results[name]["prefix"], results[name]["hflm"])
-        row = task_row(name, kind, n_items[name], seconds[name], agreement, args.confidence)
-        row["wall_s"] = wall[name]
-        row["hflm_probe_s"] = probe_s[name]
-        row["prefix_setup_s"] = setup_s[name]
-        row["longest_request_tokens"] = max(lengths[name])
-        rows.append(row)
+        rows.append({**task_row(name, kind, n_items[name], seconds[name], agreement, args.confidence),
+                     "wall_s": wall[name], "hflm_probe_s": excluded[name]["hflm"],
+                     "prefix_setup_s": excluded[name]["prefix"], "longest_request_tokens": max(lengths[name])})
     print_table(rows)
     ok = all(r["agreement"]["identical_scores"] for r in rows)
     out = run / "bench_quality.json"
@@ -379,7 +312,7 @@ def _main(args: argparse.Namespace) -> int:
         "hflm": {"class": "lm_eval.models.huggingface.HFLM", "batch_size": hflm_bs,
                  "max_batch_size": args.hflm_max_batch_size,
                  "probes": memo.probes if memo else [], "probes_reused": memo.reused if memo else 0,
-                 "probe_seconds_excluded": sum(probe_s.values())},
+                 "probe_seconds_excluded": sum(e["hflm"] for e in excluded.values())},
         "timing": "seconds inside lm-eval's request calls (loglikelihood / generate_until), less the one-off "
                   "costs: HFLM's batch-size probes, the prefix evaluator's cost calibration; items/s = items / "
                   "median seconds",

@@ -1,6 +1,6 @@
-"""Paired speed ratios for the benches (pipeline/tools/bench.py, pipeline/tools/bench_quality.py).
+"""What the two side-by-side benches share (pipeline/tools/bench.py, pipeline/tools/bench_quality.py):
+paired speed ratios with their intervals, the common arguments, the run's model, torch's threads.
 
-    from pipeline.tools.paired_ratio import ratio_summary, run_order, token_check
     s = ratio_summary(baseline_s=[2.0, 2.1, 1.9], candidate_s=[1.0, 1.1, 0.9], goal=1.5)
     s["ratio"], s["ci"], s["bootstrap_ci"], s["goal_status"]
 
@@ -12,9 +12,12 @@ the goal, "not met" when its upper end is below it, else "inconclusive".
 """
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -23,11 +26,9 @@ UNIT = "one paired repeat (a candidate run and a baseline run back to back, orde
 
 def paired_ratios(baseline_s: Sequence[float], candidate_s: Sequence[float]) -> list[float]:
     """Per-repeat baseline / candidate time ratios (> 1: the candidate is faster)."""
-    if len(baseline_s) != len(candidate_s):
-        raise ValueError(f"paired ratios need as many baseline as candidate times "
+    if len(baseline_s) != len(candidate_s) or not baseline_s:
+        raise ValueError(f"paired ratios need as many baseline as candidate times, at least one "
                          f"({len(baseline_s)} vs {len(candidate_s)})")
-    if not baseline_s:
-        raise ValueError("paired ratios need at least one repeat")
     if any(not (t > 0 and math.isfinite(t)) for t in (*baseline_s, *candidate_s)):
         raise ValueError("paired ratios need positive, finite times")
     return [b / c for b, c in zip(baseline_s, candidate_s)]
@@ -35,13 +36,9 @@ def paired_ratios(baseline_s: Sequence[float], candidate_s: Sequence[float]) -> 
 
 def goal_status(point: float, ci: Sequence[float] | None, goal: float) -> str:
     """met / not met / inconclusive against `goal`, read from the interval (see module doc)."""
-    if ci is None or ci[0] is None:
+    if ci is None:
         return "met (one repeat: no interval)" if point >= goal else "not met (one repeat: no interval)"
-    if ci[0] >= goal:
-        return "met"
-    if ci[1] < goal:
-        return "not met"
-    return "inconclusive"
+    return "met" if ci[0] >= goal else "not met" if ci[1] < goal else "inconclusive"
 
 
 def ratio_summary(baseline_s: Sequence[float], candidate_s: Sequence[float], goal: float,
@@ -90,15 +87,73 @@ def format_ci(ci: Sequence[float] | None) -> str:
     return "[  n/a  ]" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
-def with_threads(threads: int | None, fn):
-    """fn() with torch's intra-op threads set to `threads` (None or 0: as they are), restored after
-    (a bench's --threads: on a shared machine one thread per process times more steadily)."""
+def at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        if not text.strip().lstrip("-").isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return int(text)
+    return parse
+
+
+def _confidence(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError("must be in (0, 1)")
+    return value
+
+
+def bench_parser(prog: str, doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments both benches take (`make bench` passes the same ones to both)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument("--run", default="runs/smollm2-135m")
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafts", default="", help="bench: the first layerskip:<n> is its draft (default "
+                                                "layerskip:8); bench_quality ignores it")
+    p.add_argument("--repeats", type=at_least(1), default=repeats, help="paired timed repeats")
+    p.add_argument("--warmup", type=at_least(0), default=0, help="untimed runs of both sides first")
+    p.add_argument("--confidence", type=_confidence, default=0.95)
+    p.add_argument("--threads", type=at_least(1), default=None,
+                   help="torch CPU threads (default: torch's, one per core). On a CPU shared with other jobs, 1: "
+                        "a multi-row matmul waits for every thread, and a descheduled one stalls it")
+    return p
+
+
+def run_bench(args: argparse.Namespace, body) -> int:
+    """body(args) with torch's intra-op threads set to --threads (restored after); a StageError
+    (a driver too old for torch, missing data) is one line and exit 2, like the stages."""
     import torch
 
+    from pipeline.core.process import set_up_process
+    from pipeline.core.stage import StageError
+
+    set_up_process()
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
-        return fn()
+        return body(args)
+    except StageError as e:
+        print(f"specq: {e}", file=sys.stderr)
+        return 2
     finally:
         torch.set_num_threads(before)
+
+
+def load_run_model(args: argparse.Namespace, dtype: str | None = None):
+    """(config, device, run directory, model, tokenizer): the run's prepared model (the prepare
+    stage runs first where the run has none)."""
+    from pipeline.core.config import load_config
+    from pipeline.core.device import resolve_device
+    from pipeline.core.stage import run_stage
+    from pipeline.stages.table import STAGES
+    from pipeline.variants.schemes import load_variant
+
+    cfg = load_config(args.config)
+    device = resolve_device(cfg.device)
+    run = Path(args.run)
+    if not (run / "model" / "meta.json").is_file():
+        run_stage(STAGES["prepare"], run, cfg, {"model": args.model}, STAGES)
+    model, tok = load_variant(run / "model", device=device, dtype=dtype)
+    return cfg, device, run, model, tok

@@ -37,11 +37,9 @@ def tie_tolerance(max_logit: float, dtype: str) -> float:
 
 
 def _gap(models: list, tokenizer, prompt: str, a: str, b: str) -> tuple[str, list[float], float | None]:
-    """How two continuations of `prompt` part: ("identical", [], None), or ("differs", for each
-    model the log-probability of a's token minus b's at their first differing token, the largest
-    logit there under the first model). Where one text is the other cut short, the shorter one's
-    choice there (end-of-text or a stop string) is unknown: its token is taken to be the model's
-    best other than the longer one's."""
+    """("identical", [], None), or ("differs", per model log p(a's token) - log p(b's) at the first
+    differing token, the first model's largest logit there). Where one text is the other cut short,
+    the shorter one's token is taken to be the model's best other than the longer one's."""
     import torch
 
     if a == b:
@@ -71,11 +69,10 @@ def _gap(models: list, tokenizer, prompt: str, a: str, b: str) -> tuple[str, lis
 
 def compare(hf: dict[str, list[dict]], served: dict[str, list[dict]], prompts: dict, judge=None, tokenizer=None,
             dtype: str = "bfloat16", confidence: float = 0.95, computed=None) -> dict:
-    """Per slice: agreement of the two backends' records (the same items, by id). `prompts` maps
-    (slice, id) to the prompt text; `judge` (the hf model in float32), `computed` (the same model
-    in the backends' compute `dtype`, or None) and `tokenizer` place the generation items that
-    differ: a near-tie when the judge's gap is within tie_tolerance, or within twice what the
-    compute dtype moved that very gap (the two models' gaps apart), a divergence otherwise."""
+    """Per slice: agreement of the two backends' records (the same items, by id; `prompts`: (slice,
+    id) -> prompt). A differing generation is a near-tie when the float32 `judge`'s gap is within
+    tie_tolerance, or within twice what the compute dtype moved that gap (`computed`: the model in
+    `dtype`, or None), a divergence otherwise."""
     out = {}
     models = [judge] + ([computed] if computed is not None else [])
     for name, recs in hf.items():
@@ -117,19 +114,6 @@ def compare(hf: dict[str, list[dict]], served: dict[str, list[dict]], prompts: d
     return out
 
 
-def _items(run_dir: Path, config, slices: list[str], n: int, tokenizer, data_dir: Path) -> dict[str, Path]:
-    """The first `n` items of each slice in the quality stage's order, written under data_dir."""
-    from pipeline.quality.plans import slice_data
-
-    files = {}
-    for name in slices:
-        blob, _ = slice_data(name, config.quality, config.seed, tokenizer)
-        path = data_dir / f"{name}.jsonl"
-        atomic_write_bytes(path, b"".join(blob.splitlines(keepends=True)[:n]))
-        files[name] = path
-    return files
-
-
 def score_each(score, configs: dict, prompts: dict, seconds: dict, backend: str) -> dict:
     """Each slice scored on its own (`score(configs, prompts)`), so each has its own seconds."""
     out, seconds[backend] = {}, {}
@@ -149,6 +133,7 @@ def measure(run_dir: str | Path, config, items: int = 40, slices: list[str] | No
     from pipeline.quality import vllm_backend
     from pipeline.quality.evaluate import evaluate
     from pipeline.quality.items import builtin_task_config
+    from pipeline.quality.plans import slice_data
     from pipeline.variants.schemes import load_variant
 
     run_dir = Path(run_dir)
@@ -163,8 +148,12 @@ def measure(run_dir: str | Path, config, items: int = 40, slices: list[str] | No
     out = run_dir / OUT
     slices = list(slices or [s for s in qcfg.slices if s != "code"])
     tok = load_tokenizer(vdir)
-    files = _items(run_dir, config, slices, items, tok, out / "data")
-    configs = {s: builtin_task_config(s, f, qcfg.max_new_tokens_for(s), qcfg.sandbox) for s, f in files.items()}
+    configs = {}
+    for name in slices:  # the first `items` of each slice, in the quality stage's order
+        blob, _ = slice_data(name, qcfg, config.seed, tok)
+        path = out / "data" / f"{name}.jsonl"
+        atomic_write_bytes(path, b"".join(blob.splitlines(keepends=True)[:items]))
+        configs[name] = builtin_task_config(name, path, qcfg.max_new_tokens_for(name), qcfg.sandbox)
     host = vllm_backend.Host.of(config, out / "logs")
     served_q = qcfg.model_copy(update={"backend": "vllm"})
     choice = vllm_backend.choose(served_q, vdir, config.seed, platform=host.platform,
