@@ -15,8 +15,9 @@ import os
 
 # Loggers whose lines fill a run's log between specq's own stage lines, and the level they keep:
 # GPTQModel's tokenizer fixer, accelerate's tie-weights notice on every quantized load, torch's
-# "no CUDA runtime" notice on a CPU box.
-CHATTY_LOGGERS = {"tokenicer": logging.WARNING, "accelerate": logging.ERROR, "torch.utils.cpp_extension": logging.ERROR}
+# "no CUDA runtime" notice on a CPU box, bitsandbytes' CPU kernel fallback and int8 input-cast notices.
+CHATTY_LOGGERS = {"tokenicer": logging.WARNING, "accelerate": logging.ERROR, "torch.utils.cpp_extension": logging.ERROR,
+                  "bitsandbytes.backends.cpu.ops": logging.ERROR, "bitsandbytes.autograd._functions": logging.ERROR}
 
 # Progress bars and notices of third-party libraries, off by default in `python -m pipeline`: each
 # stage prints its own progress with the time left. A variable the user set is left alone.

@@ -36,8 +36,6 @@ PORT_RETRIES = 3
 # Markers of a failed bind in the server's log (uvicorn / asyncio wording).
 PORT_TAKEN = ("address already in use", "errno 98")
 
-_LIVE: set["Server"] = set()
-
 
 class EngineStartError(StageError):
     """vLLM did not come up (it exited, timed out, or found no port); the message is one line."""
@@ -130,7 +128,6 @@ class Server:
                 self.proc = subprocess.Popen(self.command(self.port), stdout=fh, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                              preexec_fn=_die_with_parent)
-            _LIVE.add(self)
             why = self._wait_ready()
             if why is None:
                 self.start_s = time.perf_counter() - t0
@@ -169,7 +166,6 @@ class Server:
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after STOP_GRACE_S; idempotent."""
         proc, self.proc = self.proc, None
-        _LIVE.discard(self)
         if proc is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -199,7 +195,3 @@ class Server:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
 
-
-def live_servers() -> list[Server]:
-    """Servers started and not yet stopped in this process (tests check it is empty)."""
-    return list(_LIVE)
