@@ -10,9 +10,8 @@ from pathlib import Path
 
 from pipeline.core.stage import atomic_write_bytes, atomic_write_text
 from pipeline.report.figures import png_bytes, pyplot
-from pipeline.report.format import MISSING, interval, number
-from pipeline.report.modes import footnote
-from pipeline.report.modes import mark as like_mark
+from pipeline.report.format import MISSING, footnote, interval, number
+from pipeline.report.format import mark as like_mark
 from pipeline.serving.marginal import MIN_TIMING_REPEATS, category_entry, timed_enough
 
 

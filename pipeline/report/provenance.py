@@ -13,8 +13,7 @@ from pathlib import Path
 
 from pipeline.core.stage import library_versions
 from pipeline.report.document import Block
-from pipeline.report.format import number
-from pipeline.report.inputs import optional_json
+from pipeline.report.format import number, optional_json
 
 
 def provenance_blocks(run_dir: Path, cfg, gate_meta: dict) -> list[Block]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.report.format import MISSING, nbytes
-from pipeline.report.inputs import json_files
+from pipeline.report.format import MISSING, json_files, nbytes
 
 
 def kernel_text(kernels: dict | None) -> str:

@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 
 from pipeline.core.stage import require_schema
-from pipeline.report.format import interval, number
-from pipeline.report.inputs import json_files, optional_json
+from pipeline.report.format import interval, json_files, number, optional_json
 from pipeline.vllm.spec_config import draft_method
 
 

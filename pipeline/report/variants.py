@@ -5,7 +5,7 @@ latency grid (TPOT, TTFT, p99 inter-token, ratio to the reference against the ro
     blocks += variant_blocks(run_dir, figures)
 
 Reads variants/<variant>/meta.json, latency/<variant>.json and latency/tpot_ratio.png (drawn by
-the latency stage, pipeline/report/latency.py).
+the latency stage, pipeline/report/figures.py).
 """
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from pathlib import Path
 
 from pipeline.core.stage import read_json
 from pipeline.report.document import Block
-from pipeline.report.format import MISSING, interval, median_ci, nbytes, number
-from pipeline.report.inputs import json_files
-from pipeline.report.modes import footnote
-from pipeline.report.modes import mark as like_mark
+from pipeline.report.format import MISSING, footnote, interval, json_files, median_ci, nbytes, number
+from pipeline.report.format import mark as like_mark
 
 
 def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> list[Block]:
