@@ -4,11 +4,9 @@
     bytes_in_memory(model)                          # a loaded model: each storage once, meta skipped
     unique_bytes(model_tensors(meta_model), meta=True)  # a meta-device build: what it would hold
 
-The one count behind every byte figure (a variant's bytes in memory, the roofline's weight bytes,
-the memory plan's). numel * element_size misses what torchao's tensor subclasses (logical dtype,
-data_ptr() 0) and bitsandbytes' packed data (scales as attributes) hold, so every tensor is first
-resolved to the plain tensors that hold its data, each counted once by address (meta tensors by
-identity).
+The one count behind every byte figure. numel * element_size misses what torchao's tensor
+subclasses and bitsandbytes' scales hold, so every tensor is first resolved to the plain tensors
+holding its data, each counted once by address (meta tensors by identity).
 """
 from __future__ import annotations
 
