@@ -1,14 +1,9 @@
 """The report's speculation section: per (variant, draft) pair, whether speculation is lossless,
-the recommended draft length k and its speed, the workload and k per category, and
-each pair's figures.
+the recommended k and its speed, k per category, and each pair's figures.
 
-    from pipeline.report.speculation import speculation_blocks
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
 
-Reads acceptance/<pair>.json, marginal/<pair>.json (and the marginal stage's <pair>.png, used as
-it is) and latency/<pair>.json; the lossless decisions come from the gate result. A pair the
-latency stage screened out (pipeline/latency/screen.py) shows k = 0 with "does not pay", and a
-paragraph says what was not timed and why.
+Reads acceptance/, marginal/ (with its <pair>.png) and latency/<pair>.json, and the gate's lossless decisions.
 """
 from __future__ import annotations
 

@@ -5,12 +5,9 @@
         srv.url                  # http://127.0.0.1:<port>
     # stopped here, whether the block returned, raised, or got Ctrl-C / SIGTERM
 
-The server is `python -m vllm.entrypoints.openai.api_server` from the vLLM environment (env.py),
-in a process group of its own, so stopping it stops its engine-core processes too (SIGTERM to the
-group, SIGKILL after STOP_GRACE_S). It is also asked to die with specq (Linux parent-death
-signal), and a SIGTERM to specq is turned into an exception so the `with` block unwinds. A start
-that fails says so in one line with the log's last error line; a port taken by someone else
-between choosing it and binding it is retried on another port.
+The server runs in a process group of its own, so stopping it stops its engine-core processes too;
+it dies with specq (Linux parent-death signal), and a SIGTERM to specq unwinds the `with` block. A
+failed start is one line with the log's last error; a port taken meanwhile is retried.
 """
 from __future__ import annotations
 
