@@ -7,10 +7,8 @@ run, the gate, and a few readers. `specq <command> --help` says what each takes.
     specq summary  --run runs/smollm2-135m                # the decision and what to deploy
     specq config   --config configs/default.yaml          # the resolved config
 
-Every stage exits 0 on success (or when it is already up to date), 2 with one line on stderr when
-the input is bad (a config, stage or decode-engine error). `gate` runs the gate stage where it is
-not up to date and exits with the decision: 0 go, 1 no-go, 3 inconclusive, 2 bad input
-(pipeline/stages/gate.py); `gate-check` is the older spelling of `gate --table` on a gated run.
+Every stage exits 0 on success (or up to date), 2 with one line on stderr on bad input. `gate`
+exits with the decision (0 go, 1 no-go, 3 inconclusive); `gate-check` is `gate --table` on a gated run.
 """
 from __future__ import annotations
 

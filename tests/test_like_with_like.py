@@ -81,7 +81,7 @@ def test_tpot_ratio_vs_reference_flags_other_modes_and_fallback_kernels():
 def test_reports_mark_a_flagged_ratio_with_a_footnote():
     from tests.test_marginal import _acc, _expected, _timing
     from pipeline.report.marginal import render_markdown
-    from pipeline.report.modes import MARK
+    from pipeline.report.format import MARK
     from pipeline.serving.marginal import RULE, marginal_table
 
     e = _expected(0.8, 4)

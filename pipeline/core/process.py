@@ -15,8 +15,9 @@ import os
 
 # Loggers whose lines fill a run's log between specq's own stage lines, and the level they keep:
 # GPTQModel's tokenizer fixer, accelerate's tie-weights notice on every quantized load, torch's
-# "no CUDA runtime" notice on a CPU box.
-CHATTY_LOGGERS = {"tokenicer": logging.WARNING, "accelerate": logging.ERROR, "torch.utils.cpp_extension": logging.ERROR}
+# "no CUDA runtime" notice on a CPU box, bitsandbytes' CPU kernel fallback and int8 input-cast notices.
+CHATTY_LOGGERS = {"tokenicer": logging.WARNING, "accelerate": logging.ERROR, "torch.utils.cpp_extension": logging.ERROR,
+                  "bitsandbytes.backends.cpu.ops": logging.ERROR, "bitsandbytes.autograd._functions": logging.ERROR}
 
 # Progress bars and notices of third-party libraries, off by default in `python -m pipeline`: each
 # stage prints its own progress with the time left. A variable the user set is left alone.
@@ -25,15 +26,13 @@ QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFOR
 
 
 def bars_off() -> bool:
-    """Whether tqdm's bars are off for this process (TQDM_DISABLE, which quiet sets): for a bar
-    created with an explicit `disable=`, which overrides tqdm's own reading of the variable."""
+    """Whether tqdm's bars are off (TQDM_DISABLE), for a bar created with an explicit `disable=`."""
     return os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes")
 
 
 def _quiet_logbar() -> None:
-    """GPTQModel logs through LogBar (its banner, kernel selection, load map: about 40 INFO lines per
-    quantized load), a logger of its own that python's logging levels do not reach; warnings stay.
-    LogBar imports in milliseconds and without torch. Nothing when it is not installed or its API moved."""
+    """GPTQModel's LogBar (about 40 INFO lines per quantized load), which python's logging levels
+    do not reach, down to warnings; nothing when it is not installed or its API moved."""
     if importlib.util.find_spec("logbar") is None:
         return
     import contextlib

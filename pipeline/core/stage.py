@@ -1,17 +1,13 @@
 """Stage plumbing: atomic writes, meta.json, and input hashing.
 
-A stage is a function `run(ctx)` that reads files and writes files under `ctx.out_dir`. The runner
-hashes what the stage reads (its config sections, the input hashes of the stages upstream of it,
-its own source files, and any extra arguments such as MODEL). When the hash equals the one in the
-stage's `meta.json` the stage is a no-op; otherwise `meta.json` is removed first (so an interrupted
-re-run never looks finished), the stage runs, and `meta.json` is written last.
-
-Stages that make several independent things (one directory per variant, one JSON per pair) write
-each as an *item*: `ctx.item(name, inputs)` is fresh (reused as it is) when its own input hash
-matches, and is otherwise written into `name.tmp` and renamed into place, so a crash mid-stage
-leaves only finished items, and the re-run resumes where it stopped. Every meta.json (and item
-record) carries `schema`, SCHEMA_VERSION: one of another version is never fresh, and a reader
-outside the runner refuses it (require_schema) instead of guessing at its keys.
+A stage is a function `run(ctx)` that writes under `ctx.out_dir`. The runner hashes what it reads
+(config sections, upstream input hashes, its source files, extra arguments such as MODEL); when the
+hash equals its `meta.json`'s the stage is a no-op, otherwise `meta.json` is removed first, the
+stage runs, and `meta.json` is written last. Several independent outputs (one directory per
+variant, one JSON per pair) are *items*: `ctx.item(name, inputs)` is fresh when its own hash
+matches, else written into `name.tmp` and renamed into place, so a re-run resumes. Every meta.json
+and item record carries `schema` (SCHEMA_VERSION): another version is never fresh, and readers
+outside the runner refuse it (require_schema).
 """
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[2]  # pipeline/core/stage.py -> the repository root
-# The version of the artifacts' layout, in every meta.json and item record the runner writes.
-# Raise it when a change makes artifacts written before it unreadable: older runs then re-run.
+# The artifacts' layout version; raise it when older artifacts become unreadable (they then re-run).
 SCHEMA_VERSION = 1
 LIBRARIES = (
     "torch", "transformers", "accelerate", "gptqmodel", "bitsandbytes", "torchao", "lm_eval",
@@ -164,9 +159,7 @@ def _module_file(dotted: str) -> Path | None:
 
 def import_closure(entry_modules: list[str]) -> list[Path]:
     """The project's source files that `entry_modules` import, directly or not, including imports
-    inside functions (read from the source with ast, nothing is executed). A stage's code hash
-    is taken over this set: editing a module it never imports does not re-run it, and editing
-    one it does (however indirectly) does."""
+    inside functions (read with ast, nothing is executed): what a stage's code hash covers."""
     import ast
 
     seen: dict[Path, None] = {}
@@ -176,8 +169,7 @@ def import_closure(entry_modules: list[str]) -> list[Path]:
         if path is None or path in seen:
             continue
         seen[path] = None
-        # The package this file belongs to (for pipeline/__init__.py, pipeline itself); its
-        # __init__ runs on import too.
+        # The packages this file belongs to: their __init__ runs on import too.
         pkg_parts = list(path.relative_to(REPO).with_suffix("").parts)[:-1]
         for i in range(1, len(pkg_parts) + 1):
             todo.append(".".join(pkg_parts[:i]))
@@ -196,10 +188,9 @@ def import_closure(entry_modules: list[str]) -> list[Path]:
 
 
 def code_files(modules: list[str]) -> set[Path]:
-    """The source and data files a stage runs. Entries are globs relative to the repository root
-    (data files, task YAMLs) or `import:<dotted module>`, which adds the module and every project
-    module it imports (import_closure). An entry that matches no file is an error, not a silent
-    gap in the hash: after a file moves, a stale entry would otherwise stop covering it."""
+    """The source and data files a stage runs: globs relative to the repository root, or
+    `import:<dotted module>` (the module and its import_closure). An entry that matches no file is
+    an error, not a silent gap in the hash."""
     files: set[Path] = set()
     for rel in modules:
         if rel.startswith("import:"):
@@ -224,8 +215,7 @@ def code_hash(modules: list[str]) -> str:
     return h.hexdigest()
 
 
-# What every stage runs besides its own code: the runner and the config schema. Import entries,
-# so they follow the files wherever they live and pull in whatever those import.
+# What every stage runs besides its own code: the runner and the config schema.
 RUNNER_CODE = ["import:pipeline.core.stage", "import:pipeline.core.config"]
 
 
@@ -253,8 +243,7 @@ def progress(msg: str) -> None:
 
 
 def other_schema(meta: Any) -> str | None:
-    """None when `meta` (a meta.json or item record) carries SCHEMA_VERSION; otherwise what it
-    carries, as "schema none, this is 1"."""
+    """None when `meta` carries SCHEMA_VERSION; otherwise what it carries, as "schema none, this is 1"."""
     got = meta.get("schema") if isinstance(meta, dict) else None
     if got == SCHEMA_VERSION:
         return None
@@ -262,9 +251,8 @@ def other_schema(meta: Any) -> str | None:
 
 
 def require_schema(meta_path: str | Path) -> None:
-    """For readers of a stage's artifacts outside the runner (summary, gate-check, the report's
-    inputs): a StageError in one line when the stage's meta.json was written by another specq
-    version. Nothing to check where there is no meta.json (the reader says what is missing)."""
+    """For readers outside the runner: a StageError in one line when the stage's meta.json was
+    written by another specq version (nothing to check where there is none)."""
     meta_path = Path(meta_path)
     if not meta_path.is_file():
         return
@@ -346,16 +334,10 @@ class StageSpec:
     out: str  # output directory, relative to the run dir
     code: list[str]  # source globs, relative to the repo root
     entry: str  # "module:function"
-    # Optional "module:function(config, args)" that validates input cheaply before anything is
-    # printed or created, so bad input costs one line and leaves nothing behind.
+    # Optional "module:function(config, args)" that validates input before anything is created.
     precheck: str | None = None
-    # Stages whose output is read when it exists (and hashed: it changing re-runs this stage), but
-    # which need not have run: the vllm stage, which latency, marginal and report take into account.
+    # Stages whose output is read (and hashed) when it exists, but which need not have run (vllm).
     after: list[str] = field(default_factory=list)
-
-
-def stage_meta_path(run_dir: Path, spec: StageSpec) -> Path:
-    return run_dir / spec.out / "meta.json"
 
 
 def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: dict[str, StageSpec],
@@ -365,12 +347,12 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
 
     upstream = {}
     for up in spec.upstream:
-        meta_path = stage_meta_path(run_dir, specs[up])
+        meta_path = run_dir / specs[up].out / "meta.json"
         if not meta_path.exists():
             raise StageError(f"{spec.name}: stage '{up}' has not run for {run_dir} (make {up} first)")
         upstream[up] = read_json(meta_path, f"{up} meta.json")
     for up in spec.after:
-        meta_path = stage_meta_path(run_dir, specs[up])
+        meta_path = run_dir / specs[up].out / "meta.json"
         upstream[up] = read_json(meta_path, f"{up} meta.json") if meta_path.exists() else {}
     code = code_hash(spec.code + RUNNER_CODE)
     inputs = {

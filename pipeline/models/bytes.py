@@ -1,15 +1,12 @@
 """Tensor byte counting: the bytes a model's tensors hold, seen through quantized tensor types.
 
-    from pipeline.models.bytes import bytes_in_memory, model_tensors, tensor_bytes, unique_bytes
+    from pipeline.models.bytes import bytes_in_memory, model_tensors, unique_bytes
     bytes_in_memory(model)                          # a loaded model: each storage once, meta skipped
     unique_bytes(model_tensors(meta_model), meta=True)  # a meta-device build: what it would hold
-    tensor_bytes(model.lm_head.weight)              # one tensor, quant state included
 
-The one count behind every byte figure (a variant's bytes in memory, the roofline's weight bytes,
-the memory plan's). numel * element_size misses what torchao's tensor subclasses (logical dtype,
-data_ptr() 0) and bitsandbytes' packed data (scales as attributes) hold, so every tensor is first
-resolved to the plain tensors that hold its data, each counted once by address (meta tensors by
-identity).
+The one count behind every byte figure. numel * element_size misses what torchao's tensor
+subclasses and bitsandbytes' scales hold, so every tensor is first resolved to the plain tensors
+holding its data, each counted once by address (meta tensors by identity).
 """
 from __future__ import annotations
 
@@ -72,12 +69,6 @@ def unique_held(tensors: Iterable[torch.Tensor], meta: bool = False) -> list[tor
 def unique_bytes(tensors: Iterable[torch.Tensor], meta: bool = False) -> int:
     """Bytes held by `tensors`, each storage once (see unique_held for `meta`)."""
     return sum(h.numel() * h.element_size() for h in unique_held(tensors, meta=meta))
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes `t` holds: inner tensors for a wrapper, quant state for bitsandbytes. A meta tensor
-    counts for what it would hold."""
-    return unique_bytes([t], meta=True)
 
 
 def shares_data(a: torch.Tensor, b: torch.Tensor) -> bool:

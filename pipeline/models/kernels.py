@@ -4,11 +4,9 @@
     quantized_kernels(model)   # {"library": "gptqmodel", "kernels": {"TorchFusedLinear": 210}, ...}
     device_name(device)        # "NVIDIA H200" or the CPU model from /proc/cpuinfo
 
-Read off the modules and weight tensors of the model as loaded, never from the config or a file
-name: GPTQModel picks its kernel (Marlin, ExLlamaV2, Triton, torch; QUANT_TYPE says which, e.g.
-"torch_fused" for TorchFusedLinear on CPU) at load time from the device and the checkpoint, bitsandbytes layers carry their compute dtype, and torchao swaps the
-weight for a tensor subclass. Nothing here imports those libraries: classes are recognised by the
-module they come from, so the check also runs where the libraries are absent.
+Read off the modules and weight tensors as loaded (GPTQModel picks its kernel at load time), never
+from the config. Classes are recognised by the module they come from; nothing here imports those
+libraries.
 """
 from __future__ import annotations
 

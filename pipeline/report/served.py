@@ -3,10 +3,8 @@
     from pipeline.report.served import render_served, served_plot
     text = render_served(report)            # report: pipeline.serving.served_k.served_report(...)
 
-Sections: the `vllm serve` line (or "do not speculate"), the open-loop check of it, the table per
-k at B = 1 and per concurrency, per-position acceptance, the derivation beside the engine's
-counts, and the lossless checks. Terms: E[tokens/step] is specq's (every decode step counted),
-vLLM's mean acceptance length counts drafted steps only.
+Sections: the `vllm serve` line (or "do not speculate") and its open-loop check, the table per k
+and concurrency, per-position acceptance, the derivation beside the engine's counts, lossless.
 """
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
 """The report's speculation section: per (variant, draft) pair, whether speculation is lossless,
-the recommended draft length k and its speed, the workload and k per category, and
-each pair's figures.
+the recommended k and its speed, k per category, and each pair's figures.
 
-    from pipeline.report.speculation import speculation_blocks
     blocks += speculation_blocks(run_dir, gate, figures, dpi)
 
-Reads acceptance/<pair>.json, marginal/<pair>.json (and the marginal stage's <pair>.png, used as
-it is) and latency/<pair>.json; the lossless decisions come from the gate result. A pair the
-latency stage screened out (pipeline/latency/screen.py) shows k = 0 with "does not pay", and a
-paragraph says what was not timed and why.
+Reads acceptance/, marginal/ (with its <pair>.png) and latency/<pair>.json, and the gate's lossless decisions.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from pipeline.report.document import Block
-from pipeline.report.figures import png_bytes, pyplot
-from pipeline.report.format import MISSING, interval, number
-from pipeline.report.inputs import json_files
+from pipeline.report.figures import finish_axes, png_bytes, pyplot
+from pipeline.report.format import MISSING, interval, json_files, number
 from pipeline.report.marginal import CATEGORY_HEADER, category_rows, workload_line
 from pipeline.report.served import served_blocks
 
@@ -46,12 +40,7 @@ def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
             ax.plot(x, [p["expected_beta"] for p in pos], ls="--", color=line[0].get_color(), alpha=0.6,
                     label=f"T={temp} E[beta]")
     ax.set_ylim(0, 1.05)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("acceptance")
-    ax.set_title(f"{pair}: per-position acceptance (all slices)", fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "draft position i", "acceptance", f"{pair}: per-position acceptance (all slices)")
     return png_bytes(fig, dpi)
 
 
@@ -77,12 +66,7 @@ def speed_plot(pair: str, marginal: dict | None, latency: dict | None, dpi: int)
                                [max(0.0, c[1] - m) for m, c in zip(med, cis)]],
                 marker="o", capsize=3, label="speculative ms/token")
     ax.axhline(base, color="grey", ls="--", label="plain decode ms/token")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("draft length k")
-    ax.set_ylabel("ms / token")
-    ax.set_title(f"{pair}: decode time per token vs k", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "draft length k", "ms / token", f"{pair}: decode time per token vs k", legend=8)
     return png_bytes(fig, dpi)
 
 

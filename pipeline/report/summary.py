@@ -2,12 +2,9 @@
 
     python -m pipeline summary --run runs/smollm2-135m      # what `make evaluate` prints last
 
-Per release variant: go / no-go / inconclusive and the cell that decided it (its difference and
-CI; for an open cell, how many items would settle it). Per speculation target: the draft and k to
-deploy with the measured speedup and its CI, and the `vllm serve` line where vLLM measured it; or
-"do not speculate" with the best speedup seen. Then where the full tables are. Reads gate.json
-and marginal/*.json; about 25 lines of at most 100 columns (the serve lines are longer: they are
-meant to be copied).
+Per release variant: its decision and the cell that decided it. Per speculation target: the draft
+and k to deploy with the measured speedup and the `vllm serve` line, or "do not speculate". Then
+where the full tables are. Reads gate.json and marginal/*.json.
 """
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ import json
 from pathlib import Path
 
 from pipeline.core.stage import require_schema
-from pipeline.report.format import interval, number
-from pipeline.report.inputs import json_files, optional_json
+from pipeline.report.format import interval, json_files, number, optional_json
 from pipeline.vllm.spec_config import draft_method
 
 

@@ -32,7 +32,7 @@ from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, progress
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels
-from pipeline.report.latency import tpot_ratio_plot
+from pipeline.report.figures import tpot_ratio_plot
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
 from pipeline.stages.targets import engine_drafts, speculation_targets

@@ -13,12 +13,11 @@ from __future__ import annotations
 from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, atomic_write_text, read_json
 from pipeline.report.document import to_html, to_markdown
 from pipeline.report.gate_table import gate_blocks
-from pipeline.report.inputs import optional_json
+from pipeline.report.format import optional_json
 from pipeline.report.provenance import provenance_blocks
-from pipeline.report.runtime import runtime_blocks
 from pipeline.report.speculation import speculation_blocks
 from pipeline.report.summary import summary_blocks
-from pipeline.report.variants import variant_blocks
+from pipeline.report.variants import runtime_blocks, variant_blocks
 
 
 def run(ctx: StageContext) -> None:

@@ -4,11 +4,9 @@
     from pipeline.variants.checks import check_variant
     facts = check_variant("w4a16-gptq", spec, src, reference_tokenizer, device)   # or StageError
 
-Per variant: the scheme runs on this device and its library is installed; GPTQ has a GPTQModel
-definition for the architecture and its group size divides every decoder weight matrix's input
-width; a quantizing scheme finds decoder weights of a kind it quantizes (torchao's nn.Linear
-filter finds none in GPT-2, whose layers are Conv1D); a `checkpoint` directory passes
-pipeline.variants.checkpoint.check_checkpoint. Layers are found by pipeline.models.architecture, never by name.
+Per variant: the scheme runs on this device with its library installed; GPTQ knows the
+architecture and its group size divides every input width; a quantizing scheme finds weights of a
+kind it quantizes; a `checkpoint` directory passes check_checkpoint.
 """
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ from pipeline.core.stage import StageError, library_version, progress
 from pipeline.models.architecture import architecture, text_config, weight_matrices
 from pipeline.variants.files import link_or_copy_tree
 
-# Calibration windows per GPTQ forward pass: 4 was ~4x faster than 1 on CPU (formerly the
-# quantize.calibration.batch_size key, whose default this is).
+# Calibration windows per GPTQ forward pass (4 was ~4x faster than 1 on CPU).
 CALIBRATION_BATCH = 4
 
 
@@ -52,9 +51,8 @@ class Job:
 
 
 def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> int:
-    """Deliberate damage: w += relative_std * std(w) * N(0, 1) on every decoder weight matrix
-    (Linear, GPT-2's Conv1D, each expert of a fused expert tensor, a router). Seeded, so the
-    damaged variant is reproducible. Returns the number of matrices changed."""
+    """Deliberate damage, seeded: w += relative_std * std(w) * N(0, 1) on every decoder weight
+    matrix (each expert of a fused tensor on its own). Returns the number of matrices changed."""
     gen = torch.Generator().manual_seed(seed)
     changed = 0
     with torch.no_grad():
@@ -75,9 +73,8 @@ def noise_seed(seed: int, variant: str) -> int:
 
 @contextlib.contextmanager
 def library_output_to(log_file: Path):
-    """Send a library's chatter (progress bars, tables) to a log file, and run in the log
-    directory: GPTQModel writes `logs/` into its working directory. Paths given to the library
-    must be absolute. Yields the real stderr, for the caller's own progress lines."""
+    """Send a library's chatter to a log file and run in its directory (GPTQModel writes `logs/`
+    into its working directory; give it absolute paths). Yields the real stderr."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     cwd, stderr = os.getcwd(), sys.stderr
     with open(log_file, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
@@ -137,15 +134,13 @@ def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
     with library_output_to(log) as err, transformers_classes_kept(AutoConfig.from_pretrained(src)):
         qc = QuantizeConfig(bits=bits, group_size=group_size, desc_act=False, sym=True,
                             device=qdevice, offload_to_disk=False)
-        # On CPU GPTQModel would pick bfloat16, which this CPU only emulates (measured ~4x slower
-        # per layer than float32 on SmolLM2); on CUDA its own choice (bf16/fp16) is right.
+        # On CPU GPTQModel would pick bfloat16, which a CPU may only emulate (~4x slower per layer).
         gm = GPTQModel.load(str(src), qc, **({"dtype": torch.float32} if qdevice == "cpu" else {}))
         gm.layer_callback = layer_done
         gm.quantize(calibration, backend="torch" if qdevice == "cpu" else "auto",
                     batch_size=CALIBRATION_BATCH)
-        # The unquantized parameters (embeddings, norms) go to disk in the reference's dtype, not
-        # the float32 used for quantizing (SmolLM2: 108 MiB of float32 embeddings otherwise). The
-        # GPTQ buffers (packed weights, float16 scales) are left as GPTQModel made them.
+        # The unquantized parameters go to disk in the reference's dtype, not the float32 used for
+        # quantizing; the GPTQ buffers stay as GPTQModel made them.
         for p in gm.model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(job.storage_dtype)
@@ -170,12 +165,9 @@ def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def transformers_classes_kept(config):
-    """Undo, on exit, GPTQModel's process-wide edits to transformers. Loading a MoE model, it
-    (through its `defuser` package) replaces the architecture's sparse-MoE block class in the
-    transformers modeling module and the checkpoint conversion mapping, so every later plain
-    transformers load of that architecture in this process builds unfused experts (a
-    bitsandbytes NF4 Qwen2-MoE variant made after a GPTQ one then fails with 'quant_state is
-    required'). Models already built keep the classes they were built with."""
+    """Undo, on exit, GPTQModel's process-wide edits to transformers: loading a MoE model, it swaps
+    the architecture's sparse-MoE block class and the checkpoint conversion mapping, so later plain
+    loads would build unfused experts (a later bnb NF4 variant then fails)."""
     import transformers.conversion_mapping as conversion
     import transformers.modeling_utils as modeling_utils
     from transformers import AutoModelForCausalLM
@@ -203,8 +195,7 @@ def transformers_classes_kept(config):
 
 
 def _quantize_bnb(src: Path, out: Path, job: Job, config, storage: str) -> dict:
-    # Unquantized parts (embeddings, norms) are stored in the reference's dtype, so the size on
-    # disk is what the scheme costs, not an artefact of float32 compute.
+    # Unquantized parts are stored in the reference's dtype: the size on disk is the scheme's cost.
     model = hf_from_pretrained(src, job.storage_dtype, job.device, quantization_config=config)
     model.save_pretrained(out, safe_serialization=True)
     return {"storage": storage, "library": "bitsandbytes", "library_version": library_version("bitsandbytes")}
@@ -254,9 +245,7 @@ class _OncePerMessage(logging.Filter):
 def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     import warnings
 
-    # LLM.int8 on float32 inputs says on every matmul call that it casts them to float16: as a
-    # warning in older bitsandbytes, through its logger in 0.50 (28,980 lines in one int8 quality
-    # run). Keep the logged one once, so the fact is still on record.
+    # LLM.int8 on float32 inputs says on every matmul that it casts them to float16: keep it once.
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(isinstance(f, _OncePerMessage) for f in bnb_log.filters):
@@ -270,10 +259,8 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
                 p.data = p.data.to(dtype)
         if type(m).__name__ == "Linear4bit":  # NF4 dequantizes into compute_dtype
             m.compute_dtype = dtype
-            # bitsandbytes 0.50.2 repacks an NF4 weight for its avx512-bf16 CPU kernel on the first
-            # forward and asserts out_features % 32 == 0 there (block_n = 32): a narrower layer
-            # (Qwen2-MoE's one-wide shared_expert_gate) would crash the model. Those layers keep
-            # the generic NF4 path; the weights are the same.
+            # bitsandbytes' avx512-bf16 CPU kernel asserts out_features % 32 == 0 on its first
+            # forward; a narrower layer (Qwen2-MoE's shared_expert_gate) keeps the generic NF4 path.
             if getattr(m, "support_avx512bf16_for_cpu", False) and m.out_features % _BNB_CPU_BLOCK_N:
                 m.support_avx512bf16_for_cpu = False
     return model

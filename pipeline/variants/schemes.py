@@ -4,14 +4,9 @@
     SCHEMES["gptq"].quantize(src, out, spec, job)          # the quantize stage
     model, tokenizer = load_variant("runs/x/variants/w4a16-gptq", device="cpu")
 
-A plain dict scheme -> Scheme (quantizer, loader, library, devices, what it quantizes). Nothing
-registers itself: adding a scheme means a quantizer and a loader (pipeline/variants/quantizers.py
-or a module of its own) and one entry here, plus its name in the config's `scheme` list
-(pipeline/core/config.py, which cannot import this package).
-
-`load_variant` reads the directory's meta.json: its `scheme` says how it was made; nothing is
-inferred from the directory's name. The prepared reference (runs/<run>/model/, scheme
-"reference") loads like `none`.
+Adding a scheme: a quantizer and a loader, one entry here, and its name in the config's `scheme`
+list. `load_variant` goes by the `scheme` in the directory's meta.json (the prepared reference,
+without one, loads like `none`).
 """
 from __future__ import annotations
 
@@ -37,10 +32,7 @@ class Scheme:
     library: str  # distribution name (for the version and the install hint)
     devices: tuple[str, ...]  # device types this machine's libraries can quantize and run it on
     calibrated: bool = False
-    # Kinds of decoder weight matrix (pipeline.models.architecture) the library quantizes; () = it
-    # quantizes nothing itself. GPTQModel unfuses fused experts into Linears first;
-    # transformers' bitsandbytes integration replaces Linear and Conv1D; torchao's quantize_
-    # filter takes nn.Linear only.
+    # Kinds of decoder weight matrix (pipeline.models.architecture) the library quantizes.
     quantizes: tuple[str, ...] = ()
 
 

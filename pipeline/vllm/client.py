@@ -2,7 +2,7 @@
 
     from pipeline.vllm.client import complete, spec_counters, closed_loop, open_loop
     r = complete(url, {"prompt": ids, "max_tokens": 48, "temperature": 0.0})   # a Completion
-    r.step_tokens      # tokens that arrived with each engine step: [1, 3, 1, 4, ...] (prefill first)
+    r.step_ids         # the tokens that arrived with each engine step (prefill first)
     r.spec             # vLLM's per-request speculative metrics (per_step_accepted / per_step_drafted)
 
 Each request streams with `continuous_usage_stats`, so every chunk is one engine step of that
@@ -38,34 +38,6 @@ class Completion:
     logprobs: list[dict | None] = field(default_factory=list)  # per token: {"token", "logprob", "top": {id: lp}}
     finish_reason: str | None = None
     spec: dict | None = None  # metrics.speculative_decoding of the final chunk
-    sent_at: float = 0.0  # perf_counter when the request was sent (open loop: its arrival)
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for step in self.step_ids for t in step]
-
-    @property
-    def step_tokens(self) -> list[int]:
-        return [len(s) for s in self.step_ids]
-
-    @property
-    def ttft_s(self) -> float:
-        return self.step_times[0]
-
-    @property
-    def e2e_s(self) -> float:
-        return self.step_times[-1]
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (output tokens - 1): undefined for one output token."""
-        n = len(self.tokens)
-        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else None
-
-    @property
-    def itl_s(self) -> list[float]:
-        """Gaps between consecutive chunks (a chunk may carry several tokens under speculation)."""
-        return [b - a for a, b in zip(self.step_times, self.step_times[1:])]
 
     def to_json(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "step_times": self.step_times, "step_ids": self.step_ids,
@@ -94,7 +66,7 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     out = Completion(prompt_tokens=len(body["prompt"]) if isinstance(body.get("prompt"), list) else 0)
-    t0 = out.sent_at = time.perf_counter()
+    t0 = time.perf_counter()
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()

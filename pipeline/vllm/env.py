@@ -53,9 +53,9 @@ def _probe(python: str) -> dict | str:
     return json.loads(out.stdout)
 
 
-def unavailable(python: Path | None = None) -> str | None:
+def unavailable() -> str | None:
     """None where vLLM can be started, else one line saying why (and how to fix it)."""
-    python = python or vllm_python()
+    python = vllm_python()
     if not python.exists():
         return (f"the vLLM environment is not installed ({python} does not exist; `make install` builds it, "
                 "or set SPECQ_VLLM_PYTHON to a python that has vllm)")
@@ -67,9 +67,9 @@ def unavailable(python: Path | None = None) -> str | None:
     return None
 
 
-def engine_info(python: Path | None = None) -> dict:
+def engine_info() -> dict:
     """What a stage records in meta.json about the engine it ran (call after unavailable() is None)."""
-    python = python or vllm_python()
+    python = vllm_python()
     probe = _probe(str(python))
     if isinstance(probe, str):
         return {"python": str(python), "error": probe}

@@ -5,12 +5,9 @@
         srv.url                  # http://127.0.0.1:<port>
     # stopped here, whether the block returned, raised, or got Ctrl-C / SIGTERM
 
-The server is `python -m vllm.entrypoints.openai.api_server` from the vLLM environment (env.py),
-in a process group of its own, so stopping it stops its engine-core processes too (SIGTERM to the
-group, SIGKILL after STOP_GRACE_S). It is also asked to die with specq (Linux parent-death
-signal), and a SIGTERM to specq is turned into an exception so the `with` block unwinds. A start
-that fails says so in one line with the log's last error line; a port taken by someone else
-between choosing it and binding it is retried on another port.
+The server runs in a process group of its own, so stopping it stops its engine-core processes too;
+it dies with specq (Linux parent-death signal), and a SIGTERM to specq unwinds the `with` block. A
+failed start is one line with the log's last error; a port taken meanwhile is retried.
 """
 from __future__ import annotations
 
@@ -35,8 +32,6 @@ STOP_GRACE_S = 20.0
 PORT_RETRIES = 3
 # Markers of a failed bind in the server's log (uvicorn / asyncio wording).
 PORT_TAKEN = ("address already in use", "errno 98")
-
-_LIVE: set["Server"] = set()
 
 
 class EngineStartError(StageError):
@@ -130,7 +125,6 @@ class Server:
                 self.proc = subprocess.Popen(self.command(self.port), stdout=fh, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                              preexec_fn=_die_with_parent)
-            _LIVE.add(self)
             why = self._wait_ready()
             if why is None:
                 self.start_s = time.perf_counter() - t0
@@ -169,7 +163,6 @@ class Server:
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after STOP_GRACE_S; idempotent."""
         proc, self.proc = self.proc, None
-        _LIVE.discard(self)
         if proc is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -199,7 +192,3 @@ class Server:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
 
-
-def live_servers() -> list[Server]:
-    """Servers started and not yet stopped in this process (tests check it is empty)."""
-    return list(_LIVE)

@@ -140,12 +140,9 @@ def speculative_config(spec: str, k: int, run_dir: Path | None,
     return out
 
 
-def serve_command(model: str | Path, spec: dict | None, *, dtype: str = "auto", extra: list[str] | None = None) -> str:
+def serve_command(model: str | Path, spec: dict | None) -> str:
     """The `vllm serve` line that deploys `model` with `spec` (None: without speculation)."""
     parts = ["vllm", "serve", str(model)]
-    if dtype != "auto":
-        parts += ["--dtype", dtype]
-    parts += list(extra or [])
     if spec:
         parts += ["--speculative-config", json.dumps(spec, sort_keys=True, separators=(",", ":"))]
     return " ".join(shlex.quote(p) for p in parts)
