@@ -22,16 +22,15 @@ from pipeline.core.stage import (SCHEMA_VERSION, StageError, atomic_write_bytes,
                                  other_schema, progress, read_json)
 from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
-from pipeline.quality.calibration import CALIBRATION_CONSTANTS
+from pipeline.quality.row_sizing import SIZING_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
-    """Add the evaluator's counts in `new` to `into` (a float sum rounded to `digits`); its
-    constants (pipeline/quality/calibration.py: CALIBRATION_CONSTANTS) replace, never add; any
-    other value that is not a number is left out."""
+    """Add the evaluator's counts in `new` to `into` (float sums rounded to `digits`); its
+    constants (row_sizing.SIZING_CONSTANTS) replace, never add; other non-numbers are left out."""
     for k, v in new.items():
-        if k in CALIBRATION_CONSTANTS:
+        if k in SIZING_CONSTANTS:
             into[k] = v
         elif isinstance(v, (int, float)):
             total = into.get(k, 0) + v
