@@ -15,11 +15,13 @@ as it is, the rest is shared.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from evals import metrics
 from evals.bfcl_checker import score_item as score_bfcl
-from pipeline.core.stage import StageError
+from pipeline.core.stage import StageError, atomic_write_json, read_json, read_jsonl
 from pipeline.quality import lm_tasks
 from pipeline.quality.items import PRIMARY
 from pipeline.stats.paired import mean_ci, merge_clusters
@@ -126,3 +128,32 @@ def summarize_slice(records: list[dict], confidence: float) -> dict:
     if "option_probs" in records[0]:
         out.update(calibration_summary([r["option_probs"] for r in records], [r["label"] for r in records]))
     return out
+
+
+def write_summaries(out_dir: Path, order: list[str], tasks: list[str], waved: set[str], confidence: float) -> None:
+    """quality/<model>.json for every model (the reference first in `order`), after checking that
+    each scored the reference's item ids (the gate pairs items by id; on a slice in `waved`, the
+    first ones of them)."""
+    for name in order:
+        summary = {"variant": name, "reference": order[0], "slices": {}}
+        for task in tasks:
+            recs = read_jsonl(out_dir / name / f"{task}.jsonl")
+            if not recs:
+                raise StageError(f"quality: slice '{task}' produced no items for {name}")
+            summary["slices"][task] = summarize_slice(recs, confidence)
+        dist = out_dir / name / "distribution.json"
+        if dist.is_file():
+            summary["distribution"] = {k: v for k, v in read_json(dist, "distribution metrics").items()
+                                       if k != "per_document"}
+        atomic_write_json(out_dir / f"{name}.json", summary)
+    check_same_ids(out_dir, order, tasks, waved)
+
+
+def check_same_ids(out_dir: Path, order: list[str], tasks: list[str], waved: set[str] = frozenset()) -> None:
+    for task in tasks:
+        ref_ids = [r["id"] for r in read_jsonl(out_dir / order[0] / f"{task}.jsonl")]
+        for name in order[1:]:
+            ids = [r["id"] for r in read_jsonl(out_dir / name / f"{task}.jsonl")]
+            if ids != (ref_ids[:len(ids)] if task in waved else ref_ids):
+                raise StageError(f"quality: {name} scored other '{task}' items than {order[0]} "
+                                 f"({len(ids)} vs {len(ref_ids)}); delete {out_dir / name} and re-run")

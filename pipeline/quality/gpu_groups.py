@@ -1,14 +1,11 @@
 """Variants scored side by side on a box with more GPUs than one engine needs: one vLLM engine
 per group of tensor_parallel_size GPUs, each group taking the next variant as it frees up.
 
-    from pipeline.quality.gpu_groups import visible_gpus, device_groups, side_by_side
     groups = device_groups(visible_gpus(), tensor_parallel_size=2)   # [("0", "1"), ("2", "3"), ...]
     results = side_by_side(["w4", "int8", "nf4"], groups, work)      # work(name, group) -> result
 
-One thread per group (the work is HTTP to the group's engine); a group never holds two variants at
-once, results come back in the order of the names, and the first error is raised once the running
-variants finish (those not yet started are not started). Several machines: vLLM's Ray backend
-(docs/methods/quality-vllm.md).
+One thread per group (the work is HTTP to the group's engine); the first error is raised once the
+running variants finish. Several machines: vLLM's Ray backend (docs/methods/quality-vllm.md).
 """
 from __future__ import annotations
 
@@ -45,6 +42,18 @@ def device_groups(devices: list[str], tensor_parallel_size: int) -> list[tuple[s
                          f"this machine shows {len(devices)} ({', '.join(devices)})")
     n = len(devices) // tensor_parallel_size
     return [tuple(devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size]) for i in range(n)]
+
+
+def groups_for(qcfg, host, budget, backends: dict, pending: list[str]) -> list[tuple[str, ...]]:
+    """The GPU groups the pending variants are scored on side by side, or [] for one after
+    another: vLLM scores them all, on GPUs, with no time budget (its looks are planned one variant
+    at a time), and there is more than one group and more than one variant."""
+    if host is None or host.platform == "cpu" or budget.active or len(pending) < 2:
+        return []
+    if any(backends[n].backend != "vllm" for n in pending):
+        return []
+    groups = device_groups(visible_gpus(qcfg.vllm.devices), qcfg.vllm.tensor_parallel_size)
+    return groups if len(groups) > 1 else []
 
 
 def side_by_side(names: list[str], groups: list[tuple[str, ...]], work) -> list:

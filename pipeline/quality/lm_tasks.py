@@ -289,7 +289,7 @@ def requests(named: list[NamedSlice]) -> list:
 
 
 def cost_weight(s: NamedSlice, tokenizer, sample: int = 32) -> float:
-    """An item's prior cost relative to the built-in slices' (pipeline/quality/plans.py:
+    """An item's prior cost relative to the built-in slices' (pipeline/quality/items.py:
     cost_weights: prompt tokens plus twice the tokens it may generate): the first documents'
     text in `tokenizer`'s tokens times one plus the few-shot examples, plus twice the task's
     max_gen_toks (lm-eval's default 256) where it generates. Only a prior: a look that scores

@@ -119,7 +119,7 @@ def compare(hf: dict[str, list[dict]], served: dict[str, list[dict]], prompts: d
 
 def _items(run_dir: Path, config, slices: list[str], n: int, tokenizer, data_dir: Path) -> dict[str, Path]:
     """The first `n` items of each slice in the quality stage's order, written under data_dir."""
-    from pipeline.quality.plans import slice_data
+    from pipeline.quality.items import slice_data
 
     files = {}
     for name in slices:
