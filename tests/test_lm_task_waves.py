@@ -59,6 +59,11 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
+def _order(s: lm_tasks.NamedSlice) -> list[str]:
+    """The slice's item ids in scoring order."""
+    return [json.loads(line)["id"] for line in s.rows.splitlines()]
+
+
 def _qcfg(**kw) -> QualityConfig:
     return QualityConfig(**{"batch_size": 8, "wave_items": 4, "max_items": None, "items_per_slice": 1000,
                             "per_slice": {}, **kw})
@@ -108,7 +113,7 @@ def test_documents_are_ordered_once_and_planned_from_counts(task_files):
     qcfg = _qcfg(per_slice={"wv_many": {"items": 12}})
     (many, group), _ = lm_tasks.resolve([str(task_files["wv_many"]), str(task_files["wv_group"])], qcfg, seed=0)
     # wv_many: 12 of its 16 documents, the first of a seeded order (a fixed random subset).
-    order = lm_tasks.order(many)
+    order = _order(many)
     assert many.n_max == 12 and len(set(order)) == 12 and order != sorted(order)
     assert sorted(many.leaves[0].doc_ids) == many.leaves[0].doc_ids
     assert {f"wv_many-{d:05d}" for d in many.leaves[0].doc_ids} == set(order)
@@ -121,10 +126,10 @@ def test_documents_are_ordered_once_and_planned_from_counts(task_files):
     # A task's own wave_items (quality.per_slice) over the section's.
     assert task_looks(again[0], _qcfg(wave_items=5, per_slice={"wv_many": {"wave_items": 6}}))["looks"] == [6, 12]
     other, _ = lm_tasks.resolve([str(task_files["wv_many"])], qcfg, seed=1)
-    assert lm_tasks.order(other[0]) != order
+    assert _order(other[0]) != order
     # max_items caps an lm-eval task as it caps a slice; a group's subtasks share one order.
     capped, _ = lm_tasks.resolve([str(task_files["wv_group"])], _qcfg(max_items=6), seed=0)
-    assert capped[0].n_max == 6 and lm_tasks.order(capped[0]) == lm_tasks.order(group)[:6]
+    assert capped[0].n_max == 6 and _order(capped[0]) == _order(group)[:6]
     assert {json.loads(x)["group"] for x in group.rows.splitlines()} == {"wv_odd", "wv_even"}
     # Waves off (wave_items null): one look at n_max, the fixed-n gate.
     assert task_looks(group, _qcfg(wave_items=None))["looks"] == [16]
@@ -144,7 +149,7 @@ def test_a_task_scored_in_two_looks_equals_the_same_items_in_one_call(task_files
     # Two calls, each asking lm-eval for exactly one look's documents of each task.
     assert len(calls) == 2
     for s in named:
-        ids = lm_tasks.order(s)
+        ids = _order(s)
         lines = _lines(out / "bf16" / f"{s.name}.jsonl")
         assert [r["id"] for r in lines] == ids[:8]  # the data file's order, a look at a time
         for k, call in enumerate(calls):
@@ -161,7 +166,7 @@ def test_a_task_scored_in_two_looks_equals_the_same_items_in_one_call(task_files
     # A look whose documents are all in one subtask asks for that subtask alone (an empty samples
     # list would make lm-eval run every document of the other); its records keep their group.
     s = next(x for x in named if x.name == "wv_group")
-    odd = [i for i in lm_tasks.order(s) if i.startswith("wv_odd")][:3]
+    odd = [i for i in _order(s) if i.startswith("wv_odd")][:3]
     part = lm_tasks.subset(s, odd)
     assert [len(leaf.doc_ids) for leaf in part.leaves] == [3, 0]
     assert lm_tasks.samples_request([part]) == {"wv_odd": part.leaves[0].doc_ids}

@@ -408,11 +408,10 @@ def test_a_budgeted_look_takes_every_open_slice_and_stops_open_when_they_do_not_
 
 
 def test_the_second_pass_splits_the_time_left_evenly(tmp_path):
-    """The second pass's allowance: the time left over the open variants still to score, less
-    the reserve; the last variant takes everything left."""
+    """The second pass's allowance: the time left over the open variants still to score; the
+    last variant takes everything left."""
     budget = StageBudget(budget_config(tmp_path, ["v"], 10, 0.5), "quality", clock=Clock())  # 300 s
     assert Allowance(budget, 4).seconds == pytest.approx(75.0)
-    assert Allowance(budget, 4, reserve_s=10.0).seconds == pytest.approx(65.0)
     assert Allowance(budget, 1).seconds == pytest.approx(300.0)
 
 

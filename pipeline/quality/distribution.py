@@ -1,17 +1,10 @@
 """Distribution drift of a variant against the reference, on held-out text.
 
-Task scores move late; these move first. Per document j (a fixed token window) and position t:
-    KL_t   = sum_x p_ref(x) * (log p_ref(x) - log p_var(x))      KL(reference || variant), in nats
-    agree_t = [argmax p_ref == argmax p_var]                        top-1 agreement
-    nll_t   = -log p(next token)                                    for both models
-Each document contributes its mean over positions; CIs are t-intervals over documents (the
-documents are the independent units; positions inside one are not), intersected with the
-metric's range (top-1 agreement in [0, 1], KL >= 0; `summarize`). The perplexity ratio is
-exp(mean_j (nll_var_j - nll_ref_j)), its CI the exponentiated t-interval of that paired mean.
-
-The held-out text is read at run time from the docstrings of Python standard-library modules on
-this machine: natural English prose that ships with every Python, is never in the repository,
-and is not the quantization calibration text. One module = one document.
+Per document (a fixed token window) the mean over positions of KL(reference || variant) in nats,
+top-1 agreement and each model's next-token NLL; CIs are t intervals over documents (the
+independent units), clipped to the metric's range; the perplexity ratio is exp of the mean
+per-document NLL difference. The held-out text is the docstrings of Python standard-library
+modules on this machine (one module, one document): prose never in the repository.
 """
 from __future__ import annotations
 
@@ -82,9 +75,7 @@ def heldout_documents(tokenizer, n_docs: int, n_tokens: int) -> tuple[torch.Tens
     return ids, {"source": "python stdlib docstrings", "modules": used, "tokens_sha256": digest}
 
 
-# The reference's log-probabilities are kept (on the host) for the next variant when they take
-# at most this many bytes: 16 docs x 256 tokens x 49k vocab in float32 is 0.8 GB, and saves a
-# reference forward per variant (a third of the distribution metrics' time on CPU).
+# The reference's log-probabilities are kept on the host for the next variant up to this size.
 REFERENCE_CACHE_BYTES = 2 << 30
 
 

@@ -4,14 +4,10 @@
     records, counters = evaluate(model, tokenizer, task_configs, named_slices, cfg.quality, seed=0)
     summary = summarize_slice(records["long_context"], confidence=0.95)
 
-Evaluation runs through lm-eval (`simple_evaluate` on the loaded model, `log_samples=True` for
-per-item results). All tasks of a variant go through one lm-eval call. The lm-eval model is
-`quality.evaluator`: `prefix` (default; pipeline.quality.prefix_lm: each shared prompt prefix
-computed once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own
-HFLM, which batches requests of a kind after sorting them by length). Both give the same scores up
-to float summation order. `model` may also be an lm-eval model built by the caller (`quality.backend:
-vllm`: lm-eval's local-completions on a vLLM server, pipeline/quality/vllm_backend.py); it is used
-as it is, the rest is shared.
+All tasks of a look go through one lm-eval `simple_evaluate` call with per-item samples. The
+lm-eval model is `quality.evaluator`: `prefix` (pipeline.quality.prefix_lm) or `hflm` (lm-eval's
+HFLM), the same scores up to float summation order; or an lm-eval model the caller built
+(`quality.backend: vllm`, pipeline/quality/vllm_backend.py), used as it is.
 """
 from __future__ import annotations
 
@@ -30,10 +26,9 @@ from pipeline.stats.scoring_rules import calibration_summary
 
 def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
              seed: int, cache: str | None = None, prompts: dict | None = None) -> tuple[dict, dict]:
-    """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
-    the evaluator's counters: prompt tokens requested and computed, generated tokens, ...).
-    `cache`: a path prefix for lm-eval's request cache (each answer kept as it comes back).
-    `prompts`, when a dict, gets each built-in item's prompt as the model saw it: (slice, id) -> text."""
+    """({task: per-item records}, the evaluator's counters) for every task, on the loaded model.
+    `cache`: a path prefix for lm-eval's request cache. `prompts`, a dict, gets each built-in
+    item's prompt as the model saw it: (slice, id) -> text."""
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.models.huggingface import HFLM
@@ -109,8 +104,7 @@ def _builtin_record(slice_name: str, sample: dict) -> dict:
 
 
 def summarize_slice(records: list[dict], confidence: float) -> dict:
-    """Per-slice (and per-group) mean with a CI inside the scores' range, clustered like the gate
-    clusters (a shared `cluster` label or prompt): pipeline.stats.paired.mean_ci."""
+    """Per-slice (and per-group) mean with a CI clustered as the gate clusters (stats.paired.mean_ci)."""
     def summary(recs: list[dict]) -> tuple[float, list, str, int]:
         codes = merge_clusters(len(recs), [r["cluster"] for r in recs], [r.get("prompt_hash") for r in recs])
         return (*mean_ci([r["score"] for r in recs], codes, confidence), int(codes.max()) + 1)

@@ -25,18 +25,13 @@ def visible_gpus(listed: list[str] | None = None) -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        import torch
+    import torch
 
-        return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    except Exception:
-        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def device_groups(devices: list[str], tensor_parallel_size: int) -> list[tuple[str, ...]]:
     """`devices` cut into groups of `tensor_parallel_size`, in order; GPUs left over are unused."""
-    if tensor_parallel_size < 1:
-        raise StageError("tensor_parallel_size must be >= 1")
     if devices and tensor_parallel_size > len(devices):
         raise StageError(f"quality.vllm.tensor_parallel_size {tensor_parallel_size} needs that many GPUs; "
                          f"this machine shows {len(devices)} ({', '.join(devices)})")
@@ -59,8 +54,6 @@ def groups_for(qcfg, host, budget, backends: dict, pending: list[str]) -> list[t
 def side_by_side(names: list[str], groups: list[tuple[str, ...]], work) -> list:
     """work(name, group) for every name, at most one name per group at a time, as many at once as
     there are groups; the results in the order of `names`."""
-    if not groups:
-        raise StageError("side_by_side needs at least one device group")
     free: queue.Queue = queue.Queue()
     for g in groups:
         free.put(g)

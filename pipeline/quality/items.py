@@ -82,12 +82,9 @@ def sandbox_limits(sandbox_cfg) -> sandbox.Limits:
 
 
 def _load_task_yaml(path: Path) -> dict:
-    """lm-eval's own YAML loader (it resolves `!function utils.X` next to the YAML); its home
-    moved between lm-eval releases."""
-    try:
-        from lm_eval.tasks._yaml_loader import load_yaml
-    except ImportError:  # lm-eval < 0.4.10
-        from lm_eval.utils import load_yaml_config as load_yaml
+    """lm-eval's own YAML loader (it resolves `!function utils.X` next to the YAML)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
     return load_yaml(str(path))
 
 

@@ -3,12 +3,11 @@ the quality stage's evaluator (`quality.evaluator: prefix`, the default).
 
     lm = PrefixCachedLM(pretrained=model, tokenizer=tok, batch_size=32)   # an HFLM, for simple_evaluate
 
-The four options of a question, the questions about one haystack, the items of one tool share a
-prompt prefix that HFLM runs again for every request. Here requests sorted by token ids sit next to
-those they share a prefix with; `plan_batches` cuts them into batches of a shared head and tails,
-`PrefixWalk` computes each head from the previous one's cache, and greedy `generate_until` decodes
-rows together. Tokenization, stops and post-processing are HFLM's, so scores match HFLM's up to
-float rounding; sampling requests and caches that are not plain per-layer K/V run HFLM's own code
+Requests sorted by token ids sit next to those they share a prefix with (a question's options,
+the questions about one haystack); `plan_batches` cuts them into batches of a shared head and
+tails, `PrefixWalk` computes each head from the previous one's cache, and greedy generations are
+decoded together. Tokenization, stops and post-processing are HFLM's, so scores match HFLM's up to
+float rounding; sampling and caches that are not plain per-layer K/V run HFLM's own code
 (docs/methods/quality-slices.md#the-evaluator).
 """
 from __future__ import annotations
@@ -249,15 +248,11 @@ class PrefixCachedLM(HFLM):
 
     def _plain_kv_cache(self) -> bool:
         """Only caches made of plain per-layer K/V tensors can be cut and batched as done here."""
-        from transformers import DynamicCache
-
-        cfg = self.model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = self.model.config.get_text_config()
         if getattr(text, "sliding_window", None) or any(
                 t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
             return False
-        return self.backend == "causal" and hasattr(DynamicCache(), "layers") \
-            and getattr(self, "think_end_token", None) is None
+        return self.backend == "causal" and getattr(self, "think_end_token", None) is None
 
     def _account(self, walk: PrefixWalk, prefill_s: float, decode_s: float = 0.0) -> None:
         self.stats["prompt_tokens"] += walk.requested
@@ -286,8 +281,7 @@ class PrefixCachedLM(HFLM):
 
     def _measure(self) -> dict:
         start = time.perf_counter()
-        vocab = int(getattr(self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config")
-                            else self.model.config, "vocab_size", 0) or self.tokenizer.vocab_size)
+        vocab = int(getattr(self.model.config.get_text_config(), "vocab_size", 0) or self.tokenizer.vocab_size)
         kv_bytes: list[int] = []
 
         def forward(rows: int, width: int) -> None:

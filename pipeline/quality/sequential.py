@@ -150,23 +150,20 @@ class Waves:
         return bool(self.stats[name]["stop"])
 
     def stop(self, name: str, need: dict[str, int], why: str, kind: str = "budget") -> None:
-        """Record that `name`'s next looks (`need`: slice -> items) were not taken, and why: on the
-        "budget", or on the "verdict" (the variant is no-go already)."""
+        """Record that `name`'s next looks (`need`) were not taken, and why ("budget" or "verdict")."""
         self.stats[name]["stop"] = {"need": dict(need), "why": why, "kind": kind}
 
     def _save_state(self, name: str) -> None:
         atomic_write_json(self.out_dir / name / "scoring.json", {"score_hash": self.hashes[name], "schema": SCHEMA_VERSION,
                                                                  "pace": self.pace[name].to_json()})
 
-    def first_items(self, name: str) -> dict[str, int]:
-        """Items `name` lacks for its first look, per slice."""
+    def lacks(self, name: str, upto: dict[str, int]) -> dict[str, int]:
+        """Items `name` lacks to reach `upto` (slice -> items)."""
         have = self.scored(name)
-        return {s: max(p["looks"][0] - have[s], 0) for s, p in self.plans.items()}
+        return {s: max(n - have[s], 0) for s, n in upto.items()}
 
-    def items_left(self, name: str) -> dict[str, int]:
-        """Items `name` lacks to every slice's maximum."""
-        have = self.scored(name)
-        return {s: max(p["n_max"] - have[s], 0) for s, p in self.plans.items()}
+    def first_items(self, name: str) -> dict[str, int]:
+        return self.lacks(name, {s: p["looks"][0] for s, p in self.plans.items()})
 
     def model_cost(self, name: str, items: dict[str, int], fallback: str) -> float | None:
         """Seconds for `name` to score `items` at its measured pace (before it has one: the
@@ -180,15 +177,13 @@ class Waves:
     def look_cost(self, reference: str, name: str, need: dict[str, int]) -> float | None:
         """Seconds the look `need` (slice -> items) costs the reference and `name`, each at its own
         pace; None when a pace is not known yet."""
-        have_ref, have = self.scored(reference), self.scored(name)
-        ref = self.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in need.items()}, reference)
-        var = self.model_cost(name, {s: max(n - have[s], 0) for s, n in need.items()}, reference)
+        ref = self.model_cost(reference, self.lacks(reference, need), reference)
+        var = self.model_cost(name, self.lacks(name, need), reference)
         return None if ref is None or var is None else ref + var
 
     def budget_record(self, name: str) -> dict:
         """Per slice: the items scored, the looks done, planned and skipped, and where scoring
-        stopped: "settled" (a look decided every cell), "last look", "budget" (with why), or
-        "verdict" (a budgeted stage stopped a variant that was no-go already, with why)."""
+        stopped: "settled", "last look", "budget" or "verdict" (with why)."""
         have, stop = self.scored(name), self.stats[name]["stop"]
         allowance = self.allowances.get(name)
         slices = {}
@@ -281,7 +276,7 @@ class Waves:
         at the seconds per item measured so far (`first`: before the reference's first look)."""
         if not pending:  # nothing to score but what the reference lacks for variants already done
             return
-        left = {n: self.items_left(n) for n in [reference, *pending]}
+        left = {n: self.lacks(n, {s: p["n_max"] for s, p in self.plans.items()}) for n in [reference, *pending]}
         total = sum(sum(v.values()) for v in left.values())
         costs = [self.model_cost(n, v, reference) for n, v in left.items()]
         est = None if None in costs else sum(costs)

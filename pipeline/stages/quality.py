@@ -84,7 +84,7 @@ def run(ctx: StageContext) -> None:
     # load is scored with hf (said here) or, with fallback: stop, ends the stage.
     host = vllm_backend.Host.of(cfg, ctx.out_dir / "logs") if qcfg.backend == "vllm" else None
     version = vllm_backend.vllm_version() if host else None
-    backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, None, name,
+    backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, name,
                                           platform=host.platform if host else "cuda", version=version)
                 for name in order}
     for name, chosen in backends.items():
