@@ -71,33 +71,25 @@ def _builtin_record(slice_name: str, sample: dict) -> dict:
     doc = sample["doc"]
     rec = {"id": doc["id"], "cluster": doc["cluster"], "slice": slice_name, "group": doc.get("group"),
            "prompt_hash": sample.get("prompt_hash")}
+    prediction, before, after = sample["filtered_resps"][0], {}, {}
     if slice_name == "calibration":
         lls = [float(r[0]) for r in sample["filtered_resps"]]
-        probs = metrics.option_probs(lls)
         pick = int(np.argmax(lls))
-        scores = {"acc": float(pick == doc["label"])}
-        rec.update(metric="acc", score=scores["acc"], scores=scores, prediction=doc["choices"][pick],
-                   target=doc["target"], option_probs=probs, label=doc["label"])
-        return rec
-    if slice_name == "code":  # the sandbox filter's outcome; the completion is in it
-        outcome = sample["filtered_resps"][0]
-        scores = {"pass@1": float(outcome["pass@1"])}
-        rec.update(metric="pass@1", score=scores["pass@1"], scores=scores, prediction=outcome["completion"],
-                   target=doc["target"], status=outcome["status"], detail=outcome["detail"])
-        return rec
-    prediction = sample["filtered_resps"][0]
-    if slice_name == "bfcl":
+        scores, prediction = {"acc": float(pick == doc["label"])}, doc["choices"][pick]
+        after = {"option_probs": metrics.option_probs(lls), "label": doc["label"]}
+    elif slice_name == "code":  # the sandbox filter's outcome; the completion is in it
+        after = {"status": prediction["status"], "detail": prediction["detail"]}
+        scores, prediction = {"pass@1": float(prediction["pass@1"])}, prediction["completion"]
+    elif slice_name == "bfcl":
         s = score_bfcl(doc, prediction)
-        scores = {"accuracy": s["accuracy"], "decoded": s["decoded"]}
-        rec["error"] = s["error"]
+        scores, before = {"accuracy": s["accuracy"], "decoded": s["decoded"]}, {"error": s["error"]}
     elif slice_name == "tool_args":
         scores = metrics.score_tool_call(doc, prediction)
     else:
         scores = {"exact_match": metrics.score_answer(doc, prediction)["exact_match"]}
     metric = PRIMARY.get(slice_name, "exact_match")
-    rec.update(metric=metric, score=scores[metric], scores=scores, prediction=prediction,
-               target=doc["target"])
-    return rec
+    return {**rec, **before, "metric": metric, "score": scores[metric], "scores": scores, "prediction": prediction,
+            "target": doc["target"], **after}
 
 
 # ------------------------------------------------------------------ summaries
