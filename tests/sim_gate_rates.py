@@ -337,7 +337,7 @@ class Schedule:
         from pipeline.quality.waves import order_items
         from pipeline.stats import paired as S
 
-        # As pipeline/quality/plans.py: slice_data: one look or many, the same selection
+        # As pipeline/quality/items.py: slice_data: one look or many, the same selection
         # (order_items with the budget: whole clusters in seeded order, or one item per cluster
         # where the clusters' sizes differ); one look is plan(n_max, None), the fixed-n gate.
         ordered, ends = order_items(blob, seed, "sim", n_max)

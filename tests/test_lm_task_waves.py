@@ -20,8 +20,8 @@ from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.quality import lm_tasks
 from pipeline.quality.evaluate import evaluate
+from pipeline.quality.items import task_looks
 from pipeline.quality.sequential import Waves, score_in_waves
-from pipeline.quality.plans import task_plan as _task_plan
 from tests.test_lm_tasks import gsm8k_like_yaml, write_task_files
 from tests.test_sequential_gate import _config
 
@@ -59,6 +59,11 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
+def _order(s: lm_tasks.NamedSlice) -> list[str]:
+    """The slice's item ids in scoring order."""
+    return [json.loads(line)["id"] for line in s.rows.splitlines()]
+
+
 def _qcfg(**kw) -> QualityConfig:
     return QualityConfig(**{"batch_size": 8, "wave_items": 4, "max_items": None, "items_per_slice": 1000,
                             "per_slice": {}, **kw})
@@ -79,11 +84,11 @@ def _waves(out: Path, named: list, cfg_quality: QualityConfig, models: list[str]
     plan as the stage writes them, every model opened empty."""
     plans, lines = {}, {}
     for s in named:
-        plans[s.name] = _task_plan(s, cfg_quality)
+        plans[s.name] = task_looks(s, cfg_quality)
         (out / "data").mkdir(parents=True, exist_ok=True)
         (out / "data" / f"{s.name}.jsonl").write_bytes(s.rows)
         lines[s.name] = s.rows.splitlines(keepends=True)
-    waves = Waves(out, lines, plans, named, lambda files: {}, {})
+    waves = Waves(out, lines, plans, named, lambda files: {})
     ctx = StageContext(name="quality", run_dir=out.parent, out_dir=out, config=None, args={},
                        input_hash="test", upstream={}, code="test")
     for name in models:
@@ -108,26 +113,26 @@ def test_documents_are_ordered_once_and_planned_from_counts(task_files):
     qcfg = _qcfg(per_slice={"wv_many": {"items": 12}})
     (many, group), _ = lm_tasks.resolve([str(task_files["wv_many"]), str(task_files["wv_group"])], qcfg, seed=0)
     # wv_many: 12 of its 16 documents, the first of a seeded order (a fixed random subset).
-    order = lm_tasks.order(many)
+    order = _order(many)
     assert many.n_max == 12 and len(set(order)) == 12 and order != sorted(order)
     assert sorted(many.leaves[0].doc_ids) == many.leaves[0].doc_ids
     assert {f"wv_many-{d:05d}" for d in many.leaves[0].doc_ids} == set(order)
-    assert _task_plan(many, qcfg) == {"looks": [4, 8, 12], "n_max": 12, "order": "seeded cluster order"}
+    assert task_looks(many, qcfg) == {"looks": [4, 8, 12], "n_max": 12, "order": "seeded cluster order"}
     # The same order in another process (the seed and the task's name) and under another wave size.
     again, _ = lm_tasks.resolve([str(task_files["wv_many"])], _qcfg(per_slice={"wv_many": {"items": 12}},
                                                                       wave_items=5), seed=0)
     assert again[0].rows == many.rows
-    assert _task_plan(again[0], _qcfg(wave_items=5))["looks"] == [5, 10, 12]
+    assert task_looks(again[0], _qcfg(wave_items=5))["looks"] == [5, 10, 12]
     # A task's own wave_items (quality.per_slice) over the section's.
-    assert _task_plan(again[0], _qcfg(wave_items=5, per_slice={"wv_many": {"wave_items": 6}}))["looks"] == [6, 12]
+    assert task_looks(again[0], _qcfg(wave_items=5, per_slice={"wv_many": {"wave_items": 6}}))["looks"] == [6, 12]
     other, _ = lm_tasks.resolve([str(task_files["wv_many"])], qcfg, seed=1)
-    assert lm_tasks.order(other[0]) != order
+    assert _order(other[0]) != order
     # max_items caps an lm-eval task as it caps a slice; a group's subtasks share one order.
     capped, _ = lm_tasks.resolve([str(task_files["wv_group"])], _qcfg(max_items=6), seed=0)
-    assert capped[0].n_max == 6 and lm_tasks.order(capped[0]) == lm_tasks.order(group)[:6]
+    assert capped[0].n_max == 6 and _order(capped[0]) == _order(group)[:6]
     assert {json.loads(x)["group"] for x in group.rows.splitlines()} == {"wv_odd", "wv_even"}
     # Waves off (wave_items null): one look at n_max, the fixed-n gate.
-    assert _task_plan(group, _qcfg(wave_items=None))["looks"] == [16]
+    assert task_looks(group, _qcfg(wave_items=None))["looks"] == [16]
 
 
 def test_a_task_scored_in_two_looks_equals_the_same_items_in_one_call(task_files, tiny_model, tiny_tokenizer,
@@ -144,7 +149,7 @@ def test_a_task_scored_in_two_looks_equals_the_same_items_in_one_call(task_files
     # Two calls, each asking lm-eval for exactly one look's documents of each task.
     assert len(calls) == 2
     for s in named:
-        ids = lm_tasks.order(s)
+        ids = _order(s)
         lines = _lines(out / "bf16" / f"{s.name}.jsonl")
         assert [r["id"] for r in lines] == ids[:8]  # the data file's order, a look at a time
         for k, call in enumerate(calls):
@@ -161,7 +166,7 @@ def test_a_task_scored_in_two_looks_equals_the_same_items_in_one_call(task_files
     # A look whose documents are all in one subtask asks for that subtask alone (an empty samples
     # list would make lm-eval run every document of the other); its records keep their group.
     s = next(x for x in named if x.name == "wv_group")
-    odd = [i for i in lm_tasks.order(s) if i.startswith("wv_odd")][:3]
+    odd = [i for i in _order(s) if i.startswith("wv_odd")][:3]
     part = lm_tasks.subset(s, odd)
     assert [len(leaf.doc_ids) for leaf in part.leaves] == [3, 0]
     assert lm_tasks.samples_request([part]) == {"wv_odd": part.leaves[0].doc_ids}
@@ -193,7 +198,7 @@ def test_a_settled_task_stops_and_an_open_one_takes_the_next_look(task_files, ti
     assert counts == {"bf16": 16, "copy": 8, "noisy": 16}
     assert len(calls["copy"]) == 1 and len(calls["noisy"]) == 2 and len(calls["bf16"]) == 2
     (out / "meta.json").write_text(json.dumps({"slices": [], "tasks": ["wv_many"],
-                                               "sequential": {"wv_many": _task_plan(many, qcfg)}}))
+                                               "sequential": {"wv_many": task_looks(many, qcfg)}}))
     gate = build_gate(out.parent, cfg)
     cell = gate["variants"]["copy"]["slices"]["wv_many"]
     assert cell["status"] == "pass" and cell["stopped_on"] == "data" and cell["items_spent"] == 8

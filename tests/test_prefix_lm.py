@@ -13,11 +13,10 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from pipeline.quality import calibration, prefix_lm
-from pipeline.quality.calibration import (DECODE_KV_TOKENS, MAX_CALL_TOKENS, bucket_call_tokens, decode_kv_budget,
-                                          measure_call_tokens)
-from pipeline.quality.batch_plan import StopCheck, common_prefix, plan_batches
-from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, forward_kwargs
+from pipeline.quality import prefix_lm, row_sizing
+from pipeline.quality.prefix_lm import PrefixCachedLM, PrefixWalk, StopCheck, forward_kwargs
+from pipeline.quality.row_sizing import (DECODE_KV_TOKENS, MAX_CALL_TOKENS, bucket_call_tokens, common_prefix,
+                                         decode_kv_budget, measure_call_tokens, plan_batches)
 
 SHARED = "the quick brown fox jumps over the lazy dog. a cat sat on the mat"
 CONTEXTS = [SHARED + " and looked at", SHARED + " and", "Le chat est sur la table.",
@@ -137,7 +136,7 @@ def test_common_prefix():
     assert common_prefix([5, 6], [5, 6, 7]) == 2
 
 
-# ------------------------------------------------------------------ calibration
+# ------------------------------------------------------------------ row sizing
 
 
 def _is_power_of_4(n: int) -> bool:
@@ -160,10 +159,10 @@ def test_measure_call_tokens_on_a_model_clock(monkeypatch, call_s, token_s, want
     """On a clock where a call costs call_s + token_s per token, the ladder climbs until n tokens
     cost twice a 1-token call (or its cap) and recovers the ratio exactly."""
     now = [0.0]
-    monkeypatch.setattr(calibration.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(row_sizing.time, "perf_counter", lambda: now[0])
 
     def forward(rows, width):
-        assert width <= calibration.CALIBRATION_WIDTH
+        assert width <= row_sizing.MEASURE_WIDTH
         now[0] += call_s + token_s * rows * width
 
     m = measure_call_tokens(forward)
@@ -173,15 +172,15 @@ def test_measure_call_tokens_on_a_model_clock(monkeypatch, call_s, token_s, want
     assert bucket_call_tokens(m["ratio"]) == want
 
 
-def test_calibration_on_a_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
+def test_row_sizing_on_a_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
     """Measured on the model itself: a power-of-4 call_tokens consistent with the measured ratio,
     the K/V bytes of a position from the cache (2 x layers x kv heads x head dim x 4 bytes), a
     power-of-2 decode budget within the CPU's; recorded in stats once: a second evaluator of the
     same model reuses the measurement without measuring or recording it again."""
-    monkeypatch.setattr(prefix_lm, "_CALIBRATED", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(calibration, "MEASURE_ON_CPU", True)
+    monkeypatch.setattr(prefix_lm, "_MEASURED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(row_sizing, "MEASURE_ON_CPU", True)
     lm = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3)
-    cal = lm.calibrate()
+    cal = lm.sizing()
     assert cal["call_tokens_source"] == "measured"
     assert _is_power_of_4(cal["call_tokens"]) and cal["call_tokens"] <= MAX_CALL_TOKENS
     assert cal["call_tokens"] == bucket_call_tokens(cal["call_tokens_measured"])
@@ -192,25 +191,25 @@ def test_calibration_on_a_tiny_model(tiny_model, tiny_tokenizer, monkeypatch):
     d = cal["decode_kv_tokens"]
     assert d & (d - 1) == 0 and d <= DECODE_KV_TOKENS
     assert {k: lm.stats[k] for k in cal} == cal
-    assert set(calibration.CALIBRATION_CONSTANTS) | {"calibration_seconds"} == set(cal)
+    assert set(row_sizing.SIZING_CONSTANTS) | {"calibration_seconds"} == set(cal)
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured twice")
 
     monkeypatch.setattr(prefix_lm, "measure_call_tokens", no_measuring)
     again = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3)
-    assert again.calibrate() == cal
+    assert again.sizing() == cal
     assert "call_tokens" not in again.stats
 
 
 def test_a_cpu_plan_uses_the_fixed_ratio_and_records_the_measured_one(tiny_model, tiny_tokenizer, monkeypatch):
     """By default a CPU's measured ratio is recorded but not used (it moves with load): the plan
     takes CPU_CALL_TOKENS, whatever the measurement said."""
-    monkeypatch.setattr(prefix_lm, "_CALIBRATED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(prefix_lm, "_MEASURED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(prefix_lm, "measure_call_tokens",
                         lambda *a, **k: {"ratio": 0.3, "call_s": 0.01, "token_s": 0.03, "tokens": 16})
-    cal = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3).calibrate()
-    assert cal["call_tokens"] == calibration.CPU_CALL_TOKENS and cal["call_tokens_measured"] == 0.3
+    cal = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=3).sizing()
+    assert cal["call_tokens"] == row_sizing.CPU_CALL_TOKENS and cal["call_tokens_measured"] == 0.3
     assert cal["call_tokens_source"].startswith("CPU_CALL_TOKENS")
 
 
@@ -225,7 +224,7 @@ def test_pinned_constants_steer_the_plan(tiny_model, tiny_tokenizer, monkeypatch
     seen = []
     real_plan = prefix_lm.plan_batches
 
-    def spy(seqs, need, max_rows, call_tokens=calibration.CPU_CALL_TOKENS):
+    def spy(seqs, need, max_rows, call_tokens=row_sizing.CPU_CALL_TOKENS):
         seen.append(call_tokens)
         return real_plan(seqs, need, max_rows, call_tokens)
 
@@ -237,7 +236,7 @@ def test_pinned_constants_steer_the_plan(tiny_model, tiny_tokenizer, monkeypatch
     for pinned in (1, MAX_CALL_TOKENS):
         lm = PrefixCachedLM(pretrained=tiny_model, tokenizer=tiny_tokenizer, batch_size=len(reqs),
                             call_tokens=pinned, decode_kv_tokens=2048)
-        assert lm.calibrate() == {"call_tokens": pinned, "decode_kv_tokens": 2048}
+        assert lm.sizing() == {"call_tokens": pinned, "decode_kv_tokens": 2048}
         got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
         assert [g[1] for g in got] == [w[1] for w in want]
         assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
@@ -256,7 +255,7 @@ def test_decode_kv_budget():
     assert decode_kv_budget("cpu", 46080, 20 * 10 ** 9) == DECODE_KV_TOKENS
     assert decode_kv_budget("cpu", 46080, 10 ** 9) == 2048
     assert decode_kv_budget("cpu", 46080, None) == DECODE_KV_TOKENS
-    assert decode_kv_budget("cuda", 10 ** 6, 10 ** 6) == calibration.MIN_DECODE_KV_TOKENS
+    assert decode_kv_budget("cuda", 10 ** 6, 10 ** 6) == row_sizing.MIN_DECODE_KV_TOKENS
 
 
 # ------------------------------------------------------------------ stop strings

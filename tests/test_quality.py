@@ -134,13 +134,13 @@ def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
 
 
 def test_mismatched_item_ids_are_refused(tmp_path):
-    from pipeline.stages.quality import _check_same_ids
+    from pipeline.quality.evaluate import check_same_ids
 
     for name, ids in (("ref", ["a", "b"]), ("var", ["a", "c"])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "s.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in ids))
     with pytest.raises(StageError, match="other 's' items"):
-        _check_same_ids(tmp_path, ["ref", "var"], ["s"])
+        check_same_ids(tmp_path, ["ref", "var"], ["s"])
 
 
 def test_slice_summary_groups_and_clustered_ci():

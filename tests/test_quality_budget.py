@@ -18,10 +18,11 @@ from pipeline.core.budget import StageBudget
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
-from pipeline.quality.sequential import Waves, score_in_waves, score_variants
+from pipeline.quality.sequential import (Waves, budget_stopped, item_inputs, score_in_waves,
+                                         score_variants)
 from pipeline.quality.waves import Allowance, Pace, pace_priors
 from pipeline.report.gate_table import render_table
-from pipeline.stages.quality import _budget_stopped, item_inputs
+
 from tests.test_sequential_gate import (_config, damaged, flips, identical, independent_slice, reference_score,
                                         run_waves, scorer)
 
@@ -77,7 +78,7 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
     hashes = {s: hashlib.sha256(b).hexdigest() for s, b in data.items()}
     budget = StageBudget(cfg, "quality", clock=clock)
     # A dict `per_item` is also the stage's prior cost weights (its first look's split by slice).
-    waves = Waves(out, lines, plans, [], lambda files: files, {},
+    waves = Waves(out, lines, plans, [], lambda files: files,
                   weights=per_item if isinstance(per_item, dict) else None, clock=clock)
     waves.prior = pace_priors({n: json.loads((run / "variants" / n / "meta.json").read_text()) for n in fns}, "bf16")
     calls = {} if calls is None else calls
@@ -85,7 +86,7 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
     for name in fns:
         scored_with, inputs_of[name] = item_inputs(ctx, run / "variants" / name, run / "variants" / "bf16",
                                                    hashes, [])
-        items[name] = waves.open(ctx.item(name, inputs_of[name](_budget_stopped(out / name / "meta.json"))),
+        items[name] = waves.open(ctx.item(name, inputs_of[name](budget_stopped(out / name))),
                                  scored_with)
     pending = [n for n in fns if n != "bf16" and not items[n].fresh]
     ref_score = timed(scorer(fns["bf16"], calls.setdefault("bf16", [])), clock, per_item)
@@ -407,11 +408,10 @@ def test_a_budgeted_look_takes_every_open_slice_and_stops_open_when_they_do_not_
 
 
 def test_the_second_pass_splits_the_time_left_evenly(tmp_path):
-    """The second pass's allowance: the time left over the open variants still to score, less
-    the reserve; the last variant takes everything left."""
+    """The second pass's allowance: the time left over the open variants still to score; the
+    last variant takes everything left."""
     budget = StageBudget(budget_config(tmp_path, ["v"], 10, 0.5), "quality", clock=Clock())  # 300 s
     assert Allowance(budget, 4).seconds == pytest.approx(75.0)
-    assert Allowance(budget, 4, reserve_s=10.0).seconds == pytest.approx(65.0)
     assert Allowance(budget, 1).seconds == pytest.approx(300.0)
 
 
@@ -425,7 +425,7 @@ def test_a_variants_prior_pace_is_its_timed_forward_over_the_references(tmp_path
     prior = pace_priors(metas, "bf16")
     assert prior == pytest.approx({"w4": 1.24, "nf4": 3.44})
     assert pace_priors({"bf16": {}, "w4": metas["w4"]}, "bf16") == {}
-    waves = Waves(tmp_path, {}, {"a": {"looks": [10], "n_max": 10}}, [], lambda f: f, {})
+    waves = Waves(tmp_path, {}, {"a": {"looks": [10], "n_max": 10}}, [], lambda f: f)
     waves.pace["bf16"] = Pace()
     waves.pace["bf16"].record({"a": 10}, 20.0)  # 2 s an item
     waves.prior = prior

@@ -10,7 +10,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline.core.config import load_config
@@ -20,7 +19,7 @@ from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import plan
 from pipeline.quality.sequential import Waves, score_in_waves
 from pipeline.quality.waves import order_items
-from pipeline.quality.plans import slice_data as _slice_data
+from pipeline.quality.items import slice_data as _slice_data
 
 
 def _unit(*key) -> float:
@@ -98,7 +97,7 @@ def run_waves(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: dic
     for s, b in data.items():
         (out / "data").mkdir(parents=True, exist_ok=True)
         (out / "data" / f"{s}.jsonl").write_bytes(b)
-    waves = Waves(out, lines, plans, [], lambda files: files, {})
+    waves = Waves(out, lines, plans, [], lambda files: files)
     calls = {} if calls is None else calls
     items = {}
     for name in fns:

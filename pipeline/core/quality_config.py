@@ -56,12 +56,12 @@ class VllmConfig(Section):
     client; a model larger than one GPU is spread over tensor_parallel_size GPUs. Where the engine
     runs (CPU KV cache, eager mode, timeouts) comes from the top-level `vllm` section."""
     # GPUs each model is split over (vLLM's tensor parallelism).
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = Field(1, ge=1)
     # Share of each GPU's memory one vLLM engine takes (weights, activations, KV cache).
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Context length the engine is built for; null = the model's own. Longer prompts are cut from
     # the left by lm-eval, as with hf.
-    max_model_len: int | None = None
+    max_model_len: int | None = Field(None, ge=1)
     # Compute dtype; "auto" = the one the hf backend computes the variant in (its meta.json
     # dtype_compute), so hf-scored and vLLM-scored variants differ by kernels only.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -81,38 +81,10 @@ class VllmConfig(Section):
     # scored side by side, one engine per group of tensor_parallel_size GPUs.
     devices: list[str] | None = None
     # Prompts per completions request (vLLM batches them; also the engine's max_num_seqs, at least 8).
-    batch_size: int = 32
+    batch_size: int = Field(32, ge=1)
     # More vLLM server flags, as --<key> <value> (true: the bare flag): enforce_eager,
     # kv_cache_dtype, pipeline_parallel_size, ...
     engine_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _tp(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1 (GPUs each model is split over)")
-        return v
-
-    @field_validator("batch_size")
-    @classmethod
-    def _batch(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1 (prompts per completions request)")
-        return v
-
-    @field_validator("gpu_memory_utilization")
-    @classmethod
-    def _memory(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError("must be in (0, 1]: the share of each GPU's memory one vLLM engine takes")
-        return v
-
-    @field_validator("max_model_len")
-    @classmethod
-    def _len(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("must be >= 1 (or null: the model's own context length)")
-        return v
 
     @field_validator("engine_args")
     @classmethod

@@ -1,17 +1,10 @@
 """Distribution drift of a variant against the reference, on held-out text.
 
-Task scores move late; these move first. Per document j (a fixed token window) and position t:
-    KL_t   = sum_x p_ref(x) * (log p_ref(x) - log p_var(x))      KL(reference || variant), in nats
-    agree_t = [argmax p_ref == argmax p_var]                        top-1 agreement
-    nll_t   = -log p(next token)                                    for both models
-Each document contributes its mean over positions; CIs are t-intervals over documents (the
-documents are the independent units; positions inside one are not), intersected with the
-metric's range (top-1 agreement in [0, 1], KL >= 0; `summarize`). The perplexity ratio is
-exp(mean_j (nll_var_j - nll_ref_j)), its CI the exponentiated t-interval of that paired mean.
-
-The held-out text is read at run time from the docstrings of Python standard-library modules on
-this machine: natural English prose that ships with every Python, is never in the repository,
-and is not the quantization calibration text. One module = one document.
+Per document (a fixed token window) the mean over positions of KL(reference || variant) in nats,
+top-1 agreement and each model's next-token NLL; CIs are t intervals over documents (the
+independent units), clipped to the metric's range; the perplexity ratio is exp of the mean
+per-document NLL difference. The held-out text is the docstrings of Python standard-library
+modules on this machine (one module, one document): prose never in the repository.
 """
 from __future__ import annotations
 
@@ -19,11 +12,13 @@ import hashlib
 import importlib
 import inspect
 import math
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.core.stage import StageError
+from pipeline.core.stage import StageError, atomic_write_json
 from pipeline.stats.intervals import mean_t_interval
 
 # Modules whose docstrings are long prose; the order fixes which documents a run uses.
@@ -80,9 +75,7 @@ def heldout_documents(tokenizer, n_docs: int, n_tokens: int) -> tuple[torch.Tens
     return ids, {"source": "python stdlib docstrings", "modules": used, "tokens_sha256": digest}
 
 
-# The reference's log-probabilities are kept (on the host) for the next variant when they take
-# at most this many bytes: 16 docs x 256 tokens x 49k vocab in float32 is 0.8 GB, and saves a
-# reference forward per variant (a third of the distribution metrics' time on CPU).
+# The reference's log-probabilities are kept on the host for the next variant up to this size.
 REFERENCE_CACHE_BYTES = 2 << 30
 
 
@@ -122,17 +115,9 @@ CI_METHOD = ("t interval over documents (mean, SE s/sqrt(n), t quantile on n - 1
 
 
 def summarize(per_doc: dict, confidence: float = 0.95) -> dict:
-    """The distribution metrics of one variant: per-document means, averaged over documents, with
-    descriptive intervals whose unit is the document (`ci_method`, written into the summary).
-
-    Each interval is the t interval of the mean over documents (SE s/sqrt(n), n - 1 df;
-    pipeline.stats.intervals.mean_t_interval) intersected with the range the metric can take:
-    top-1 agreement is a rate in [0, 1], KL(reference || variant) a divergence >= 0. With few
-    documents the t interval alone runs outside the range (2 documents: 0.656 [-0.138, 1.450]);
-    the true mean lies in the range, so the intersection covers it whenever the t interval does
-    (coverage unchanged) and only drops values the metric cannot take. The perplexity ratio's
-    interval is the exponentiated t interval of the mean log-ratio, positive by construction.
-    Fewer than two documents: [None, None]."""
+    """The distribution metrics of one variant: per-document means averaged over documents, with
+    t intervals over documents clipped to the metric's range (clipping drops only values the
+    metric cannot take, so coverage is unchanged; `ci_method`). Under two documents: [None, None]."""
     kl, kl_ci = mean_t_interval(per_doc["kl"], confidence, RANGES["kl"])
     top1, top1_ci = mean_t_interval(per_doc["top1"], confidence, RANGES["top1"])
     diff = np.asarray(per_doc["nll_var"]) - np.asarray(per_doc["nll_ref"])
@@ -147,3 +132,13 @@ def summarize(per_doc: dict, confidence: float = 0.95) -> dict:
         "n_docs": len(per_doc["kl"]),
         "per_document": per_doc,
     }
+
+
+def write_drift(path: Path, reference, variant, tokenizer, qcfg, device: torch.device, cache: dict) -> None:
+    """The variant's drift against the reference, written to `path` (distribution.json). `cache`:
+    a dict the caller keeps across variants (the held-out ids, the reference's log-probs)."""
+    if "ids" not in cache:
+        cache["ids"], cache["info"] = heldout_documents(tokenizer, qcfg.distribution_docs, qcfg.distribution_tokens)
+    start = time.perf_counter()
+    per_doc = per_document(reference, variant, cache["ids"], device, cache=cache.setdefault("logp", {}))
+    atomic_write_json(path, {**summarize(per_doc), **cache["info"], "seconds": time.perf_counter() - start})

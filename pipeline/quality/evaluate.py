@@ -4,22 +4,20 @@
     records, counters = evaluate(model, tokenizer, task_configs, named_slices, cfg.quality, seed=0)
     summary = summarize_slice(records["long_context"], confidence=0.95)
 
-Evaluation runs through lm-eval (`simple_evaluate` on the loaded model, `log_samples=True` for
-per-item results). All tasks of a variant go through one lm-eval call. The lm-eval model is
-`quality.evaluator`: `prefix` (default; pipeline.quality.prefix_lm: each shared prompt prefix
-computed once, greedy generations decoded `quality.batch_size` at a time) or `hflm` (lm-eval's own
-HFLM, which batches requests of a kind after sorting them by length). Both give the same scores up
-to float summation order. `model` may also be an lm-eval model built by the caller (`quality.backend:
-vllm`: lm-eval's local-completions on a vLLM server, pipeline/quality/vllm_backend.py); it is used
-as it is, the rest is shared.
+All tasks of a look go through one lm-eval `simple_evaluate` call with per-item samples. The
+lm-eval model is `quality.evaluator`: `prefix` (pipeline.quality.prefix_lm) or `hflm` (lm-eval's
+HFLM), the same scores up to float summation order; or an lm-eval model the caller built
+(`quality.backend: vllm`, pipeline/quality/vllm_backend.py), used as it is.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from evals import metrics
 from evals.bfcl_checker import score_item as score_bfcl
-from pipeline.core.stage import StageError
+from pipeline.core.stage import StageError, atomic_write_json, read_json, read_jsonl
 from pipeline.quality import lm_tasks
 from pipeline.quality.items import PRIMARY
 from pipeline.stats.paired import mean_ci, merge_clusters
@@ -28,10 +26,9 @@ from pipeline.stats.scoring_rules import calibration_summary
 
 def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
              seed: int, cache: str | None = None, prompts: dict | None = None) -> tuple[dict, dict]:
-    """Run every task through lm-eval on the loaded model; returns ({task key: per-item records},
-    the evaluator's counters: prompt tokens requested and computed, generated tokens, ...).
-    `cache`: a path prefix for lm-eval's request cache (each answer kept as it comes back).
-    `prompts`, when a dict, gets each built-in item's prompt as the model saw it: (slice, id) -> text."""
+    """({task: per-item records}, the evaluator's counters) for every task, on the loaded model.
+    `cache`: a path prefix for lm-eval's request cache. `prompts`, a dict, gets each built-in
+    item's prompt as the model saw it: (slice, id) -> text."""
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.models.huggingface import HFLM
@@ -74,41 +71,32 @@ def _builtin_record(slice_name: str, sample: dict) -> dict:
     doc = sample["doc"]
     rec = {"id": doc["id"], "cluster": doc["cluster"], "slice": slice_name, "group": doc.get("group"),
            "prompt_hash": sample.get("prompt_hash")}
+    prediction, before, after = sample["filtered_resps"][0], {}, {}
     if slice_name == "calibration":
         lls = [float(r[0]) for r in sample["filtered_resps"]]
-        probs = metrics.option_probs(lls)
         pick = int(np.argmax(lls))
-        scores = {"acc": float(pick == doc["label"])}
-        rec.update(metric="acc", score=scores["acc"], scores=scores, prediction=doc["choices"][pick],
-                   target=doc["target"], option_probs=probs, label=doc["label"])
-        return rec
-    if slice_name == "code":  # the sandbox filter's outcome; the completion is in it
-        outcome = sample["filtered_resps"][0]
-        scores = {"pass@1": float(outcome["pass@1"])}
-        rec.update(metric="pass@1", score=scores["pass@1"], scores=scores, prediction=outcome["completion"],
-                   target=doc["target"], status=outcome["status"], detail=outcome["detail"])
-        return rec
-    prediction = sample["filtered_resps"][0]
-    if slice_name == "bfcl":
+        scores, prediction = {"acc": float(pick == doc["label"])}, doc["choices"][pick]
+        after = {"option_probs": metrics.option_probs(lls), "label": doc["label"]}
+    elif slice_name == "code":  # the sandbox filter's outcome; the completion is in it
+        after = {"status": prediction["status"], "detail": prediction["detail"]}
+        scores, prediction = {"pass@1": float(prediction["pass@1"])}, prediction["completion"]
+    elif slice_name == "bfcl":
         s = score_bfcl(doc, prediction)
-        scores = {"accuracy": s["accuracy"], "decoded": s["decoded"]}
-        rec["error"] = s["error"]
+        scores, before = {"accuracy": s["accuracy"], "decoded": s["decoded"]}, {"error": s["error"]}
     elif slice_name == "tool_args":
         scores = metrics.score_tool_call(doc, prediction)
     else:
         scores = {"exact_match": metrics.score_answer(doc, prediction)["exact_match"]}
     metric = PRIMARY.get(slice_name, "exact_match")
-    rec.update(metric=metric, score=scores[metric], scores=scores, prediction=prediction,
-               target=doc["target"])
-    return rec
+    return {**rec, **before, "metric": metric, "score": scores[metric], "scores": scores, "prediction": prediction,
+            "target": doc["target"], **after}
 
 
 # ------------------------------------------------------------------ summaries
 
 
 def summarize_slice(records: list[dict], confidence: float) -> dict:
-    """Per-slice (and per-group) mean with a CI inside the scores' range, clustered like the gate
-    clusters (a shared `cluster` label or prompt): pipeline.stats.paired.mean_ci."""
+    """Per-slice (and per-group) mean with a CI clustered as the gate clusters (stats.paired.mean_ci)."""
     def summary(recs: list[dict]) -> tuple[float, list, str, int]:
         codes = merge_clusters(len(recs), [r["cluster"] for r in recs], [r.get("prompt_hash") for r in recs])
         return (*mean_ci([r["score"] for r in recs], codes, confidence), int(codes.max()) + 1)
@@ -126,3 +114,32 @@ def summarize_slice(records: list[dict], confidence: float) -> dict:
     if "option_probs" in records[0]:
         out.update(calibration_summary([r["option_probs"] for r in records], [r["label"] for r in records]))
     return out
+
+
+def write_summaries(out_dir: Path, order: list[str], tasks: list[str], waved: set[str], confidence: float) -> None:
+    """quality/<model>.json for every model (the reference first in `order`), after checking that
+    each scored the reference's item ids (the gate pairs items by id; on a slice in `waved`, the
+    first ones of them)."""
+    for name in order:
+        summary = {"variant": name, "reference": order[0], "slices": {}}
+        for task in tasks:
+            recs = read_jsonl(out_dir / name / f"{task}.jsonl")
+            if not recs:
+                raise StageError(f"quality: slice '{task}' produced no items for {name}")
+            summary["slices"][task] = summarize_slice(recs, confidence)
+        dist = out_dir / name / "distribution.json"
+        if dist.is_file():
+            summary["distribution"] = {k: v for k, v in read_json(dist, "distribution metrics").items()
+                                       if k != "per_document"}
+        atomic_write_json(out_dir / f"{name}.json", summary)
+    check_same_ids(out_dir, order, tasks, waved)
+
+
+def check_same_ids(out_dir: Path, order: list[str], tasks: list[str], waved: set[str] = frozenset()) -> None:
+    for task in tasks:
+        ref_ids = [r["id"] for r in read_jsonl(out_dir / order[0] / f"{task}.jsonl")]
+        for name in order[1:]:
+            ids = [r["id"] for r in read_jsonl(out_dir / name / f"{task}.jsonl")]
+            if ids != (ref_ids[:len(ids)] if task in waved else ref_ids):
+                raise StageError(f"quality: {name} scored other '{task}' items than {order[0]} "
+                                 f"({len(ids)} vs {len(ref_ids)}); delete {out_dir / name} and re-run")

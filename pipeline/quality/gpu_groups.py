@@ -1,14 +1,11 @@
 """Variants scored side by side on a box with more GPUs than one engine needs: one vLLM engine
 per group of tensor_parallel_size GPUs, each group taking the next variant as it frees up.
 
-    from pipeline.quality.gpu_groups import visible_gpus, device_groups, side_by_side
     groups = device_groups(visible_gpus(), tensor_parallel_size=2)   # [("0", "1"), ("2", "3"), ...]
     results = side_by_side(["w4", "int8", "nf4"], groups, work)      # work(name, group) -> result
 
-One thread per group (the work is HTTP to the group's engine); a group never holds two variants at
-once, results come back in the order of the names, and the first error is raised once the running
-variants finish (those not yet started are not started). Several machines: vLLM's Ray backend
-(docs/methods/quality-vllm.md).
+One thread per group (the work is HTTP to the group's engine); the first error is raised once the
+running variants finish. Several machines: vLLM's Ray backend (docs/methods/quality-vllm.md).
 """
 from __future__ import annotations
 
@@ -28,18 +25,13 @@ def visible_gpus(listed: list[str] | None = None) -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        import torch
+    import torch
 
-        return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    except Exception:
-        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def device_groups(devices: list[str], tensor_parallel_size: int) -> list[tuple[str, ...]]:
     """`devices` cut into groups of `tensor_parallel_size`, in order; GPUs left over are unused."""
-    if tensor_parallel_size < 1:
-        raise StageError("tensor_parallel_size must be >= 1")
     if devices and tensor_parallel_size > len(devices):
         raise StageError(f"quality.vllm.tensor_parallel_size {tensor_parallel_size} needs that many GPUs; "
                          f"this machine shows {len(devices)} ({', '.join(devices)})")
@@ -47,11 +39,21 @@ def device_groups(devices: list[str], tensor_parallel_size: int) -> list[tuple[s
     return [tuple(devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size]) for i in range(n)]
 
 
+def groups_for(qcfg, host, budget, backends: dict, pending: list[str]) -> list[tuple[str, ...]]:
+    """The GPU groups the pending variants are scored on side by side, or [] for one after
+    another: vLLM scores them all, on GPUs, with no time budget (its looks are planned one variant
+    at a time), and there is more than one group and more than one variant."""
+    if host is None or host.platform == "cpu" or budget.active or len(pending) < 2:
+        return []
+    if any(backends[n].backend != "vllm" for n in pending):
+        return []
+    groups = device_groups(visible_gpus(qcfg.vllm.devices), qcfg.vllm.tensor_parallel_size)
+    return groups if len(groups) > 1 else []
+
+
 def side_by_side(names: list[str], groups: list[tuple[str, ...]], work) -> list:
     """work(name, group) for every name, at most one name per group at a time, as many at once as
     there are groups; the results in the order of `names`."""
-    if not groups:
-        raise StageError("side_by_side needs at least one device group")
     free: queue.Queue = queue.Queue()
     for g in groups:
         free.put(g)

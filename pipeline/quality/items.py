@@ -1,8 +1,8 @@
-"""The built-in quality slices as lm-eval tasks: their items (generated, or read from the BFCL and
-HumanEval packages) and the task configs that score them.
+"""The quality slices' items and looks: a built-in slice's items (generated, or read from the BFCL
+and HumanEval packages) in scoring order with the looks they allow, the lm-eval task configs that
+score them, an lm-eval task's looks, and each slice's prompt lengths and prior cost per item.
 
-    from pipeline.quality.items import slice_items, builtin_task_config
-    data = slice_items("long_context", 40, [256, 1024])     # JSONL bytes: the items of one slice
+    blob, looks = slice_data("reasoning", qcfg, seed, tokenizer)   # looks: {looks, n_max, order}
     cfg = builtin_task_config("long_context", data_file, max_new_tokens=32)
 
 Generated slices come from evals/generate.py (shipped in evals/data/ at the default sizes); `bfcl`
@@ -14,8 +14,12 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
+
 from evals import bfcl, generate as gen, humaneval, sandbox
-from pipeline.core.stage import StageError
+from pipeline.core.stage import StageError, read_jsonl
+from pipeline.gate.looks import plan
+from pipeline.quality.waves import order_items
 
 TASKS_DIR = Path(gen.__file__).resolve().parent / "tasks"
 PRIMARY = {"calibration": "acc", "tool_args": "args_exact", "bfcl": "accuracy", "code": "pass@1"}  # others: exact_match
@@ -23,9 +27,6 @@ PRIMARY = {"calibration": "acc", "tool_args": "args_exact", "bfcl": "accuracy", 
 # are generated (evals/generate.py).
 BENCHMARKS = ("bfcl", "code")
 KNOWN_SLICES = (*gen.GENERATORS, *BENCHMARKS)
-
-
-# ------------------------------------------------------------------ items and tasks
 
 
 def slice_items(name: str, n: int, lengths: list[int]) -> bytes:
@@ -81,10 +82,59 @@ def sandbox_limits(sandbox_cfg) -> sandbox.Limits:
 
 
 def _load_task_yaml(path: Path) -> dict:
-    """lm-eval's own YAML loader (it resolves `!function utils.X` next to the YAML); its home
-    moved between lm-eval releases."""
-    try:
-        from lm_eval.tasks._yaml_loader import load_yaml
-    except ImportError:  # lm-eval < 0.4.10
-        from lm_eval.utils import load_yaml_config as load_yaml
+    """lm-eval's own YAML loader (it resolves `!function utils.X` next to the YAML)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
     return load_yaml(str(path))
+
+
+def slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
+    """The built-in slice's items in scoring order (JSONL bytes) and its looks, n_max and order."""
+    n = qcfg.items_for(name)
+    if n is None and name not in BENCHMARKS:
+        raise StageError(f"quality.per_slice.{name}.items: 'all' needs a fixed item set; "
+                         f"'{name}' is generated, give a number")
+    asked = min([x for x in (n, qcfg.max_items) if x is not None], default=None)
+    blob = benchmark_items(name, n, seed, tokenizer) if name in BENCHMARKS else \
+        slice_items(name, asked, qcfg.long_context_lengths)
+    # One look or many, the same selection (pipeline/quality/waves.py: order_items).
+    blob, ends = order_items(blob, seed, name, asked or len(blob.splitlines()))
+    if not blob:
+        raise StageError(f"quality: slice '{name}' has no items")
+    return blob, _looks(len(blob.splitlines()), qcfg.wave_items_for(name), ends)
+
+
+def task_looks(s, qcfg) -> dict:
+    """An lm-eval task's (lm_tasks.NamedSlice) looks, n_max and order, as slice_data's."""
+    return _looks(s.n_max, qcfg.wave_items_for(s.name), s.ends)
+
+
+def _looks(n_max: int, wave: int | None, ends: list[int]) -> dict:
+    return {"looks": plan(n_max, wave, ends), "n_max": n_max, "order": "seeded cluster order"}
+
+
+def prompt_tokens_of(tokenizer, data_files: dict[str, Path]) -> dict:
+    """Mean prompt length in the model's own tokens, per slice and group (long_context sizes its
+    haystacks by a characters-per-token estimate; this is the real figure)."""
+    out = {}
+    for name, path in data_files.items():
+        by_group: dict[str, list[int]] = {}
+        for item in read_jsonl(path):
+            n = len(tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
+            by_group.setdefault(str(item.get("group")), []).append(n)
+        out[name] = {g: round(float(np.mean(v)), 1) for g, v in sorted(by_group.items())}
+    return out
+
+
+def cost_weights(qcfg, data_files: dict[str, Path], prompt_tokens: dict) -> dict[str, float]:
+    """Each slice's prior cost per item relative to the others' (what waves.Pace splits a call by
+    until a slice is measured alone): mean prompt tokens plus twice the tokens it may generate."""
+    out = {}
+    for s, f in data_files.items():
+        task = builtin_task_config(s, f, qcfg.max_new_tokens_for(s))
+        gen_toks = ((task.get("generation_kwargs") or {}).get("max_gen_toks", 0)
+                    if task.get("output_type") == "generate_until" else 0)
+        groups = prompt_tokens.get(s) or {}
+        prompt = sum(groups.values()) / len(groups) if groups else 0.0
+        out[s] = round(1.0 + prompt + 2.0 * float(gen_toks), 1)
+    return out

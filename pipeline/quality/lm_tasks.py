@@ -1,14 +1,10 @@
 """Standard lm-eval tasks as quality slices (`quality.tasks`), the way their users read them.
 
-Used by the quality stage (pipeline/stages/quality.py) and pipeline/quality/evaluate.py.
-
 An entry is a task, group or tag lm-eval knows by name, or a path to task YAML; a group or tag is
 one slice whose subtasks are its groups. Its documents are put in a seeded cluster order like a
-built-in slice's (pipeline/quality/waves.py): `NamedSlice.rows` is that order and `ends` where each
-cluster ends, so looks are planned from counts alone, and a look asks lm-eval only for the
-documents a model lacks (`subset`). A task that draws few-shot examples at random draws them per
-lm-eval call, so each look runs as one call of exactly its documents. Filters, metrics and
-clusters: docs/methods/quality-slices.md.
+built-in slice's (`NamedSlice.rows`, `ends` where each cluster ends), and a look asks lm-eval only
+for the documents a model lacks (`subset`), in one call of exactly them (a task draws few-shot
+examples per call). Filters, metrics and clusters: docs/methods/quality-slices.md.
 """
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ class NamedSlice:
     # The task index it was found in: (lm-eval's own tasks too, local YAML directories).
     index: tuple[bool, tuple[str, ...]] = (True, ())
     # The slice's documents in scoring order, as JSONL (id, cluster, slice, group, subtask, doc_id,
-    # prompt: the document itself, which only identical documents share), and the item counts at
-    # which each cluster ends (module docstring); empty for a slice built by hand (one call, whole).
+    # prompt: the document itself), and the item counts at which each cluster ends.
     rows: bytes = b""
     ends: list[int] = field(default_factory=list)
     # leaf name -> lm-eval's Task, loaded once (its data with it); not part of what was scored.
@@ -64,7 +59,7 @@ class NamedSlice:
 
     def info(self) -> dict:
         return {"request": self.request, "include_paths": list(self.index[1]), "cluster_by": self.cluster_by,
-                "items": self.n_max, "order": "seeded cluster order" if self.rows else "document order",
+                "items": self.n_max, "order": "seeded cluster order",
                 "subtasks": {leaf.name: {"items": len(leaf.doc_ids), "of": leaf.size,
                                          "primary": f"{leaf.metric},{leaf.filter}", "filters": leaf.filters}
                              for leaf in self.leaves}}
@@ -126,14 +121,6 @@ def split_entries(entries: list[str]) -> list[tuple[str, str, str | None]]:
     return out
 
 
-def _leaf_tasks(task_dict: dict) -> list:
-    """The Task objects under a task dict, groups expanded depth-first in lm-eval's order."""
-    out = []
-    for value in task_dict.values():
-        out += _leaf_tasks(value) if isinstance(value, dict) else [value]
-    return out
-
-
 def _index(parsed: list[tuple[str, str, str | None]]):
     """The task index the entries are looked up in, and (with lm-eval's own tasks?, paths)."""
     paths = tuple(sorted({p for _, _, p in parsed if p}))
@@ -144,8 +131,7 @@ def _index(parsed: list[tuple[str, str, str | None]]):
 
 def unknown(entries: list[str]) -> dict[str, str]:
     """{entry: why} for the entries lm-eval's task index (with the local YAMLs) does not know: a
-    typo, or a YAML path that defines nothing. Reads the index only (no data is loaded); the
-    quality stage refuses these before any work starts."""
+    typo, or a YAML path that defines nothing. Reads the index only (no data is loaded)."""
     if not entries:
         return {}
     parsed = split_entries(entries)
@@ -160,8 +146,6 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
     An unknown name is skipped here too; the stage refuses it first (`unknown`)."""
     if not entries:
         return [], {}
-    from lm_eval.tasks import get_task_dict
-
     if qcfg is None:
         qcfg = QualityConfig()
     parsed = split_entries(entries)
@@ -173,8 +157,7 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
         else:
             try:
                 with quiet():  # loads (and caches) the data
-                    tasks = list(manager.load([name])["tasks"].values()) if hasattr(manager, "load") \
-                        else _leaf_tasks(get_task_dict([name], manager))
+                    tasks = list(manager.load([name])["tasks"].values())
             except Exception as e:  # datasets raises many kinds when the hub is unreachable
                 skipped[entry] = f"its data is not reachable ({type(e).__name__})"
             else:
@@ -230,10 +213,8 @@ def _build(slice_name: str, name: str, index: tuple[bool, tuple[str, ...]], task
 
 
 def _choose_docs(s: NamedSlice, n_max: int | None, seed: int) -> None:
-    """The slice's documents in scoring order (s.rows, s.ends) and each subtask's share of them
-    (leaf.doc_ids): every document of every subtask, put in the seeded cluster order of
-    waves.order_items (seeded by the run's seed and the slice's name, as a built-in slice's), of
-    which the first n_max (None: all) are the slice."""
+    """The slice's documents in scoring order (s.rows, s.ends: waves.order_items over every
+    document of every subtask, the first n_max of them) and each subtask's share (leaf.doc_ids)."""
     pool = []
     for leaf in s.leaves:
         docs = s.tasks[leaf.name].eval_docs
@@ -257,11 +238,6 @@ def _rid(leaf: Leaf, doc_id: int) -> str:
     return f"{leaf.name}-{doc_id:05d}"
 
 
-def order(s: NamedSlice) -> list[str]:
-    """The slice's item ids in scoring order."""
-    return [json.loads(line)["id"] for line in s.rows.splitlines()]
-
-
 def subset(s: NamedSlice, ids) -> NamedSlice:
     """The slice restricted to the items `ids` (every subtask kept, as the records' groups and
     score names depend on the whole slice; a subtask with none of them runs nothing)."""
@@ -277,27 +253,17 @@ def subset(s: NamedSlice, ids) -> NamedSlice:
 
 
 def requests(named: list[NamedSlice]) -> list:
-    """simple_evaluate's tasks for the named slices: each subtask's Task object that has documents
-    to run (a slice built without them: its request by name)."""
-    out = []
-    for s in named:
-        if s.tasks:
-            out += [s.tasks[leaf.name] for leaf in s.leaves if leaf.doc_ids]
-        else:
-            out.append(s.request)
-    return out
+    """simple_evaluate's tasks for the named slices: each subtask's Task that has documents to run."""
+    return [s.tasks[leaf.name] for s in named for leaf in s.leaves if leaf.doc_ids]
 
 
 def cost_weight(s: NamedSlice, tokenizer, sample: int = 32) -> float:
-    """An item's prior cost relative to the built-in slices' (pipeline/quality/plans.py:
-    cost_weights: prompt tokens plus twice the tokens it may generate): the first documents'
-    text in `tokenizer`'s tokens times one plus the few-shot examples, plus twice the task's
-    max_gen_toks (lm-eval's default 256) where it generates. Only a prior: a look that scores
-    the slice alone measures it."""
+    """An item's prior cost relative to the built-in slices' (items.cost_weights): the first
+    documents' prompt tokens times one plus the few-shot examples, plus twice max_gen_toks."""
     weights = []
     for leaf in s.leaves:
-        task = s.tasks.get(leaf.name)
-        if task is None or not leaf.doc_ids:
+        task = s.tasks[leaf.name]
+        if not leaf.doc_ids:
             continue
         docs = task.eval_docs
         texts = []

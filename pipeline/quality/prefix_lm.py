@@ -3,12 +3,11 @@ the quality stage's evaluator (`quality.evaluator: prefix`, the default).
 
     lm = PrefixCachedLM(pretrained=model, tokenizer=tok, batch_size=32)   # an HFLM, for simple_evaluate
 
-The four options of a question, the questions about one haystack, the items of one tool share a
-prompt prefix that HFLM runs again for every request. Here requests sorted by token ids sit next to
-those they share a prefix with; `plan_batches` cuts them into batches of a shared head and tails,
-`PrefixWalk` computes each head from the previous one's cache, and greedy `generate_until` decodes
-rows together. Tokenization, stops and post-processing are HFLM's, so scores match HFLM's up to
-float rounding; sampling requests and caches that are not plain per-layer K/V run HFLM's own code
+Requests sorted by token ids sit next to those they share a prefix with (a question's options,
+the questions about one haystack); `plan_batches` cuts them into batches of a shared head and
+tails, `PrefixWalk` computes each head from the previous one's cache, and greedy generations are
+decoded together. Tokenization, stops and post-processing are HFLM's, so scores match HFLM's up to
+float rounding; sampling and caches that are not plain per-layer K/V run HFLM's own code
 (docs/methods/quality-slices.md#the-evaluator).
 """
 from __future__ import annotations
@@ -29,11 +28,9 @@ from tqdm import tqdm
 
 from pipeline.core.process import bars_off
 from pipeline.decode.cache import cache_kwarg
-from pipeline.quality import calibration
-from pipeline.quality.batch_plan import StopCheck, common_prefix, plan_batches
-from pipeline.quality.calibration import (CPU_CALL_TOKENS, bucket_call_tokens, decode_kv_budget, free_memory,
-                                          measure_call_tokens)
-
+from pipeline.quality import row_sizing
+from pipeline.quality.row_sizing import (CPU_CALL_TOKENS, bucket_call_tokens, common_prefix, decode_kv_budget,
+                                         free_memory, measure_call_tokens, plan_batches)
 
 
 def forward_kwargs(model) -> tuple[str, bool]:
@@ -49,12 +46,9 @@ def _cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None):
 
 @contextlib.contextmanager
 def gqa_attention(device: torch.device):
-    """On CPU, let transformers hand grouped-query K/V to torch's SDPA as they are
-    (enable_gqa) even with a padding mask, instead of first repeating them per query head: with
-    SmolLM2's 3 KV heads for 9 query heads a masked decode step of 16 rows x 1k positions took
-    1.85 s in 30 layers with the copies, 0.13 s without (same output). transformers keeps the
-    copies when there is a mask because on CUDA that path can fall back to the slow math kernel,
-    so the switch is made for CPU only and undone afterwards."""
+    """On CPU, let transformers hand grouped-query K/V to SDPA as they are (enable_gqa) even with
+    a padding mask, instead of repeating them per query head (14x faster decode steps on SmolLM2,
+    same output); not on CUDA, where that path can fall back to the slow math kernel."""
     key = "TRANSFORMERS_SDPA_FORCE_GQA"
     old = os.environ.get(key)
     if device.type == "cpu":
@@ -197,26 +191,43 @@ def merge_rows(parts: list[Rows]) -> Rows:
     return Rows(kv, mask, torch.cat([p.position for p in parts]), [i for p in parts for i in p.ids])
 
 
-# ------------------------------------------------------------------ calibration (pipeline/quality/calibration.py)
+class StopCheck:
+    """Which greedy rows are done after their latest token: `max_gen` tokens, a stop id (EOS), or
+    a stop string in the text decoded with special tokens. Only each row's tail (longest stop
+    string in UTF-8 bytes + 2 tokens, at least what HFLM's MultiTokenEOSCriteria looks back) is
+    decoded, all live rows in one batch_decode; a hit there is confirmed on the whole text."""
 
-# A model's measured constants, kept for later evaluators of the same loaded model (the quality
-# stage builds one per wave): one measurement per model and run, and the same plan in every wave.
-_CALIBRATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    def __init__(self, tokenizer, until: list[str], stop_ids: set[int], max_gen: int):
+        self.tokenizer, self.stop_ids, self.max_gen = tokenizer, stop_ids, max_gen
+        self.until = [s for s in until if s]
+        self.window = max((len(s.encode("utf-8")) for s in self.until), default=0) + 2
+
+    def contains(self, toks: list[int]) -> bool:
+        """The whole-text test."""
+        text = self.tokenizer.decode(toks, skip_special_tokens=False)
+        return any(s in text for s in self.until)
+
+    def __call__(self, rows: list[list[int]]) -> list[bool]:
+        done = [len(t) >= self.max_gen or t[-1] in self.stop_ids for t in rows]
+        look = [j for j, d in enumerate(done) if not d] if self.until else []
+        if look:
+            tails = self.tokenizer.batch_decode([rows[j][-self.window:] for j in look], skip_special_tokens=False)
+            for j, text in zip(look, tails):
+                if any(s in text for s in self.until):
+                    done[j] = self.contains(rows[j])
+        return done
 
 
-# ------------------------------------------------------------------ the lm-eval model
+# A model's measured sizing constants, kept for later evaluators of the same loaded model (the
+# quality stage builds one per wave): one measurement per model and run, the same batches in every wave.
+_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class PrefixCachedLM(HFLM):
     """HFLM with prefix-shared, batched prefill and batched greedy decoding (module docstring).
-    `stats` counts prompt tokens requested and computed, forward calls, generated tokens, decode
-    steps and the seconds spent in prefill and decode; the evaluator that measured the model's
-    cost constants (calibrate) adds them (CALIBRATION_CONSTANTS) and calibration_seconds once: a
-    later evaluator of the same model reuses them without adding them again, so the per-wave
-    counters the quality stage sums per variant hold one copy.
-
-    `call_tokens` (a forward call's cost in tokens) and `decode_kv_tokens` (a decode batch's
-    cached positions) pin the constants calibrate would otherwise measure."""
+    `stats` counts prompt tokens, forward calls, generated tokens, decode steps and seconds; the
+    evaluator that measured the model's sizing constants (row_sizing.SIZING_CONSTANTS, and
+    calibration_seconds) adds them once. `call_tokens` and `decode_kv_tokens` pin them."""
 
     def __init__(self, pretrained, tokenizer, batch_size: int = 8, call_tokens: int | None = None,
                  decode_kv_tokens: int | None = None, **kwargs):
@@ -233,19 +244,15 @@ class PrefixCachedLM(HFLM):
                         if v is not None}
         if any(v < 1 for v in self._pinned.values()):
             raise ValueError(f"call_tokens and decode_kv_tokens must be >= 1, not {self._pinned}")
-        self.calibration: dict | None = None
+        self._sizing: dict | None = None
 
     def _plain_kv_cache(self) -> bool:
         """Only caches made of plain per-layer K/V tensors can be cut and batched as done here."""
-        from transformers import DynamicCache
-
-        cfg = self.model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = self.model.config.get_text_config()
         if getattr(text, "sliding_window", None) or any(
                 t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
             return False
-        return self.backend == "causal" and hasattr(DynamicCache(), "layers") \
-            and getattr(self, "think_end_token", None) is None
+        return self.backend == "causal" and getattr(self, "think_end_token", None) is None
 
     def _account(self, walk: PrefixWalk, prefill_s: float, decode_s: float = 0.0) -> None:
         self.stats["prompt_tokens"] += walk.requested
@@ -254,34 +261,27 @@ class PrefixCachedLM(HFLM):
         self.stats["prefill_seconds"] += prefill_s
         self.stats["decode_seconds"] += decode_s
 
-    # ------------------------------------------------------------------ calibration
-
-    def calibrate(self) -> dict:
-        """This evaluator's constants: `call_tokens` (bucketed, what the plan uses) and
-        `decode_kv_tokens`, pinned ones as given; the rest measured on the model (a few seconds,
-        once per loaded model: later evaluators of the same model object reuse it), with what
-        they came from: the raw ratio, a call's ms, a token's ns, KV bytes per position and the
-        seconds calibration took."""
-        if self.calibration is not None:
-            return self.calibration
+    def sizing(self) -> dict:
+        """`call_tokens` and `decode_kv_tokens`, pinned ones as given, the others measured once
+        per loaded model (with what they came from: the raw ratio, a call's ms, a token's ns, KV
+        bytes per position, the seconds measuring took)."""
+        if self._sizing is not None:
+            return self._sizing
         measured = None
+        fresh = True
         if len(self._pinned) < 2:
-            measured = _CALIBRATED.get(self.model)
+            measured = _MEASURED.get(self.model)
             fresh = measured is None
             if fresh:
-                measured = self._measure()
-                _CALIBRATED[self.model] = measured
-        else:
-            fresh = True
-        self.calibration = {**(measured or {}), **self._pinned}
+                measured = _MEASURED[self.model] = self._measure()
+        self._sizing = {**(measured or {}), **self._pinned}
         if fresh:
-            self.stats.update(self.calibration)
-        return self.calibration
+            self.stats.update(self._sizing)
+        return self._sizing
 
     def _measure(self) -> dict:
         start = time.perf_counter()
-        vocab = int(getattr(self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config")
-                            else self.model.config, "vocab_size", 0) or self.tokenizer.vocab_size)
+        vocab = int(getattr(self.model.config.get_text_config(), "vocab_size", 0) or self.tokenizer.vocab_size)
         kv_bytes: list[int] = []
 
         def forward(rows: int, width: int) -> None:
@@ -298,11 +298,11 @@ class PrefixCachedLM(HFLM):
             if not kv_bytes:
                 forward(1, 16)
         free = free_memory(self.device)
-        use_measured = self.device.type == "cuda" or calibration.MEASURE_ON_CPU
+        use_measured = self.device.type == "cuda" or row_sizing.MEASURE_ON_CPU
         return {"call_tokens": bucket_call_tokens(m["ratio"]) if use_measured else CPU_CALL_TOKENS,
                 "call_tokens_measured": round(min(m["ratio"], 1e9), 1),
                 "call_tokens_source": "measured" if use_measured else
-                "CPU_CALL_TOKENS (a CPU's measurement moves with load; calibration.MEASURE_ON_CPU)",
+                "CPU_CALL_TOKENS (a CPU's measurement moves with load; row_sizing.MEASURE_ON_CPU)",
                 "call_ms": round(m["call_s"] * 1e3, 3), "token_ns": round(m["token_s"] * 1e9, 3),
                 "kv_bytes_per_token": kv_bytes[0],
                 "decode_kv_tokens": decode_kv_budget(self.device.type, kv_bytes[0], free),
@@ -319,7 +319,7 @@ class PrefixCachedLM(HFLM):
                 raise ValueError("a log-likelihood request needs a non-empty context and continuation")
             inputs.append((ctx + cont)[-(self.max_length + 1):][:-1])
             need.append(len(cont))
-        call_tokens = self.calibrate()["call_tokens"]
+        call_tokens = self.sizing()["call_tokens"]
         res: list = [None] * len(requests)
         walk = PrefixWalk(self.model, self.device, self._fwd)
         start = time.perf_counter()
@@ -369,7 +369,7 @@ class PrefixCachedLM(HFLM):
                 res[i] = text
         if not groups:
             return res
-        cal = self.calibrate()
+        cal = self.sizing()
         call_tokens, kv_budget = cal["call_tokens"], cal["decode_kv_tokens"]
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         bar = tqdm(total=len(requests) - len(fallback), disable=disable_tqdm or self.rank != 0 or bars_off(),

@@ -1,15 +1,13 @@
-"""Scoring in looks: each model's item files grown a look at a time (Waves), and the order in
-which the quality stage spends its looks over the variants (score_variants).
+"""Scoring in looks: each model's item files grown a look at a time (Waves), what re-opens them
+(item_inputs), and the order in which the quality stage spends its looks (score_variants).
 
-    from pipeline.quality.sequential import Waves, score_variants
-    waves = Waves(out_dir, lines, plans, named, configs, timings)
+    waves = Waves(out_dir, lines, plans, named, configs)
     waves.first_look(reference, ref_score)
     score_variants(waves, reference, pending, ref_score, scorer, config, budget)
 
 A variant is scored a look at a time on its open cells (the gate's own replay), the reference
-first. Without a budget each variant goes to its end in turn. With one, in two passes, so that a
-variant its first look settles leaves its time to the open ones: every variant's first look, then
-the later looks of the variants still open, each given the time left over them (docs/methods/budget.md)."""
+first. Without a budget each variant goes to its end in turn; with one, every variant's first
+look, then the later looks of those still open, each given the time left (docs/methods/budget.md)."""
 from __future__ import annotations
 
 import json
@@ -17,50 +15,93 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.core.budget import fmt_s
+from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.stage import (SCHEMA_VERSION, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
-                                 other_schema, progress, read_json)
+                                 other_schema, progress, read_json, sha256_file)
 from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
-from pipeline.quality.calibration import CALIBRATION_CONSTANTS
+from pipeline.quality.row_sizing import SIZING_CONSTANTS
 from pipeline.quality.waves import Allowance, Pace
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
-    """Add the evaluator's counts in `new` to `into` (a float sum rounded to `digits`); its
-    constants (pipeline/quality/calibration.py: CALIBRATION_CONSTANTS) replace, never add; any
-    other value that is not a number is left out."""
+    """Add the evaluator's counts in `new` to `into` (float sums rounded to `digits`); its
+    constants (row_sizing.SIZING_CONSTANTS) replace, never add; other non-numbers are left out."""
     for k, v in new.items():
-        if k in CALIBRATION_CONSTANTS:
+        if k in SIZING_CONSTANTS:
             into[k] = v
         elif isinstance(v, (int, float)):
             total = into.get(k, 0) + v
             into[k] = round(total, digits) if digits is not None and isinstance(v, float) else total
 
 
+# Config keys that change when scoring stops, never what an item scores: a run that changes only
+# these re-uses every item already scored.
+STOPPING_KEYS = ("wave_items", "max_items", "items_per_slice", "distribution_docs", "distribution_tokens")
+# quality.vllm keys that change where engines live or what happens after scoring, never a line.
+VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback", "devices")
+
+
+def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
+                backend: dict | None = None) -> tuple[dict, object]:
+    """(what a model's lines were scored with, so lines scored with the same are kept; a function
+    of `stopped` giving its item's inputs). The budget is in the second only when the variant
+    stopped on it. `backend`: vllm_backend.Choice.scored_with (lines scored otherwise are not
+    kept). With quality.backend hf the `quality.vllm` settings are in neither."""
+    cfg = ctx.config
+    quality = cfg.section("quality")
+    if quality.get("backend", "hf") == "hf":
+        quality = {k: v for k, v in quality.items() if k != "vllm"}
+    scoring = {k: v for k, v in quality.items() if k not in STOPPING_KEYS}
+    if isinstance(scoring.get("per_slice"), dict):  # a slice's own wave_items is a stopping key too
+        kept = {n: {k: v for k, v in e.items() if k not in STOPPING_KEYS and v is not None}
+                for n, e in scoring["per_slice"].items() if isinstance(e, dict)}
+        scoring["per_slice"] = {n: e for n, e in kept.items() if e}  # an entry left empty says nothing
+    if "vllm" in scoring:
+        scoring["vllm"] = {k: v for k, v in scoring["vllm"].items() if k not in VLLM_STOPPING_KEYS}
+    scored_with = {"variant_meta": sha256_file(vdir / "meta.json"), "data": data_hashes,
+                   "tasks": {s.name: s.info() for s in named}, "quality": scoring,
+                   "device": cfg.device, "seed": cfg.seed,
+                   "code": ctx.code, **({"backend": backend} if backend is not None else {})}
+    inputs = {**scored_with, "reference_meta": sha256_file(ref_dir / "meta.json"),
+              "quality": quality, "gate": cfg.section("gate"), "confidence": cfg.confidence,
+              "release": sorted(n for n, v in cfg.quantize.variants.items() if v.release)}
+    stage_budget = {"minutes": cfg.budget.minutes, "share": cfg.budget.shares.get("quality")}
+    return scored_with, lambda stopped: {**inputs, "budget": stage_budget} if stopped else inputs
+
+
+def read_meta(vdir: Path) -> dict:
+    """A directory's meta.json, {} where it is missing or unreadable."""
+    try:
+        meta = json.loads((vdir / "meta.json").read_text())
+    except (json.JSONDecodeError, OSError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def budget_stopped(item_dir: Path) -> bool:
+    """Whether a model's last finished scoring skipped a look on the budget (its meta.json)."""
+    return bool((read_meta(item_dir).get("budget") or {}).get("stopped"))
+
+
 class Waves:
     """Per-model item files grown a look at a time: quality/<model>/<slice>.jsonl holds one line
-    per item scored, in the data file's order, always at a planned look; quality/<model>/
-    scoring.json records what the lines were scored with (the model, the items, the generation
-    settings), so an interrupted or re-planned run re-uses them; meta.json is written last.
-    A slice is a built-in one (its wave's items are written to quality/data/waves/ for its YAML)
-    or an lm-eval task in `named` (pipeline/quality/lm_tasks.py: NamedSlice; a look asks lm-eval
-    for the look's documents by id); both have a plan and a data file in `lines`."""
+    per item scored, in the data file's order, always at a planned look; scoring.json records what
+    the lines were scored with, so an interrupted or re-planned run re-uses them; meta.json is
+    written last. A built-in slice's look is written to quality/data/waves/ for its YAML; an
+    lm-eval task in `named` (lm_tasks.NamedSlice) is asked for the look's documents by id."""
 
-    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list, configs, timings,
+    def __init__(self, out_dir: Path, lines: dict, plans: dict, named: list, configs,
                  weights: dict[str, float] | None = None, clock=time.perf_counter):
         self.out_dir, self.lines, self.plans = out_dir, lines, plans
         self.named = {s.name: s for s in named}
-        self.configs, self.timings = configs, timings
-        self.weights, self.clock = weights, clock
+        self.configs, self.weights, self.clock = configs, weights, clock
         self.stats: dict[str, dict] = {}
         self.items: dict[str, object] = {}
         self.hashes: dict[str, str] = {}
         self.pace: dict[str, Pace] = {}  # model -> seconds per item per slice (kept in scoring.json)
         self.allowances: dict[str, Allowance] = {}
-        # model -> its seconds per item against the reference's before it has scored one (the
-        # quantize stage's timed forward, pipeline/quality/waves.py: pace_priors)
-        self.prior: dict[str, float] = {}
+        self.prior: dict[str, float] = {}  # model -> its pace over the reference's (waves.pace_priors)
 
     def open(self, item, scored_with: dict):
         """Fresh (finished with these inputs), resumed (lines scored with the same model, items
@@ -109,28 +150,24 @@ class Waves:
         return bool(self.stats[name]["stop"])
 
     def stop(self, name: str, need: dict[str, int], why: str, kind: str = "budget") -> None:
-        """Record that `name`'s next looks (`need`: slice -> items) were not taken, and why: on the
-        "budget", or on the "verdict" (the variant is no-go already)."""
+        """Record that `name`'s next looks (`need`) were not taken, and why ("budget" or "verdict")."""
         self.stats[name]["stop"] = {"need": dict(need), "why": why, "kind": kind}
 
     def _save_state(self, name: str) -> None:
         atomic_write_json(self.out_dir / name / "scoring.json", {"score_hash": self.hashes[name], "schema": SCHEMA_VERSION,
                                                                  "pace": self.pace[name].to_json()})
 
-    def first_items(self, name: str) -> dict[str, int]:
-        """Items `name` lacks for its first look, per slice."""
+    def lacks(self, name: str, upto: dict[str, int]) -> dict[str, int]:
+        """Items `name` lacks to reach `upto` (slice -> items)."""
         have = self.scored(name)
-        return {s: max(p["looks"][0] - have[s], 0) for s, p in self.plans.items()}
+        return {s: max(n - have[s], 0) for s, n in upto.items()}
 
-    def items_left(self, name: str) -> dict[str, int]:
-        """Items `name` lacks to every slice's maximum."""
-        have = self.scored(name)
-        return {s: max(p["n_max"] - have[s], 0) for s, p in self.plans.items()}
+    def first_items(self, name: str) -> dict[str, int]:
+        return self.lacks(name, {s: p["looks"][0] for s, p in self.plans.items()})
 
     def model_cost(self, name: str, items: dict[str, int], fallback: str) -> float | None:
-        """Seconds for `name` to score `items` at its measured pace (before it has one: `fallback`'s,
-        the reference's, which runs the same architecture on the same items, times `name`'s prior
-        ratio where it has one)."""
+        """Seconds for `name` to score `items` at its measured pace (before it has one: the
+        reference `fallback`'s times `name`'s prior ratio)."""
         pace, ratio = self.pace.get(name), 1.0
         if pace is None or not pace.known:
             pace, ratio = self.pace.get(fallback), self.prior.get(name, 1.0)
@@ -138,17 +175,15 @@ class Waves:
         return None if cost is None else cost * ratio
 
     def look_cost(self, reference: str, name: str, need: dict[str, int]) -> float | None:
-        """Seconds the look `need` (slice -> items) costs: the items the reference lacks for it and
-        the items `name` lacks, each at its own pace; None when a pace is not known yet."""
-        have_ref, have = self.scored(reference), self.scored(name)
-        ref = self.model_cost(reference, {s: max(n - have_ref[s], 0) for s, n in need.items()}, reference)
-        var = self.model_cost(name, {s: max(n - have[s], 0) for s, n in need.items()}, reference)
+        """Seconds the look `need` (slice -> items) costs the reference and `name`, each at its own
+        pace; None when a pace is not known yet."""
+        ref = self.model_cost(reference, self.lacks(reference, need), reference)
+        var = self.model_cost(name, self.lacks(name, need), reference)
         return None if ref is None or var is None else ref + var
 
     def budget_record(self, name: str) -> dict:
         """Per slice: the items scored, the looks done, planned and skipped, and where scoring
-        stopped: "settled" (a look decided every cell), "last look", "budget" (with why), or
-        "verdict" (a budgeted stage stopped a variant that was no-go already, with why)."""
+        stopped: "settled", "last look", "budget" or "verdict" (with why)."""
         have, stop = self.scored(name), self.stats[name]["stop"]
         allowance = self.allowances.get(name)
         slices = {}
@@ -179,9 +214,8 @@ class Waves:
 
     def cover(self, name: str, score, need: dict[str, int]) -> None:
         """Score `name` on the items it lacks up to `need[slice]` and append them to its files: one
-        lm-eval call per planned look it lacks (every slice's items of that look together), so a
-        look's items are scored in calls of exactly them whichever model scores them (an lm-eval
-        task that draws few-shot examples at random draws them per call: lm_tasks' docstring)."""
+        lm-eval call per planned look it lacks, so a look's items are scored in calls of exactly
+        them whichever model scores them (few-shot draws are per call: lm_tasks' docstring)."""
         have = self.scored(name)
         steps: list[dict[str, tuple[int, int]]] = []
         for s, n in need.items():
@@ -237,6 +271,27 @@ class Waves:
         where = ", ".join(f"{s} {lo}->{hi}" for s, (lo, hi) in step.items())
         progress(f"quality: {name}: {count} items in {took:.1f} s ({where})")
 
+    def announce(self, budget: StageBudget, reference: str, pending: list[str], first: bool) -> None:
+        """The stage's estimate: the reference and the `pending` variants to every slice's maximum,
+        at the seconds per item measured so far (`first`: before the reference's first look)."""
+        if not pending:  # nothing to score but what the reference lacks for variants already done
+            return
+        left = {n: self.lacks(n, {s: p["n_max"] for s, p in self.plans.items()}) for n in [reference, *pending]}
+        total = sum(sum(v.values()) for v in left.values())
+        costs = [self.model_cost(n, v, reference) for n, v in left.items()]
+        est = None if None in costs else sum(costs)
+        if first:
+            what = (f"up to {total} items: the reference and {len(pending)} variant(s) to every slice's maximum "
+                    f"({', '.join(str(s) + ' ' + str(p['n_max']) for s, p in self.plans.items())})"
+                    + ("" if est is not None else "; s/item not measured yet"))
+        else:
+            firsts = [self.model_cost(n, self.first_items(n), reference) for n in pending]
+            rates = self.pace[reference].to_json()["per_item_s"] if reference in self.pace else {}
+            what = (f"after the reference's first look (s/item: "
+                    f"{', '.join(f'{s} {r:.2f}' for s, r in rates.items()) or '-'}): up to {total} more items; "
+                    f"the variants' first looks ~{fmt_s(None if None in firsts else sum(firsts))}")
+        budget.announce(what, est)
+
     def finish(self, name: str, evaluator: str, ran: dict | None = None) -> None:
         """Write `name`'s meta.json; `ran` (vllm_backend.Choice.record) says what scored it."""
         st, item = self.stats[name], self.items[name]
@@ -259,9 +314,8 @@ def _count(path: Path) -> int:
 
 
 def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowance | None = None) -> None:
-    """Variant `name`'s first look (the reference has scored its own). With `allowance` (the
-    variant's share of the stage's budget) its estimate is announced; it is scored even when it
-    is over the allowance: the gate needs a first look."""
+    """Variant `name`'s first look, its estimate announced against `allowance` (its share of the
+    stage's budget); scored even over the allowance: the gate needs a first look."""
     if allowance is not None:
         waves.allowances[name] = allowance
         first = waves.first_items(name)
@@ -277,10 +331,8 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
 
 
 def next_need(waves: Waves, reference: str, name: str, cfg, budgeted: bool) -> tuple[dict[str, int], list[str]]:
-    """(the look each open slice of `name` needs next, slice -> items, pipeline/gate/decision.py:
-    open_slices; the rows a look has failed). Budgeted, a variant with a failed row needs nothing
-    more (its no-go is settled): the failed rows are returned so the caller can record why it
-    stopped."""
+    """(the look each open slice of `name` needs next, slice -> items (gate.decision.open_slices);
+    budgeted, the rows a look has failed: its no-go is settled, the caller stops it)."""
     open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
     need = waves.next_looks(name, open_)
     if budgeted and failed and need:
@@ -290,13 +342,10 @@ def next_need(waves: Waves, reference: str, name: str, cfg, budgeted: bool) -> t
 
 def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                 allowance: Allowance | None = None) -> None:
-    """A look at a time for the slices of `name` whose cells are open (each look every open
-    slice's next), the reference first scoring whatever the look needs. With an active
-    `allowance`, before each look its cost is estimated (the items the variant and the reference
-    lack for it, at each one's measured seconds per item) and a look that does not fit what is
-    left is not taken: the variant stops there, its open cells stay open and its meta.json says
-    which looks were skipped and why; a variant that has a failed cell stops too (its no-go is
-    settled). None, or no budget: every look of every open cell."""
+    """A look at a time for the slices of `name` whose cells are open, the reference first scoring
+    what the look needs. With an active `allowance`, a look whose estimated cost does not fit what
+    is left is not taken (the cells stay open; meta.json says which looks were skipped and why),
+    and a variant with a failed cell stops (its no-go is settled). Else every look of every open cell."""
     budgeted = allowance is not None and allowance.active
     if allowance is not None:
         waves.allowances[name] = allowance
@@ -323,10 +372,8 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
 
 def score_in_waves(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                    allowance: Allowance | None = None) -> None:
-    """Variant `name` whole: its first look, then its later looks (first_look, later_looks).
-    `score(configs, tasks)` (built-in slices' task configs, lm-eval tasks restricted to the
-    look's documents) returns ({task: records}, counters), as pipeline.quality.evaluate.evaluate
-    does (tests inject one). `allowance`: the variant's share of the stage's budget."""
+    """Variant `name` whole: its first look, then its later looks. `score(configs, tasks)` returns
+    ({task: records}, counters), as pipeline.quality.evaluate.evaluate does."""
     first_look(waves, reference, name, score, allowance)
     later_looks(waves, reference, name, ref_score, score, cfg, allowance)
 
@@ -334,13 +381,9 @@ def score_in_waves(waves: Waves, reference: str, name: str, ref_score, score, cf
 def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, scorer, cfg, budget,
                    after_first=None, finish=None, park=None) -> None:
     """Every variant in `pending` (the reference's first look already scored): `scorer(name)`
-    gives its score function, `after_first(name)` runs once its first look is scored (the
-    stage's drift, while the model is loaded), `finish(name)` once it is done (its meta.json,
-    freeing its memory), `park(name)` when it waits, open, for the second pass (freeing its
-    memory: it is loaded again for its later looks). Without an active `budget` (a StageBudget)
-    each variant is scored whole in turn; with one, in two passes (the module's docstring says
-    why): every first look, then the later looks of the variants still open, each with the time
-    left over the ones to go."""
+    gives its score function; `after_first(name)` runs after its first look (the stage's drift),
+    `finish(name)` once it is done, `park(name)` when it waits, open, for the second pass. Without
+    an active `budget` (a StageBudget) each variant whole in turn; with one, in two passes."""
     after_first = after_first or (lambda name: None)
     finish = finish or (lambda name: None)
     park = park or (lambda name: None)

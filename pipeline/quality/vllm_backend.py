@@ -1,15 +1,13 @@
 """`quality.backend: vllm`: the quality slices scored through a vLLM engine specq serves.
 
-    from pipeline.quality import vllm_backend
-    choice = vllm_backend.choose(cfg.quality, variant_dir, seed=cfg.seed, platform="cpu")  # Choice("vllm", kwargs) or ("hf", why)
+    choice = vllm_backend.choose(cfg.quality, variant_dir, seed=cfg.seed)  # Choice("vllm", kwargs) or ("hf", why)
     engines = vllm_backend.Engines(host=vllm_backend.Host.of(cfg, log_dir))
     lm, load_seconds = engines.get(name, choice.kwargs)     # lm-eval's local-completions on a started server
-    records, counters = evaluate(lm, lm.tokenizer, ...)     # pipeline/quality/evaluate.py, unchanged records
+    records, counters = evaluate(lm, lm.tokenizer, ...)     # the hf backend's records
     engines.release()                                       # every server stopped
 
-vLLM's OpenAI server (its own venv) answers lm-eval's local-completions client, so the records are
-the hf backend's; `vllm_args` (pure: no vLLM needed) turns a variant directory into the engine's
-settings, and a variant vLLM cannot load falls back to hf or refuses the run (docs/methods/quality-vllm.md).
+`vllm_args` (pure: no vLLM needed) turns a variant directory into the engine's settings; a variant
+vLLM cannot load falls back to hf or refuses the run (docs/methods/quality-vllm.md).
 """
 from __future__ import annotations
 
@@ -56,9 +54,8 @@ def _quant_method(vdir: Path) -> str | None:
 
 def vllm_args(vdir: str | Path, meta: dict, vcfg, seed: int,
               supported: frozenset[str] | None = None, platform: str = "cuda") -> dict | str:
-    """The engine settings for the variant directory `vdir` (meta = its meta.json), or a one-line
-    reason vLLM cannot load it on `platform`. `vcfg` is quality.vllm; `supported` the quantization
-    methods vLLM lists (None: the static list in pipeline/vllm/spec_config.py)."""
+    """The engine settings for the variant in `vdir` (meta: its meta.json; vcfg: quality.vllm), or
+    why vLLM cannot load it on `platform`. `supported`: the quantization methods vLLM lists."""
     vdir = Path(vdir)
     scheme = meta.get("scheme", "reference")
     if scheme in SCHEME_NOT_READ:
@@ -69,8 +66,7 @@ def vllm_args(vdir: str | Path, meta: dict, vcfg, seed: int,
     why = method_reason(method, supported, platform=platform)
     if why:
         return why
-    # auto: the dtype the hf backend computes this variant in (its meta.json), so that a run whose
-    # variants are split between the backends compares like with like.
+    # auto: the dtype the hf backend computes this variant in, so both backends compare like with like.
     dtype = vcfg.dtype
     if dtype == "auto" and meta.get("dtype_compute") in ("bfloat16", "float16", "float32"):
         dtype = meta["dtype_compute"]
@@ -96,8 +92,7 @@ class Choice:
     vllm_version: str | None = None
 
     def scored_with(self) -> dict:
-        """What goes into the hash of what the variant's lines were scored with: the backend, the
-        settings (not the directory's path: a moved run is not re-scored), the vLLM version."""
+        """What the variant's lines were scored with (not the directory's path: a moved run is not re-scored)."""
         args = {k: v for k, v in (self.kwargs or {}).items() if k not in NOT_SCORED}
         return {"backend": self.backend, "why": self.why, "args": args, "vllm_version": self.vllm_version}
 
@@ -109,16 +104,15 @@ class Choice:
         return {"backend": "hf", "evaluator": evaluator, **({"backend_reason": self.why} if self.why else {})}
 
 
-def choose(qcfg, vdir: str | Path, seed: int, supported: frozenset[str] | None = None,
-           name: str | None = None, platform: str = "cuda", version: str | None = None) -> Choice:
-    """The backend that scores the variant in `vdir` under quality config `qcfg`: hf when asked;
-    vllm where vllm_args builds its settings; else hf with the reason (fallback: hf) or a
-    StageError (fallback: stop)."""
+def choose(qcfg, vdir: str | Path, seed: int, name: str | None = None, platform: str = "cuda",
+           version: str | None = None) -> Choice:
+    """What scores the variant in `vdir`: hf when asked; vllm where vllm_args builds its settings;
+    else hf with the reason (fallback: hf) or a StageError (fallback: stop)."""
     if qcfg.backend == "hf":
         return Choice("hf")
     vdir = Path(vdir)
     meta = read_json(vdir / "meta.json", "variant meta.json")
-    args = vllm_args(vdir, meta, qcfg.vllm, seed, supported, platform)
+    args = vllm_args(vdir, meta, qcfg.vllm, seed, platform=platform)
     if isinstance(args, str):
         if qcfg.vllm.fallback == "stop":
             raise StageError(f"quality: vLLM cannot load variant '{name or vdir.name}': {args} "
@@ -128,8 +122,8 @@ def choose(qcfg, vdir: str | Path, seed: int, supported: frozenset[str] | None =
 
 
 def config_reason(spec, platform: str = "cuda") -> str | None:
-    """Why vLLM cannot load the variant a config entry (quantize.variants.<name>) makes, as far as
-    the config and a checkpoint's config.json tell before quantize has run; None when it may."""
+    """Why vLLM cannot load the variant quantize.variants.<name> makes, as far as the config and a
+    checkpoint's config.json tell before quantize has run; None when it may."""
     if spec.scheme in SCHEME_NOT_READ:
         return SCHEME_NOT_READ[spec.scheme]
     if platform == "cpu" and spec.scheme in ("bnb-int8", "bnb-nf4"):
@@ -149,8 +143,7 @@ def config_reason(spec, platform: str = "cuda") -> str | None:
 
 @dataclass(frozen=True)
 class Host:
-    """Where the engines run and how long to wait for them (the top-level `vllm` section, resolved
-    for this machine): none of it changes a scored line."""
+    """Where the engines run and how long to wait for them (the top-level `vllm` section)."""
     platform: str
     log_dir: Path
     enforce_eager: bool
@@ -173,11 +166,8 @@ class Host:
 
 
 class Engines:
-    """The engines started, at most one at a time: starting another stops the running one first
-    (`keep`, when named, is the reference's engine, left running beside it:
-    quality.vllm.keep_reference). An hf model is never loaded while an engine holds the GPUs (the
-    stage calls release() first). `build(name, kwargs)` starts one (default: a served engine on
-    `host`)."""
+    """The engines started, one at a time: starting another stops the running one, but `keep` (the
+    reference's, quality.vllm.keep_reference). `build(name, kwargs)` starts one (default: `serve`)."""
 
     def __init__(self, keep: str | None = None, build=None, host: Host | None = None):
         self.keep = keep
@@ -220,8 +210,8 @@ def _model_len(kwargs: dict) -> int:
 
 
 def serve(name: str, kwargs: dict, host: Host):
-    """Start vLLM's server on the variant in kwargs["pretrained"] and return lm-eval's
-    local-completions model on it (its `server` attribute is the Server, stopped by _shutdown)."""
+    """lm-eval's local-completions model on a vLLM server started on kwargs["pretrained"] (its
+    `server` attribute, stopped by _shutdown)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     from pipeline.quality import lm_tasks

@@ -1,16 +1,14 @@
-"""The order in which a slice's items are scored in waves, and the looks it allows.
+"""The order in which a slice's items are scored in waves, and the time the waves take.
 
-    from pipeline.quality.waves import order_items
     blob, ends = order_items(pool_blob, seed=0, slice_name="bfcl", n_max=240)
     pace = Pace({"bfcl": 420.0, "calibration": 180.0}); pace.record({"bfcl": 40}, 61.0)
     allowance = Allowance(StageBudget(config, "quality"), variants_left=3)
 
-A slice's clusters are put once in a seeded random order (quality/data/<slice>.jsonl) and every
-model scores a prefix of it, so each look is a random sample that never splits a cluster. Where
-clusters have unequal sizes or outnumber n_max, one item per cluster is taken, so a big cluster
-cannot keep an identical copy from passing (docs/methods/quality-slices.md#the-order-items-are-scored-in).
-`Pace`: a model's seconds per item per slice (`pace_priors`: a variant's before it has scored);
-`Allowance`: a variant's time (docs/methods/budget.md).
+A slice's clusters are put once in a seeded random order and every model scores a prefix of it,
+so each look is a random sample that never splits a cluster; where clusters have unequal sizes or
+outnumber n_max, one item per cluster is taken
+(docs/methods/quality-slices.md#the-order-items-are-scored-in). `Pace`: a model's seconds per item
+per slice; `Allowance`: a variant's time (docs/methods/budget.md).
 """
 from __future__ import annotations
 
@@ -57,13 +55,10 @@ def order_items(blob: bytes, seed: int, slice_name: str, n_max: int) -> tuple[by
 
 
 class Pace:
-    """Seconds per item of one model, per slice, from the calls that scored it.
-
-    `weights`: slice -> an item's prior cost relative to the other slices' (missing: the mean
-    weight, or 1). A call that scored one slice measures that slice (`solo`); every call also
-    enters one fitted rate, seconds per weight unit over all calls (`weighted`), which prices a
-    slice never scored alone. `state` is `to_json()` of an earlier run (quality/<model>/
-    scoring.json keeps it, so a resumed run can estimate before its first call)."""
+    """Seconds per item of one model, per slice, from the calls that scored it: a call of one
+    slice measures it (`solo`); every call enters one rate per unit of `weights` (each slice's
+    prior cost per item; missing: the mean), which prices a slice never scored alone. `state`:
+    an earlier run's `to_json()` (kept in scoring.json)."""
 
     def __init__(self, weights: dict[str, float] | None = None, state: dict | None = None):
         self.weights = dict(weights or {})
@@ -123,11 +118,8 @@ class Pace:
 
 
 def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
-    """variant -> its forward's seconds over the reference's, both timed by the quantize stage on
-    the same 512 held-out tokens (variants/<v>/meta.json: `forward_seconds`), for every variant
-    that has one: its seconds per item against the reference's before it has scored one
-    (Waves.model_cost; a variant without one is priced at the reference's pace). A prefill's
-    ratio, where the first looks also decode (docs/methods/budget.md)."""
+    """variant -> its forward's seconds over the reference's (the quantize stage's
+    `forward_seconds` in variants/<v>/meta.json): its pace before it has scored an item."""
     ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
     if not ref:
         return {}
@@ -140,16 +132,12 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
 
 
 class Allowance(budget_mod.Allowance):
-    """One variant's share of the quality stage's budget (a pipeline.core.budget.StageBudget):
-    the stage's time left divided over the `variants_left` variants still to score (this one
-    included), less `reserve_s` for its work after scoring (its distribution drift, as measured on
-    the variant before). What a variant leaves unused is in the next one's `left()`; the
-    reference's items for the variant's looks are the variant's cost. Without a budget it affords
-    everything. (pipeline.core.budget.Allowance, with the reserve, a look of unknown cost and the
-    reason a look was not taken.)"""
+    """One variant's share of the quality stage's budget: the time left over the `variants_left`
+    variants still to score (this one included); what one leaves unused goes to the next.
+    Without a budget it affords everything."""
 
-    def __init__(self, budget, variants_left: int, reserve_s: float = 0.0):
-        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1) - reserve_s, 0.0)
+    def __init__(self, budget, variants_left: int):
+        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1), 0.0)
                          if budget.active else None)
 
     def affords(self, estimate_s: float | None) -> bool:
