@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from pipeline.core.stage import StageError, library_version, read_json
-from pipeline.models.loading import check_weight_files, compare_tokenizers, load_hf
-from pipeline.variants.files import SPECQ_FILES, link_or_copy_tree, weight_bytes
+from pipeline.models.loading import (SPECQ_FILES, check_weight_files, compare_tokenizers, link_or_copy_tree, load_hf,
+                                     weight_bytes)
 from pipeline.variants.quantizers import hf_from_pretrained, load_bnb, load_gptq, load_torchao
 
 
@@ -155,7 +155,7 @@ def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
     """Link the checkpoint into the variant directory (check_checkpoint has passed)."""
     path = Path(spec.path).expanduser()
     info = inspect_checkpoint(path)
-    link_or_copy_tree(path, out, skip=SPECQ_FILES)
+    link_or_copy_tree(path, out)
     qcfg = info["quantization_config"] or {}
     method = info["quant_method"]
     library = "gptqmodel" if method == "gptq" else "transformers"

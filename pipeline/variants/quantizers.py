@@ -1,4 +1,5 @@
-"""The quantizers and loaders of the built-in schemes: none, gptq, bnb-int8, bnb-nf4, torchao-int8wo.
+"""The quantizers and loaders of the built-in schemes: none, gptq, bnb-int8, bnb-nf4, torchao-int8wo,
+and GPTQ's calibration windows (`quantize.calibration`; builtin = evals/data/calibration.txt).
 
 A quantizer turns the reference HF directory `src` into a variant directory `out` and returns the
 extra keys it wants in the variant's meta.json. A loader is `(path, meta, device, dtype) -> model`.
@@ -26,9 +27,9 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.stage import StageError, library_version, progress
+from pipeline.core.stage import REPO, StageError, library_version, progress, sha256_file
 from pipeline.models.architecture import architecture, text_config, weight_matrices
-from pipeline.variants.files import link_or_copy_tree
+from pipeline.models.loading import link_or_copy_tree
 
 # Calibration windows per GPTQ forward pass (4 was ~4x faster than 1 on CPU).
 CALIBRATION_BATCH = 4
@@ -45,6 +46,40 @@ class Job:
     seed: int
     log_dir: Path
     calibration: Callable[[], list[list[int]]] | None = None  # token-id windows, made on demand
+
+
+BUILTIN_CALIBRATION = REPO / "evals" / "data" / "calibration.txt"
+
+
+@dataclass
+class Calibration:
+    path: Path
+    sha256: str
+    windows: list[list[int]]  # token ids, one list per calibration sample
+    tokens_available: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+
+def load_calibration(ccfg, tokenizer) -> Calibration:
+    """n_samples windows of max_tokens tokens, evenly spread over the calibration text (so every
+    language and the code in it are represented); refuse a text shorter than min_tokens."""
+    path = BUILTIN_CALIBRATION if ccfg.source == "builtin" else Path(ccfg.source).expanduser()
+    if not path.is_file():
+        raise StageError(f"calibration text missing: {path} (quantize.calibration.source is '{ccfg.source}')")
+    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    if len(ids) < ccfg.min_tokens:
+        raise StageError(f"calibration text {path} is too short: {len(ids)} tokens, fewer than "
+                         f"quantize.calibration.min_tokens = {ccfg.min_tokens}")
+    size = min(ccfg.max_tokens, len(ids))
+    n = max(1, min(ccfg.n_samples, len(ids) // size))
+    if n < ccfg.n_samples or size < ccfg.max_tokens:  # windows do not overlap: fewer than asked
+        progress(f"quantize: calibration text {path.name} has {len(ids)} tokens: {n} windows of {size} "
+                 f"tokens, fewer than the {ccfg.n_samples} x {ccfg.max_tokens} asked (quantize.calibration)")
+    starts = [round(i * (len(ids) - size) / max(1, n - 1)) for i in range(n)]
+    return Calibration(path, sha256_file(path), [ids[s:s + size] for s in starts], len(ids))
 
 
 # ---------------------------------------------------------------- helpers
