@@ -114,7 +114,7 @@ def workload_file_sha256(workload: str) -> str | None:
 class AcceptanceConfig(Section):
     """The acceptance stage: per (target, draft) pair, per-position acceptance and expected tokens per
     round E(k) at k = 1..k_max, derived from one teacher-forced pass over the target's own text, with
-    the lossless checks and a direct check. Latency and vLLM measure speculation on its prompts."""
+    the lossless checks and a direct check."""
     # Target variants specq's engine pairs with every draft; empty = every release variant.
     targets: list[str] = Field(default_factory=list)
     # Largest draft length k; vllm.k_max falls back to it when null, latency.k_max to vllm.k_max.
@@ -207,9 +207,7 @@ BUDGET_SHARES = {"quality": 0.45, "acceptance": 0.15, "vllm": 0.25, "latency": 0
 
 
 class BudgetConfig(Section):
-    """How long the run may take (pipeline/core/budget.py). The planning stages (quality, acceptance,
-    vllm, latency) fit their work to what the run's ledger gives them when they start, and record
-    in meta.json what they planned, spent and skipped."""
+    """How long the run may take (pipeline/core/budget.py)."""
     # Wall-clock minutes for the whole run; null = no budget: every stage does all its config asks.
     minutes: PositiveFloat | None = 40.0
     # Relative shares of the planning stages, each > 0; a stage not named keeps its default.
