@@ -1,10 +1,7 @@
 """Loading plain Hugging Face models and tokenizers; a model directory's weight files: checked
 before they load, hard-linked into a variant, counted on disk.
 
-    from pipeline.models.loading import load_hf, load_tokenizer, compare_tokenizers, check_weight_files
-
-Variants (quantized or not) load through pipeline.variants.schemes.load_variant, which dispatches
-on the scheme recorded in the directory's meta.json and calls `load_hf` for plain ones.
+Variants load through pipeline.variants.schemes.load_variant, which calls `load_hf` for plain ones.
 """
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ PROBE_TEXT = "Hello, world! def f(x): return {\"a\": [1, 2.5]}  Le café coûte 
 
 
 def compare_tokenizers(label: str, reference, other, other_name: str = "other", reference_name: str = "reference"):
-    """Refuse (one line starting with `label`, naming the first difference) unless `other` has
-    the reference's vocabulary (token -> id for every entry), gives the same ids for a probe text
-    and has the same EOS/BOS."""
+    """Refuse (one line naming the first difference) unless `other` has the reference's vocabulary,
+    ids for a probe text, and EOS/BOS."""
     rv, ov = reference.get_vocab(), other.get_vocab()
     if len(rv) != len(ov):
         raise StageError(f"{label}: tokenizer vocab has {len(ov)} entries, the {reference_name}'s has {len(rv)}")
@@ -95,10 +91,8 @@ def link_or_copy_tree(src: Path, out: Path) -> None:
 
 
 def check_weight_files(path: str | Path, what: str) -> list[Path]:
-    """Refuse a model directory whose weights cannot be read, with one line naming the file,
-    before any loader is called: no weight files, a shard the index names but the directory
-    lacks, or a safetensors file that is truncated or corrupt (safetensors checks that the
-    header parses and that its offsets cover the file exactly; no tensor data is read)."""
+    """Refuse a model directory whose weights cannot be read, in one line naming the file: no weight
+    files, a shard its index names but it lacks, a truncated or corrupt safetensors header."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
