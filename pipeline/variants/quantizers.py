@@ -2,9 +2,8 @@
 and GPTQ's calibration windows (`quantize.calibration`; builtin = evals/data/calibration.txt).
 
 A quantizer turns the reference HF directory `src` into a variant directory `out` and returns the
-extra keys it wants in the variant's meta.json. A loader is `(path, meta, device, dtype) -> model`.
-The registry that names them (pipeline/variants/schemes.py) is the only thing that calls them by
-scheme; `checkpoint` variants (pipeline/variants/checkpoint.py) reuse the loaders.
+extra keys of its meta.json; a loader is `(path, meta, device, dtype) -> model`. The registry
+(pipeline/variants/schemes.py) calls them by scheme; `checkpoint` variants reuse the loaders.
 
     scheme          library        stored as
     none            transformers   the reference's safetensors (hard links), or a noised copy
@@ -82,9 +81,6 @@ def load_calibration(ccfg, tokenizer) -> Calibration:
     return Calibration(path, sha256_file(path), [ids[s:s + size] for s in starts], len(ids))
 
 
-# ---------------------------------------------------------------- helpers
-
-
 def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> int:
     """Deliberate damage, seeded: w += relative_std * std(w) * N(0, 1) on every decoder weight
     matrix (each expert of a fused tensor on its own). Returns the number of matrices changed."""
@@ -108,8 +104,8 @@ def noise_seed(seed: int, variant: str) -> int:
 
 @contextlib.contextmanager
 def library_output_to(log_file: Path):
-    """Send a library's chatter to a log file and run in its directory (GPTQModel writes `logs/`
-    into its working directory; give it absolute paths). Yields the real stderr."""
+    """Send a library's chatter to a log file and run in its directory (GPTQModel writes `logs/` into
+    its working directory). Yields the real stderr."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     cwd, stderr = os.getcwd(), sys.stderr
     with open(log_file, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
@@ -126,9 +122,6 @@ def hf_from_pretrained(src: Path, dtype: torch.dtype, device: torch.device, **kw
     return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=str(device), **kw)
 
 
-# ---------------------------------------------------------------- none (the reference, or a noised copy)
-
-
 def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
     bits = torch.finfo(job.storage_dtype).bits
     if spec.weight_noise > 0:
@@ -140,9 +133,6 @@ def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
     link_or_copy_tree(src, out)
     return {"storage": "hard links to the reference's files", "library": "transformers", "bits": bits,
             "library_version": library_version("transformers")}
-
-
-# ---------------------------------------------------------------- GPTQ through GPTQModel
 
 
 def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
@@ -226,9 +216,6 @@ def transformers_classes_kept(config):
                 setattr(m, name, value)
 
 
-# ---------------------------------------------------------------- bitsandbytes LLM.int8 and NF4
-
-
 def _quantize_bnb(src: Path, out: Path, job: Job, config, storage: str) -> dict:
     # Unquantized parts are stored in the reference's dtype: the size on disk is the scheme's cost.
     model = hf_from_pretrained(src, job.storage_dtype, job.device, quantization_config=config)
@@ -262,19 +249,14 @@ def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
 _BNB_CPU_BLOCK_N = 32
 
 
-class _OncePerMessage(logging.Filter):
-    """Let each distinct message through once."""
+_SEEN_MESSAGES: set[str] = set()
 
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if msg in self.seen:
-            return False
-        self.seen.add(msg)
-        return True
+def _once_per_message(record: logging.LogRecord) -> bool:
+    """A logging filter that lets each distinct message through once."""
+    new = record.getMessage() not in _SEEN_MESSAGES
+    _SEEN_MESSAGES.add(record.getMessage())
+    return new
 
 
 def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
@@ -282,9 +264,7 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
 
     # LLM.int8 on float32 inputs says on every matmul that it casts them to float16: keep it once.
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _OncePerMessage) for f in bnb_log.filters):
-        bnb_log.addFilter(_OncePerMessage())
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_once_per_message)  # added once
     model = hf_from_pretrained(path, dtype, device)
     # transformers keeps a pre-quantized bnb model's unquantized parts (embeddings, norms) in the
     # stored dtype and refuses model.to(dtype); cast those plain parameters one by one.
@@ -299,9 +279,6 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
             if getattr(m, "support_avx512bf16_for_cpu", False) and m.out_features % _BNB_CPU_BLOCK_N:
                 m.support_avx512bf16_for_cpu = False
     return model
-
-
-# ---------------------------------------------------------------- torchao int8 weight-only
 
 
 def quantize_torchao_int8wo(src: Path, out: Path, spec, job: Job) -> dict:
