@@ -230,12 +230,12 @@ def dir_bytes(path: str | Path) -> int:
 
 
 def progress(msg: str) -> None:
-    """One progress line on stderr, flushed (Make and CI show it as it happens)."""
+    """One progress line on stderr, flushed."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def other_schema(meta: Any) -> str | None:
-    """None when `meta` carries SCHEMA_VERSION; otherwise what it carries, as "schema none, this is 1"."""
+    """None when `meta` carries SCHEMA_VERSION, else "schema <its>, this is <ours>"."""
     got = meta.get("schema") if isinstance(meta, dict) else None
     if got == SCHEMA_VERSION:
         return None

@@ -4,13 +4,6 @@ and GPTQ's calibration windows (`quantize.calibration`; builtin = evals/data/cal
 A quantizer turns the reference HF directory `src` into a variant directory `out` and returns the
 extra keys of its meta.json; a loader is `(path, meta, device, dtype) -> model`. The registry
 (pipeline/variants/schemes.py) calls them by scheme; `checkpoint` variants reuse the loaders.
-
-    scheme          library        stored as
-    none            transformers   the reference's safetensors (hard links), or a noised copy
-    gptq            gptqmodel      packed int4/int8 GPTQ safetensors (GPTQModel format)
-    bnb-int8        bitsandbytes   LLM.int8 weights serialized by save_pretrained
-    bnb-nf4         bitsandbytes   NF4 weights + quant state serialized by save_pretrained
-    torchao-int8wo  torchao        int8 weight-only tensors serialized by save_pretrained
 """
 from __future__ import annotations
 
@@ -190,9 +183,8 @@ def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def transformers_classes_kept(config):
-    """Undo, on exit, GPTQModel's process-wide edits to transformers: loading a MoE model, it swaps
-    the architecture's sparse-MoE block class and the checkpoint conversion mapping, so later plain
-    loads would build unfused experts (a later bnb NF4 variant then fails)."""
+    """Undo, on exit, GPTQModel's process-wide edits to transformers (a MoE model's block class and the
+    checkpoint conversion mapping), which would make later plain loads build unfused experts."""
     import transformers.conversion_mapping as conversion
     import transformers.modeling_utils as modeling_utils
     from transformers import AutoModelForCausalLM
