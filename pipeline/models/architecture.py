@@ -1,6 +1,5 @@
 """Architecture-neutral views of a causal LM, so no stage assumes Llama's module names.
 
-    from pipeline.models.architecture import decoder_layers, weight_matrices, check_engine_cache
     path, layers = decoder_layers(model)          # ("transformer.h", ModuleList) on GPT-2
     for w in weight_matrices(model): w.name, w.kind, w.input_width
     check_engine_cache(model.config)              # StageError if the engine cannot roll the cache back
@@ -42,16 +41,12 @@ def context_length(model) -> int | None:
     return getattr(text_config(model.config), "max_position_embeddings", None)
 
 
-def _blocks_of_one_class(module: torch.nn.ModuleList) -> bool:
-    return len(module) > 0 and len({type(m) for m in module}) == 1
-
-
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
     """(dotted path, the ModuleList of decoder blocks) of a transformers causal LM."""
     n_layers = getattr(text_config(model.config), "num_hidden_layers", None) if hasattr(model, "config") else None
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     candidates = [(name, m) for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.ModuleList) and _blocks_of_one_class(m)]
+                  if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1]
 
     def size(item) -> int:
         return sum(p.numel() for p in item[1].parameters())
@@ -83,9 +78,7 @@ def _is_conv1d(module) -> bool:
 
 
 def weight_matrices(model) -> list[WeightMatrix]:
-    """Every >= 2-D parameter inside the decoder blocks, in module order (for Llama: q, k, v, o,
-    gate, up, down of layer 0, then layer 1, ...). Embeddings and the LM head sit outside the
-    blocks and are not listed."""
+    """Every >= 2-D parameter inside the decoder blocks (not the embeddings or LM head), in module order."""
     path, layers = decoder_layers(model)
     out = []
     for mod_name, module in layers.named_modules(prefix=path):
@@ -113,9 +106,8 @@ def meta_model(config):
 
 
 def float_matrix_fraction(model, reference_params: int) -> float:
-    """Share of the reference's decoder weight-matrix parameters that a loaded variant still
-    holds as plain floating-point tensors (1.0 = nothing quantized). Quantized storage shows as an
-    integer dtype (bitsandbytes, packed GPTQ buffers) or a tensor subclass (torchao)."""
+    """Share of the reference's decoder weight-matrix parameters that a loaded variant still holds as
+    plain floating-point tensors (1.0 = nothing quantized; quantized ones are integer or subclasses)."""
     _, layers = decoder_layers(model)
     remaining = sum(p.numel() for p in layers.parameters()
                     if p.dim() >= 2 and p.is_floating_point() and type(p.data) is torch.Tensor)
@@ -123,10 +115,8 @@ def float_matrix_fraction(model, reference_params: int) -> float:
 
 
 def check_engine_cache(model_or_config) -> None:
-    """The decode engine rolls its static KV cache back by moving one position, which only works
-    when every layer's cache is a plain full-attention StaticLayer. A sliding-window layer
-    (Gemma 2/3, Mistral with a window) keeps a rolling buffer whose overwritten slots cannot be
-    restored, and linear-attention / SSM layers keep no positions at all."""
+    """Refuse a model whose KV cache the decode engine cannot roll back by moving one position: only
+    full-attention StaticLayers can (not sliding windows, linear attention or SSM layers)."""
     from transformers import StaticCache
 
     config = getattr(model_or_config, "config", model_or_config)

@@ -1,12 +1,10 @@
-"""Tensor byte counting: the bytes a model's tensors hold, seen through quantized tensor types.
+"""The bytes a model's tensors hold, seen through quantized tensor types: the one count behind every byte figure.
 
-    from pipeline.models.bytes import bytes_in_memory, model_tensors, unique_bytes
-    bytes_in_memory(model)                          # a loaded model: each storage once, meta skipped
+    bytes_in_memory(model)                              # a loaded model: each storage once, meta skipped
     unique_bytes(model_tensors(meta_model), meta=True)  # a meta-device build: what it would hold
 
-The one count behind every byte figure. numel * element_size misses what torchao's tensor
-subclasses and bitsandbytes' scales hold, so every tensor is first resolved to the plain tensors
-holding its data, each counted once by address (meta tensors by identity).
+numel * element_size misses what torchao's subclasses and bitsandbytes' scales hold, so every tensor
+is resolved to the plain tensors holding its data, each counted once by address (meta: by identity).
 """
 from __future__ import annotations
 
@@ -18,15 +16,10 @@ import torch
 _QUANT_STATE_TENSORS = ("absmax", "code", "offset")
 
 
-def is_wrapper(t: torch.Tensor) -> bool:
-    """A tensor subclass that keeps its data in inner tensors (torchao's Int8Tensor, ...)."""
-    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
-
-
 def held_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors holding `t`'s data: a wrapper's inner tensors (recursively), else `t`
     itself and any bitsandbytes scales kept beside it."""
-    if is_wrapper(t):
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):  # torchao
         names, _ = t.__tensor_flatten__()
         for name in names:
             yield from held_tensors(getattr(t, name))
@@ -72,8 +65,7 @@ def unique_bytes(tensors: Iterable[torch.Tensor], meta: bool = False) -> int:
 
 
 def shares_data(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold any of the same data (tied weights). Compares the held tensors,
-    since a wrapper's own data_ptr() is 0 for every wrapper."""
+    """Whether two tensors hold any of the same data (tied weights), by their held tensors."""
     keys_a = {_key(h) for h in unique_held([a], meta=True)}
     return any(_key(h) in keys_a for h in unique_held([b], meta=True))
 
@@ -84,6 +76,5 @@ def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def bytes_in_memory(model: torch.nn.Module) -> int:
-    """Bytes held by a loaded model's parameters and buffers, each storage counted once (tied
-    embeddings share one); meta tensors (offloaded or not materialised) hold nothing here."""
+    """Bytes held by a loaded model's parameters and buffers, each storage once; meta tensors hold nothing."""
     return unique_bytes(model_tensors(model))

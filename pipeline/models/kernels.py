@@ -1,12 +1,10 @@
 """What a loaded variant really computes with: the quantized linear kernels and the device.
 
-    from pipeline.models.kernels import device_name, quantized_kernels
     quantized_kernels(model)   # {"library": "gptqmodel", "kernels": {"TorchFusedLinear": 210}, ...}
     device_name(device)        # "NVIDIA H200" or the CPU model from /proc/cpuinfo
 
-Read off the modules and weight tensors as loaded (GPTQModel picks its kernel at load time), never
-from the config. Classes are recognised by the module they come from; nothing here imports those
-libraries.
+Read off the modules and weights as loaded (GPTQModel picks its kernel at load time), by the module
+their classes come from; nothing here imports those libraries.
 """
 from __future__ import annotations
 
@@ -33,44 +31,24 @@ def quantized_kernels(model) -> dict:
     bitsandbytes, weight tensor subclass for torchao) with what each kernel is configured with."""
     kernels: Counter = Counter()
     details: dict[str, dict] = {}
-    libraries: set[str] = set()
     plain = 0
     for _, module in model.named_modules():
         lib = _library(module)
         weight = getattr(module, "weight", None)
-        if lib in ("gptqmodel", "auto_gptq"):
-            name = type(module).__name__
-            kernels[name] += 1
-            libraries.add(lib)
-            info = details.setdefault(name, {"library": lib, "module": type(module).__module__})
-            for attr in ("bits", "group_size", "backend", "QUANT_TYPE"):
-                value = getattr(module, attr, None)
-                if value is not None and not callable(value):
-                    info.setdefault(attr, str(getattr(value, "value", value)))
-        elif lib == "bitsandbytes":
-            name = type(module).__name__  # Linear8bitLt, Linear4bit (LinearNF4 / LinearFP4)
-            kernels[name] += 1
-            libraries.add(lib)
-            info = details.setdefault(name, {"library": lib, "module": type(module).__module__})
-            compute = getattr(module, "compute_dtype", None)
-            state = getattr(weight, "quant_state", None)
-            quant_type = getattr(state, "quant_type", None) or getattr(weight, "quant_type", None)
-            info.setdefault("compute_dtype", _dtype_name(compute) if compute is not None else "input dtype")
-            if quant_type:
-                info.setdefault("quant_type", str(quant_type))
-            if name == "Linear8bitLt":
-                threshold = getattr(getattr(module, "state", None), "threshold", None)
-                info.setdefault("outlier_threshold", threshold)
+        if lib in ("gptqmodel", "auto_gptq", "bitsandbytes"):
+            runner = module
         elif isinstance(module, torch.nn.Linear) and weight is not None:
-            wlib = _library(weight)
-            if wlib is None and type(weight) in (torch.Tensor, torch.nn.Parameter):
+            lib = _library(weight)
+            if lib is None and type(weight) in (torch.Tensor, torch.nn.Parameter):
                 plain += 1
                 continue
-            name = type(weight).__name__  # e.g. AffineQuantizedTensor, Int8Tensor
-            kernels[name] += 1
-            libraries.add(wlib or type(weight).__module__)
-            info = details.setdefault(name, {"library": wlib or type(weight).__module__,
-                                             "module": type(weight).__module__})
+            runner, lib = weight, lib or type(weight).__module__
+        else:
+            continue
+        name = type(runner).__name__  # e.g. TorchFusedLinear, Linear4bit, AffineQuantizedTensor
+        kernels[name] += 1
+        info = details.setdefault(name, {"library": lib, "module": type(runner).__module__})
+        if runner is weight:
             for attr in ("_layout", "layout", "block_size", "act_quant_kwargs"):
                 value = getattr(weight, attr, None)
                 if value is not None:
@@ -78,9 +56,23 @@ def quantized_kernels(model) -> dict:
             inner = getattr(weight, "tensor_impl", None)
             if inner is not None:
                 info.setdefault("tensor_impl", type(inner).__name__)
-            dtype = getattr(weight, "dtype", None)
-            info.setdefault("dtype", _dtype_name(dtype))
-    return {"library": ", ".join(sorted(libraries)) or "none (unquantized)", "kernels": dict(kernels),
+            info.setdefault("dtype", _dtype_name(getattr(weight, "dtype", None)))
+        elif lib == "bitsandbytes":
+            compute = getattr(module, "compute_dtype", None)
+            state = getattr(weight, "quant_state", None)
+            quant_type = getattr(state, "quant_type", None) or getattr(weight, "quant_type", None)
+            info.setdefault("compute_dtype", _dtype_name(compute) if compute is not None else "input dtype")
+            if quant_type:
+                info.setdefault("quant_type", str(quant_type))
+            if name == "Linear8bitLt":
+                info.setdefault("outlier_threshold", getattr(getattr(module, "state", None), "threshold", None))
+        else:
+            for attr in ("bits", "group_size", "backend", "QUANT_TYPE"):
+                value = getattr(module, attr, None)
+                if value is not None and not callable(value):
+                    info.setdefault(attr, str(getattr(value, "value", value)))
+    libraries = sorted({d["library"] for d in details.values()})
+    return {"library": ", ".join(libraries) or "none (unquantized)", "kernels": dict(kernels),
             "details": details, "unquantized_linear_layers": plain,
             "compute_dtype": _dtype_name(getattr(model, "dtype", None))}
 

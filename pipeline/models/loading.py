@@ -1,18 +1,19 @@
-"""Loading plain Hugging Face models and tokenizers, and checking model directories before they load.
+"""Loading plain Hugging Face models and tokenizers; a model directory's weight files: checked
+before they load, hard-linked into a variant, counted on disk.
 
-    from pipeline.models.loading import load_hf, load_tokenizer, compare_tokenizers, check_weight_files
-
-Variants (quantized or not) load through pipeline.variants.schemes.load_variant, which dispatches
-on the scheme recorded in the directory's meta.json and calls `load_hf` for plain ones.
+Variants load through pipeline.variants.schemes.load_variant, which calls `load_hf` for plain ones.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from pipeline.core.stage import StageError
+from pipeline.models.architecture import architecture, text_config
 
 
 def load_hf(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
@@ -33,9 +34,8 @@ PROBE_TEXT = "Hello, world! def f(x): return {\"a\": [1, 2.5]}  Le café coûte 
 
 
 def compare_tokenizers(label: str, reference, other, other_name: str = "other", reference_name: str = "reference"):
-    """Refuse (one line starting with `label`, naming the first difference) unless `other` has
-    the reference's vocabulary (token -> id for every entry), gives the same ids for a probe text
-    and has the same EOS/BOS."""
+    """Refuse (one line naming the first difference) unless `other` has the reference's vocabulary,
+    ids for a probe text, and EOS/BOS."""
     rv, ov = reference.get_vocab(), other.get_vocab()
     if len(rv) != len(ov):
         raise StageError(f"{label}: tokenizer vocab has {len(ov)} entries, the {reference_name}'s has {len(rv)}")
@@ -62,11 +62,37 @@ def weight_files(path: str | Path) -> list[Path]:
     return sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
+def weight_bytes(path: Path) -> int:
+    """Bytes of the weight files in a model directory (config/tokenizer files excluded)."""
+    return sum(p.stat().st_size for p in weight_files(path))
+
+
+# Files of a prepared model or variant that belong to specq, not to the HF checkpoint.
+SPECQ_FILES = frozenset({"meta.json", "model_info.json"})
+
+
+def link_or_copy_tree(src: Path, out: Path) -> None:
+    """Hard-link every weight file of `src` into `out` (copy across file systems), copy the rest
+    but SPECQ_FILES. Weight files are never written in place, so sharing inodes is safe; config and
+    tokenizer files are (save_pretrained), and through a hard link would edit the source."""
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if p.is_dir() or rel.name in SPECQ_FILES:
+            continue
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not p.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(p, dst)
+            continue
+        try:
+            os.link(p, dst)
+        except OSError:
+            shutil.copy2(p, dst)
+
+
 def check_weight_files(path: str | Path, what: str) -> list[Path]:
-    """Refuse a model directory whose weights cannot be read, with one line naming the file,
-    before any loader is called: no weight files, a shard the index names but the directory
-    lacks, or a safetensors file that is truncated or corrupt (safetensors checks that the
-    header parses and that its offsets cover the file exactly; no tensor data is read)."""
+    """Refuse a model directory whose weights cannot be read, in one line naming the file: no weight
+    files, a shard its index names but it lacks, a truncated or corrupt safetensors header."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -93,10 +119,9 @@ def check_weight_files(path: str | Path, what: str) -> list[Path]:
 
 
 def model_facts(model) -> dict:
-    cfg = model.config
-    text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    text_cfg = text_config(model.config)
     return {
-        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "architecture": architecture(model),
         "parameters": sum(p.numel() for p in model.parameters()),
         "layers": text_cfg.num_hidden_layers,
         "hidden_size": text_cfg.hidden_size,

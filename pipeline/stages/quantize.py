@@ -6,7 +6,7 @@
 Each variant is one resumable item, `variants/<name>/` (an HF-style directory plus meta.json),
 written into `<name>.tmp/` and renamed when finished. Every check that can fail fast
 (pipeline/variants/checks.py) runs before the first variant is made. Calibration windows come from
-pipeline/variants/calibration.py, the held-out perplexity from pipeline/variants/sanity.py, the
+pipeline/variants/quantizers.py, the held-out perplexity from pipeline/variants/sanity.py, the
 quantizers and loaders from the scheme registry (pipeline/variants/schemes.py). What meta.json
 records: docs/methods/stages.md, "Variants: what quantize checks and records".
 """
@@ -25,11 +25,9 @@ from pipeline.core.device import DTYPES, auto_dtype, resolve_device, resolve_dty
 from pipeline.core.stage import StageContext, StageError, atomic_write_json, library_version, progress, read_json
 from pipeline.models.architecture import architecture, float_matrix_fraction
 from pipeline.models.bytes import bytes_in_memory
-from pipeline.models.loading import load_tokenizer
-from pipeline.variants.calibration import load_calibration
+from pipeline.models.loading import load_tokenizer, weight_bytes
 from pipeline.variants.checks import check_variant, reference_matrices
-from pipeline.variants.files import weight_bytes
-from pipeline.variants.quantizers import Job
+from pipeline.variants.quantizers import Job, load_calibration
 from pipeline.variants.sanity import SANITY_MODULES, perplexity, sample_text, sanity_ids, timed_forward
 from pipeline.variants.schemes import SCHEMES, load_variant
 

@@ -5,11 +5,10 @@
         finetune: {scheme: checkpoint, path: /data/models/my-llama-finetune}   # plain bf16 / fp32
         awq:      {scheme: checkpoint, path: /data/models/my-llama-awq}        # pre-quantized
 
-GPTQ and auto-gptq directories load through GPTQModel, every other one through transformers'
-`from_pretrained`. `check_checkpoint` runs in quantize's fail-fast pass, before the first variant
-is built: a causal LM config, the reference's tokenizer, readable weight files, a quantization
-method that can load here, matching `bits` / `group_size`. The variant directory hard-links the
-weights and its meta.json records what was found (README, "Gating a checkpoint made elsewhere").
+GPTQ and auto-gptq directories load through GPTQModel, the rest through transformers. Before the
+first variant is built, `check_checkpoint` wants a causal LM, the reference's tokenizer, readable
+weights, a method that loads here, and the config's `bits` / `group_size`. The variant directory
+hard-links the weights (README, "Gating a checkpoint made elsewhere").
 """
 from __future__ import annotations
 
@@ -18,28 +17,27 @@ from pathlib import Path
 import torch
 
 from pipeline.core.stage import StageError, library_version, read_json
-from pipeline.models.loading import check_weight_files, compare_tokenizers, load_hf
-from pipeline.variants.files import SPECQ_FILES, link_or_copy_tree, weight_bytes
+from pipeline.models.loading import (SPECQ_FILES, check_weight_files, compare_tokenizers, link_or_copy_tree, load_hf,
+                                     weight_bytes)
 from pipeline.variants.quantizers import hf_from_pretrained, load_bnb, load_gptq, load_torchao
 
 
-def _read_json(path: Path, label: str) -> dict:
+def _read_json(path: Path) -> dict:
     """A checkpoint's JSON file as a dict; anything else is one line naming the file."""
-    data = read_json(path, f"{label} file", made_by_specq=False)
+    data = read_json(path, "checkpoint file", made_by_specq=False)
     if not isinstance(data, dict):
-        raise StageError(f"{label}: {path} is not a JSON object")
+        raise StageError(f"checkpoint: {path} is not a JSON object")
     return data
 
 
 def quant_config(path: Path, config: dict | None = None) -> dict:
     """The checkpoint's quantization settings: config.json's quantization_config, else the
     auto-gptq layout's quantize_config.json / quant_config.json; {} for a plain checkpoint."""
-    cfg = dict((config if config is not None else _read_json(path / "config.json", "checkpoint"))
-               .get("quantization_config") or {})
+    cfg = dict((config if config is not None else _read_json(path / "config.json")).get("quantization_config") or {})
     if not cfg:
         for name in ("quantize_config.json", "quant_config.json"):
             if (path / name).is_file():
-                cfg = _read_json(path / name, "checkpoint")
+                cfg = _read_json(path / name)
                 cfg.setdefault("quant_method", "gptq")  # the auto-gptq layout names no method
                 break
     return cfg
@@ -56,7 +54,7 @@ def quant_method(qcfg: dict) -> str | None:
 
 def inspect_checkpoint(path: Path) -> dict:
     """What a checkpoint directory holds, as recorded in the variant's meta.json."""
-    config = _read_json(path / "config.json", "checkpoint")
+    config = _read_json(path / "config.json")
     qcfg = quant_config(path, config)
     files = [{"name": str(p.relative_to(path)), "bytes": p.stat().st_size}
              for p in sorted(path.rglob("*")) if p.is_file() and p.name not in SPECQ_FILES]
@@ -76,9 +74,8 @@ def inspect_checkpoint(path: Path) -> dict:
 
 
 def _check_loadable(label: str, path: Path, info: dict, device: torch.device) -> None:
-    """transformers knows the architecture as a causal LM, and (for a non-GPTQ quantized
-    checkpoint) knows the method and finds its environment usable: the same checks
-    from_pretrained makes before reading weights."""
+    """transformers loads it as a causal LM, and knows a (non-GPTQ) quantization method and finds its
+    environment usable: from_pretrained's checks before it reads weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -100,7 +97,7 @@ def _check_loadable(label: str, path: Path, info: dict, device: torch.device) ->
     key = f"{method}_{'8bit' if qcfg.get('load_in_8bit') else '4bit'}" if method == "bitsandbytes" else method
     if key not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         raise StageError(f"{label}: {path} is quantized with '{method}', which transformers "
-                         f"{_version('transformers')} does not know")
+                         f"{library_version('transformers')} does not know")
     try:
         quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=True)
         quantizer.validate_environment(device_map={"": str(device)}, weights_only=True, dtype=None)
@@ -109,13 +106,8 @@ def _check_loadable(label: str, path: Path, info: dict, device: torch.device) ->
                          f"({str(e).splitlines()[0][:160]})") from None
 
 
-def _version(dist: str) -> str:
-    return library_version(dist) or "(not installed)"
-
-
 def check_checkpoint(variant: str, spec, reference_tokenizer, device: torch.device) -> dict:
-    """Every check on a `checkpoint` variant that needs no weights loaded; returns what
-    inspect_checkpoint found."""
+    """Every check on a `checkpoint` variant that needs no weights loaded; returns inspect_checkpoint's facts."""
     from transformers import AutoTokenizer
 
     label = f"variant '{variant}'"
@@ -143,10 +135,9 @@ def check_checkpoint(variant: str, spec, reference_tokenizer, device: torch.devi
         if want is not None and qcfg.get(key) != want:
             raise StageError(f"{label}: config says {key} {want}, checkpoint {path} has {qcfg.get(key)} "
                              f"(quantization: {info['quant_method'] or 'none'})")
-    if info["quant_method"] == "gptq":
-        if library_version("gptqmodel") is None:
-            raise StageError(f"{label}: checkpoint {path} is GPTQ, which needs the Python package gptqmodel "
-                             "(pip install gptqmodel)")
+    if info["quant_method"] == "gptq" and library_version("gptqmodel") is None:
+        raise StageError(f"{label}: checkpoint {path} is GPTQ, which needs the Python package gptqmodel "
+                         "(pip install gptqmodel)")
     _check_loadable(label, path, info, device)
     return info
 
@@ -155,7 +146,7 @@ def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
     """Link the checkpoint into the variant directory (check_checkpoint has passed)."""
     path = Path(spec.path).expanduser()
     info = inspect_checkpoint(path)
-    link_or_copy_tree(path, out, skip=SPECQ_FILES)
+    link_or_copy_tree(path, out)
     qcfg = info["quantization_config"] or {}
     method = info["quant_method"]
     library = "gptqmodel" if method == "gptq" else "transformers"
@@ -167,8 +158,7 @@ def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
 
 
 def load_checkpoint(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
-    """GPTQ through GPTQModel; bitsandbytes and torchao through the loaders of the schemes that
-    make them; anything else (plain, AWQ, FP8, compressed-tensors, ...) through transformers."""
+    """GPTQ, bitsandbytes and torchao through their schemes' loaders; anything else through transformers."""
     method = meta["checkpoint"]["quant_method"]  # quantize_checkpoint's record
     if method == "gptq":
         return load_gptq(path, meta, device, dtype)

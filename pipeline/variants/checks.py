@@ -1,12 +1,11 @@
 """The quantize stage's fail-fast checks: everything that can refuse a variant before the first
 (possibly long) quantization starts.
 
-    from pipeline.variants.checks import check_variant
     facts = check_variant("w4a16-gptq", spec, src, reference_tokenizer, device)   # or StageError
 
-Per variant: the scheme runs on this device with its library installed; GPTQ knows the
-architecture and its group size divides every input width; a quantizing scheme finds weights of a
-kind it quantizes; a `checkpoint` directory passes check_checkpoint.
+The scheme runs on this device with its library installed; GPTQ knows the architecture and its group
+size divides every input width; a quantizing scheme finds weights it quantizes; a `checkpoint`
+directory passes check_checkpoint.
 """
 from __future__ import annotations
 
@@ -37,12 +36,6 @@ def _matrices(src: str, mtime_ns: int, size: int) -> list[WeightMatrix]:
     return weight_matrices(meta_model(AutoConfig.from_pretrained(src)))
 
 
-def linear_input_widths(src: Path) -> dict[str, int]:
-    """name -> input width of every decoder weight matrix (nn.Linear in_features, Conv1D's first
-    dimension, a fused expert tensor's input dimension)."""
-    return {w.name.removesuffix(".weight"): w.input_width for w in reference_matrices(src)}
-
-
 def architecture_of(src: Path) -> str:
     from transformers import AutoConfig
 
@@ -68,7 +61,7 @@ def check_group_size(src: Path, group_size: int | None, variant: str) -> None:
         return
     if group_size <= 0:
         raise StageError(f"variant '{variant}': group_size must be positive or -1, not {group_size}")
-    widths = linear_input_widths(src)
+    widths = {w.name.removesuffix(".weight"): w.input_width for w in reference_matrices(src)}
     if not widths:
         raise StageError(f"variant '{variant}': no decoder weight matrices found in {src} to check group_size against")
     for name, width in widths.items():
@@ -80,8 +73,7 @@ def check_group_size(src: Path, group_size: int | None, variant: str) -> None:
 
 
 def check_gptq_architecture(src: Path, variant: str) -> None:
-    """GPTQModel quantizes the architectures it has a definition for (for others it would guess
-    the module layout, and a wrong guess fails mid-quantization)."""
+    """GPTQModel quantizes the architectures it has a definition for (a guessed layout fails midway)."""
     from transformers import AutoConfig
 
     model_type = AutoConfig.from_pretrained(src).model_type
@@ -94,8 +86,7 @@ def check_gptq_architecture(src: Path, variant: str) -> None:
 
 
 def check_coverage(src: Path, variant: str, scheme_name: str) -> None:
-    """A quantizing scheme must find decoder weights of a kind its library quantizes; otherwise
-    the 'quantized' variant would be a copy of the reference."""
+    """A quantizing scheme must find decoder weights of a kind its library quantizes (else it copies)."""
     scheme = SCHEMES[scheme_name]
     matrices = reference_matrices(src)
     if any(w.kind in scheme.quantizes for w in matrices):
@@ -108,8 +99,7 @@ def check_coverage(src: Path, variant: str, scheme_name: str) -> None:
 
 
 def check_variant(variant: str, spec, src: Path, reference_tokenizer, device: torch.device) -> dict:
-    """Every check on one variant that can fail before any variant is built. Returns facts for
-    meta.json (a checkpoint's inspection), {} for the other schemes."""
+    """Every check on one variant that can fail before any is built; returns facts for meta.json."""
     check_supported(variant, spec.scheme, device)
     if spec.scheme == "checkpoint":
         return {"checkpoint": check_checkpoint(variant, spec, reference_tokenizer, device)}

@@ -1,16 +1,9 @@
-"""The quantizers and loaders of the built-in schemes: none, gptq, bnb-int8, bnb-nf4, torchao-int8wo.
+"""The quantizers and loaders of the built-in schemes: none, gptq, bnb-int8, bnb-nf4, torchao-int8wo,
+and GPTQ's calibration windows (`quantize.calibration`; builtin = evals/data/calibration.txt).
 
 A quantizer turns the reference HF directory `src` into a variant directory `out` and returns the
-extra keys it wants in the variant's meta.json. A loader is `(path, meta, device, dtype) -> model`.
-The registry that names them (pipeline/variants/schemes.py) is the only thing that calls them by
-scheme; `checkpoint` variants (pipeline/variants/checkpoint.py) reuse the loaders.
-
-    scheme          library        stored as
-    none            transformers   the reference's safetensors (hard links), or a noised copy
-    gptq            gptqmodel      packed int4/int8 GPTQ safetensors (GPTQModel format)
-    bnb-int8        bitsandbytes   LLM.int8 weights serialized by save_pretrained
-    bnb-nf4         bitsandbytes   NF4 weights + quant state serialized by save_pretrained
-    torchao-int8wo  torchao        int8 weight-only tensors serialized by save_pretrained
+extra keys of its meta.json; a loader is `(path, meta, device, dtype) -> model`. The registry
+(pipeline/variants/schemes.py) calls them by scheme; `checkpoint` variants reuse the loaders.
 """
 from __future__ import annotations
 
@@ -26,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.stage import StageError, library_version, progress
+from pipeline.core.stage import REPO, StageError, library_version, progress, sha256_file
 from pipeline.models.architecture import architecture, text_config, weight_matrices
-from pipeline.variants.files import link_or_copy_tree
+from pipeline.models.loading import link_or_copy_tree
 
 # Calibration windows per GPTQ forward pass (4 was ~4x faster than 1 on CPU).
 CALIBRATION_BATCH = 4
@@ -47,7 +40,38 @@ class Job:
     calibration: Callable[[], list[list[int]]] | None = None  # token-id windows, made on demand
 
 
-# ---------------------------------------------------------------- helpers
+BUILTIN_CALIBRATION = REPO / "evals" / "data" / "calibration.txt"
+
+
+@dataclass
+class Calibration:
+    path: Path
+    sha256: str
+    windows: list[list[int]]  # token ids, one list per calibration sample
+    tokens_available: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+
+def load_calibration(ccfg, tokenizer) -> Calibration:
+    """n_samples windows of max_tokens tokens, evenly spread over the calibration text (so every
+    language and the code in it are represented); refuse a text shorter than min_tokens."""
+    path = BUILTIN_CALIBRATION if ccfg.source == "builtin" else Path(ccfg.source).expanduser()
+    if not path.is_file():
+        raise StageError(f"calibration text missing: {path} (quantize.calibration.source is '{ccfg.source}')")
+    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    if len(ids) < ccfg.min_tokens:
+        raise StageError(f"calibration text {path} is too short: {len(ids)} tokens, fewer than "
+                         f"quantize.calibration.min_tokens = {ccfg.min_tokens}")
+    size = min(ccfg.max_tokens, len(ids))
+    n = max(1, min(ccfg.n_samples, len(ids) // size))
+    if n < ccfg.n_samples or size < ccfg.max_tokens:  # windows do not overlap: fewer than asked
+        progress(f"quantize: calibration text {path.name} has {len(ids)} tokens: {n} windows of {size} "
+                 f"tokens, fewer than the {ccfg.n_samples} x {ccfg.max_tokens} asked (quantize.calibration)")
+    starts = [round(i * (len(ids) - size) / max(1, n - 1)) for i in range(n)]
+    return Calibration(path, sha256_file(path), [ids[s:s + size] for s in starts], len(ids))
 
 
 def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> int:
@@ -73,8 +97,8 @@ def noise_seed(seed: int, variant: str) -> int:
 
 @contextlib.contextmanager
 def library_output_to(log_file: Path):
-    """Send a library's chatter to a log file and run in its directory (GPTQModel writes `logs/`
-    into its working directory; give it absolute paths). Yields the real stderr."""
+    """Send a library's chatter to a log file and run in its directory (GPTQModel writes `logs/` into
+    its working directory). Yields the real stderr."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     cwd, stderr = os.getcwd(), sys.stderr
     with open(log_file, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
@@ -91,9 +115,6 @@ def hf_from_pretrained(src: Path, dtype: torch.dtype, device: torch.device, **kw
     return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=str(device), **kw)
 
 
-# ---------------------------------------------------------------- none (the reference, or a noised copy)
-
-
 def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
     bits = torch.finfo(job.storage_dtype).bits
     if spec.weight_noise > 0:
@@ -105,9 +126,6 @@ def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
     link_or_copy_tree(src, out)
     return {"storage": "hard links to the reference's files", "library": "transformers", "bits": bits,
             "library_version": library_version("transformers")}
-
-
-# ---------------------------------------------------------------- GPTQ through GPTQModel
 
 
 def quantize_gptq(src: Path, out: Path, spec, job: Job) -> dict:
@@ -165,9 +183,8 @@ def load_gptq(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def transformers_classes_kept(config):
-    """Undo, on exit, GPTQModel's process-wide edits to transformers: loading a MoE model, it swaps
-    the architecture's sparse-MoE block class and the checkpoint conversion mapping, so later plain
-    loads would build unfused experts (a later bnb NF4 variant then fails)."""
+    """Undo, on exit, GPTQModel's process-wide edits to transformers (a MoE model's block class and the
+    checkpoint conversion mapping), which would make later plain loads build unfused experts."""
     import transformers.conversion_mapping as conversion
     import transformers.modeling_utils as modeling_utils
     from transformers import AutoModelForCausalLM
@@ -189,9 +206,6 @@ def transformers_classes_kept(config):
         for m, name, value in saved:
             if value is not None:
                 setattr(m, name, value)
-
-
-# ---------------------------------------------------------------- bitsandbytes LLM.int8 and NF4
 
 
 def _quantize_bnb(src: Path, out: Path, job: Job, config, storage: str) -> dict:
@@ -227,19 +241,14 @@ def quantize_bnb_nf4(src: Path, out: Path, spec, job: Job) -> dict:
 _BNB_CPU_BLOCK_N = 32
 
 
-class _OncePerMessage(logging.Filter):
-    """Let each distinct message through once."""
+_SEEN_MESSAGES: set[str] = set()
 
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if msg in self.seen:
-            return False
-        self.seen.add(msg)
-        return True
+def _once_per_message(record: logging.LogRecord) -> bool:
+    """A logging filter that lets each distinct message through once."""
+    new = record.getMessage() not in _SEEN_MESSAGES
+    _SEEN_MESSAGES.add(record.getMessage())
+    return new
 
 
 def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
@@ -247,9 +256,7 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
 
     # LLM.int8 on float32 inputs says on every matmul that it casts them to float16: keep it once.
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _OncePerMessage) for f in bnb_log.filters):
-        bnb_log.addFilter(_OncePerMessage())
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_once_per_message)  # added once
     model = hf_from_pretrained(path, dtype, device)
     # transformers keeps a pre-quantized bnb model's unquantized parts (embeddings, norms) in the
     # stored dtype and refuses model.to(dtype); cast those plain parameters one by one.
@@ -264,9 +271,6 @@ def load_bnb(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
             if getattr(m, "support_avx512bf16_for_cpu", False) and m.out_features % _BNB_CPU_BLOCK_N:
                 m.support_avx512bf16_for_cpu = False
     return model
-
-
-# ---------------------------------------------------------------- torchao int8 weight-only
 
 
 def quantize_torchao_int8wo(src: Path, out: Path, spec, job: Job) -> dict:

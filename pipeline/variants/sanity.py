@@ -1,11 +1,10 @@
 """The sanity perplexity every variant's meta.json records, on held-out text, beside the reference's.
 
-    from pipeline.variants.sanity import sanity_ids, perplexity
     ids = sanity_ids(tokenizer, 512)
     ppl = perplexity(model, ids)
 
-The held-out text is the docstrings of a fixed list of Python standard-library modules: present on
-every machine, plain English prose, and unrelated to both the calibration text and the eval slices.
+The held-out text: docstrings of some standard-library modules (on every machine, plain English
+prose, unrelated to the calibration text and the eval slices).
 """
 from __future__ import annotations
 
@@ -56,9 +55,8 @@ def perplexity(model, ids: list[int], window: int = 512) -> float:
 
 @torch.no_grad()
 def timed_forward(model, ids: list[int], window: int = 512) -> dict:
-    """Seconds of one forward over the first `window` held-out tokens, timed after the perplexity
-    pass has warmed the kernels (the best of two): what the quality stage takes as a variant's
-    pace against the reference's before it has scored an item (pipeline/quality/waves.py: pace_priors)."""
+    """Seconds of one forward over the first `window` held-out tokens (best of two, kernels warm): the
+    quality stage's prior of a variant's pace (pipeline/quality/waves.py: pace_priors)."""
     device = next(model.parameters()).device
     chunk = torch.tensor([ids[:window]], device=device)
     best = math.inf

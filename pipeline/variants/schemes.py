@@ -1,12 +1,10 @@
 """The one registry of quantization schemes, and the loader every later stage uses.
 
-    from pipeline.variants.schemes import SCHEMES, load_variant
     SCHEMES["gptq"].quantize(src, out, spec, job)          # the quantize stage
     model, tokenizer = load_variant("runs/x/variants/w4a16-gptq", device="cpu")
 
-Adding a scheme: a quantizer and a loader, one entry here, and its name in the config's `scheme`
-list. `load_variant` goes by the `scheme` in the directory's meta.json (the prepared reference,
-without one, loads like `none`).
+Adding a scheme: a quantizer and a loader, one entry here, and its name in the config's `scheme`.
+`load_variant` goes by meta.json's `scheme` (the prepared reference has none and loads like `none`).
 """
 from __future__ import annotations
 
@@ -49,10 +47,8 @@ SCHEMES: dict[str, Scheme] = {
 
 
 def load_variant(path: str | Path, device: str | torch.device = "auto", dtype: str | None = None):
-    """Load a prepared model or a variant directory on `device`, in eval mode.
-
-    `dtype` overrides the compute dtype recorded in meta.json ("auto" = float32 on CPU, bf16 on CUDA).
-    """
+    """Load a prepared model or a variant directory on `device`, in eval mode; `dtype` overrides the
+    compute dtype its meta.json records."""
     path = Path(path)
     meta_path = path / "meta.json"
     try:

@@ -1,14 +1,11 @@
 """The HTTP side: one streamed completion per request, the /metrics counters, and load patterns.
 
-    from pipeline.vllm.client import complete, spec_counters, closed_loop, open_loop
     r = complete(url, {"prompt": ids, "max_tokens": 48, "temperature": 0.0})   # a Completion
-    r.step_ids         # the tokens that arrived with each engine step (prefill first)
-    r.spec             # vLLM's per-request speculative metrics (per_step_accepted / per_step_drafted)
+    r.step_ids, r.spec   # the tokens of each engine step (prefill first); vLLM's speculative metrics
 
-Each request streams with `continuous_usage_stats`, so every chunk is one engine step of that
-request and carries its token ids: the step count, the tokens per step and the inter-token times
-come from the stream itself, not from a model of it. Token ids in (`prompt` as a list of ids) and
-out (`return_token_ids`), so nothing is re-tokenized.
+Each request streams with `continuous_usage_stats`, so every chunk is one engine step carrying its
+token ids: steps, tokens per step and inter-token times come from the stream itself. Token ids go
+in and come out, so nothing is re-tokenized.
 """
 from __future__ import annotations
 
@@ -84,7 +81,7 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
                 break
             chunk = json.loads(data)
             now = time.perf_counter() - t0
-            if chunk.get("error"):  # vLLM reports a failure inside the stream
+            if chunk.get("error"):
                 err = chunk["error"]
                 msg = (err.get("message") if isinstance(err, dict) else str(err)) or "unknown error"
                 raise EngineDied(f"vLLM failed mid-request: {msg.splitlines()[0][:200]}")
@@ -98,7 +95,7 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
                     out.logprobs.extend(_read_logprobs(choice.get("logprobs"), len(ids)))
                 if choice.get("finish_reason"):
                     out.finish_reason = choice["finish_reason"]
-        if not finished:  # the stream ended without vLLM's closing line: the server went away
+        if not finished:
             raise EngineDied("vLLM stopped answering mid-request (the stream ended before [DONE])")
     except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
         raise EngineDied(f"vLLM stopped answering mid-request ({type(e).__name__}: {e})") from None
@@ -107,11 +104,6 @@ def complete(url: str, body: dict, timeout_s: float = 600.0, model: str = "specq
     if not out.step_ids:
         raise StageError("vLLM returned a completion with no tokens")
     return out
-
-
-def metrics_text(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        return r.read().decode()
 
 
 def parse_counters(text: str) -> dict:
@@ -137,7 +129,8 @@ def parse_counters(text: str) -> dict:
 
 
 def spec_counters(url: str) -> dict:
-    return parse_counters(metrics_text(url))
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return parse_counters(r.read().decode())
 
 
 def counter_delta(after: dict, before: dict) -> dict:
@@ -148,8 +141,7 @@ def counter_delta(after: dict, before: dict) -> dict:
 
 
 def closed_loop(url: str, bodies: list[dict], concurrency: int, timeout_s: float = 600.0) -> tuple[list[Completion], float]:
-    """Every body sent with `concurrency` in flight (a new one as soon as one ends); the results in
-    the bodies' order and the wall time from the first send to the last end."""
+    """Every body sent with `concurrency` in flight; the results in order, and the wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(lambda b: complete(url, b, timeout_s), bodies))
@@ -168,8 +160,8 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 def open_loop(url: str, bodies: list[dict], arrivals: list[float], timeout_s: float = 600.0,
               max_in_flight: int = 256) -> tuple[list[Completion | None], float]:
-    """Each body sent at its arrival time, whatever is still running (open loop: queueing shows).
-    A request that fails is None. Returns the results and the wall time to the last end."""
+    """Each body sent at its arrival time, whatever is still running (queueing shows); a failed
+    request is None. Returns the results and the wall time."""
     results: list[Completion | None] = [None] * len(bodies)
     t0 = time.perf_counter()
 

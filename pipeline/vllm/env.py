@@ -1,12 +1,9 @@
 """Where the vLLM environment is, and whether it can run here.
 
-    from pipeline.vllm.env import vllm_python, unavailable, engine_info
     why = unavailable()          # None, or one line saying why vLLM cannot run here
     info = engine_info()         # {"python", "vllm", "torch", "distribution", "platform"}
 
-The venv is `.venv-vllm/` in the repository (built by `make install`), or the python named by the
-SPECQ_VLLM_PYTHON environment variable. It is a separate venv because vLLM pins its own torch and
-transformers; specq reaches it only through a subprocess and HTTP.
+The venv is `.venv-vllm/` (`make install`; its own torch and transformers), or SPECQ_VLLM_PYTHON.
 """
 from __future__ import annotations
 
@@ -43,7 +40,7 @@ print(json.dumps(out))
 
 @functools.lru_cache(maxsize=4)
 def _probe(python: str) -> dict | str:
-    """What the vLLM python holds (a few hundred ms: no vLLM import), or why it cannot be asked."""
+    """What the vLLM python holds (no vLLM import), or why it cannot be asked."""
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -1,13 +1,10 @@
 """A vLLM OpenAI server with a life cycle: started on a free port, waited for, logged, always stopped.
 
-    from pipeline.vllm.server import Server
     with Server(model_dir, ["--dtype", "bfloat16"], log=run_dir / "vllm/logs/x.log") as srv:
-        srv.url                  # http://127.0.0.1:<port>
-    # stopped here, whether the block returned, raised, or got Ctrl-C / SIGTERM
+        srv.url                  # http://127.0.0.1:<port>; stopped after the block, whatever happened
 
-The server runs in a process group of its own, so stopping it stops its engine-core processes too;
-it dies with specq (Linux parent-death signal), and a SIGTERM to specq unwinds the `with` block. A
-failed start is one line with the log's last error; a port taken meanwhile is retried.
+It runs in a process group of its own (stopping it stops its engine cores), dies with specq, and a
+SIGTERM to specq unwinds the `with` block. A failed start is one line; a port taken meanwhile is retried.
 """
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ def _die_with_parent() -> None:
 
 
 def last_error_line(log: Path, limit: int = 240) -> str:
-    """The most telling line of a server log: the last "...Error: ..." / "Value error, ..." line,
-    else the last line mentioning an error, else the last line."""
+    """The last "...Error: ..." line of a server log, else the last mentioning an error, else the last."""
     try:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
@@ -92,19 +88,12 @@ class Server:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def command(self, port: int) -> list[str]:
-        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--host", HOST, "--port", str(port), *self.args]
-
-    # ------------------------------------------------------------ life cycle
-
     def __enter__(self) -> "Server":
         self._trap_sigterm()
         try:
             self.start()
         except BaseException:
-            self.stop()
-            self._restore_sigterm()
+            self.__exit__()
             raise
         return self
 
@@ -118,11 +107,13 @@ class Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(PORT_RETRIES):
             self.port = self.port_chooser()
+            cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                   "--host", HOST, "--port", str(self.port), *self.args]
             t0 = time.perf_counter()
             with open(self.log, "a") as fh:
-                fh.write(f"# specq: starting {self.name} on port {self.port}: {' '.join(self.command(self.port))}\n")
+                fh.write(f"# specq: starting {self.name} on port {self.port}: {' '.join(cmd)}\n")
                 fh.flush()
-                self.proc = subprocess.Popen(self.command(self.port), stdout=fh, stderr=subprocess.STDOUT,
+                self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                              preexec_fn=_die_with_parent)
             why = self._wait_ready()
@@ -176,8 +167,6 @@ class Server:
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-
-    # ------------------------------------------------------------ SIGTERM -> exception
 
     def _trap_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -1,17 +1,11 @@
 """What vLLM is given: the server's flags for a target, the `speculative_config` for a draft and k,
 and the `vllm serve` line a user deploys with.
 
-    from pipeline.vllm.spec_config import target_reason, server_args, speculative_config, serve_command
     why = target_reason(scheme, quant_method, platform="cpu")     # None, or why vLLM cannot load it
-    spec = speculative_config("ngram", 3, run_dir)                 # {"method": "ngram", ...}
-    spec = speculative_config("layerskip:8", 3, run_dir)           # str: why vLLM has no counterpart
+    spec = speculative_config("ngram", 3, run_dir)                 # {"method": "ngram", ...}, or why none
 
-Draft kinds and their vLLM methods:
-    ngram, ngram:<max_n>    "ngram" (prompt lookup), prompt_lookup_min 1, prompt_lookup_max max_n (3)
-    self:<variant>          "draft_model", model = runs/<run>/variants/<variant>
-    hf:<path or id>         "draft_model", model = the path or id
-    eagle3:<dir>            "eagle3", model = the head's directory (speculators / vLLM layout)
-    layerskip:<n>           none: vLLM has no layer-skip self-draft
+Draft kinds -> vLLM methods: ngram[:<max_n>] -> "ngram" (prompt lookup 1..max_n, default 3);
+self:<variant> and hf:<path or id> -> "draft_model"; eagle3:<dir> -> "eagle3"; layerskip: none.
 """
 from __future__ import annotations
 
@@ -44,12 +38,9 @@ NGRAM_MIN, NGRAM_MAX = 1, 3
 
 def method_reason(method: str | None, supported: frozenset[str] | None = None, platform: str = "cuda") -> str | None:
     """None when vLLM reads checkpoints quantized with `method` (None = unquantized), else why not."""
-    if method is None:
-        return None
-    if method in NOT_READ:
-        return NOT_READ[method]
-    methods = VLLM_METHODS if supported is None else supported
-    if method not in methods:
+    if method is None or method in NOT_READ:
+        return NOT_READ.get(method)
+    if method not in (VLLM_METHODS if supported is None else supported):
         return f"quantization method '{method}' is not one vLLM reads"
     if platform == "cpu" and method not in CPU_METHODS:
         return (f"vLLM's CPU backend does not run '{method}' checkpoints (it runs "
@@ -58,8 +49,7 @@ def method_reason(method: str | None, supported: frozenset[str] | None = None, p
 
 
 def target_reason(scheme: str, method: str | None, platform: str, has_safetensors: bool = True) -> str | None:
-    """Why vLLM cannot serve a variant directory (scheme from its meta.json, method from its
-    config.json quantization_config), or None."""
+    """Why vLLM cannot serve a variant directory (its meta.json's scheme, config.json's method), or None."""
     if scheme in SCHEME_NOT_READ:
         return SCHEME_NOT_READ[scheme]
     if not has_safetensors:
@@ -80,10 +70,8 @@ def engine_env(platform: str, kv_cache_gib: float) -> dict[str, str]:
 def server_args(*, dtype: str, max_model_len: int, seed: int, platform: str, enforce_eager: bool,
                 max_num_seqs: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
                 method: str | None = None, spec: dict | None = None, extra: dict | None = None) -> list[str]:
-    """The api_server flags after --model; with a speculative config, per-request speculative
-    metrics are on, so each response carries its steps' accepted counts."""
-    # Prefix caching off: the workload's prompts are sent once per phase, and a cached prompt would
-    # make every phase after the first report a TTFT without its prefill.
+    """The api_server flags after --model (with `spec`, per-request speculative metrics on)."""
+    # Prefix caching off: a prompt cached by an earlier phase would report a TTFT without its prefill.
     args = ["--served-model-name", "specq", "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--seed", str(seed), "--max-num-seqs", str(max_num_seqs), "--disable-uvicorn-access-log",
             "--no-enable-prefix-caching"]
