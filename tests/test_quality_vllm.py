@@ -3,7 +3,7 @@ run on, and never ran here. What is tested: the config keys and their one-line e
 refusal where vLLM is not importable (one stderr line, exit 2, no run folder); the lm-eval VLLM
 arguments built from each kind of variant directory (pipeline/quality/vllm_backend.py:
 vllm_args); the fallback decision (choose); that what scores a variant is in its lines' hash
-(quality/sequential.py: item_inputs); and the stage's wiring, with an lm-eval HFLM standing in for
+(quality/waves.py: item_inputs); and the stage's wiring, with an lm-eval HFLM standing in for
 the engine: the same records, and meta.json saying what scored each model.
 
     .venv/bin/python -m pytest -q tests/test_quality_vllm.py
@@ -314,7 +314,7 @@ def test_engines_hold_one_engine_at_a_time(monkeypatch):
 
 
 def test_item_hash_includes_the_backend(tmp_path):
-    from pipeline.quality.sequential import item_inputs
+    from pipeline.quality.waves import item_inputs
     from pipeline.core.stage import hash_obj
 
     run = tmp_path / "run"

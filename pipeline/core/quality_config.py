@@ -24,7 +24,7 @@ class SliceSettings(Section):
 
 
 # Real benchmarks need longer answers than the synthetic slices' 32 tokens. bfcl: its whole pool,
-# of which quality.max_items are scored (one item per cluster: pipeline/quality/waves.py); 64
+# of which quality.max_items are scored (one item per cluster: pipeline/quality/items.py); 64
 # tokens hold 99% of BFCL's simple_python and multiple answers (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
 # embedded 135M model answers in prose to all of them, so the cap only bounds the cost. HumanEval
 # bodies take a few hundred tokens (code is not a default slice: the 135M model passed 0 of 60).
@@ -138,7 +138,7 @@ class QualityConfig(Section):
     # The most items any slice scores (the run's budget per slice; null = its whole pool).
     max_items: PositiveInt | None = 240
     # Items per look of the sequential gate (pipeline/gate/looks.py): every slice is scored wave_items
-    # at a time in a fixed seeded order (pipeline/quality/waves.py), and after each wave every open
+    # at a time in a fixed seeded order (pipeline/quality/items.py), and after each wave every open
     # (variant, slice) cell is tested at its look's level (O'Brien-Fleming type unless gate.spending
     # says otherwise); a cell that passes or fails stops. null = one look at all items (the fixed-n
     # gate). A slice may set its own in per_slice.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageError, progress
-from pipeline.quality.waves import order_items
+from pipeline.quality.items import order_items
 
 # Fields that hold a passage several documents are asked about (race: article, squad: context,
 # xnli/anli: premise, boolq/multirc: passage, ...).
@@ -213,7 +213,7 @@ def _build(slice_name: str, name: str, index: tuple[bool, tuple[str, ...]], task
 
 
 def _choose_docs(s: NamedSlice, n_max: int | None, seed: int) -> None:
-    """The slice's documents in scoring order (s.rows, s.ends: waves.order_items over every
+    """The slice's documents in scoring order (s.rows, s.ends: items.order_items over every
     document of every subtask, the first n_max of them) and each subtask's share (leaf.doc_ids)."""
     pool = []
     for leaf in s.leaves:

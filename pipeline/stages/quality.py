@@ -26,9 +26,8 @@ from pipeline.quality.evaluate import evaluate, write_summaries
 from pipeline.quality.gpu_groups import groups_for, side_by_side
 from pipeline.quality.items import (KNOWN_SLICES, builtin_task_config, cost_weights, prompt_tokens_of, slice_data,
                                     task_looks)
-from pipeline.quality.sequential import (Waves, budget_stopped, item_inputs, read_meta, score_in_waves,
-                                         score_variants)
-from pipeline.quality.waves import Allowance, pace_priors
+from pipeline.quality.waves import (Allowance, Waves, budget_stopped, item_inputs, pace_priors, read_meta,
+                                    score_in_waves, score_variants)
 from pipeline.variants.schemes import load_variant
 
 
