@@ -412,7 +412,7 @@ def test_stage_with_a_stand_in_engine_writes_the_same_records_and_what_ran(tmp_p
 
 
 def test_device_groups_cut_the_gpus_in_order():
-    from pipeline.quality.gpu_groups import device_groups, visible_gpus
+    from pipeline.quality.vllm_backend import device_groups, visible_gpus
 
     eight = [str(i) for i in range(8)]
     assert device_groups(eight, 2) == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
@@ -432,7 +432,7 @@ def test_side_by_side_keeps_one_variant_per_group_and_the_order_of_names():
     import threading
     import time as _time
 
-    from pipeline.quality.gpu_groups import side_by_side
+    from pipeline.quality.vllm_backend import side_by_side
 
     groups = [("0", "1"), ("2", "3"), ("4", "5")]
     busy, peak, lock, finished = set(), [0], threading.Lock(), []

@@ -92,15 +92,11 @@ class Pace:
 def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
     """variant -> its forward's seconds over the reference's (the quantize stage's
     `forward_seconds` in variants/<v>/meta.json): its pace before it has scored an item."""
-    ref = ((metas.get(reference) or {}).get("forward_seconds") or {}).get("seconds")
-    if not ref:
-        return {}
-    out = {}
-    for name, meta in metas.items():
-        got = ((meta or {}).get("forward_seconds") or {}).get("seconds")
-        if name != reference and got:
-            out[name] = float(got) / float(ref)
-    return out
+    def seconds(name: str) -> float | None:
+        return ((metas.get(name) or {}).get("forward_seconds") or {}).get("seconds")
+
+    ref = seconds(reference)
+    return {n: float(seconds(n)) / float(ref) for n in metas if ref and n != reference and seconds(n)}
 
 
 class Allowance(budget_mod.Allowance):
@@ -434,14 +430,11 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
     waves.first_look(name, score)
 
 
-def next_need(waves: Waves, reference: str, name: str, cfg, budgeted: bool) -> tuple[dict[str, int], list[str]]:
-    """(the look each open slice of `name` needs next, slice -> items (gate.decision.open_slices);
-    budgeted, the rows a look has failed: its no-go is settled, the caller stops it)."""
+def next_need(waves: Waves, reference: str, name: str, cfg) -> tuple[dict[str, int], list[str]]:
+    """(the look each open slice of `name` needs next, slice -> items; the rows a look has failed)
+    from the gate's own replay (gate.decision.open_slices)."""
     open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
-    need = waves.next_looks(name, open_)
-    if budgeted and failed and need:
-        return need, failed
-    return need, []
+    return waves.next_looks(name, open_), failed
 
 
 def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
@@ -454,13 +447,13 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
     if allowance is not None:
         waves.allowances[name] = allowance
     while True:
-        need, failed = next_need(waves, reference, name, cfg, budgeted)
+        need, failed = next_need(waves, reference, name, cfg)
         if not need:
             return
-        if failed:
-            _stop_on_verdict(waves, name, need, failed, allowance.parent)
-            return
         if budgeted:
+            if failed:
+                _stop_on_verdict(waves, name, need, failed, allowance.parent)
+                return
             est = waves.look_cost(reference, name, need)
             if not allowance.affords(est):
                 why = allowance.why_not(est)
@@ -482,36 +475,33 @@ def score_in_waves(waves: Waves, reference: str, name: str, ref_score, score, cf
     later_looks(waves, reference, name, ref_score, score, cfg, allowance)
 
 
+def _nothing(name: str) -> None:
+    pass
+
+
 def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, scorer, cfg, budget,
-                   after_first=None, finish=None, park=None) -> None:
+                   after_first=_nothing, finish=_nothing, park=_nothing) -> None:
     """Every variant in `pending` (the reference's first look already scored): `scorer(name)`
     gives its score function; `after_first(name)` runs after its first look (the stage's drift),
     `finish(name)` once it is done, `park(name)` when it waits, open, for the second pass. Without
     an active `budget` (a StageBudget) each variant whole in turn; with one, in two passes."""
-    after_first = after_first or (lambda name: None)
-    finish = finish or (lambda name: None)
-    park = park or (lambda name: None)
-    if not budget.active:  # (an inactive Allowance affords every look; meta.json still has its record)
-        for i, name in enumerate(pending):
-            score, allowance = scorer(name), Allowance(budget, len(pending) - i)
-            first_look(waves, reference, name, score, allowance)
-            after_first(name)
-            later_looks(waves, reference, name, ref_score, score, cfg, allowance)
-            finish(name)
-        return
     later = []
     for i, name in enumerate(pending):
-        first_look(waves, reference, name, scorer(name), Allowance(budget, len(pending) - i))
+        score, allowance = scorer(name), Allowance(budget, len(pending) - i)
+        first_look(waves, reference, name, score, allowance)
         after_first(name)
-        need, failed = next_need(waves, reference, name, cfg, budgeted=True)
-        if failed:
-            _stop_on_verdict(waves, name, need, failed, budget)
-        elif need:
-            later.append(name)
-            progress(f"quality: {name}: open after its first look ({', '.join(sorted(need))}); "
-                     "its later looks come after every variant's first")
-            park(name)
-            continue
+        if not budget.active:  # (an inactive Allowance affords every look; meta.json still has its record)
+            later_looks(waves, reference, name, ref_score, score, cfg, allowance)
+        else:
+            need, failed = next_need(waves, reference, name, cfg)
+            if need and failed:
+                _stop_on_verdict(waves, name, need, failed, budget)
+            elif need:
+                later.append(name)
+                progress(f"quality: {name}: open after its first look ({', '.join(sorted(need))}); "
+                         "its later looks come after every variant's first")
+                park(name)
+                continue
         finish(name)
     for i, name in enumerate(later):
         later_looks(waves, reference, name, ref_score, scorer(name), cfg, Allowance(budget, len(later) - i))

@@ -23,7 +23,6 @@ from pipeline.decode.release import collect
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, write_summaries
-from pipeline.quality.gpu_groups import groups_for, side_by_side
 from pipeline.quality.items import (KNOWN_SLICES, builtin_task_config, cost_weights, prompt_tokens_of, slice_data,
                                     task_looks)
 from pipeline.quality.waves import (Allowance, Waves, budget_stopped, item_inputs, pace_priors, read_meta,
@@ -211,7 +210,7 @@ def run(ctx: StageContext) -> None:
         drop_request_cache(name)
         unload(name)
 
-    groups = groups_for(qcfg, host, budget, backends, pending)
+    groups = vllm_backend.groups_for(qcfg, host, budget, backends, pending)
     if groups:
         # One engine per GPU group, each taking the next variant: the reference is scored first
         # to every slice's last look, so no variant waits on the reference's engine.
@@ -227,7 +226,7 @@ def run(ctx: StageContext) -> None:
             finally:
                 own.release()
 
-        side_by_side(pending, groups, one)
+        vllm_backend.side_by_side(pending, groups, one)
         for name in pending:  # drift through transformers, one model pair at a time
             measure_drift(name)
             finish(name)
