@@ -112,8 +112,8 @@ class Choice:
 
 def choose(qcfg, vdir: str | Path, seed: int, name: str | None = None, platform: str = "cuda",
            version: str | None = None) -> Choice:
-    """What scores the variant in `vdir`: hf when asked; vllm where vllm_args builds its settings;
-    else hf with the reason (fallback: hf) or a StageError (fallback: stop)."""
+    """hf when asked; vllm where vllm_args builds its settings; else hf with the reason
+    (fallback: hf) or a StageError (fallback: stop)."""
     if qcfg.backend == "hf":
         return Choice("hf")
     vdir = Path(vdir)
@@ -207,7 +207,6 @@ class Engines:
 
 
 def _model_len(kwargs: dict) -> int:
-    """The context the engine is built for: quality.vllm.max_model_len, else the model's own."""
     if kwargs.get("max_model_len"):
         return int(kwargs["max_model_len"])
     cfg = json.loads((Path(kwargs["pretrained"]) / "config.json").read_text())
@@ -217,7 +216,7 @@ def _model_len(kwargs: dict) -> int:
 
 def serve(name: str, kwargs: dict, host: Host):
     """lm-eval's local-completions model on a vLLM server started on kwargs["pretrained"] (its
-    `server` attribute, stopped by _shutdown)."""
+    `server`)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     from pipeline.quality import lm_tasks
@@ -253,7 +252,6 @@ def serve(name: str, kwargs: dict, host: Host):
 
 
 def _shutdown(lm) -> None:
-    """Stop the engine behind an lm-eval model `serve` made."""
     server = getattr(lm, "server", None)
     if server is not None:
         server.__exit__(None, None, None)
@@ -263,8 +261,7 @@ def _shutdown(lm) -> None:
 
 
 def visible_gpus(listed: list[str] | None = None) -> list[str]:
-    """The GPUs engines may use: `listed` (quality.vllm.devices), else CUDA_VISIBLE_DEVICES, else
-    every GPU torch sees; [] without one."""
+    """`listed` (quality.vllm.devices), else CUDA_VISIBLE_DEVICES, else every GPU torch sees."""
     if listed:
         return [str(d) for d in listed]
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -286,8 +283,8 @@ def device_groups(devices: list[str], tensor_parallel_size: int) -> list[tuple[s
 
 def groups_for(qcfg, host, budget, backends: dict, pending: list[str]) -> list[tuple[str, ...]]:
     """The GPU groups the pending variants are scored on side by side, or [] for one after
-    another: vLLM scores them all, on GPUs, with no time budget (its looks are planned one variant
-    at a time), and there is more than one group and more than one variant."""
+    another: side by side needs vLLM scoring them all on GPUs, no time budget, and more than one
+    group and variant."""
     if host is None or host.platform == "cpu" or budget.active or len(pending) < 2:
         return []
     if any(backends[n].backend != "vllm" for n in pending):
