@@ -27,10 +27,9 @@ from pipeline.quality.row_sizing import SIZING_CONSTANTS
 
 
 class Pace:
-    """Seconds per item of one model, per slice, from the calls that scored it: a call of one
-    slice measures it (`solo`); every call enters one rate per unit of `weights` (each slice's
-    prior cost per item; missing: the mean), which prices a slice never scored alone. `state`:
-    an earlier run's `to_json()` (kept in scoring.json)."""
+    """Seconds per item of one model, per slice: a call of one slice measures it (`solo`); every
+    call enters one rate per unit of `weights` (each slice's prior cost per item), which prices a
+    slice never scored alone. `state`: an earlier run's `to_json()` (kept in scoring.json)."""
 
     def __init__(self, weights: dict[str, float] | None = None, state: dict | None = None):
         self.weights = dict(weights or {})
@@ -145,9 +144,8 @@ VLLM_STOPPING_KEYS = ("keep_reference", "distribution", "fallback", "devices")
 def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
                 backend: dict | None = None) -> tuple[dict, object]:
     """(what a model's lines were scored with, so lines scored with the same are kept; a function
-    of `stopped` giving its item's inputs). The budget is in the second only when the variant
-    stopped on it. `backend`: vllm_backend.Choice.scored_with (lines scored otherwise are not
-    kept). With quality.backend hf the `quality.vllm` settings are in neither."""
+    of `stopped` giving its item's inputs, the budget in them only when it stopped the variant).
+    `backend`: vllm_backend.Choice.scored_with."""
     cfg = ctx.config
     quality = cfg.section("quality")
     if quality.get("backend", "hf") == "hf":
@@ -314,8 +312,8 @@ class Waves:
 
     def cover(self, name: str, score, need: dict[str, int]) -> None:
         """Score `name` on the items it lacks up to `need[slice]` and append them to its files: one
-        lm-eval call per planned look it lacks, so a look's items are scored in calls of exactly
-        them whichever model scores them (few-shot draws are per call: lm_tasks' docstring)."""
+        lm-eval call per planned look it lacks (few-shot draws are per call, so every model scores
+        a look's items in one call of exactly them)."""
         have = self.scored(name)
         steps: list[dict[str, tuple[int, int]]] = []
         for s, n in need.items():
