@@ -293,7 +293,7 @@ def measure() -> dict:
 # ---------------------------------------------------------------- --sequential (issue 26)
 #
 # One gated 0/1 cell under group-sequential looks, the way the quality stage and the gate run it:
-# the slice's pool put in its seeded cluster order (pipeline/quality/waves.py: order_items, which
+# the slice's pool put in its seeded cluster order (pipeline/quality/items.py: order_items, which
 # the quality stage calls for one look and for waves alike), looks planned at cluster ends
 # (pipeline/gate/looks.py: plan), each look's nominal level from looks.levels (what looks.settle
 # draws the bounds at), and at each look the cell's clusters split as the gate splits them
@@ -334,7 +334,7 @@ class Schedule:
 
     def __init__(self, blob: bytes, n_max: int, wave: int | None, seed: int, alpha_fail: float):
         from pipeline.gate import looks as L
-        from pipeline.quality.waves import order_items
+        from pipeline.quality.items import order_items
         from pipeline.stats import paired as S
 
         # As pipeline/quality/items.py: slice_data: one look or many, the same selection

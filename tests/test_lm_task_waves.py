@@ -21,7 +21,7 @@ from pipeline.gate.decision import build_gate
 from pipeline.quality import lm_tasks
 from pipeline.quality.evaluate import evaluate
 from pipeline.quality.items import task_looks
-from pipeline.quality.sequential import Waves, score_in_waves
+from pipeline.quality.waves import Waves, score_in_waves
 from tests.test_lm_tasks import gsm8k_like_yaml, write_task_files
 from tests.test_sequential_gate import _config
 

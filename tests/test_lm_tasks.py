@@ -85,7 +85,7 @@ def test_structures_are_resolved_from_local_yamls(task_files, capsys, monkeypatc
     group = by_name["toy_group"]
     assert [leaf.name for leaf in group.leaves] == ["toy_mc_a", "toy_mc_b"]
     # 8 items of 12 clusters (a document and its twin in the other subtask, task_clusters doc_id):
-    # fewer items than clusters, so one item per cluster (pipeline/quality/waves.py: order_items).
+    # fewer items than clusters, so one item per cluster (pipeline/quality/items.py: order_items).
     assert sum(len(leaf.doc_ids) for leaf in group.leaves) == group.n_max == 8
     assert len({d for leaf in group.leaves for d in leaf.doc_ids}) == 8
     assert all(leaf.metric == "acc_norm" for leaf in group.leaves)  # the task's own headline

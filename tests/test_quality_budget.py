@@ -1,6 +1,6 @@
-"""The quality stage on a time budget (issue 27): the wave loop (pipeline/quality/sequential.py:
+"""The quality stage on a time budget (issue 27): the wave loop (pipeline/quality/waves.py:
 score_variants, Waves) with injected per-item scorers and a fake clock that each scored item
-advances, each variant's allowance (pipeline/quality/waves.py: Allowance, Pace), and the gate's
+advances, each variant's allowance (Allowance, Pace), and the gate's
 replay of what was scored (pipeline/gate/decision.py: build_gate). Shows: without a budget the
 looks are exactly those of the loop without one; a budget that affords two looks stops there and
 the gate says inconclusive, stopped on the budget; a cell that fails within the budget is still
@@ -18,9 +18,8 @@ from pipeline.core.budget import StageBudget
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
-from pipeline.quality.sequential import (Waves, budget_stopped, item_inputs, score_in_waves,
-                                         score_variants)
-from pipeline.quality.waves import Allowance, Pace, pace_priors
+from pipeline.quality.waves import (Allowance, Pace, Waves, budget_stopped, item_inputs, pace_priors,
+                                    score_in_waves, score_variants)
 from pipeline.report.gate_table import render_table
 
 from tests.test_sequential_gate import (_config, damaged, flips, identical, independent_slice, reference_score,

@@ -3,7 +3,7 @@ run on, and never ran here. What is tested: the config keys and their one-line e
 refusal where vLLM is not importable (one stderr line, exit 2, no run folder); the lm-eval VLLM
 arguments built from each kind of variant directory (pipeline/quality/vllm_backend.py:
 vllm_args); the fallback decision (choose); that what scores a variant is in its lines' hash
-(quality/sequential.py: item_inputs); and the stage's wiring, with an lm-eval HFLM standing in for
+(quality/waves.py: item_inputs); and the stage's wiring, with an lm-eval HFLM standing in for
 the engine: the same records, and meta.json saying what scored each model.
 
     .venv/bin/python -m pytest -q tests/test_quality_vllm.py
@@ -314,7 +314,7 @@ def test_engines_hold_one_engine_at_a_time(monkeypatch):
 
 
 def test_item_hash_includes_the_backend(tmp_path):
-    from pipeline.quality.sequential import item_inputs
+    from pipeline.quality.waves import item_inputs
     from pipeline.core.stage import hash_obj
 
     run = tmp_path / "run"
@@ -412,7 +412,7 @@ def test_stage_with_a_stand_in_engine_writes_the_same_records_and_what_ran(tmp_p
 
 
 def test_device_groups_cut_the_gpus_in_order():
-    from pipeline.quality.gpu_groups import device_groups, visible_gpus
+    from pipeline.quality.vllm_backend import device_groups, visible_gpus
 
     eight = [str(i) for i in range(8)]
     assert device_groups(eight, 2) == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
@@ -432,7 +432,7 @@ def test_side_by_side_keeps_one_variant_per_group_and_the_order_of_names():
     import threading
     import time as _time
 
-    from pipeline.quality.gpu_groups import side_by_side
+    from pipeline.quality.vllm_backend import side_by_side
 
     groups = [("0", "1"), ("2", "3"), ("4", "5")]
     busy, peak, lock, finished = set(), [0], threading.Lock(), []

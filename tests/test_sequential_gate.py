@@ -1,5 +1,5 @@
 """Group-sequential gating end to end without a model: the quality stage's wave loop
-(pipeline/quality/sequential.py: Waves, score_in_waves) with injected per-item scorers, and the gate
+(pipeline/quality/waves.py: Waves, score_in_waves) with injected per-item scorers, and the gate
 stage's replay of the same looks (pipeline/gate/decision.py: build_gate). Shows: a clear fail and
 a clear pass stop early, an identical copy passes within the maximum, the waves are deterministic
 and an interrupted run re-uses what was scored; and, on the default config's slices (their real
@@ -17,8 +17,8 @@ from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import plan
-from pipeline.quality.sequential import Waves, score_in_waves
-from pipeline.quality.waves import order_items
+from pipeline.quality.waves import Waves, score_in_waves
+from pipeline.quality.items import order_items
 from pipeline.quality.items import slice_data as _slice_data
 
 

@@ -15,20 +15,15 @@ class SliceSettings(Section):
     # Items of this slice: a number, or "all" (bfcl, code and lm-eval tasks); null = items_per_slice.
     items: PositiveInt | Literal["all"] | None = None
     # Most tokens generated per item; null = quality.max_new_tokens. A slice's YAML caps it too.
-    # (lm-eval tasks keep their own generation settings.)
     max_new_tokens: int | None = None
-    # Items per look of this slice; null = quality.wave_items. A slice much smaller than the others'
-    # waves (gpu.yaml: HumanEval's 164 problems against waves of 200) is otherwise one fixed-n look,
-    # scored whole in every model's first look.
+    # Items per look of this slice; null = quality.wave_items. For a slice much smaller than the
+    # others' waves, which would otherwise be one fixed-n look.
     wave_items: PositiveInt | None = None
 
 
-# Real benchmarks need longer answers than the synthetic slices' 32 tokens. bfcl: its whole pool,
-# of which quality.max_items are scored (one item per cluster: pipeline/quality/waves.py); 64
-# tokens hold 99% of BFCL's simple_python and multiple answers (SmolLM2 tokens) but about half of the parallel ones (longest 241; gpu.yaml gives 256). The
-# embedded 135M model answers in prose to all of them, so the cap only bounds the cost. HumanEval
-# bodies take a few hundred tokens (code is not a default slice: the 135M model passed 0 of 60).
-# Merged under a config's own `per_slice` entries (a config names only what it changes).
+# Real benchmarks need longer answers than the synthetic slices' 32 tokens (64 hold 99% of BFCL's
+# simple and multiple answers; HumanEval bodies take a few hundred). Merged under a config's own
+# `per_slice` entries (a config names only what it changes).
 PER_SLICE_DEFAULTS = {"bfcl": {"items": "all", "max_new_tokens": 64},
                       "code": {"items": 40, "max_new_tokens": 256}}
 
@@ -44,41 +39,36 @@ class SandboxConfig(Section):
     workers: int = 0
 
 
-# Keyword arguments of lm-eval's VLLM model that specq sets itself (from the variant's directory,
-# the run's seed, this section's own keys); quality.vllm.engine_args may not name them.
+# Engine arguments specq sets itself; quality.vllm.engine_args may not name them.
 VLLM_OWN_ARGS = ("pretrained", "model", "tokenizer", "quantization", "load_format", "seed", "batch_size",
                  "dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_length")
 
 
 class VllmConfig(Section):
-    """quality.backend: vllm (pipeline/quality/vllm_backend.py): a vLLM server (the vLLM venv
-    `make install` builds) scores every variant vLLM can load, through lm-eval's local-completions
-    client; a model larger than one GPU is spread over tensor_parallel_size GPUs. Where the engine
-    runs (CPU KV cache, eager mode, timeouts) comes from the top-level `vllm` section."""
+    """quality.backend: vllm: a vLLM server (the vLLM venv `make install` builds) scores every
+    variant vLLM can load, through lm-eval's local-completions client. Where the engine runs (CPU
+    KV cache, eager mode, timeouts) comes from the top-level `vllm` section."""
     # GPUs each model is split over (vLLM's tensor parallelism).
     tensor_parallel_size: int = Field(1, ge=1)
     # Share of each GPU's memory one vLLM engine takes (weights, activations, KV cache).
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Context length the engine is built for; null = the model's own. Longer prompts are cut from
-    # the left by lm-eval, as with hf.
+    # the left, as with hf.
     max_model_len: int | None = Field(None, ge=1)
-    # Compute dtype; "auto" = the one the hf backend computes the variant in (its meta.json
-    # dtype_compute), so hf-scored and vLLM-scored variants differ by kernels only.
+    # Compute dtype; "auto" = the one the hf backend computes the variant in.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    # A variant vLLM cannot load (torchao int8 weight-only, a quantization method vLLM does not
-    # read): "hf" scores it with the hf backend (its quality meta.json says which and why);
-    # "stop" refuses the run before any work.
+    # A variant vLLM cannot load: "hf" scores it with the hf backend (its quality meta.json says
+    # why); "stop" refuses the run before any work.
     fallback: Literal["hf", "stop"] = "hf"
     # Keep the reference's engine loaded beside each variant's instead of reloading it for every
-    # look the variant needs it for; two engines then share each GPU (gpu_memory_utilization <= 0.5).
+    # look; two engines then share each GPU (gpu_memory_utilization <= 0.5).
     keep_reference: bool = False
-    # Distribution drift (KL, top-1 agreement, perplexity ratio) needs full logits, which vLLM does
-    # not return: true computes it through transformers on `device` after the engines are released
-    # (both models must fit there); false leaves it out (gate.max_kl / min_top1_agreement refused).
+    # Measure the distribution drift (full logits, which vLLM does not return) through transformers
+    # on `device` after the engines are released; false leaves it out (gate.max_kl and
+    # min_top1_agreement are then refused).
     distribution: bool = False
-    # The GPUs engines may use (ids as CUDA_VISIBLE_DEVICES takes them); null = every visible GPU.
-    # With more GPUs than one engine's tensor_parallel_size and no time budget, the variants are
-    # scored side by side, one engine per group of tensor_parallel_size GPUs.
+    # The GPUs engines may use (CUDA_VISIBLE_DEVICES ids); null = every visible GPU. With more than
+    # tensor_parallel_size of them and no time budget, variants are scored side by side.
     devices: list[str] | None = None
     # Prompts per completions request (vLLM batches them; also the engine's max_num_seqs, at least 8).
     batch_size: int = Field(32, ge=1)
@@ -105,71 +95,58 @@ class VllmConfig(Section):
 
 class QualityConfig(Section):
     """The quality stage: the reference and every variant scored item by item on the built-in slices
-    and lm-eval tasks, in waves the sequential gate stops early, and distribution drift (KL, top-1
-    agreement, perplexity ratio) against the reference on held-out text."""
-    # Built-in slices to score: reasoning, language, long_context, calibration, tool_args (generated,
-    # shipped in evals/data/), bfcl (BFCL v4, from the bfcl-eval package) and code (HumanEval, run in
-    # the sandbox). An unknown name is refused before any work. The default is the four that score
-    # fastest on a CPU; long_context and bfcl cost about three times as much again there.
+    and lm-eval tasks, in waves the sequential gate stops early, and their distribution drift."""
+    # Built-in slices to score: reasoning, language, long_context, calibration, tool_args (generated),
+    # bfcl (BFCL v4, from the bfcl-eval package) and code (HumanEval, run in the sandbox). The
+    # default is the four that score fastest on a CPU.
     slices: list[str] = Field(
         default_factory=lambda: ["reasoning", "language", "calibration", "tool_args"]
     )
-    # lm-eval tasks or groups by name (or a path to a task YAML or a directory of them), run where
-    # their data is reachable (HF datasets cache, HF_DATASETS_OFFLINE, local files), skipped with
-    # one line if not. A group (mmlu) or tag (mgsm_direct) is one slice; its subtasks are groups.
+    # lm-eval tasks, groups or tags by name (or a path to a task YAML), run where their data is
+    # reachable, skipped with one line if not. A group or tag is one slice; its subtasks are groups.
     tasks: list[str] = Field(default_factory=list)
-    # Headline score per task in lm-eval's "metric,filter" notation (e.g. gsm8k:
-    # "exact_match,strict-match"); either part may be left out. Default: acc_norm where the task
-    # reports it, else its first per-item metric; the task's first filter. Every filter is scored.
+    # Headline score per task as "metric,filter" (e.g. gsm8k: "exact_match,strict-match"); either
+    # part may be left out. Default: acc_norm where reported, else the first per-item metric; the
+    # task's first filter.
     task_primary: dict[str, str] = Field(default_factory=dict)
     # Clusters per task: a document field whose equal values are one cluster (e.g. "premise"), or
-    # "doc_id" for groups whose subtasks are the same documents translated (mgsm_direct). Default:
-    # the first of the usual shared-passage fields (context, passage, article, ...) that repeats.
+    # "doc_id" for groups whose subtasks are the same documents translated. Default: the first
+    # shared-passage field (context, passage, article, ...) that repeats.
     task_clusters: dict[str, str] = Field(default_factory=dict)
-    # Per-slice item counts and generation caps (see PER_SLICE_DEFAULTS).
+    # Per-slice item counts, generation caps and wave sizes.
     per_slice: dict[str, SliceSettings] = Field(
         default_factory=lambda: {k: SliceSettings(**v) for k, v in PER_SLICE_DEFAULTS.items()})
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    # Items of each generated slice (its pool; bfcl and code read theirs from their packages),
-    # capped by max_items. CPU-sized: 240 items in waves of 40 let a byte-identical copy pass every
-    # default slice (160 items on independent ones, 200 on calibration for its Brier row, 240 on
-    # long_context's haystacks of 3); the GPU config runs up to 1000 per slice.
+    # Items of each generated slice (its pool), capped by max_items. CPU-sized: enough for a
+    # byte-identical copy to pass every default slice in waves of 40.
     items_per_slice: int = 240
     # The most items any slice scores (the run's budget per slice; null = its whole pool).
     max_items: PositiveInt | None = 240
-    # Items per look of the sequential gate (pipeline/gate/looks.py): every slice is scored wave_items
-    # at a time in a fixed seeded order (pipeline/quality/waves.py), and after each wave every open
-    # (variant, slice) cell is tested at its look's level (O'Brien-Fleming type unless gate.spending
-    # says otherwise); a cell that passes or fails stops. null = one look at all items (the fixed-n
-    # gate). A slice may set its own in per_slice.
+    # Items per look of the sequential gate: every slice is scored wave_items at a time in a fixed
+    # seeded order, and after each wave every open (variant, slice) cell is tested; a cell that
+    # passes or fails stops. null = one look at all items (the fixed-n gate).
     wave_items: PositiveInt | None = 40
-    # Haystack lengths of the long_context slice, in tokens (approximate: sized by characters); the
-    # haystacks cycle through them, and each length is reported as a group of its own.
+    # Haystack lengths of the long_context slice, in tokens (approximate); each is a group.
     long_context_lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024])
-    # Most tokens generated per item of a built-in slice (greedy) where per_slice does not set its own;
-    # each slice's task YAML caps it further. lm-eval tasks keep their own generation settings.
+    # Most tokens generated per item of a built-in slice (greedy), unless per_slice sets its own.
+    # lm-eval tasks keep their own generation settings.
     max_new_tokens: int = 32
-    # Built-in slices are few-shot completion prompts: on SmolLM2-135M-Instruct wrapping them in
-    # the chat template cut reference scores to 0-17% (12 items per slice), plain was 25-62%.
+    # Wrap the built-in slices' prompts in the chat template (they are few-shot completion
+    # prompts, which the template hurts).
     chat_template: bool = False
-    # lm-eval model: "prefix" computes each shared prompt prefix once and decodes greedy
-    # generations batch_size at a time (pipeline/quality/prefix_lm.py); "hflm" is lm-eval's HFLM.
+    # "prefix" computes each shared prompt prefix once and decodes greedy generations in batches;
+    # "hflm" is lm-eval's HFLM (the same scores, slower).
     evaluator: Literal["prefix", "hflm"] = "prefix"
-    # What runs the models: "hf" loads each one with transformers on `device` and scores it with
-    # `evaluator`; "vllm" scores every variant vLLM can load through lm-eval's vLLM model
-    # (settings: `vllm`; pipeline/quality/vllm_backend.py), the others as "hf" does.
+    # What runs the models: "hf" (transformers on `device`, with `evaluator`) or "vllm" (every
+    # variant vLLM can load; settings: `vllm`; the others as "hf").
     backend: Literal["hf", "vllm"] = "hf"
     vllm: VllmConfig = Field(default_factory=VllmConfig)
-    # Rows per forward pass (prefill and decode). On CPU a pass costs ~110 ms for the weights plus
-    # ~2.3 ms per row-token, so big batches pay: 40 rows decoded tool_args in 31 steps (13 s),
-    # 8 rows in 155 steps (35 s). The prefix evaluator caps a decode batch at 16k cached positions.
+    # Rows per forward pass (prefill and decode).
     batch_size: int = 40
-    # Held-out documents the distribution metrics (KL, top-1 agreement, perplexity ratio) are computed
-    # on: one per Python standard-library module whose docstrings hold at least distribution_tokens
-    # tokens, in a fixed module order.
+    # Held-out documents of the distribution drift (KL, top-1 agreement, perplexity ratio): one per
+    # Python standard-library module with enough docstring text.
     distribution_docs: int = 16
-    # Tokens per held-out document of the distribution metrics: the first this many of its module's
-    # docstrings.
+    # Tokens per held-out document of the distribution drift.
     distribution_tokens: int = 256
 
     @field_validator("per_slice", mode="before")

@@ -39,20 +39,14 @@ def module_text(name: str) -> str:
         mod = importlib.import_module(name)
     except ImportError:
         return ""
-    parts = [inspect.getdoc(mod) or ""]
-    for attr in sorted(dir(mod)):
-        if attr.startswith("_"):
-            continue
-        obj = getattr(mod, attr, None)
-        if getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        if inspect.isclass(obj) or inspect.isfunction(obj):
-            parts.append(inspect.getdoc(obj) or "")
+    parts = [mod]
+    for obj in (getattr(mod, attr, None) for attr in sorted(dir(mod)) if not attr.startswith("_")):
+        own = getattr(obj, "__module__", None) == mod.__name__
+        if own and (inspect.isclass(obj) or inspect.isfunction(obj)):
+            parts.append(obj)
             if inspect.isclass(obj):
-                for meth_name, meth in sorted(vars(obj).items()):
-                    if not meth_name.startswith("_") and inspect.isfunction(meth):
-                        parts.append(inspect.getdoc(meth) or "")
-    return "\n\n".join(p for p in parts if p)
+                parts += [m for n, m in sorted(vars(obj).items()) if not n.startswith("_") and inspect.isfunction(m)]
+    return "\n\n".join(d for d in map(inspect.getdoc, parts) if d)
 
 
 def heldout_documents(tokenizer, n_docs: int, n_tokens: int) -> tuple[torch.Tensor, dict]:

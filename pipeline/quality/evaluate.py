@@ -4,10 +4,8 @@
     records, counters = evaluate(model, tokenizer, task_configs, named_slices, cfg.quality, seed=0)
     summary = summarize_slice(records["long_context"], confidence=0.95)
 
-All tasks of a look go through one lm-eval `simple_evaluate` call with per-item samples. The
-lm-eval model is `quality.evaluator`: `prefix` (pipeline.quality.prefix_lm) or `hflm` (lm-eval's
-HFLM), the same scores up to float summation order; or an lm-eval model the caller built
-(`quality.backend: vllm`, pipeline/quality/vllm_backend.py), used as it is.
+All tasks of a look go through one lm-eval `simple_evaluate` call with per-item samples, on the
+`quality.evaluator` (prefix_lm or lm-eval's HFLM) or an lm-eval model the caller built (vLLM).
 """
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
         from pipeline.quality.prefix_lm import PrefixCachedLM as lm_class
     else:
         lm_class = HFLM
-    # The named slices' subtasks that have documents to run (pipeline/quality/lm_tasks.py: requests).
     tasks = list(task_configs.values()) + lm_tasks.requests(named)
     use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
     include = tuple(sorted({p for s in named for p in s.index[1]}))

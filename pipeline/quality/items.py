@@ -12,6 +12,9 @@ code completions run in evals/sandbox.py). The task YAMLs are evals/tasks/<slice
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +22,7 @@ import numpy as np
 from evals import bfcl, generate as gen, humaneval, sandbox
 from pipeline.core.stage import StageError, read_jsonl
 from pipeline.gate.looks import plan
-from pipeline.quality.waves import order_items
+from pipeline.stats.paired import merge_clusters
 
 TASKS_DIR = Path(gen.__file__).resolve().parent / "tasks"
 PRIMARY = {"calibration": "acc", "tool_args": "args_exact", "bfcl": "accuracy", "code": "pass@1"}  # others: exact_match
@@ -27,6 +30,41 @@ PRIMARY = {"calibration": "acc", "tool_args": "args_exact", "bfcl": "accuracy", 
 # are generated (evals/generate.py).
 BENCHMARKS = ("bfcl", "code")
 KNOWN_SLICES = (*gen.GENERATORS, *BENCHMARKS)
+
+
+def order_items(blob: bytes, seed: int, slice_name: str, n_max: int) -> tuple[bytes, list[int]]:
+    """(the first items of the slice's seeded cluster order, at most n_max, as JSONL bytes; the
+    item counts at which each cluster ends). Every model scores a prefix of it, so each look is a
+    random sample that never splits a cluster; where clusters have unequal sizes or outnumber
+    n_max, one item per cluster is taken (docs/methods/quality-slices.md)."""
+    lines = blob.splitlines(keepends=True)
+    rows = [json.loads(line) for line in lines]
+    labels = [r.get("cluster") for r in rows]
+    prompts = [hashlib.sha256(str(r.get("prompt", "")).encode()).hexdigest() if "prompt" in r else None
+               for r in rows]
+    codes = merge_clusters(len(rows), labels, prompts)
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(codes.tolist()):
+        members.setdefault(c, []).append(i)
+    rng = random.Random(f"waves:{slice_name}:{seed}")
+    clusters = list(members.values())  # in order of first appearance: deterministic
+    rng.shuffle(clusters)
+    chosen: list[list[int]] = []
+    sizes = {len(c) for c in clusters}
+    if max(sizes) > 1 and (len(clusters) >= n_max or len(sizes) > 1):
+        chosen = [[rng.choice(c)] for c in clusters[:n_max]]
+    else:
+        total = 0
+        for c in clusters:
+            if total + len(c) > n_max:
+                break
+            chosen.append(c)
+            total += len(c)
+    out, ends = [], []
+    for c in chosen:
+        out += [lines[i] if lines[i].endswith(b"\n") else lines[i] + b"\n" for i in c]
+        ends.append(len(out))
+    return b"".join(out), ends
 
 
 def slice_items(name: str, n: int, lengths: list[int]) -> bytes:
@@ -97,7 +135,7 @@ def slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:
     asked = min([x for x in (n, qcfg.max_items) if x is not None], default=None)
     blob = benchmark_items(name, n, seed, tokenizer) if name in BENCHMARKS else \
         slice_items(name, asked, qcfg.long_context_lengths)
-    # One look or many, the same selection (pipeline/quality/waves.py: order_items).
+    # One look or many, the same selection.
     blob, ends = order_items(blob, seed, name, asked or len(blob.splitlines()))
     if not blob:
         raise StageError(f"quality: slice '{name}' has no items")

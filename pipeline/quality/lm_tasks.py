@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageError, progress
-from pipeline.quality.waves import order_items
+from pipeline.quality.items import order_items
 
 # Fields that hold a passage several documents are asked about (race: article, squad: context,
 # xnli/anli: premise, boolq/multirc: passage, ...).
@@ -213,7 +213,7 @@ def _build(slice_name: str, name: str, index: tuple[bool, tuple[str, ...]], task
 
 
 def _choose_docs(s: NamedSlice, n_max: int | None, seed: int) -> None:
-    """The slice's documents in scoring order (s.rows, s.ends: waves.order_items over every
+    """The slice's documents in scoring order (s.rows, s.ends: items.order_items over every
     document of every subtask, the first n_max of them) and each subtask's share (leaf.doc_ids)."""
     pool = []
     for leaf in s.leaves:
@@ -325,18 +325,14 @@ def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:
                 return f"'{leaf.name}': '{leaf.metric}' is not a per-item number"
             scores = {_key(m, f, leaf): float(smp[m]) for f, smp in per_filter.items()
                       for m in smp.get("metrics", []) if _number(smp.get(m))}
-            resp = primary.get("filtered_resps")
-            pred = resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
             rid = _rid(leaf, doc_id)
             rec = {"id": rid, "cluster": _cluster(s, leaf, doc_id, primary.get("doc")) or rid, "slice": s.name,
                    "group": leaf.name if len(s.leaves) > 1 else None, "prompt_hash": primary.get("prompt_hash"),
                    "metric": _key(leaf.metric, leaf.filter, leaf),
-                   "score": float(primary[leaf.metric]), "scores": scores, "prediction": pred,
+                   "score": float(primary[leaf.metric]), "scores": scores, "prediction": _text(primary),
                    "target": str(primary.get("target"))}
             if len(per_filter) > 1:
-                rec["predictions"] = {f: (smp["filtered_resps"][0] if isinstance(smp.get("filtered_resps"), list)
-                                          and smp["filtered_resps"] and isinstance(smp["filtered_resps"][0], str)
-                                          else None) for f, smp in per_filter.items()}
+                rec["predictions"] = {f: _text(smp) for f, smp in per_filter.items()}
             out.append(rec)
     shared = set.intersection(*(set(r["scores"]) for r in out)) if out else set()
     # The names every subtask reports (a look may hold documents of only some of them, and its
@@ -347,6 +343,12 @@ def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:
     for r in out:  # one set of score names per slice (subtasks of a group may report more)
         r["scores"] = {k: v for k, v in r["scores"].items() if k in shared}
     return out
+
+
+def _text(sample: dict) -> str | None:
+    """A sample's filtered response, where it is text."""
+    resp = sample.get("filtered_resps")
+    return resp[0] if isinstance(resp, list) and resp and isinstance(resp[0], str) else None
 
 
 def _cluster(s: NamedSlice, leaf: Leaf, doc_id: int, doc) -> str | None:

@@ -47,20 +47,19 @@ def _cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None):
 @contextlib.contextmanager
 def gqa_attention(device: torch.device):
     """On CPU, let transformers hand grouped-query K/V to SDPA as they are (enable_gqa) even with
-    a padding mask, instead of repeating them per query head (14x faster decode steps on SmolLM2,
-    same output); not on CUDA, where that path can fall back to the slow math kernel."""
-    key = "TRANSFORMERS_SDPA_FORCE_GQA"
+    a padding mask, instead of repeating them per query head (much faster decode steps, same
+    output); not on CUDA, where that path can fall back to the slow math kernel."""
+    key, cpu = "TRANSFORMERS_SDPA_FORCE_GQA", device.type == "cpu"
     old = os.environ.get(key)
-    if device.type == "cpu":
+    if cpu:
         os.environ[key] = "1"
     try:
         yield
     finally:
-        if device.type == "cpu":
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+        if cpu and old is None:
+            os.environ.pop(key, None)
+        elif cpu:
+            os.environ[key] = old
 
 
 def _decode_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], room: int):
@@ -193,9 +192,9 @@ def merge_rows(parts: list[Rows]) -> Rows:
 
 class StopCheck:
     """Which greedy rows are done after their latest token: `max_gen` tokens, a stop id (EOS), or
-    a stop string in the text decoded with special tokens. Only each row's tail (longest stop
-    string in UTF-8 bytes + 2 tokens, at least what HFLM's MultiTokenEOSCriteria looks back) is
-    decoded, all live rows in one batch_decode; a hit there is confirmed on the whole text."""
+    a stop string in the text decoded with special tokens. Only each row's tail (at least what
+    HFLM's MultiTokenEOSCriteria looks back) is decoded, all live rows in one batch_decode; a hit
+    there is confirmed on the whole text."""
 
     def __init__(self, tokenizer, until: list[str], stop_ids: set[int], max_gen: int):
         self.tokenizer, self.stop_ids, self.max_gen = tokenizer, stop_ids, max_gen
@@ -218,16 +217,14 @@ class StopCheck:
         return done
 
 
-# A model's measured sizing constants, kept for later evaluators of the same loaded model (the
-# quality stage builds one per wave): one measurement per model and run, the same batches in every wave.
+# A loaded model's measured sizing constants, for the evaluators of later waves: the same batches.
 _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class PrefixCachedLM(HFLM):
     """HFLM with prefix-shared, batched prefill and batched greedy decoding (module docstring).
-    `stats` counts prompt tokens, forward calls, generated tokens, decode steps and seconds; the
-    evaluator that measured the model's sizing constants (row_sizing.SIZING_CONSTANTS, and
-    calibration_seconds) adds them once. `call_tokens` and `decode_kv_tokens` pin them."""
+    `stats` counts tokens, calls, steps and seconds, and (once per model) the sizing constants
+    `sizing` measured; `call_tokens` and `decode_kv_tokens` pin them."""
 
     def __init__(self, pretrained, tokenizer, batch_size: int = 8, call_tokens: int | None = None,
                  decode_kv_tokens: int | None = None, **kwargs):
@@ -262,21 +259,18 @@ class PrefixCachedLM(HFLM):
         self.stats["decode_seconds"] += decode_s
 
     def sizing(self) -> dict:
-        """`call_tokens` and `decode_kv_tokens`, pinned ones as given, the others measured once
-        per loaded model (with what they came from: the raw ratio, a call's ms, a token's ns, KV
-        bytes per position, the seconds measuring took)."""
-        if self._sizing is not None:
-            return self._sizing
-        measured = None
-        fresh = True
-        if len(self._pinned) < 2:
-            measured = _MEASURED.get(self.model)
-            fresh = measured is None
+        """`call_tokens` and `decode_kv_tokens` (pinned, or measured once per loaded model, with
+        what they came from)."""
+        if self._sizing is None:
+            measured, fresh = {}, True
+            if len(self._pinned) < 2:
+                fresh = self.model not in _MEASURED
+                if fresh:
+                    _MEASURED[self.model] = self._measure()
+                measured = _MEASURED[self.model]
+            self._sizing = {**measured, **self._pinned}
             if fresh:
-                measured = _MEASURED[self.model] = self._measure()
-        self._sizing = {**(measured or {}), **self._pinned}
-        if fresh:
-            self.stats.update(self._sizing)
+                self.stats.update(self._sizing)
         return self._sizing
 
     def _measure(self) -> dict:

@@ -1,8 +1,7 @@
 """How the prefix evaluator (pipeline/quality/prefix_lm.py) sizes its batches: which requests share
 a forward (`plan_batches`, a cost model where a call is worth `call_tokens` row-tokens), the
-measurement of that ratio on a loaded model (`measure_call_tokens`, `bucket_call_tokens`), and how
-many cached positions a decode batch may hold (`decode_kv_budget`). Pure Python and torch: what
-only needs these constants (the quality stage's counters) does not import lm-eval's HFLM.
+measurement of that ratio (`measure_call_tokens`, `bucket_call_tokens`), and how many cached
+positions a decode batch may hold (`decode_kv_budget`). Imports no lm-eval.
 
     m = measure_call_tokens(forward, sync); call_tokens = bucket_call_tokens(m["ratio"])
     batches = plan_batches(token_ids, need, max_rows=40, call_tokens=call_tokens)
@@ -15,7 +14,7 @@ import time
 import torch
 
 # A forward costs ~ a call cost + a token cost x rows x width; only their ratio steers
-# plan_batches. The 2-core CPU's (SmolLM2-135M float32: 119 ms a call, 2.3 ms a token).
+# plan_batches. A CPU's (measured on SmolLM2-135M float32).
 CPU_CALL_TOKENS = 48
 # The largest ratio reported (4^8): beyond it every join is worth it anyway.
 MAX_CALL_TOKENS = 4 ** 8
@@ -29,9 +28,8 @@ MIN_DECODE_KV_TOKENS = 1024
 # The keys of the evaluator's `stats` that are constants, not counts (never summed over evaluators).
 SIZING_CONSTANTS = ("call_tokens", "call_tokens_measured", "call_tokens_source", "call_ms", "token_ns",
                     "kv_bytes_per_token", "decode_kv_tokens")
-# Whether a CPU uses its measured ratio: it does not by default, as on a shared CPU it moved
-# 10-200x with other processes' load and a changed plan changes batch compositions, hence
-# rounding (docs/methods/quality-slices.md). CUDA always uses its measurement.
+# Whether a CPU uses its measured ratio: not by default, as on a shared CPU it moves with other
+# processes' load, and so would batch compositions, hence rounding. CUDA always uses its own.
 MEASURE_ON_CPU = False
 
 
@@ -73,11 +71,9 @@ def free_memory(device: torch.device) -> int | None:
 def measure_call_tokens(forward, sync=lambda: None, reps: int = 5, max_tokens: int = MAX_CALL_TOKENS,
                         time_limit: float = 10.0) -> dict:
     """How many row-tokens one forward call is worth: {"ratio", "call_s", "token_s", "tokens"}.
-
     `forward(rows, width)` runs one prefill of rows x width new tokens; `sync()` waits for the
     device. A 1-token call is timed against calls of 16, 64, 256, ... tokens until one takes twice
-    as long (or `max_tokens`, or `time_limit` s); then `reps` interleaved pairs at that size, each
-    kind's fastest kept. On a loaded shared CPU the ratio is unreliable: pin call_tokens there."""
+    as long (or `max_tokens`, or `time_limit` s); then `reps` interleaved pairs at that size."""
     def timed(rows: int, width: int) -> float:
         sync()
         t0 = time.perf_counter()

@@ -7,12 +7,18 @@
     engines.release()                                       # every server stopped
 
 `vllm_args` (pure: no vLLM needed) turns a variant directory into the engine's settings; a variant
-vLLM cannot load falls back to hf or refuses the run (docs/methods/quality-vllm.md).
+vLLM cannot load falls back to hf or refuses the run (docs/methods/quality-vllm.md). On more GPUs
+than one engine needs, the variants are scored side by side, one engine per group of
+tensor_parallel_size GPUs (`groups_for`, `side_by_side`: one thread per group).
 """
 from __future__ import annotations
 
 import json
+import os
+import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -106,8 +112,8 @@ class Choice:
 
 def choose(qcfg, vdir: str | Path, seed: int, name: str | None = None, platform: str = "cuda",
            version: str | None = None) -> Choice:
-    """What scores the variant in `vdir`: hf when asked; vllm where vllm_args builds its settings;
-    else hf with the reason (fallback: hf) or a StageError (fallback: stop)."""
+    """hf when asked; vllm where vllm_args builds its settings; else hf with the reason
+    (fallback: hf) or a StageError (fallback: stop)."""
     if qcfg.backend == "hf":
         return Choice("hf")
     vdir = Path(vdir)
@@ -153,7 +159,7 @@ class Host:
     devices: tuple[str, ...] | None = None  # the GPUs its engines see (CUDA_VISIBLE_DEVICES); None: all
 
     def on(self, devices: tuple[str, ...]) -> "Host":
-        """The same host, its engines on `devices` only (pipeline/quality/gpu_groups.py)."""
+        """The same host, its engines on `devices` only (side_by_side)."""
         return replace(self, devices=tuple(devices))
 
     @classmethod
@@ -201,7 +207,6 @@ class Engines:
 
 
 def _model_len(kwargs: dict) -> int:
-    """The context the engine is built for: quality.vllm.max_model_len, else the model's own."""
     if kwargs.get("max_model_len"):
         return int(kwargs["max_model_len"])
     cfg = json.loads((Path(kwargs["pretrained"]) / "config.json").read_text())
@@ -211,7 +216,7 @@ def _model_len(kwargs: dict) -> int:
 
 def serve(name: str, kwargs: dict, host: Host):
     """lm-eval's local-completions model on a vLLM server started on kwargs["pretrained"] (its
-    `server` attribute, stopped by _shutdown)."""
+    `server`)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     from pipeline.quality import lm_tasks
@@ -247,7 +252,71 @@ def serve(name: str, kwargs: dict, host: Host):
 
 
 def _shutdown(lm) -> None:
-    """Stop the engine behind an lm-eval model `serve` made."""
     server = getattr(lm, "server", None)
     if server is not None:
         server.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------- variants side by side
+
+
+def visible_gpus(listed: list[str] | None = None) -> list[str]:
+    """`listed` (quality.vllm.devices), else CUDA_VISIBLE_DEVICES, else every GPU torch sees."""
+    if listed:
+        return [str(d) for d in listed]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def device_groups(devices: list[str], tensor_parallel_size: int) -> list[tuple[str, ...]]:
+    """`devices` cut into groups of `tensor_parallel_size`, in order; GPUs left over are unused."""
+    if devices and tensor_parallel_size > len(devices):
+        raise StageError(f"quality.vllm.tensor_parallel_size {tensor_parallel_size} needs that many GPUs; "
+                         f"this machine shows {len(devices)} ({', '.join(devices)})")
+    n = len(devices) // tensor_parallel_size
+    return [tuple(devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size]) for i in range(n)]
+
+
+def groups_for(qcfg, host, budget, backends: dict, pending: list[str]) -> list[tuple[str, ...]]:
+    """The GPU groups the pending variants are scored on side by side, or [] for one after
+    another: side by side needs vLLM scoring them all on GPUs, no time budget, and more than one
+    group and variant."""
+    if host is None or host.platform == "cpu" or budget.active or len(pending) < 2:
+        return []
+    if any(backends[n].backend != "vllm" for n in pending):
+        return []
+    groups = device_groups(visible_gpus(qcfg.vllm.devices), qcfg.vllm.tensor_parallel_size)
+    return groups if len(groups) > 1 else []
+
+
+def side_by_side(names: list[str], groups: list[tuple[str, ...]], work) -> list:
+    """work(name, group) for every name, at most one name per group at a time, as many at once as
+    there are groups; the results in the order of `names`."""
+    free: queue.Queue = queue.Queue()
+    for g in groups:
+        free.put(g)
+    failed = threading.Event()
+
+    def run(name: str):
+        group = free.get()
+        try:
+            if failed.is_set():  # an earlier variant failed: start nothing new
+                return None
+            return work(name, group)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            free.put(group)
+
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="gpu-group") as pool:
+        futures = [pool.submit(run, n) for n in names]
+        errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]

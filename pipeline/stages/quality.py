@@ -23,20 +23,17 @@ from pipeline.decode.release import collect
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, write_summaries
-from pipeline.quality.gpu_groups import groups_for, side_by_side
 from pipeline.quality.items import (KNOWN_SLICES, builtin_task_config, cost_weights, prompt_tokens_of, slice_data,
                                     task_looks)
-from pipeline.quality.sequential import (Waves, budget_stopped, item_inputs, read_meta, score_in_waves,
-                                         score_variants)
-from pipeline.quality.waves import Allowance, pace_priors
+from pipeline.quality.waves import (Allowance, Waves, budget_stopped, item_inputs, pace_priors, read_meta,
+                                    score_in_waves, score_variants)
 from pipeline.variants.schemes import load_variant
 
 
 def precheck(config, args: dict | None = None) -> None:
-    """Before any work starts (also run by `prepare` and `evaluate`): every slice is a built-in
-    one, every `quality.tasks` entry a name lm-eval's index knows (no data is read); `backend:
-    vllm` needs .venv-vllm, drift thresholds need quality.vllm.distribution, and with fallback:
-    stop no variant may be one the config already shows vLLM cannot load."""
+    """Before any work starts (also run by `prepare` and `evaluate`): known slices and
+    `quality.tasks` names (no data is read); with `backend: vllm`, .venv-vllm, the drift the gate's
+    thresholds need, and (fallback: stop) no variant the config already shows vLLM cannot load."""
     qcfg = config.quality
     for name in qcfg.slices:
         if name not in KNOWN_SLICES:
@@ -80,8 +77,7 @@ def run(ctx: StageContext) -> None:
         d = Path(variants[name].get("dir") or f"variants/{name}")
         return d if d.is_absolute() else ctx.run_dir / d
 
-    # What scores each model (quality.backend), decided before any work: a variant vLLM cannot
-    # load is scored with hf (said here) or, with fallback: stop, ends the stage.
+    # What scores each model, decided before any work (fallback: stop ends the stage here).
     host = vllm_backend.Host.of(cfg, ctx.out_dir / "logs") if qcfg.backend == "vllm" else None
     version = vllm_backend.vllm_version() if host else None
     backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, name,
@@ -93,8 +89,7 @@ def run(ctx: StageContext) -> None:
     engines = vllm_backend.Engines(keep=reference if qcfg.vllm.keep_reference else None, host=host)
     drift = qcfg.backend == "hf" or qcfg.vllm.distribution
 
-    # The items every model scores, in wave order (built-in slices, then lm-eval tasks), written
-    # once so their hashes go into each model's inputs; the looks each allows.
+    # The items every model scores, in wave order, written once (their hashes are in every input).
     ref_dir = variant_dir(reference)
     ref_tokenizer = load_tokenizer(ref_dir)
     blobs, plans = {}, {}
@@ -117,8 +112,7 @@ def run(ctx: StageContext) -> None:
     models: dict = {}  # name -> (model, tokenizer); the reference stays loaded for every variant
     budget = StageBudget(cfg, "quality", run_dir=ctx.run_dir)
 
-    def load(name: str) -> tuple[tuple, float]:
-        """`name`'s hf model and tokenizer, and the seconds loading them took now."""
+    def load(name: str) -> tuple[tuple, float]:  # ((model, tokenizer), seconds loading took now)
         if name in models:
             return models[name], 0.0
         progress(f"quality: {name}: loading {variant_dir(name)}")
@@ -184,8 +178,7 @@ def run(ctx: StageContext) -> None:
             waves.cover(reference, ref_score, waves.scored(name))  # the reference holds its items
     drift_cache: dict = {}
 
-    def measure_drift(name: str) -> None:
-        """The variant's distribution drift against the reference, through transformers."""
+    def measure_drift(name: str) -> None:  # through transformers
         engines.release(name)
         path = ctx.out_dir / name / "distribution.json"
         if not drift:  # not measured: an earlier run's figures would not be this run's
@@ -212,10 +205,9 @@ def run(ctx: StageContext) -> None:
         drop_request_cache(name)
         unload(name)
 
-    groups = groups_for(qcfg, host, budget, backends, pending)
+    groups = vllm_backend.groups_for(qcfg, host, budget, backends, pending)
     if groups:
-        # One engine per GPU group, each taking the next variant: the reference is scored first
-        # to every slice's last look, so no variant waits on the reference's engine.
+        # The reference first to every slice's last look, so no variant waits on its engine.
         waves.cover(reference, ref_score, {s: p["n_max"] for s, p in plans.items()})
         engines.release()
         progress(f"quality: {len(pending)} variants side by side on {len(groups)} GPU groups "
@@ -228,7 +220,7 @@ def run(ctx: StageContext) -> None:
             finally:
                 own.release()
 
-        side_by_side(pending, groups, one)
+        vllm_backend.side_by_side(pending, groups, one)
         for name in pending:  # drift through transformers, one model pair at a time
             measure_drift(name)
             finish(name)
