@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.stage import StageError, read_json, read_jsonl
+from pipeline.core.stage import StageError, read_jsonl
+from pipeline.gate.stops import quality_meta
 from pipeline.stats import paired as stats
 
 
@@ -71,12 +72,7 @@ def unscored_slices(quality: Path, scored: list[str]) -> dict[str, str]:
     task whose data was not reachable (meta.json's `skipped_tasks`), or a requested slice or task
     with no results. Each makes every variant's decision inconclusive: a release decision never
     silently drops a slice. {} without quality/meta.json (results made elsewhere)."""
-    meta_path = quality / "meta.json"
-    if not meta_path.is_file():
-        return {}
-    meta = read_json(meta_path, "quality meta.json")
-    if not isinstance(meta, dict):
-        raise StageError(f"corrupt artifact: {meta_path} is not a JSON object")
+    meta = quality_meta(quality)
     out = {str(k): f"not scored: {why}" for k, why in (meta.get("skipped_tasks") or {}).items()}
     for name in list(meta.get("slices") or []) + list(meta.get("tasks") or []):
         if name not in scored and name not in out:

@@ -1,12 +1,9 @@
 """Confidence intervals from resampling replicates and from quantiles: the one implementation.
 
-Every interval the pipeline reports beside a point estimate is built from these pieces:
-`percentile_interval` (replicates drawn by the caller, in the caller's unit) and
-`percentile_bootstrap` (scipy.stats.bootstrap over single observations); `jackknife_se`;
-`normal_interval`, `t_interval` and `mean_t_interval` (s / sqrt(n), n - 1 df) around a point, and
-`normal_se`, the SE a normal interval implies; `clip_contain`, which clips to the quantity's range
-and then widens to contain the point. Two-sided levels come from `central_levels`. Differences
-between callers are parameters here, not copies elsewhere.
+`percentile_interval` (replicates drawn by the caller, in the caller's unit), `percentile_bootstrap`
+(scipy.stats.bootstrap over single observations), `t_interval` and `mean_t_interval` around a
+point, `median_ci`; `clip_contain` clips to the quantity's range and then widens to contain the
+point. Differences between callers are parameters here, not copies elsewhere.
 """
 from __future__ import annotations
 
@@ -16,16 +13,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats as sps
-
-
-def central_levels(confidence: float) -> tuple[float, float]:
-    """The lower and upper quantile levels of a two-sided `confidence` interval."""
-    return (1 - confidence) / 2, (1 + confidence) / 2
-
-
-def normal_quantile(confidence: float) -> float:
-    """z with P(|Z| <= z) = confidence: the standard normal quantile at (1 + confidence)/2."""
-    return float(sps.norm.ppf((1 + confidence) / 2))
 
 
 def t_quantile(confidence: float, df: float) -> float:
@@ -62,7 +49,7 @@ def percentile_interval(replicates, confidence: float, point: float | None = Non
         if too_few is None:
             raise ValueError(f"percentile interval of {r.size} replicates (needs {max(min_replicates, 1)})")
         return [float(too_few[0]), float(too_few[1])]
-    lo, hi = np.quantile(r, list(central_levels(confidence)))
+    lo, hi = np.quantile(r, [(1 - confidence) / 2, (1 + confidence) / 2])
     return clip_contain(lo, hi, point, bounds)
 
 
@@ -77,29 +64,6 @@ def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0
                             confidence_level=confidence, method="percentile",
                             random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
-
-
-def jackknife_se(replicates) -> float:
-    """Delete-one jackknife standard error from the m leave-one-unit-out replicates of a statistic:
-    sqrt((m - 1)/m * sum (r_i - mean r)^2). The unit is whatever each replicate left out; for the
-    mean of n values it is exactly the classical s / sqrt(n)."""
-    r = np.asarray(replicates, dtype=float)
-    m = r.size
-    return float(np.sqrt((m - 1) / m * np.sum((r - r.mean()) ** 2)))
-
-
-def normal_interval(point: float, se: float, confidence: float,
-                    bounds: tuple[float, float] | None = None) -> list[float]:
-    """point -/+ z se with the normal quantile z (e.g. with a jackknife SE), then clipped to
-    `bounds` and widened to contain the point."""
-    z = normal_quantile(confidence)
-    return clip_contain(point - z * se, point + z * se, point, bounds)
-
-
-def normal_se(ci: Sequence[float], confidence: float) -> float:
-    """The standard error a normal interval at `confidence` implies: its width / (2 z) (0 if the
-    interval is reversed)."""
-    return max(ci[1] - ci[0], 0.0) / (2 * normal_quantile(confidence))
 
 
 def t_interval(point: float, se: float, df: float, confidence: float,
