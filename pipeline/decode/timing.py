@@ -7,9 +7,8 @@
     t.collect()          # CUDA: events are read here, one sync for many blocks
     t.samples["verify"]  # list of seconds, one per measured block; m.seconds: this block's
 
-Laps (`m = t.lap("round")` in each iteration, `t.end_lap("round")` after the loop) time a loop
-from the start of one iteration to the start of the next, one clock reading per boundary, so the
-host work between iterations belongs to an iteration and the laps add up to the whole loop.
+Laps (`m = t.lap("round")` in each iteration, `t.end_lap("round")` after the loop) time each
+iteration to the start of the next, so the laps add up to the whole loop.
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import torch
 
 @dataclass(eq=False)
 class Measurement:
-    """One measured block; a caller keeps it to read that block's time (matched by identity, not
-    by its index in a list)."""
+    """One measured block; a caller keeps it to read that block's time."""
 
     name: str
     seconds: float | None = None
