@@ -180,14 +180,17 @@ def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"acceptance.workload: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     lines = text.splitlines()
+
+    def bad(n: int, why) -> WorkloadError:
+        return WorkloadError(f"acceptance.workload {path}: line {n}: {why}: "
+                             f"{_snippet(lines[n - 1] if n <= len(lines) else '')}")
+
     records: list[tuple[int, object]] = []
     if path.suffix.lower() == ".json":
         try:
             records = [(n, obj) for obj, n in read_json_array(text, allow_cut=False)]
         except ValueError as e:
-            n = int(re.match(r"line (\d+)", str(e)).group(1))
-            raise WorkloadError(f"acceptance.workload {path}: line {n}: {str(e).split(': ', 1)[1]}: "
-                                f"{_snippet(lines[n - 1] if n <= len(lines) else '')}") from None
+            raise bad(int(re.match(r"line (\d+)", str(e)).group(1)), str(e).split(": ", 1)[1]) from None
     else:
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -195,15 +198,14 @@ def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
             try:
                 records.append((n, json.loads(line)))
             except json.JSONDecodeError:
-                raise WorkloadError(f"acceptance.workload {path}: line {n}: not JSON: {_snippet(line)}") from None
+                raise bad(n, "not JSON") from None
     order: list[str] = []
     entries: dict[str, list[Entry]] = {}
     for n, obj in records:
         try:
             category, entry = parse_record(obj)
         except ValueError as e:
-            raise WorkloadError(f"acceptance.workload {path}: line {n}: {e}: "
-                                f"{_snippet(lines[n - 1] if n <= len(lines) else '')}") from None
+            raise bad(n, e) from None
         if category not in entries:
             order.append(category)
             entries[category] = []

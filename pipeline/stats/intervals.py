@@ -35,13 +35,9 @@ def clip_contain(lo: float, hi: float, point: float | None = None,
 def percentile_interval(replicates, confidence: float, point: float | None = None,
                         bounds: tuple[float, float] | None = None, *, drop_nonfinite: bool = False,
                         min_replicates: int = 1, too_few: Sequence[float] | None = None) -> list[float]:
-    """Percentile interval of bootstrap (or simulation) replicates: their quantiles at the central
-    levels (numpy's default linear interpolation), then `clip_contain(point, bounds)`. The
-    resampling unit is whatever the caller resampled to make the replicates.
-
-    drop_nonfinite: drop nan/inf replicates first (resamples where the statistic is undefined).
-    With fewer than `min_replicates` replicates left the interval is `too_few` as given (not
-    clipped or widened); too_few None raises ValueError instead."""
+    """Percentile interval of the caller's replicates, then `clip_contain(point, bounds)`.
+    drop_nonfinite: drop nan/inf replicates first. With fewer than `min_replicates` left the
+    interval is `too_few` as given (None: ValueError)."""
     r = np.asarray(replicates, dtype=float).ravel()
     if drop_nonfinite:
         r = r[np.isfinite(r)]
@@ -55,9 +51,8 @@ def percentile_interval(replicates, confidence: float, point: float | None = Non
 
 def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0.95, seed: int = 0,
                          paired: bool = False, n_resamples: int = 2000) -> tuple[float, float]:
-    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised), through scipy.stats:
-    the resampling unit is one observation of each sample, each sample resampled on its own
-    unless `paired`."""
+    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised) through scipy.stats,
+    resampling single observations (each sample on its own unless `paired`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate resamples of tiny samples are expected
         res = sps.bootstrap(data, statistic, paired=paired, vectorized=True, n_resamples=n_resamples,
@@ -68,18 +63,15 @@ def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0
 
 def t_interval(point: float, se: float, df: float, confidence: float,
                bounds: tuple[float, float] | None = None) -> list[float]:
-    """point -/+ t_df se with Student's t quantile on `df` degrees of freedom (e.g. a CR1 cluster
-    SE with G - 1 df), then clipped to `bounds` and widened to contain the point."""
+    """point -/+ t_df se, clipped to `bounds` and widened to contain the point."""
     q = t_quantile(confidence, df)
     return clip_contain(point - q * se, point + q * se, point, bounds)
 
 
 def mean_t_interval(values, confidence: float = 0.95,
                     bounds: tuple[float, float] | None = None) -> tuple[float, list[float | None]]:
-    """Mean of independent units and its t interval: SE s/sqrt(n) (s with ddof 1), t quantile on
-    n - 1 df, clipped to `bounds` (the values' range: the true mean lies in it, so the clip never
-    lowers coverage) and containing the mean. [None, None] with fewer than two units; [mean, mean]
-    when every unit is equal (se 0)."""
+    """Mean of independent units and its t interval (s/sqrt(n), n - 1 df) clipped to `bounds`;
+    [None, None] with fewer than two units, [mean, mean] when every unit is equal."""
     v = np.asarray(values, dtype=np.float64).ravel()
     mean = float(v.mean())
     if v.size < 2:
@@ -91,8 +83,7 @@ def mean_t_interval(values, confidence: float = 0.95,
 
 
 def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
-    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median; the unit of
-    resampling is one sample (a timing repeat)."""
+    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median over samples."""
     x = np.asarray([float(s) for s in samples], dtype=float)
     if x.size == 0:
         raise ValueError("median_ci needs at least one sample")
