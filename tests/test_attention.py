@@ -60,7 +60,7 @@ def _run(model, batch: int = 2):
     the first decode step and of the verify."""
     ids = torch.randint(0, VOCAB, (batch, 14), generator=torch.Generator().manual_seed(5))
     cm = CachedModel(model, batch=batch, max_len=MAX_LEN, slot="test-attention", exact=True)
-    out = [cm.forward(ids[:, :9], all_logits=True)]
+    out = [cm.forward(ids[:, :9], all_logits=True, prefill=True)]
     copies = {}
     for i in range(9, 13):
         with KVCopyBytes(cm.max_len, HEAD_DIM) as count:

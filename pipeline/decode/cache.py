@@ -104,8 +104,9 @@ class CachedModel:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
-    def forward(self, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32)."""
+    def forward(self, tokens: torch.Tensor, all_logits: bool, prefill: bool = False) -> torch.Tensor:
+        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32);
+        prefill=True marks a prompt forward (only tests read it)."""
         b, t = tokens.shape
         start = self.length
         if start + t > self.max_len:
@@ -133,7 +134,7 @@ class CachedModel:
         step = t if not chunk or chunk >= t else chunk
         logits = None
         for i in range(0, t, step):
-            logits = self.forward(tokens[:, i:i + step], all_logits=False)
+            logits = self.forward(tokens[:, i:i + step], all_logits=False, prefill=True)
         return logits
 
 
