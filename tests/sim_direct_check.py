@@ -312,7 +312,7 @@ def coverage_table(b: dict, ns, reps: int, k: int, confidence: float, seed: int,
             if "t" in methods:
                 out = direct_check(check_records(tokens, rounds, k),
                                    {k: [{"tokens": t, "rounds": x} for t, x in zip(d_tokens, d_rounds)]},
-                                   greedy=False, confidence=confidence, seed=r)[str(k)]
+                                   greedy=False, confidence=confidence)[str(k)]
                 if out["agree"] is None:
                     abstain += 1
                 else:

@@ -28,6 +28,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,6 +49,28 @@ def tree_module(name: str):
                 "pipeline.stats.scoring_rules": "pipeline.scoring_rules",
                 "pipeline.quality.evaluate": "pipeline.quality"}
         return importlib.import_module(flat[name])
+
+
+def step_levels(p_values: Sequence[float], passes_at: Callable[[int, float], bool], alpha: float,
+                method: str) -> list[float]:
+    """The one-sided alpha each test's bound is drawn at under Holm's step-down (or bonferroni,
+    none): the r-th smallest p at alpha / (m - r) until one is not rejected (`passes_at(i, level)`);
+    it and every later test at that stopping level."""
+    m = len(p_values)
+    if method == "none" or m == 0:
+        return [alpha] * m
+    if method == "bonferroni":
+        return [alpha / m] * m
+    if method != "holm":
+        raise ValueError(f"unknown multiplicity method {method!r} (holm, bonferroni, none)")
+    levels = [alpha] * m
+    stopped_at: float | None = None
+    for rank, i in enumerate(np.argsort(p_values, kind="stable")):
+        level = stopped_at if stopped_at is not None else alpha / (m - rank)
+        levels[i] = level
+        if stopped_at is None and not passes_at(int(i), level):
+            stopped_at = level
+    return levels
 
 
 def rate(hits, sims: int) -> list[float]:
@@ -98,12 +121,12 @@ class Side:
             hi = []
             for v, cells in family.items():
                 q = [e.p_fail(MARGIN) for e in cells]
-                hi += S.step_levels(q, lambda i, a: cells[i].upper(a) < -MARGIN, ALPHA, "holm")
+                hi += step_levels(q, lambda i, a: cells[i].upper(a) < -MARGIN, ALPHA, "holm")
         else:
             p = [e.p_value(MARGIN) for e in ests]
             q = [e.p_value_inferior(MARGIN) for e in ests]
-            lo = S.step_levels(p, lambda i, a: ests[i].ci(a, MARGIN)[0] > -MARGIN, ALPHA, "holm")
-            hi = S.step_levels(q, lambda i, a: ests[i].ci(a)[1] < -MARGIN, ALPHA, "holm")
+            lo = step_levels(p, lambda i, a: ests[i].ci(a, MARGIN)[0] > -MARGIN, ALPHA, "holm")
+            hi = step_levels(q, lambda i, a: ests[i].ci(a)[1] < -MARGIN, ALPHA, "holm")
         status = {}
         for (v, _), e, a, b in zip(names, ests, lo, hi):
             s = S.noninferiority_status(self.lower(e, a), self.upper(e, b), MARGIN)

@@ -92,7 +92,7 @@ def test_without_a_budget_the_direct_check_is_what_it_was(tiny_model, tiny_token
     seeded generator drawing over the prompts category by category, as before issue 27."""
     from draft_models.registry import build_draft
     from pipeline.speculation.acceptance_stats import direct_check
-    from pipeline.speculation.measure import direct_runs, measure_pair, sampling_of, temp_key
+    from pipeline.speculation.measure import direct_run, measure_pair, sampling_of, temp_key
 
     cfg, prompts, texts = tiny_pair
     draft = build_draft("layerskip:2", tiny_model, tiny_tokenizer, None, torch.device("cpu"))
@@ -105,14 +105,17 @@ def test_without_a_budget_the_direct_check_is_what_it_was(tiny_model, tiny_token
                                            "prompts_run": everyone, "prompts_skipped": [], "stopped": None}
     for ti, t in enumerate(cfg.temperatures):  # the direct check as it was computed before budgets
         sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
-        runs = {k: direct_runs(tiny_model, draft, prompts, k, sampling, cfg.max_new_tokens,
-                               tiny_tokenizer.eos_token_id,
-                               torch.Generator("cpu").manual_seed(100 * k + ti + 17)) for k in (1, 2)}
+        runs = {}
+        for k in (1, 2):
+            g = torch.Generator("cpu").manual_seed(100 * k + ti + 17)
+            runs[k] = {pid: direct_run(tiny_model, draft, ids, k, sampling, cfg.max_new_tokens,
+                                       tiny_tokenizer.eos_token_id, g)
+                       for rows in prompts.values() for pid, ids in rows}
         for name, by_t in result["slices"].items():
             block = by_t[key]
             pids = [r["prompt"] for r in block["per_prompt"]]
             want = direct_check(block["per_prompt"], {k: [runs[k][p] for p in pids] for k in runs},
-                                sampling.greedy, 0.95, 0, exact=True)
+                                sampling.greedy, 0.95, exact=True)
             got = block["direct_check"]
             assert set(got) == {"1", "2"}
             for k, entry in got.items():

@@ -72,7 +72,7 @@ def test_slices_say_when_they_have_few_prompts():
     def rec(i, rounds):
         return {"tokens": 20, "expected_rounds": {"1": rounds, "2": rounds}, "drafted_rounds": {"1": [0, rounds], "2": [0, 0, rounds]},
                 "full_rounds": rounds, "reached": [rounds, 0.0], "accepted": [0.0, 0.0], "beta_sum": [0.0, 0.0],
-                "histogram": [rounds, 0.0, 0.0], "histogram_by_k": {"1": [rounds, 0.0], "2": [rounds, 0.0, 0.0]}}
+                "histogram": [rounds, 0.0, 0.0]}
     few = summarize_slice([rec(i, 20.0 - i) for i in range(3)], 2)
     assert few["few_prompts"] is True and few["min_prompts"] > 3
     many = summarize_slice([rec(i, 20.0 - i % 3) for i in range(few["min_prompts"])], 2)

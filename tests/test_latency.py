@@ -14,7 +14,7 @@ import torch
 from pipeline.core.config import Config
 from pipeline.speculation.prompts import KINDS
 from pipeline.latency.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline
-from pipeline.decode.timing import Timer, wall_clock
+from pipeline.decode.timing import Timer
 
 CPU = torch.device("cpu")
 
@@ -38,10 +38,6 @@ def test_cpu_timer_nests_and_counts():
     for r, d, v in zip(s["round"], s["draft"], s["verify"]):
         # Nested perf_counter intervals: the round contains both parts and so cannot be shorter.
         assert d > 0 and v > 0 and r >= d + v
-    t.reset()
-    assert t.collect() == {}
-    t0 = wall_clock(CPU)
-    assert wall_clock(CPU) >= t0
     off = Timer(CPU, enabled=False)
     with off.measure("x"):
         pass

@@ -4,9 +4,6 @@
     from pipeline.decode.drafts import NgramDraft
     res = generate(model, ids, 32, draft=NgramDraft("ngram"), k=4)
 
-Each module is imported by its own name (this file re-exports nothing): steps (what both loops
-share), engine (generate; speculation at B = 1), cache (CachedModel), attention (the GQA path),
-sampling (the verify rule), drafts (ModelDraft, NgramDraft), timing (Timer), errors (EngineError),
-release (release_caches). The package imports nothing else of specq: stages, libraries and draft_models/
-import it, never the other way round (tests/test_imports.py).
+Each module is imported by its own name (this file re-exports nothing). The package imports
+nothing else of specq: stages and draft_models/ import it, never the other way round.
 """

@@ -4,12 +4,10 @@
     use_gqa_attention(model)     # CachedModel does this: sdpa / eager GQA models -> "specq_sdpa"
     attention_path(model)        # "sdpa-gqa", "sdpa-gqa-packed", "sdpa+repeat_kv", "eager+repeat_kv", "sdpa", ...
 
-With a static cache's mask present, transformers' own paths call `repeat_kv`, copying the whole
-allocated K and V heads / kv_heads times at every step. "specq_sdpa" (registered with
-transformers' attention and mask interfaces) calls SDPA on the KV heads as they are, in layout
-"gqa" (`enable_gqa` with the mask, where SDPA picks a fused kernel for both: on CPU the flash kernel)
-or "packed" (each KV head's query heads folded into the rows); anything else goes to the stock
-function (docs/methods/gpu-box.md#the-gqa-attention-path).
+With a static cache's mask, transformers' own paths copy K and V heads / kv_heads times at every
+step (`repeat_kv`). "specq_sdpa" calls SDPA on the KV heads as they are, in layout "gqa"
+(`enable_gqa` with the mask) or "packed" (each KV head's query heads folded into the rows);
+anything else goes to the stock function (docs/methods/gpu-box.md#the-gqa-attention-path).
 """
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ SDPA_REPEAT = "sdpa+repeat_kv"  # transformers' sdpa on a GQA model: verifies co
 EAGER_REPEAT = "eager+repeat_kv"  # transformers' eager on a GQA model: every step copies K/V
 READS_ONCE = (GQA, GQA_PACKED)
 
-# hf model -> the layout its layers use ("gqa" | "packed"), for the second call's fast path. The
-# layers carry it as an attribute; attention_path reads it there.
+# hf model -> the layout its layers use ("gqa" | "packed"; each layer carries it as _MODE_ATTR).
 _SWITCHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MODE_ATTR = "specq_gqa_layout"
 
@@ -116,9 +113,8 @@ def use_gqa_attention(model, layout: str | None = None) -> str:
 
 
 def gqa_layout(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> str:
-    """"gqa" where SDPA, asked for GQA with a mask on this device (torch._fused_sdp_choice, the
-    choice scaled_dot_product_attention itself makes), picks a fused kernel (flash, efficient,
-    cuDNN); "packed" where it would fall back to the math kernel, which repeats K and V."""
+    """"gqa" where SDPA, asked for GQA with a mask on this device, picks a fused kernel
+    (torch._fused_sdp_choice); "packed" where it would fall back to the math kernel."""
     if device.type != "cuda":
         return "gqa"  # CPU: the flash kernel for CPU takes both (see the module docstring)
     try:
@@ -141,13 +137,10 @@ def _head_dim(model) -> int:
 
 
 def attention_path(model) -> str:
-    """What attention a cached step of `model` runs: one of READS_ONCE (each KV head read once per
-    step), SDPA_REPEAT / EAGER_REPEAT (a grouped model whose steps copy K and V n_rep times), or the
-    implementation's own name for a model without grouped heads (nothing to repeat) or another
-    implementation (flash_attention_2, flex_attention, ...)."""
+    """What attention a cached step of `model` runs: one of READS_ONCE, SDPA_REPEAT / EAGER_REPEAT
+    (a grouped model whose steps copy K and V), or the implementation's own name."""
     layers = _gqa_layers(model)
-    # The name a layer's forward looks up is its own config's: a layer-sharing draft (layerskip)
-    # holds its target's layers, and so runs what the target's config says.
+    # A layer's forward looks up its own config's name (a layerskip draft holds its target's layers).
     config = getattr(layers[0], "config", None) if layers else None
     impl = getattr(config if config is not None else model.config, "_attn_implementation", None) or "unknown"
     if impl == NAME:

@@ -5,10 +5,9 @@
     logits = cm.forward(ids, all_logits=False)   # [B, 1, V]; cm.length += T
     cm.rollback(T - 2)                           # keep the first T-2 positions, copy nothing
 
-The cache is transformers' StaticCache, allocated once by the first (eager) forward and written in
-place. A rollback moves every layer's write offset in one foreach update; the stale slots past it
-are never attended (explicit position_ids and the causal mask exclude them), but attention reads
-all max_len slots, so a timed cell asks for a cache of exactly its length (`exact=True`).
+The cache is transformers' StaticCache, written in place. A rollback moves every layer's write
+offset; the stale slots past it are never attended, but attention reads all max_len slots, so a
+timed cell asks for a cache of exactly its length (`exact=True`).
 """
 from __future__ import annotations
 
@@ -47,11 +46,8 @@ class _Pooled:
 class CachedModel:
     """A causal LM plus its static KV cache and the number of positions the cache holds."""
 
-    # One cache per (model, slot, batch, device, dtype); reused across generate() calls while large
-    # enough, so repeated timing runs do not allocate (the stale contents are masked like any
-    # rollback). A reused cache keeps its larger size (attention then reads that many slots)
-    # unless `exact`: then a pooled cache of another length is dropped and one of max_len made.
-    # `release` frees pooled caches when no later cell can use them.
+    # One cache per (model, slot, batch, device, dtype), reused while large enough (with `exact`,
+    # only at exactly max_len), so repeated timing runs do not allocate.
     _pool: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __init__(self, model, batch: int, max_len: int, slot: str = "target", exact: bool = False):
@@ -104,14 +100,13 @@ class CachedModel:
         return freed
 
     def rollback(self, length: int) -> None:
-        """Keep the first `length` positions. Only the engine's count moves here; the cache's own
-        offset follows at the next forward (one move however many rollbacks came between)."""
+        """Keep the first `length` positions (the cache's own offset follows at the next forward)."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
     def forward(self, tokens: torch.Tensor, all_logits: bool, prefill: bool = False) -> torch.Tensor:
-        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32).
-        prefill=True marks a prompt forward (prefill's chunks)."""
+        """tokens: [B, T] at positions length..length+T-1 -> logits [B, T or 1, V] (float32);
+        prefill=True marks a prompt forward (only tests read it)."""
         b, t = tokens.shape
         start = self.length
         if start + t > self.max_len:
@@ -134,9 +129,7 @@ class CachedModel:
 
     def prefill(self, tokens: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """tokens: [B, T] from position `length` on, in forwards of at most `chunk` tokens (None:
-        one), each at its own positions -> logits of the last position [B, 1, V]. Chunks attend to
-        every earlier position through the cache, so the cache and the last logits are those of
-        one forward up to float rounding; the activations are those of one chunk."""
+        one) -> logits of the last position [B, 1, V] (those of one forward up to rounding)."""
         t = tokens.shape[1]
         step = t if not chunk or chunk >= t else chunk
         logits = None
@@ -147,11 +140,7 @@ class CachedModel:
 
 def _move_offset(cache, delta: int) -> None:
     """Move every layer's write offset by delta (< 0: the next update overwrites the last -delta
-    positions), in one foreach update of all the layers' offset tensors (one kernel on CUDA, where
-    StaticLayer.crop, transformers' own call for this, is one `sub_` launch per layer). It is
-    what crop does, in place, and
-    it works on 5.17's StaticLayer, which has no crop. Layers on several devices (a model split
-    across GPUs) fall back to one update per tensor inside foreach."""
+    positions) in one foreach update (StaticLayer.crop's work in one kernel; 5.17 has no crop)."""
     offsets = [layer.cumulative_length for layer in cache.layers]
     torch._foreach_add_(offsets, delta)
 

@@ -5,12 +5,8 @@
     d = ModelDraft("layerskip:8", small_model, vocab_size=49152)
 
 draft_models/ turns a spec string ("ngram", "layerskip:8", "self:<variant>", "hf:<path>") into one
-of these; the engine (pipeline/decode/engine.py) only calls prefill, propose and accept.
-
-Host copies: the B = 1 engine keeps the committed tokens on the host as well as on the device, so
-a draft that does host work on them (prompt lookup) declares `reads_host_tokens = True` and is
-handed that copy (`propose(..., host=array)`): it then costs no device-to-host transfer. It
-returns its proposal as a slice of the device sequence, so no host-to-device copy either.
+of these; the engine only calls prefill, propose and accept. A draft that works on the host
+(prompt lookup) declares `reads_host_tokens = True` and is handed the engine's host copy.
 """
 from __future__ import annotations
 
@@ -45,14 +41,9 @@ class Draft(Protocol):
 
 
 class ModelDraft:
-    """A causal LM drafting through its own static cache (layerskip, self, hf drafts).
-
-    Cache bookkeeping per round, with L committed tokens: the cache holds a prefix seq[:c] (c <= L).
-    propose() feeds the catch-up tokens seq[c:L] in one forward (1 token, or 2 after a round whose
-    k drafts were all accepted: d_k and the bonus were never fed), then d_1..d_{k-1} one at a
-    time, sampling d_i from q_i. After the target keeps n drafts, the valid prefix is
-    L + min(n, k-1) positions; the rest is rolled back.
-    """
+    """A causal LM drafting through its own static cache (layerskip, self, hf drafts). propose()
+    feeds the catch-up tokens seq[c:L] in one forward, then d_1..d_{k-1} one at a time; after
+    the target keeps n drafts, L + min(n, k-1) positions stay valid."""
 
     def __init__(self, spec: str, model, vocab_size: int):
         self.spec = spec
@@ -101,17 +92,9 @@ class ModelDraft:
 
 
 class NgramDraft:
-    """Prompt lookup, a model-free draft.
-
-    Match the last n tokens of the committed sequence (n = max_n down to 1) against earlier text,
-    take the earliest occurrence of the longest match (vLLM's prompt lookup does the same:
-    v1/spec_decode/ngram_proposer.py; `latest=True` takes the most recent one instead), and
-    propose the (up to k) tokens that followed it. q
-    is one-hot on the proposal, so beta_i = p_i(d_i) and the accept test is u < p_i(d_i). When no
-    suffix occurs earlier the draft proposes nothing and the round is a plain decode step
-    (drafted = 0): the cheapest fallback, and honest in the acceptance figures (such rounds emit
-    exactly one token). The proposal for k is the first k tokens of the proposal for any larger k.
-    """
+    """Prompt lookup, a model-free draft: the (up to k) tokens that followed the earliest (as
+    vLLM's; `latest`: the most recent) earlier occurrence of the longest suffix of n = max_n..1
+    tokens. q is one-hot; with no match it proposes nothing and the round is a plain step."""
 
     reads_host_tokens = True  # the engine hands propose() its host copy of the sequence
 
@@ -144,7 +127,6 @@ class NgramDraft:
     def propose(self, seq, k, sampling, generator, host: np.ndarray | None = None):
         if k == 0:
             return seq[:0], None
-        # The lookup is host work. Without the engine's host copy, .cpu() is a CPU-GPU sync point.
         tokens = host if host is not None else seq.cpu().numpy()
         start, count = self.match(tokens, k)
         return seq[start: start + count], None  # a slice of the device sequence: nothing copied

@@ -7,10 +7,9 @@
     res.tokens, res.rounds, res.prefill_s, res.decode_s
 
 One set of small functions (`prefill`, `decode_one_token`, `draft_k`, `verify`, `speculative_step`)
-serves both modes, so acceptance and latency describe the same computation. The cache
-(pipeline/decode/cache.py) is rolled back by moving its write position, and a B = 1 round makes
-one device-to-host transfer. Speculation runs one row (B = 1); speculation under batching is
-measured in vLLM (pipeline/stages/vllm_engine.py).
+serves both modes, so acceptance and latency describe the same computation. The cache is rolled
+back by moving its write position, and a round makes one device-to-host transfer. Speculation runs
+one row (B = 1); under batching vLLM measures it (pipeline/stages/vllm_engine.py).
 """
 from __future__ import annotations
 
@@ -31,25 +30,18 @@ from pipeline.decode.timing import Timer, synchronize
 __all__ = ["generate", "RoundRecord", "draft_k", "verify", "speculative_step"]
 
 
-# ---------------------------------------------------------------- records
-
-
 @dataclass
 class RoundRecord:
     drafted: int  # draft tokens proposed this round (< k when the draft had fewer to offer)
     accepted: int  # of those, how many the target kept (leading accepts)
     emitted: int  # tokens appended to the output this round (accepted + 1, less after EOS)
     betas: list[float]  # beta_i = sum_x min(p_i, q_i) for each drafted position i = 1..drafted
-    draft_s: float  # seconds drafting (device-synchronized via pipeline.decode.timing.Timer)
+    draft_s: float  # seconds drafting
     verify_s: float  # seconds in the target's verify forward + the accept/reject rule
-    round_s: float  # from this round's start to the next round's (the last: to the loop's end), so
-    # the host bookkeeping between rounds is inside a round and the rounds add up to decode_s
+    round_s: float  # from this round's start to the next round's: the rounds add up to decode_s
     k: int = 0  # draft length requested this round (k, or fewer near max_new_tokens)
     # This round's own timer blocks (draft, verify, round): read after Timer.collect().
     measured: tuple = field(default=(), repr=False, compare=False)
-
-
-# ---------------------------------------------------------------- the decode steps
 
 
 def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
@@ -70,11 +62,8 @@ def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
 
 def verify(target: CachedModel, last: torch.Tensor, draft_tokens: torch.Tensor,
            sampling: SamplingParams) -> torch.Tensor:
-    """last: [1] the newest committed token, draft_tokens: [k] -> p: [k+1, V].
-
-    One target forward over [last, d_1..d_k] at positions L-1..L+k-1 scores every draft token
-    (row i gives p for d_{i+1}) and the bonus position (row k) at once.
-    """
+    """last: [1] the newest committed token, draft_tokens: [k] -> p: [k+1, V]: one target forward
+    scores every draft token (row i gives p for d_{i+1}) and the bonus position (row k)."""
     tokens = torch.cat([last, draft_tokens]).unsqueeze(0)  # [1, k+1]
     logits = target.forward(tokens, all_logits=True)[0]  # [k+1, V]
     return logits_to_probs(logits, sampling)
@@ -83,24 +72,21 @@ def verify(target: CachedModel, last: torch.Tensor, draft_tokens: torch.Tensor,
 def _round(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
            generator: torch.Generator | None, timer: Timer,
            host: np.ndarray | None) -> tuple[list[int], RoundRecord, torch.Tensor]:
-    """speculative_step, also returning the emitted tokens on the device ([>= len(new)] long: the
-    first len(new) entries are `new`), so the caller extends its device sequence without a copy
-    from the host."""
+    """speculative_step, also returning the emitted tokens on the device (the first len(new)
+    entries are `new`), so the caller extends its device sequence without a host copy."""
     start = target.length  # = L - 1
     with timer.measure("draft") as t_draft:
         d, q = draft_k(draft, seq, k, sampling, generator, target.vocab, host)
     drafted = int(d.shape[0])
     with timer.measure("verify") as t_verify:
         if drafted == 0:
-            # Nothing drafted (prompt lookup found no match, or k = 0 with one token left): a plain
-            # decode step, width 1 with the last logits only.
+            # Nothing drafted (no lookup match, or k = 0 with one token left): a plain decode step.
             nxt = decode_one_token(target, seq[-1:], sampling, generator)  # [1]
             outcome = DeviceVerdict(nxt.new_zeros(()), nxt, torch.zeros(0, device=nxt.device))
         else:
             p = verify(target, seq[-1:], d, sampling)
             outcome = verify_on_device(p, q, d, sampling, generator)
-        # The round's one CPU-GPU sync point: n, the emitted tokens and the betas in one transfer.
-        # The host needs n to move the cache positions and the tokens to look for an EOS.
+        # The round's one CPU-GPU sync point: the host needs n (cache positions) and the tokens (EOS).
         verdict = unpack_verdict(outcome.packed().tolist(), drafted)
     n = verdict.accepted
     # Keep [last, d_1..d_n] in the target cache; the rest of this round's writes are stale.
@@ -114,18 +100,12 @@ def _round(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, samplin
 def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int,
                      sampling: SamplingParams, generator: torch.Generator | None,
                      timer: Timer, host: np.ndarray | None = None) -> tuple[list[int], RoundRecord]:
-    """One round on seq: [L] (B = 1; the target cache holds L-1 positions, seq[-1] is not in it).
-    host: the same tokens on the host (optional: saves a prompt-lookup draft a device->host copy).
-
-    Returns (new tokens: accepted drafts + the residual/bonus token, the round's record; its
-    seconds are filled in once the timer is collected). A round that drafts nothing (k = 0, or a
-    draft with nothing to offer) is one plain decode step: drafted 0, emitted 1.
-    """
+    """One round on seq: [L] (B = 1; the target cache holds L-1 positions). host: the same tokens
+    on the host (saves a prompt-lookup draft a copy). Returns (new tokens: accepted drafts + the
+    residual/bonus token, the round's record, timed once the timer is collected). A round that
+    drafts nothing is one plain decode step."""
     new, record, _ = _round(target, draft, seq, k, sampling, generator, timer, host)
     return new, record
-
-
-# ---------------------------------------------------------------- the loop
 
 
 @torch.inference_mode()
@@ -135,15 +115,10 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
              prefill_chunk: int | None = None, cache_len: int | None = None) -> GenerationResult:
     """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts).
 
-    cache_len: the static caches (target and draft) get exactly this many positions (at least
-    T + max_new_tokens + 1), so a timed cell never attends over a longer pooled cache and every
-    prompt of a set runs on one cache length. prefill_chunk: see prefill().
-
-    k = 0 or draft = None: plain decode (any B). Otherwise speculative with draft length k (B = 1
-    only): near the end k shrinks so a round never runs past max_new_tokens. Generation stops at an EOS
-    (the EOS is emitted; tokens after it, accepted or not, are not). Timer sections: "prefill" once,
-    then "decode" per plain step, or "round" (containing "draft" and "verify") per speculative round;
-    a round is timed from its start to the next round's start (Timer.lap).
+    k = 0 or draft = None: plain decode (any B); else speculative at draft length k (B = 1 only,
+    k shrinking near the end). Stops at an EOS (emitted). cache_len: the static caches get exactly
+    this many positions, so a timed cell never attends over a longer pooled cache. Timer sections:
+    "prefill", then "decode" per plain step or "round" (with "draft" and "verify") per round.
     """
     if max_new_tokens < 1:
         raise EngineError("max_new_tokens must be >= 1")
@@ -159,7 +134,6 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         raise EngineError(f"cache_len {cache_len} < prompt {t} + max_new_tokens {max_new_tokens} + 1")
     cached = CachedModel(target, batch=b, max_len=cache_len or need, exact=cache_len is not None)
     device = cached.device
-    # The prompt on the host, for the speculative loop's host copy (free when it came from the host).
     prompt_host = input_ids[0].cpu().numpy() if speculative else None
     input_ids = input_ids.to(device)
     own = Timer(device)  # per-round figures; merged into the caller's timer at the end
@@ -181,10 +155,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         out: list[list[int]] = [[x] for x in first.tolist()]
         done = [bool(eos) and x[0] in eos for x in out]
     if speculative:
-        # The committed sequence, twice: on the device (what the target and a model draft read;
-        # extended on the device from the round's own tokens, no host->device copy) and on the
-        # host (what a prompt-lookup draft reads, and the EOS check; extended from the round's one
-        # device->host transfer). Both are preallocated: a round appends in place.
+        # The committed sequence on the device (target and model draft) and on the host (prompt
+        # lookup, EOS check), each extended in place from the round's own outputs: no extra copies.
         capacity = t + max_new_tokens + k + 1
         seq_dev = torch.empty(capacity, dtype=torch.long, device=device)
         seq_dev[:t] = input_ids[0]
@@ -194,8 +166,6 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         seq_host[t] = out[0][0]
         length = t + 1
         while not done[0] and len(out[0]) < max_new_tokens:
-            # A round's time runs from its start to the next round's start: the host bookkeeping
-            # between rounds is inside a round, and the rounds add up to the decode loop.
             t_round = own.lap("round")
             k_round = min(k, max_new_tokens - len(out[0]) - 1)  # 0 with one token left: a plain step
             new, record, emitted = _round(cached, draft, seq_dev[:length], k_round, sampling, generator, own,
@@ -214,13 +184,11 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         while not all(done) and len(out[0]) < max_new_tokens:
             with own.measure("decode"):
                 last = decode_one_token(cached, last, sampling, generator)  # [B]
-            # .tolist() is a CPU-GPU sync point, once per step: the host must see an EOS to stop.
             for row, x in zip(out, last.tolist()):
                 row.append(x)
             done = [d or (x[-1] in eos) for d, x in zip(done, out)]
     else:
-        # No EOS: the step count is known, so the tokens stay on the device until the end (no
-        # per-step host sync) and are read back in one transfer.
+        # No EOS: the tokens stay on the device and are read back in one transfer.
         steps = [first]
         for _ in range(max_new_tokens - 1):
             with own.measure("decode"):

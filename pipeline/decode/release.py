@@ -5,13 +5,9 @@
     del model, draft, draft_model          # the caller drops every reference it holds
     collect(device)                        # gc.collect(), then torch.cuda.empty_cache() on CUDA
 
-`del` alone frees a model only when nothing else refers to it and it sits in no reference cycle;
-accelerate hooks, quantization wrappers and module back-references make cycles, which only the
-cyclic collector frees, at a time of its choosing. And PyTorch's CUDA allocator keeps freed blocks
-reserved for this process: torch.cuda.mem_get_info, which the latency memory plan reads
-(pipeline/latency/memory.py device_budget), counts them as used until empty_cache hands them back.
-So without both, the next variant's plan sees the last one's weights and caches as taken and drops
-or chunks cells for nothing. The caller must delete its own references first: a function cannot.
+Hooks and wrappers put models in reference cycles that only gc.collect frees, and the CUDA
+allocator keeps freed blocks counted as used (by the latency memory plan) until empty_cache; the
+caller must delete its own references first.
 """
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ def release_caches(*models) -> int:
 
 
 def collect(device: torch.device | str | None = None) -> None:
-    """Free what is unreachable now (cycles included) and, on CUDA, return the allocator's free
-    blocks to the driver, so the next measurement of free memory sees them."""
+    """gc.collect(), then on CUDA hand the allocator's free blocks back to the driver."""
     gc.collect()
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.empty_cache()

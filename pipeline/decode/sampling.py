@@ -1,13 +1,10 @@
 """Logits -> probabilities (temperature, top-k, top-p), sampling, and the speculative verify rule.
 
-Pure tensor math on one sequence's rows, checked exactly against enumeration on a small vocabulary
-(tests/test_verify.py). The verify rule (Leviathan et al. 2023; Chen et al. 2023): draft token d_i,
-drawn from q_i, is accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order; at the first
-rejection a token is drawn from normalize(max(p_i - q_i, 0)), and after k acceptances a bonus token
-from p_{k+1}. So P(emit x) = min(p(x), q(x)) + max(p(x) - q(x), 0) = p(x), provided the same
-temperature / top-k / top-p shape p and q. beta_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i),
-the chance that position i is accepted given its prefix was, estimates the acceptance rate with
-far less variance than the 0/1 outcomes.
+The verify rule (Leviathan et al. 2023; Chen et al. 2023): draft token d_i, drawn from q_i, is
+accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order; at the first rejection a token is
+drawn from normalize(max(p_i - q_i, 0)), after k acceptances a bonus token from p_{k+1}, so the
+output follows p. beta_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i) is the chance position i
+is accepted given its prefix was. Checked against enumeration in tests/test_verify.py.
 """
 from __future__ import annotations
 
@@ -28,11 +25,8 @@ class SamplingParams:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [..., V] -> probabilities [..., V] in float32, shaped by `params`.
-
-    Greedy gives the one-hot of torch.argmax (ties -> the lowest id, as transformers' greedy
-    search), so the verify rule with one-hot p and q accepts exactly when the argmaxes agree.
-    """
+    """logits: [..., V] -> probabilities [..., V] in float32, shaped by `params`. Greedy gives the
+    one-hot of the argmax, so the verify rule accepts exactly when the argmaxes agree."""
     x = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(torch.float32)
@@ -43,9 +37,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p: a token is
-        # dropped when the mass strictly before it (in descending order) already reaches top_p.
-        # The most likely token always survives.
+        # Drop a token when the mass strictly before it (in descending order) already reaches
+        # top_p; the most likely token always survives.
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         sorted_p = torch.softmax(sorted_x, dim=-1)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
@@ -57,13 +50,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs: [..., V] -> token ids [...] (long).
-
-    Exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. picks x with probability
-    p(x) exactly (E_x / p(x) ~ Exp(p(x)), and the minimum of independent exponentials is x with
-    probability p(x) / sum p). Unlike torch.multinomial it needs no CPU-GPU sync. Zero-probability
-    tokens score 0 and are never picked while any token has mass.
-    """
+    """probs: [..., V] -> token ids [...] (long), by the exponential race argmax_x p(x) / E_x,
+    E_x ~ Exp(1), which picks x with probability p(x) exactly and, unlike torch.multinomial,
+    needs no CPU-GPU sync."""
     e = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
     return torch.argmax(probs / e, dim=-1)
 
@@ -81,14 +70,9 @@ def betas(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify_probs(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two ingredients of the rule, for each drafted position i = 1..k.
-
-    p: [k(+1), V] target probabilities, q: [k, V] draft probabilities, draft: [k] token ids.
-    Returns accept_prob [k] = min(1, p_i(d_i) / q_i(d_i)) (1 where q_i(d_i) = 0 < p_i(d_i): the
-    draft could not have proposed it, but the limit is 1; 0 where both are 0) and
-    residual [k, V] = normalize(max(p_i - q_i, 0)) (p_i itself where p_i == q_i, whose residual is
-    empty and is never sampled because then accept_prob = 1).
-    """
+    """p: [k(+1), V] target probabilities, q: [k, V] draft probabilities, draft: [k] token ids ->
+    accept_prob [k] = min(1, p_i(d_i) / q_i(d_i)) (1 where q_i(d_i) = 0 < p_i(d_i)) and
+    residual [k, V] = normalize(max(p_i - q_i, 0)) (p_i where that is empty: never sampled)."""
     k = draft.shape[0]
     rows = torch.arange(k, device=p.device)
     px = p[rows, draft]  # [k]
@@ -113,20 +97,16 @@ class Verdict:
 
 @dataclass
 class DeviceVerdict:
-    """The rule's outcome while it is still on the device (nothing read back yet).
-
-    accepted: [] long, n; emitted: [k+1] long, d_1..d_n then the next token at index n (the
-    entries after n are stale and never read); betas: [k] float32.
-    """
+    """The rule's outcome still on the device. accepted: [] long, n; emitted: [k+1] long,
+    d_1..d_n then the next token at index n (later entries stale); betas: [k] float32."""
 
     accepted: torch.Tensor
     emitted: torch.Tensor
     betas: torch.Tensor
 
     def packed(self) -> torch.Tensor:
-        """[2 + 2k] float32 = (n, emitted_0..emitted_k, beta_1..beta_k): the whole outcome in one
-        tensor, so the host reads it with one transfer. float32 holds every integer below 2^24
-        exactly (vocabularies are far smaller), and beta is float32 already."""
+        """[2 + 2k] float32 = (n, emitted_0..emitted_k, beta_1..beta_k): the outcome in one transfer
+        (float32 holds every integer below 2^24 exactly)."""
         return torch.cat([self.accepted.view(1).to(torch.float32), self.emitted.to(torch.float32),
                           self.betas.to(torch.float32)])
 
@@ -140,14 +120,9 @@ def unpack_verdict(values: list[float], k: int) -> Verdict:
 
 def verify_on_device(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
                      generator: torch.Generator | None = None) -> DeviceVerdict:
-    """Apply the rule to one round without reading anything back to the host.
-    p: [k+1, V], q: [k, V], draft: [k] (k may be 0).
-
-    Greedy (one-hot p and q): accept_prob is 1 when the argmaxes agree and 0 otherwise, the
-    residual of a disagreement is the target's one-hot, so the round emits exactly the target's
-    greedy tokens. Random numbers are drawn in the same order as a host-side rule would: u [k],
-    then one draw from the emitted row (residual_{n+1} or p_{k+1}, chosen on the device).
-    """
+    """Apply the rule to one round without reading anything back to the host. p: [k+1, V],
+    q: [k, V], draft: [k] (k may be 0). Random numbers: u [k], then one draw from the emitted row
+    (residual_{n+1} or p_{k+1}, chosen on the device)."""
     k = draft.shape[0]
     draft = draft.to(torch.long)
     if k == 0:
@@ -171,7 +146,4 @@ def verify_on_device(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, para
 def verify_draft(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Verdict:
     """verify_on_device, read back to the host (one transfer). p: [k+1, V], q: [k, V], draft: [k]."""
-    k = draft.shape[0]
-    # .tolist() is the CPU-GPU sync point, once per round: the host must know n to move the
-    # cache position, and the tokens to look for an EOS.
-    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), k)
+    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), draft.shape[0])

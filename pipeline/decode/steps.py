@@ -1,9 +1,6 @@
 """The decode steps plain and speculative decoding share: prefill, one token, the EOS cut, the result.
 
     from pipeline.decode.steps import prefill, decode_one_token, GenerationResult
-
-engine.py (B = 1 speculative, and plain at any B) builds on these, so a plain step is the same
-computation in both loops.
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ class GenerationResult:
 
 def prefill(target: CachedModel, input_ids: torch.Tensor, sampling: SamplingParams,
             generator: torch.Generator | None, chunk: int | None = None) -> torch.Tensor:
-    """input_ids: [B, T] -> first new token per sequence [B]. The cache then holds T positions.
-    chunk: prefill in forwards of at most that many tokens (a memory plan's choice; eager always)."""
+    """input_ids: [B, T] -> first new token per sequence [B]; chunk: forwards of at most that many tokens."""
     logits = target.prefill(input_ids, chunk)[:, -1]  # [B, V]
     return next_token(logits, sampling, generator)
 

@@ -7,9 +7,8 @@
     t.collect()          # CUDA: events are read here, one sync for many blocks
     t.samples["verify"]  # list of seconds, one per measured block; m.seconds: this block's
 
-Laps (`m = t.lap("round")` in each iteration, `t.end_lap("round")` after the loop) time a loop
-from the start of one iteration to the start of the next, one clock reading per boundary, so the
-host work between iterations belongs to an iteration and the laps add up to the whole loop.
+Laps (`m = t.lap("round")` in each iteration, `t.end_lap("round")` after the loop) time each
+iteration to the start of the next, so the laps add up to the whole loop.
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import torch
 
 @dataclass(eq=False)
 class Measurement:
-    """One measured block; a caller keeps it to read that block's time (matched by identity, not
-    by its index in a list)."""
+    """One measured block; a caller keeps it to read that block's time."""
 
     name: str
     seconds: float | None = None
@@ -45,18 +43,9 @@ class Timer:
         if not self.enabled:
             yield m
             return
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield m
-            end.record()
-            self._pending.append((m, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield m
-            m.seconds = time.perf_counter() - t0
-            self.samples[name].append(m.seconds)
+        start = self._mark()
+        yield m
+        self._close(m, start, self._mark())
 
     def _mark(self):
         """A point in time: a recorded CUDA event (read at collect), else perf_counter now."""
@@ -102,19 +91,8 @@ class Timer:
             self._pending.clear()
         return dict(self.samples)
 
-    def reset(self) -> None:
-        self.samples.clear()
-        self._pending.clear()
-        self._laps.clear()
-
 
 def synchronize(device: torch.device) -> None:
     """A CPU-GPU sync point: call it before reading a wall clock around device work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def wall_clock(device: torch.device) -> float:
-    """perf_counter after synchronizing the device, for timing whole loops end to end."""
-    synchronize(device)
-    return time.perf_counter()

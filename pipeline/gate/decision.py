@@ -3,12 +3,10 @@
     from pipeline.gate.decision import build_gate
     gate = build_gate(run_dir, config)          # what gate.json holds (the gate stage writes it)
 
-Each cell pairs the variant's items with the reference's by id and bounds the difference at each
-end: pass if the lower bound is above -margin, fail if the upper bound is below it, else
-inconclusive. A variant is go when every cell passes, no-go when any fails. Item files are paired
-in pipeline/gate/items.py, the sequential looks replayed in pipeline/gate/looks.py (the quality
-stage stops with the same `open_slices`), speculation pairs judged in pipeline/gate/speculation.py.
-Clusters, bounds and multiplicity: docs/methods/gate.md.
+Each cell bounds the variant - reference difference over the same items: pass if the lower bound
+is above -margin, fail if the upper bound is below it. A variant is go when every cell passes,
+no-go when any fails. The quality stage stops with the same `open_slices`. Method:
+docs/methods/gate.md.
 """
 from __future__ import annotations
 
@@ -27,12 +25,8 @@ from pipeline.stats import paired as stats, scoring_rules
 
 # gate-check's exit status per decision (2 is bad input): a contract release jobs rely on.
 EXIT_CODES = {"go": 0, "no-go": 1, "inconclusive": 3}
-# Power of an open cell's items_to_settle: the items that would settle it with this probability if
-# the observed difference were the truth. A guide only, never a level (formerly the gate.power key).
+# Power of an open cell's items_to_settle (if the observed difference were the truth): a guide only.
 SETTLE_POWER = 0.8
-
-
-# ---------------------------------------------------------------- estimates per slice
 
 
 def slice_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray,
@@ -106,9 +100,6 @@ def _cell(est: stats.Estimate, margin: float, alpha_lo: float, alpha_hi: float,
     }
 
 
-# ---------------------------------------------------------------- distribution checks
-
-
 def distribution_checks(summary: dict, gcfg) -> dict:
     """Optional thresholds on KL and top-1 agreement, judged on the CI quality reported."""
     dist = summary.get("distribution") or {}
@@ -139,15 +130,9 @@ def _bounds(ci) -> tuple[float | None, float | None]:
     return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (None, None)
 
 
-# ---------------------------------------------------------------- decisions
-
-
 def decide(statuses: list[str]) -> str:
-    if "fail" in statuses:
-        return "no-go"
-    if statuses and all(s == "pass" for s in statuses):
-        return "go"
-    return "inconclusive"
+    """Cells' statuses -> a decision: one fail is no-go, all pass is go, else inconclusive."""
+    return overall_decision([{"pass": "go", "fail": "no-go"}.get(s, "inconclusive") for s in statuses])
 
 
 def overall_decision(decisions: list[str]) -> str:
@@ -192,7 +177,6 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcf
         raise StageError(f"slice {s} has {len(order)} item(s); the gate needs at least 2")
     done = [n for n in looks if n <= len(order)]
     rows: dict[str, dict[int, stats.Estimate]] = defaultdict(dict)
-    margins: dict[str, float] = {}
     reported, gests = None, {}
     for k, n in enumerate(done):
         if n < 2:
@@ -207,9 +191,7 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcf
         if gcfg.gate_groups:
             for g, est in gests.items():
                 rows[f"{s}/{g}"][k] = est
-    for key in rows:
-        margins[key] = _margin(gcfg, key, s)
-    # The slice's spending, resolved once: as the quality stage recorded it, else gate.spending.
+    margins = {key: _margin(gcfg, key, s) for key in rows}
     return dict(rows), margins, reported, {"groups": gests, "looks": looks, "n_max": n_max, "done": done,
                                            "spending": (sched or {}).get("spending") or gcfg.spending}
 
@@ -219,12 +201,8 @@ def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, a
     """Row key -> (deciding look, per-look record): every gated row of one variant, the fail side
     at alpha / m over its m rows (pipeline/gate/looks.py says why)."""
     alpha_fail = alpha / len(rows) if (gcfg.multiplicity != "none" and rows) else alpha
-    out = {}
-    for key, ests in rows.items():
-        sched = scheds[key]
-        out[key] = looks_mod.settle(ests, sched["looks"], sched["n_max"], margins[key], alpha_pass, alpha_fail,
-                                    sched["spending"])
-    return out
+    return {key: looks_mod.settle(ests, scheds[key]["looks"], scheds[key]["n_max"], margins[key], alpha_pass,
+                                  alpha_fail, scheds[key]["spending"]) for key, ests in rows.items()}
 
 
 def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | None = None,
@@ -251,12 +229,9 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
 
 
 def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tuple[set[str], list[str]]:
-    """(the slices of variant `name` with a row that no look has settled and that has a planned
-    look left, the row keys a look has failed): the gate's own replay, on the schedules the
-    quality stage writes to quality/meta.json. Whether the next look is affordable is the
-    stage's question (its time budget), not this one's: a slice it stops on stays open, and the
-    gate reports it open on the budget. One failed row makes the variant no-go whatever its open
-    rows do, which a budgeted stage uses to stop scoring it."""
+    """(the slices of variant `name` with a row no look has settled and a planned look left, the
+    row keys a look has failed): the gate's own replay, on the schedules in quality/meta.json.
+    One failed row makes the variant no-go, which a budgeted stage uses to stop scoring it."""
     gcfg = cfg.gate
     alpha = (1.0 - cfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]

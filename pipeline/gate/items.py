@@ -1,7 +1,5 @@
-"""Reading the quality stage's per-item files for the gate: one slice's items, repeated samples
-collapsed to one item, the variant paired with the reference by id, the clusters (a shared
-`cluster` label or a shared prompt), and the slices the quality stage was asked for but did not
-score.
+"""Reading the quality stage's per-item files for the gate: items (repeated samples collapsed),
+pairing by id, clusters (a shared `cluster` label or prompt), and the slices left unscored.
 
     from pipeline.gate.items import by_item, read_items
     ref = by_item(read_items(run / "quality" / "bf16" / "reasoning.jsonl"))
@@ -13,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.stage import StageError, read_json, read_jsonl
+from pipeline.core.stage import StageError, read_jsonl
+from pipeline.gate.stops import quality_meta
 from pipeline.stats import paired as stats
 
 
@@ -67,16 +66,9 @@ def item_clusters(items: dict[str, dict], ids: list[str]) -> np.ndarray:
 
 
 def unscored_slices(quality: Path, scored: list[str]) -> dict[str, str]:
-    """{slice: why} for what the quality stage was asked to score and did not: a known lm-eval
-    task whose data was not reachable (meta.json's `skipped_tasks`), or a requested slice or task
-    with no results. Each makes every variant's decision inconclusive: a release decision never
-    silently drops a slice. {} without quality/meta.json (results made elsewhere)."""
-    meta_path = quality / "meta.json"
-    if not meta_path.is_file():
-        return {}
-    meta = read_json(meta_path, "quality meta.json")
-    if not isinstance(meta, dict):
-        raise StageError(f"corrupt artifact: {meta_path} is not a JSON object")
+    """{slice: why} for what the quality stage was asked to score and did not (meta.json's
+    `skipped_tasks`, or a requested slice without results): each makes every decision inconclusive."""
+    meta = quality_meta(quality)
     out = {str(k): f"not scored: {why}" for k, why in (meta.get("skipped_tasks") or {}).items()}
     for name in list(meta.get("slices") or []) + list(meta.get("tasks") or []):
         if name not in scored and name not in out:

@@ -5,10 +5,8 @@
     k, record = settle({0: est40, 1: est80}, looks, 240, margin=0.05, alpha_pass=0.025, alpha_fail=0.005)
 
 At each look a row's two sides are tested at the nominal levels the slice's spending function
-(pipeline/stats/sequential.py) plans for that look; a row stops at the first look that passes or
-fails it. The quality stage's stopping and the gate stage's replay use this same function, so they
-cannot differ. Why stopping before the last look (a time budget) keeps each error at or below
-nominal: docs/methods/gate.md, "Stopping before the last look".
+plans; a row stops at the first look that passes or fails it. The quality stage's stopping and
+the gate's replay both use this function (docs/methods/gate.md, "Stopping before the last look").
 """
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ from pipeline.stats.paired import Estimate, noninferiority_status
 
 
 def plan(n_max: int, wave: int | None, ends: Sequence[int] | None = None) -> list[int]:
-    """Look sizes (cumulative items) for a slice of `n_max` items scored `wave` at a time (None:
-    one look at n_max). `ends`: the item counts at which a cluster ends (a look never splits a
-    cluster: its items enter together); each look is the first end at or after k * wave."""
+    """Look sizes (cumulative items) for `n_max` items scored `wave` at a time (None: one look).
+    `ends`: item counts at which a cluster ends; each look is the first end at or after k * wave."""
     if n_max < 1:
         raise ValueError("a slice needs at least one item")
     if not wave or wave >= n_max:
@@ -41,9 +38,8 @@ def plan(n_max: int, wave: int | None, ends: Sequence[int] | None = None) -> lis
 
 @functools.lru_cache(maxsize=512)
 def levels(looks: tuple[int, ...], n_max: int, alpha: float, spending: str = "obf") -> tuple[float, ...]:
-    """One-sided nominal level of each planned look for a side spending `alpha` under `spending`
-    (config gate.spending; a look's level depends only on the looks up to it, so the planned list
-    serves any prefix that happened)."""
+    """One-sided nominal level of each planned look for a side spending `alpha` (a look's level
+    depends only on the looks up to it, so the plan serves any prefix that happened)."""
     if len(looks) == 1 and looks[0] >= n_max:
         return (float(alpha),)
     return tuple(sequential.nominal_levels(list(looks), n_max, alpha, spending))
@@ -51,9 +47,8 @@ def levels(looks: tuple[int, ...], n_max: int, alpha: float, spending: str = "ob
 
 def settle(estimates: dict[int, Estimate], looks: Sequence[int], n_max: int, margin: float,
            alpha_pass: float, alpha_fail: float, spending: str = "obf") -> tuple[int, list[dict]]:
-    """(index of the deciding look, one record per look up to it). `estimates`: look index ->
-    the row's estimate on the slice's first looks[k] items (a row may lack early looks: a group
-    with fewer than 2 items). The deciding look is the first that passes or fails, else the last."""
+    """(index of the deciding look: the first that passes or fails, else the last; one record per
+    look up to it). `estimates`: look index -> the row's estimate on the first looks[k] items."""
     lp, lf = (levels(tuple(looks), n_max, a, spending) for a in (alpha_pass, alpha_fail))
     record: list[dict] = []
     ks = sorted(estimates)

@@ -4,9 +4,8 @@ quality (a failing pair is no-go for speculation; it does not change a variant's
     from pipeline.gate.speculation import speculation
     verdicts = speculation(run_dir, "holm")        # gate.json's `speculation`
 
-Greedy: `greedy_lossless` from acceptance/<pair>.json (identical to plain greedy, or every
-divergence a near-tie of the dtype: pipeline/speculation/lossless.py). Sampling: the chi-square
-p-values, adjusted over the pairs with the quality cells' multiplicity method.
+Greedy: `greedy_lossless` from acceptance/<pair>.json; sampling: the chi-square p-values, adjusted
+over the pairs with the quality cells' multiplicity method.
 """
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from pipeline.stats import paired as stats
 
 
 def speculation(run_dir: Path, method: str) -> dict:
-    """Per pair: greedy identical and the sampling test, with the sampling p-values adjusted for
-    the number of pairs (same multiplicity method as the quality cells)."""
+    """Per pair: the greedy verdict and the sampling test (p adjusted over the pairs)."""
     pairs = {}
     for path in sorted((run_dir / "acceptance").glob("*__*.json")):
         doc = read_json(path, "acceptance result")
@@ -36,8 +34,6 @@ def speculation(run_dir: Path, method: str) -> dict:
     for key, pair in pairs.items():
         loss = pair.pop("lossless") or {}
         sampling = loss.get("sampling") or {}
-        # Lossless at greedy: identical, or every divergence a near-tie of the dtype
-        # (pipeline/speculation/lossless.py); None where no prompt was compared.
         greedy = loss.get("greedy_lossless")
         pair.update({"greedy_identical": loss.get("greedy_identical"), "greedy_lossless": greedy,
                      "prompts": loss.get("prompts"), "dtype": loss.get("dtype"),
@@ -46,8 +42,7 @@ def speculation(run_dir: Path, method: str) -> dict:
                      "tie_tolerance": (loss.get("tie_rule") or {}).get("tolerance"),
                      "sampling_test": sampling.get("test"), "sampling_p": sampling.get("p_value"),
                      "sampling_p_adjusted": adj[key][1] if key in adj else None, "alpha": alpha})
-        # A greedy comparison the budget cut to no prompt at all (pipeline/stages/acceptance.py) is
-        # a check that did not happen: the pair is unchecked, not go on the sampled test alone.
+        # A greedy comparison the budget cut to no prompt: unchecked, not go on the sampled test alone.
         cut = greedy is None and bool(loss.get("prompts_skipped"))
         if greedy is False or (key in adj and adj[key][0]):
             pair["decision"] = "no-go"

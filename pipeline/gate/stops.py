@@ -4,13 +4,9 @@ what that makes of a gate cell.
     from pipeline.gate.stops import schedules, budget_stops, stop_fields
     cell.update(stop_fields(cell["status"], sched, budget_stops(quality)[variant].get(slice_name)))
 
-The quality stage writes `sequential` (each slice's planned looks and maximum) and `budget` (per
-variant and slice: the items scored, the looks done and skipped, and why scoring stopped: settled,
-the last look, the time budget, or the variant's verdict) into quality/meta.json. The gate reads
-both: the planned looks are the group-sequential schedule its replay tests at
-(pipeline/gate/looks.py), and a cell left open says why (`stopped_on`, `stop_reason`,
-`items_left`). Results without these keys (quality results made elsewhere than the quality
-stage) read as one look at the items scored and no stop record.
+meta.json's `sequential` holds each slice's planned looks (the schedule the gate's replay tests
+at) and `budget` why each variant's slice stopped (so an open cell says why). Results made
+elsewhere, without these keys, read as one look at the items scored and no stop record.
 """
 from __future__ import annotations
 
@@ -20,16 +16,21 @@ from pipeline.core.stage import StageError, read_json
 from pipeline.stats.sequential import spending_function
 
 
+def quality_meta(quality: Path) -> dict:
+    """quality/meta.json; {} without one (quality results made elsewhere)."""
+    path = quality / "meta.json"
+    meta = read_json(path, "quality meta.json") if path.is_file() else {}
+    if not isinstance(meta, dict):
+        raise StageError(f"corrupt artifact: {path} is not a JSON object")
+    return meta
+
+
 def schedules(quality: Path) -> dict[str, dict]:
-    """slice -> {"looks": planned look sizes, "n_max": the slice's maximum, and "spending" where the
-    stage recorded the one its looks stopped on} from quality/meta.json's `sequential` (written by
-    the quality stage); {} for results without it (one look at the n scored: the fixed-n gate)."""
+    """slice -> {"looks", "n_max", and "spending" where the stage recorded one} from meta.json's
+    `sequential`; {} for results without it (one look at the n scored: the fixed-n gate)."""
     meta_path = quality / "meta.json"
-    if not meta_path.is_file():
-        return {}
-    meta = read_json(meta_path, "quality meta.json")
     out = {}
-    for s, sched in ((meta.get("sequential") or {}) if isinstance(meta, dict) else {}).items():
+    for s, sched in (quality_meta(quality).get("sequential") or {}).items():
         try:
             looks, n_max = [int(n) for n in sched["looks"]], int(sched["n_max"])
         except (KeyError, TypeError, ValueError):
@@ -45,23 +46,16 @@ def schedules(quality: Path) -> dict[str, dict]:
 
 
 def budget_stops(quality: Path) -> dict[str, dict[str, dict]]:
-    """variant -> slice -> the quality stage's record of where scoring stopped ("stopped_on":
-    "settled" / "last look" / "budget", "why", items, looks done and skipped), from quality/
-    meta.json's `budget.variants`; {} for results without one."""
-    meta_path = quality / "meta.json"
-    if not meta_path.is_file():
-        return {}
-    meta = read_json(meta_path, "quality meta.json")
-    records = ((meta.get("budget") or {}).get("variants") or {}) if isinstance(meta, dict) else {}
+    """variant -> slice -> the quality stage's record of where scoring stopped ("stopped_on",
+    "why", items, looks done and skipped), from meta.json's `budget.variants`; {} without one."""
+    records = (quality_meta(quality).get("budget") or {}).get("variants") or {}
     return {str(v): dict((r or {}).get("slices") or {}) for v, r in records.items() if isinstance(r, dict)}
 
 
 def quality_budget(quality: Path) -> dict | None:
     """The quality stage's time budget as it ran (minutes, its share, seconds, spent, skipped), or
     None when it had none."""
-    meta_path = quality / "meta.json"
-    meta = read_json(meta_path, "quality meta.json") if meta_path.is_file() else {}
-    b = meta.get("budget") if isinstance(meta, dict) else None
+    b = quality_meta(quality).get("budget")
     if not isinstance(b, dict) or b.get("seconds") is None:
         return None
     return {k: b.get(k) for k in ("minutes", "share", "seconds", "spent_s", "skipped")}
@@ -69,11 +63,8 @@ def quality_budget(quality: Path) -> dict | None:
 
 def stop_fields(status: str, sched: dict, record: dict | None) -> dict:
     """Where a cell's looks ended: "data" (a look passed or failed it), "last look" (open at the
-    slice's final look), "budget" (open before it: the quality stage stopped on its time budget;
-    with the reason and the items the slice has left to its maximum), "verdict" (open before it:
-    a budgeted stage stopped scoring a variant another of whose cells had failed, so no item
-    could change its no-go), or "early" (open before its final look with no budget record:
-    results from elsewhere)."""
+    slice's final look), or open before it: "budget" (the stage's time budget ran out), "verdict"
+    (another cell of the variant had failed) or "early" (no budget record: results from elsewhere)."""
     done, looks = sched["done"], sched["looks"]
     if status != "inconclusive":
         return {"stopped_on": "data"}

@@ -3,7 +3,7 @@ resample prompts.
 
     from pipeline.speculation.acceptance_stats import prompt_record, summarize_slice
     rec = prompt_record("code-0", "code", text, chains)     # one prompt's expectations (JSON-able)
-    summary = summarize_slice([rec, ...], k_max, confidence=0.95, seed=0)
+    summary = summarize_slice([rec, ...], k_max, confidence=0.95)
 
 Every figure is a ratio of sums over prompts, and a prompt's rounds share one text, so the prompt
 is the unit: t intervals on the prompts (n - 1 df, the ratio linearized around its point), E(k)'s
@@ -21,10 +21,8 @@ from pipeline.stats.intervals import clip_contain, t_interval, t_quantile
 MIN_CHECK_PROMPTS = 2
 # How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
 AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
-# A slice's intervals are trusted from this many prompts on: the smallest n at which the 95% E(k)
-# interval's simulated coverage is >= 0.92 (at most 3 points under nominal) in every toy
-# population, at k = 3 and 5 (0.927-0.961 at 8, 0.890-0.958 at 6; 3000 slices a cell, se 0.005:
-# tests/sim_direct_check.py coverage); below, the slice says `few_prompts`.
+# A slice's intervals are trusted from this many prompts on: the smallest n whose 95% E(k) interval
+# covered >= 0.92 in every simulated population (tests/sim_direct_check.py); below: `few_prompts`.
 MIN_PROMPTS = 8
 # How summarize_slice's intervals are made (the slice's `ci_method`).
 CI_METHOD = ("t interval on the prompts, n - 1 df, the ratio of sums linearized around its point "
@@ -50,8 +48,6 @@ def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int
         "drafted_rounds": {str(k): c.drafted_rounds.tolist() for k, c in chains.items()},
         "full_rounds": top.full_rounds, "reached": top.reached.tolist(), "accepted": top.accepted.tolist(),
         "beta_sum": top.beta_sum.tolist(), "histogram": top.histogram.tolist(),
-        # E[full rounds with j accepted] at every k (summarize_slice's accepted_distribution).
-        "histogram_by_k": {str(k): c.histogram.tolist() for k, c in chains.items()},
     }
 
 
@@ -67,11 +63,9 @@ def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: t
                      log_above: float | None = None) -> list[float] | None:
     """sum(num)/sum(den) over n prompts with a t interval on n - 1 df (se: linearized_se), clipped
     to `bounds` and containing the point; `bounds` itself with fewer than two prompts or no
-    denominator. With `log_above` = f (and point > f) the interval is built on log(ratio - f)
-    (se / (point - f) there, the delta method) and mapped back: f + (point - f) exp(-/+ t se_log),
-    wider above than below, as the spread of a ratio near its floor is (E(k) >= 1: most texts
-    copy little, a few copy a lot). E(k) uses f = 1 (summarize_slice). The ends are
-    ratio_t_draws at t = -/+ the t quantile, so the marginal stage's draws follow this interval."""
+    denominator. With `log_above` = f (and point > f) the interval is built on log(ratio - f) by
+    the delta method and mapped back (E(k) uses f = 1: it is skewed above its floor). The ends are
+    ratio_t_draws at -/+ the t quantile, so the marginal stage's draws follow this interval."""
     if point is None:
         return None
     num, den = np.asarray(num, float), np.asarray(den, float)
@@ -85,11 +79,9 @@ def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: t
 
 def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | None = None,
                   bounds: tuple[float, float] | None = None) -> np.ndarray:
-    """Replicates of the ratio distributed as ratio_t_interval's pivot: point + se t_b (or, with
-    `log_above`, f + (point - f) exp(se_log t_b)) for given t draws t_b (the marginal stage's
-    prompt part), clipped to `bounds` as ratio_t_interval clips its ends (E(k) lies in [1, k + 1];
-    a heavy-tailed t draw on the log scale can otherwise reach 1e300). The point itself, repeated,
-    with fewer than two prompts or no denominator."""
+    """Replicates of the ratio distributed as ratio_t_interval's pivot, for given t draws (the
+    marginal stage's prompt part), clipped to `bounds` (a heavy-tailed draw on the log scale can
+    otherwise reach 1e300). The point, repeated, with fewer than two prompts or no denominator."""
     num, den = np.asarray(num, float), np.asarray(den, float)
     draws = np.asarray(draws, float)
     if num.size < 2 or den.sum() <= 0:
@@ -105,10 +97,8 @@ def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | 
 
 
 def rate_interval(hits_p, trials_p, confidence: float) -> list[float] | None:
-    """A rate sum(hits_p) / sum(trials_p) over prompts: its prompt t interval (ratio_t_interval),
-    widened to at least the Wilson interval of the hits in the trials, pooled (the i.i.d.-rounds
-    interval; statsmodels), which a slice where every prompt accepted nothing, or everything, at a
-    position still has."""
+    """A rate sum(hits_p) / sum(trials_p) over prompts: its prompt t interval, widened to at least
+    the pooled Wilson interval (which a slice with no spread between prompts still has)."""
     from statsmodels.stats.proportion import proportion_confint
 
     hits, trials = float(np.sum(hits_p)), float(np.sum(trials_p))
@@ -124,22 +114,10 @@ def _ratio(num: float, den: float) -> float | None:
     return float(num / den) if den > 0 else None
 
 
-def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, seed: int = 0) -> dict:
+def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95) -> dict:
     """The acceptance JSON's per-slice, per-temperature block (DESIGN.md keys plus CIs and the
-    per-prompt records the marginal stage resamples).
-
-    Intervals (`ci_method`): t intervals on the prompts (ratio_t_interval), E(k) on the
-    log(E(k) - 1) scale; `seed` is no longer used (nothing is resampled) and kept for callers.
-
-    The rule for trusting a slice: `few_prompts` is true when it has fewer than `min_prompts`
-    (MIN_PROMPTS = 8) prompts. Each prompt's one text is one draw of a very variable E(k) (a
-    text that copies its prompt or wanders off), and with few prompts a slice may hold no text of
-    the kind that moves the mean: the 95% E(k) interval covered the population's E(k) in 60-81% of
-    simulated slices at 2 prompts, 69-92% at 3, 93-96% at 8 and 94-96% at 12 (the old percentile
-    bootstrap: 44-50%, 58-74%, 83-90%, 87-94%; tests/sim_direct_check.py coverage, the table in
-    docs/validation/direct-check.md). A per-category figure with `few_prompts` is a point estimate with an indicative
-    interval; give the category more prompts (acceptance.prompts_per_kind, or
-    acceptance.workload_prompts) to trust it."""
+    per-prompt records the marginal stage resamples). `few_prompts`: fewer than MIN_PROMPTS
+    prompts, so the intervals are indicative only (coverage table: docs/validation/direct-check.md)."""
     n_prompts = len(records)
     ks = list(range(1, k_max + 1))
     tokens = np.array([r["tokens"] for r in records], float)  # [P]
@@ -174,11 +152,6 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         counts = np.array([r["drafted_rounds"][str(k)] for r in records], float).reshape(n_prompts, k + 1).sum(0)
         drafted[str(k)] = (counts / counts.sum()).tolist() if counts.sum() > 0 else [1.0] + [0.0] * k
     top = np.array(drafted[str(k_max)])
-    accepted_pmf = {}
-    for k in ks:
-        counts = sum((np.asarray(r["histogram_by_k"][str(k)], float) for r in records), np.zeros(k + 1))
-        if counts.sum() > 0:
-            accepted_pmf[str(k)] = (counts / counts.sum()).tolist()
     return {
         "per_position": per_position,
         "expected_tokens_per_round": expected,
@@ -186,10 +159,6 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
         "expected_rounds": {str(k): float(rounds[:, j].sum()) for j, k in enumerate(ks)},
         "drafted_distribution": drafted,
         "histogram": hist.sum(0).tolist(),
-        # k -> P(j accepted in a full round at k), j = 0..k, from the chain at that k (not the k_max
-        # rounds clipped at k, which is the biased shortcut); recorded in the acceptance JSON, read by
-        # no stage.
-        "accepted_distribution": accepted_pmf,
         "rounds": float(full.sum()),
         "tokens": int(tokens.sum()),
         "mean_drafted": float(top @ np.arange(k_max + 1)),
@@ -203,21 +172,10 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95, s
 def ratio_difference(num_a, den_a, num_b, den_b, confidence: float,
                      bounds: tuple[float, float] | None = None) -> tuple[float, list[float] | None]:
     """D = sum(num_b)/sum(den_b) - sum(num_a)/sum(den_a) over n paired prompts (a: derived, b:
-    direct), and its t interval D -/+ t_{n-1} se (clipped to `bounds`, the range D can take), None
-    below MIN_CHECK_PROMPTS prompts or with no rounds on either side.
-
-    The interval is the inversion of a test of D = 0: se is computed under that hypothesis (both
-    ratios at their pooled value R, below), so "contains 0" is a level-`confidence` test of
-    D = 0 (what direct_check asks, its simulated coverage). As a confidence interval for D itself
-    it is approximate when D != 0 (the linearization point is then not either ratio).
-
-    se linearizes D around the pooled ratio R = (sum num_a + sum num_b) / (sum den_a + sum den_b):
-    z_i = (num_b_i - R den_b_i) - (num_a_i - R den_a_i), se = sd(z) / sqrt(n) / mean den (over
-    both). D = 0 exactly when sum z = 0, and swapping one prompt's two figures flips its z_i and
-    leaves R alone: where the two are draws of one distribution (a prompt-lookup draft: rounds
-    given the text are the rounds a run with that text takes), the z_i are symmetric about 0 and
-    the t interval keeps its level at 2-3 prompts, which linearizing each ratio around its own
-    value (or a jackknife) does not (tests/sim_direct_check.py)."""
+    direct), and its t interval D -/+ t_{n-1} se (clipped to `bounds`), None below
+    MIN_CHECK_PROMPTS prompts or with no rounds on either side. se linearizes D around the pooled
+    ratio of both sides (the test of D = 0 inverted), which keeps its level at 2-3 prompts
+    (tests/sim_direct_check.py); as a CI for D itself it is approximate when D != 0."""
     num_a, den_a, num_b, den_b = (np.asarray(x, float) for x in (num_a, den_a, num_b, den_b))
     n = num_a.size
     r_a, r_b = _ratio(num_a.sum(), den_a.sum()) or 1.0, _ratio(num_b.sum(), den_b.sum()) or 1.0
@@ -231,21 +189,13 @@ def ratio_difference(num_a, den_a, num_b, den_b, confidence: float,
 
 
 def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: bool, confidence: float = 0.95,
-                 seed: int = 0, exact: bool = True) -> dict:
+                 exact: bool = True) -> dict:
     """derived E(k) (from the texts) vs direct E(k) (real engine runs at k on the same prompts).
 
-    direct: k -> one {"tokens", "rounds"} per record, in the same order. `ci` is the derived
-    figure's interval (summarize_slice's: ratio_t_interval on log(E - 1)); `seed` is unused. Greedy in float32 (`exact`):
-    the texts are the same, so the two must be equal. Sampled, or greedy in a reduced precision
-    (where a near-tie can flip an argmax between the teacher-forced forward, a verify and a decode
-    step, so a direct run may follow another text and accept differently:
-    pipeline/speculation/lossless.py): `difference_ci`, the interval of direct - derived, must
-    contain 0. It is a paired t interval on the prompts (ratio_difference: linearized ratio of
-    sums, n - 1 df), not a prompt bootstrap: a percentile bootstrap over 2-8 prompts is far too
-    narrow (tests/sim_direct_check.py, a category whose output copies its prompt: it contained
-    the true difference 0 in 69-70% of checks at 2 prompts, 86-88% at 3, 81-91% at 4-8; the t
-    interval in 93-96% at 2-64). Below MIN_CHECK_PROMPTS prompts there is no interval:
-    `difference_ci` and `agree` are None ("too few prompts to check")."""
+    direct: k -> one {"tokens", "rounds"} per record, in the same order. Greedy in float32
+    (`exact`): the texts are the same, so the two must be equal. Sampled, or greedy in a reduced
+    precision (a near-tie may flip an argmax: pipeline/speculation/lossless.py): `difference_ci`
+    (ratio_difference) must contain 0; below MIN_CHECK_PROMPTS prompts it and `agree` are None."""
     n_prompts = len(records)
     tokens = np.array([r["tokens"] for r in records], float)
     out = {}

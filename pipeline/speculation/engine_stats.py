@@ -4,11 +4,9 @@
     rec = request_record(pid, category, completion_json, k)      # one streamed request at draft length k
     block = summarize_requests([rec, ...], k, confidence)          # per-position rates, E(k), CIs over prompts
 
-Two definitions, both kept, never mixed: specq's E[tokens per step] counts every decode step (what
-the acceptance stage derives, so the two compare like with like); vLLM's mean acceptance length,
-1 + accepted / drafts, counts only the steps that carried a draft, so for prompt lookup it is
-larger. Per position the same split (`prefix`, `per_draft`, `conditional`). Steps come from the
-stream, one chunk per engine step. Method: docs/methods/vllm-engine.md.
+Two definitions, never mixed: specq's E[tokens per step] counts every decode step (as the
+acceptance stage does); vLLM's mean acceptance length, 1 + accepted / drafts, only the drafted
+steps. Steps come from the stream, one chunk per engine step. Method: docs/methods/vllm-engine.md.
 """
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ from pipeline.speculation.acceptance_stats import MIN_PROMPTS, rate_interval, ra
 
 
 def steps_from_counts(tokens: int, accepted: list[int]) -> int:
-    """Decode steps implied by the tokens and the drafted steps' accepted counts: each drafted
-    step emits 1 + accepted, each other step 1; the last step may be cut by max_tokens or a stop
-    (a lower bound then, exact otherwise)."""
+    """Decode steps implied by the tokens and the drafted steps' accepted counts (each drafted step
+    emits 1 + accepted, each other step 1; a lower bound when the last step was cut)."""
     return len(accepted) + max(0, tokens - 1 - sum(a + 1 for a in accepted))
 
 
@@ -112,8 +109,7 @@ def latency_summary(records: list[dict], wall_s: float | None = None) -> dict:
 
 # ---------------------------------------------------------------- lossless, from the engine's logprobs
 
-# A divergence can only be forgiven within this many nats when the engine's own noise is smaller
-# (two units of bf16's resolution at a logit near 16, the size of a peaked LM's top logit).
+# The smallest tie tolerance, in nats (two units of bf16's resolution at a logit near 16).
 FLOOR_NATS = 0.125
 
 
@@ -129,9 +125,9 @@ def logprob_noise(plain: list[dict | None], spec: list[dict | None], upto: int) 
 
 def judge_divergence(plain_out: list[int], spec_out: list[int], plain_lp: list[dict | None],
                      spec_lp: list[dict | None], tolerance: float) -> dict:
-    """Where two greedy texts first differ, and whether it is a near-tie: the speculative token is
-    within `tolerance` of the plain one in the plain run's distribution, and every speculative token
-    from there on is within `tolerance` of the top of its own (verify) distribution."""
+    """Where two greedy texts first differ, and whether it is a near-tie: the speculative token
+    within `tolerance` of the plain one in the plain run, and every later speculative token within
+    `tolerance` of its own distribution's top."""
     n = min(len(plain_out), len(spec_out))
     i = next((j for j in range(n) if plain_out[j] != spec_out[j]), None)
     if i is None:
@@ -175,10 +171,8 @@ def greedy_lossless(plain: dict[str, dict], spec: dict[str, dict]) -> dict:
 
 
 def sampled_lossless(plain: list[list[int]], spec: list[list[int]], alpha: float) -> dict:
-    """Sampled completions of one prompt, plain vs speculative: at each position after the first
-    (the prefill's), a two-sample chi-square of the token drawn there (each sample one draw, so the
-    draws are independent); the smallest p-value times the number of positions (Bonferroni) is
-    the test. Losslessness says every position's distribution is the same in both."""
+    """Sampled completions of one prompt, plain vs speculative: a two-sample chi-square of the token
+    at each position after the prefill's, Bonferroni over the positions."""
     n = min(min(map(len, plain)), min(map(len, spec)))
     pvals = [two_sample_chi2([s[j] for s in plain], [s[j] for s in spec]) for j in range(1, n)]
     p = min(1.0, min(pvals) * len(pvals)) if pvals else 1.0

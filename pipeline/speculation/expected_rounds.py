@@ -4,11 +4,9 @@
     text = TextAcceptance(accept=A, beta=B, available=avail, tokens=n, max_new_tokens=N)
     chain = round_chain(text, k)       # chain.rounds: E[rounds | text] at draft length k
 
-Speculation is lossless, so given the target's own text the accept/reject outcomes are independent
-Bernoulli draws (acceptance a_t = min(1, q_t(x_t) / p_t(x_t))), and the rounds are a Markov chain
-over round starts: one pass over the starts gives E[rounds | text] at every k exactly. A slice's
-E(k) is sum(tokens) / sum(E[rounds]). The derivation: docs/methods/acceptance.md, "Why the derived
-E(k) is exact".
+Given the target's own text the accept/reject outcomes are independent Bernoulli draws, and the
+rounds a Markov chain over round starts: one pass gives E[rounds | text] at every k exactly. A
+slice's E(k) is sum(tokens) / sum(E[rounds]) (docs/methods/acceptance.md).
 """
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ class RoundChain:
 
 def round_chain(text: TextAcceptance, k: int) -> RoundChain:
     """Walk the chain forward: visit[s] = P(a round starts at s); every expectation is a sum of
-    visit-weighted per-start terms. Positions past the end of the text (after an EOS) are not
-    counted in the per-position figures."""
+    visit-weighted per-start terms (positions past the text's end are not counted)."""
     n, big_n = int(text.tokens), int(text.max_new_tokens)
     k_max = text.accept.shape[1] if text.accept.ndim == 2 else 0
     if not 1 <= k <= max(k_max, 1):

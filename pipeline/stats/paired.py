@@ -1,29 +1,23 @@
 """The statistics behind the gate and the quality summaries: clusters, paired differences and
-their confidence bounds, non-inferiority status, the items needed to settle a test, multiplicity,
-and the descriptive CIs of quality/<variant>.json.
+their one-sided bounds, non-inferiority status, items needed to settle a test, multiplicity, and
+the descriptive CIs of quality/<variant>.json.
 
-`diff` is oriented so that NEGATIVE MEANS THE VARIANT IS WORSE (reference - variant where lower is
-better, as Brier), so the margin is non-negative and the test is H0: diff <= -margin. A cell's CI
-is two one-sided bounds: the lower above -margin is "pass", the upper below -margin is "fail". The
-unit of resampling is the cluster (items sharing a prompt, haystack or document; an item without
-one is its own). 0/1 scores get Tango's score interval (PairedBinary, pipeline/stats/tango.py),
-anything else a CR1 cluster-robust t interval (PairedMean). How the gate uses them:
-docs/methods/gate.md.
+`diff` is oriented so that NEGATIVE MEANS THE VARIANT IS WORSE, so the test is H0: diff <= -margin:
+the lower bound above -margin is "pass", the upper bound below it "fail". The unit is the cluster
+(items sharing a prompt, haystack or document). 0/1 scores get Tango's score bounds (PairedBinary),
+anything else a CR1 cluster-robust t interval (PairedMean). Method: docs/methods/gate.md.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from scipy import stats as sps
 
 from pipeline.stats import tango
 from pipeline.stats.intervals import clip_contain, t_interval
-
-# ---------------------------------------------------------------- clusters
-
 
 def cluster_codes(clusters: Sequence | None, n: int) -> np.ndarray:
     """Integer codes 0..G-1 for cluster labels; None (or a None label) = the item is its own."""
@@ -85,20 +79,9 @@ class ClusterSplit:
 def cluster_split(codes: np.ndarray, alpha: float = 0.025) -> ClusterSplit:
     """Which clusters the Tango bound covers, and at what design effect; the rest are bounded at
     their worst case (every item of theirs worse for the pass side, better for the fail side).
-
-    Why: sum_g n_g^2 / n bounds the variance inflation only if every cluster has the same
-    discordance rates. With unequal sizes and the damage concentrated in the big clusters the
-    true SD was 1.1-1.6x the gate's SE and false pass reached 0.13 (docs/methods/gate.md). What holds for
-    ANY rates: Var(S_g) <= n_g sum_i var(d_i) (Cauchy-Schwarz), so clusters of size <= s have a
-    variance at most s times the independent one, and Tango's pooled null variance is at least
-    the items' mean variance. The bulk (clusters of size <= s) is therefore drawn at design
-    effect s; clusters above s are too few to estimate their own variance (4-10 big clusters that
-    happen to be clean look exactly like clean ones), so they enter at the worst their share
-    allows. s is chosen from the cluster sizes alone, never from the scores: the one that gives
-    an identical copy (no item differing) the highest lower bound. Equal clusters keep the old
-    bound (s = their size = sum n_g^2 / n); many small clusters with a few large ones go one of
-    two honest ways: s = the largest size (every item at that design effect) or the large
-    clusters at worst case, whichever can pass sooner."""
+    Clusters of size <= s have at most s times the independent variance (Cauchy-Schwarz), so the
+    bulk is drawn at design effect s; s is chosen from the sizes alone, never the scores: the one
+    that gives an identical copy the highest lower bound (why: docs/methods/gate.md)."""
     codes = np.asarray(codes)
     sizes = np.bincount(codes)
     n = int(sizes.sum())
@@ -117,10 +100,8 @@ def cluster_split(codes: np.ndarray, alpha: float = 0.025) -> ClusterSplit:
 
 def binary_p(better, worse, split: ClusterSplit, margin: float, side: str = "pass"):
     """One-sided p of a 0/1 cell's pass (H0: diff <= -margin) or fail (H0: diff >= -margin) from
-    the bulk's counts (arrays broadcast: the simulations call it on thousands of tables). The
-    whole difference is (1 - w) diff_bulk + w diff_large with diff_large in [-1, 1], so the cell
-    passes when the bulk's lower bound clears (-margin + w) / (1 - w) and fails when its upper
-    bound (fail-side continuity correction, tango.FAIL_CORRECTION) is below (-margin - w) / (1 - w)."""
+    the bulk's counts (arrays broadcast). With w the large clusters' share, the bulk is tested
+    against (-margin + w) / (1 - w) for pass and (-margin - w) / (1 - w) for fail."""
     w, nb, deff = split.large_share, split.bulk_items, split.bound
     better, worse = np.asarray(better, dtype=float), np.asarray(worse, dtype=float)
     if side == "pass":
@@ -134,17 +115,9 @@ def binary_p(better, worse, split: ClusterSplit, margin: float, side: str = "pas
     return tango.p_value(better, worse, nb, d0, deff, "below", shift=tango.FAIL_CORRECTION * deff)
 
 
-# ---------------------------------------------------------------- mean and standard error
-
-
 def mean_se(d: np.ndarray, codes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """Mean and CR1 cluster-robust standard error of d[..., n] (per-item values), clustered by
-    `codes`; returns (mean, se, degrees of freedom = G - 1).
-
-    Var(mean) = G/(G-1) * sum_g (S_g - n_g*mean)^2 / n^2, S_g the sum over cluster g: what
-    statsmodels' OLS(cov_type="cluster") gives for an intercept (tests compare the two); with one
-    item per cluster it is s^2/n. Hand-written because it runs over a leading batch axis (the
-    simulations), which statsmodels' one-dataset-per-fit OLS does not."""
+    """Mean and CR1 cluster-robust standard error of d[..., n], clustered by `codes`: (mean, se,
+    G - 1 df); statsmodels' OLS(cov_type="cluster") for an intercept, over a leading batch axis."""
     d = np.asarray(d, dtype=float)
     n = d.shape[-1]
     mean = d.mean(axis=-1)
@@ -166,9 +139,6 @@ def t_bound(diff, se, df, alpha, side: int):
     return np.asarray(diff) + side * sps.t.isf(alpha, df) * np.asarray(se)
 
 
-# ---------------------------------------------------------------- estimates
-
-
 @dataclass
 class Estimate:
     """One gated comparison. Subclasses say how its one-sided bounds and p-values are found."""
@@ -182,9 +152,7 @@ class Estimate:
     n_clusters: int
     method: str
     higher_is_better: bool = True
-    # Variance inflation from clustering: PairedBinary uses the largest the cluster sizes allow;
-    # PairedMean reports the observed one (its CR1 SE already includes it).
-    design_effect: float = 1.0
+    design_effect: float = 1.0  # PairedBinary: the one its bound uses; PairedMean: the observed one
 
     def ci(self, alpha_lower: float, alpha_upper: float | None = None) -> tuple[float, float]:
         """(lower bound at alpha_lower, upper bound at alpha_upper), each one-sided."""
@@ -218,8 +186,7 @@ class PairedBinary(Estimate):
 
     better: int = 0
     worse: int = 0
-    # The cluster split (cluster_split): the bulk's counts, drawn at design_effect; the share of
-    # items in larger clusters, bounded at their worst case. Defaults: every item in the bulk.
+    # cluster_split: the bulk's counts, and the share of items in larger clusters (worst case).
     bulk_better: int | None = None
     bulk_worse: int | None = None
     bulk_n: int | None = None
@@ -252,9 +219,8 @@ class PairedBinary(Estimate):
         return float(binary_p(self.bulk_better, self.bulk_worse, self._split(), margin, "fail"))
 
     def items_needed(self, margin: float, alpha: float, power: float) -> int | None:
-        """The bulk's items (Tango's formula against the shifted threshold), scaled to the
-        cell's items at the same cluster design; None when the large clusters' worst case alone
-        keeps the cell from settling on its side at any n."""
+        """The bulk's items (Tango's formula, shifted threshold) scaled to the cell's; None when
+        the large clusters' worst case alone keeps the cell from settling at any n."""
         w = self.large_share
         passing = self.diff > -margin
         d0 = (-margin + w) / (1.0 - w) if passing else (-margin - w) / (1.0 - w)
@@ -269,10 +235,8 @@ class PairedBinary(Estimate):
 @dataclass
 class PairedMean(Estimate):
     """Any other score: t bounds from the CR1 standard error with G - 1 df, clipped to the range
-    a difference can take. With no spread between clusters (se == 0: every cluster has the same
-    mean difference, e.g. an identical copy) the data only bound the share of clusters that could
-    differ: below u = Clopper-Pearson's upper bound for 0 of G (statsmodels, method "beta"), and
-    such clusters move the mean at most u times the distance to the end of the range."""
+    a difference can take. With no spread (se == 0, e.g. an identical copy) the bound moves the
+    mean u of the way to the range's end, u = Clopper-Pearson's upper bound for 0 of G clusters."""
 
     df: int = 1
     diff_range: tuple[float, float] | None = None
@@ -301,8 +265,8 @@ class PairedMean(Estimate):
         return self._bound(alpha, +1)
 
     def _no_spread_p(self, threshold: float, end: float) -> float:
-        """The alpha at which the no-spread bound reaches `threshold`: u(alpha) = 1 - alpha^(1/G)
-        equals the share r of the way from diff to the range's end, so alpha = (1 - r)^G."""
+        """The alpha at which the no-spread bound reaches `threshold`: (1 - r)^G, r the share of
+        the way from diff to the range's end."""
         if self.diff_range is None or end == self.diff:
             return 0.0
         r = min(max((self.diff - threshold) / (self.diff - end), 0.0), 1.0)
@@ -346,8 +310,8 @@ class PairedMean(Estimate):
 
 
 def diff_range_of(score_range: tuple[float, float] | None, *scores: np.ndarray) -> tuple[float, float] | None:
-    """The range of a per-item difference: +-(hi - lo) for scores known to lie in [lo, hi]; when
-    no range is given, (-1, 1) if every score lies in [0, 1] (accuracies, exact match), else None."""
+    """The range of a per-item difference: +-(hi - lo) for scores in [lo, hi]; without a range,
+    (-1, 1) if every score lies in [0, 1], else None."""
     if score_range is None:
         if all(np.all((s >= 0.0) & (s <= 1.0)) for s in scores):
             score_range = (0.0, 1.0)
@@ -397,9 +361,6 @@ def paired_difference(reference: Sequence[float], variant: Sequence[float], clus
                       design_effect=deff, df=df, diff_range=diff_range_of(score_range, ref, var))
 
 
-# ---------------------------------------------------------------- decisions
-
-
 def noninferiority_status(lo: float, hi: float, margin: float) -> str:
     """pass: the whole CI lies above -margin; fail: the whole CI lies below; else inconclusive."""
     if lo > -margin:
@@ -409,37 +370,8 @@ def noninferiority_status(lo: float, hi: float, margin: float) -> str:
     return "inconclusive"
 
 
-def step_levels(p_values: Sequence[float], passes_at: Callable[[int, float], bool], alpha: float,
-                method: str) -> list[float]:
-    """The one-sided alpha at which each test's bound is drawn under a multiplicity method.
-
-    - "none": alpha for every test. "bonferroni": alpha / m for every test.
-    - "holm": tests in order of increasing p; the r-th (from 0) is drawn at alpha / (m - r). Holm
-      stops at the first test that is not rejected at its level: that test and every later one are
-      drawn at the stopping level, so no later test is rejected (Holm's step-down rule) and a
-      printed bound always agrees with its printed status. `passes_at(i, level)` says whether
-      test i rejects at that level.
-    """
-    m = len(p_values)
-    if method == "none" or m == 0:
-        return [alpha] * m
-    if method == "bonferroni":
-        return [alpha / m] * m
-    if method != "holm":
-        raise ValueError(f"unknown multiplicity method {method!r} (holm, bonferroni, none)")
-    levels = [alpha] * m
-    stopped_at: float | None = None
-    for rank, i in enumerate(np.argsort(p_values, kind="stable")):
-        level = stopped_at if stopped_at is not None else alpha / (m - rank)
-        levels[i] = level
-        if stopped_at is None and not passes_at(int(i), level):
-            stopped_at = level
-    return levels
-
-
 def adjusted_p_values(p_values: Sequence[float], alpha: float, method: str) -> tuple[list[bool], list[float]]:
-    """(reject, adjusted p) from statsmodels' multipletests; step_levels agrees with its rejections
-    (tests/test_stats.py), and gate.json reports the adjusted p beside each CI."""
+    """(reject, adjusted p) from statsmodels' multipletests (gate.json reports the adjusted p)."""
     if method == "none" or not p_values:
         return [p < alpha for p in p_values], [float(p) for p in p_values]
     from statsmodels.stats.multitest import multipletests
@@ -448,16 +380,10 @@ def adjusted_p_values(p_values: Sequence[float], alpha: float, method: str) -> t
     return [bool(r) for r in reject], [float(p) for p in adjusted]
 
 
-# ---------------------------------------------------------------- descriptive CIs (quality summaries)
-
-
 def mean_ci(scores: Sequence[float], codes: np.ndarray | None, confidence: float) -> tuple[float, list, str]:
-    """Mean of one model's scores with a CI that says its unit (clusters) and stays in the
-    scores' range. Scores in [0, 1]: Wilson's interval (statsmodels) at the effective sample
-    size p(1-p)/se^2 of the clustered mean (Korn & Graubard 1998), so clustering widens it as
-    it widens the SE; when every score is equal (se 0) the effective size is n / the largest
-    design effect the clusters allow. Other scores: the CR1 t interval. Returns (mean, [lo, hi],
-    a one-line method)."""
+    """(mean, [lo, hi], a one-line method) of one model's scores (the quality summaries). Scores
+    in [0, 1]: Wilson's interval at the clustered mean's effective sample size p(1-p)/se^2 (Korn &
+    Graubard 1998; n / design_effect_bound when se is 0); other scores: the CR1 t interval."""
     y = np.asarray(scores, dtype=float)
     n = y.size
     mean = float(y.mean()) if n else math.nan

@@ -1,14 +1,7 @@
-"""Calibration metrics of multiple-choice items (option probabilities and the right option): the
-per-item Brier score the gate tests, and the calibration errors the quality summary and the gate
-report; the quality summaries and the gate (pipeline/gate/decision.py) both call these.
-
-- Brier (multi-class): sum_j (p_j - [j == label])^2 per item, in [0, 2], lower is better; a
-  per-item mean, so a paired difference of it has an ordinary CI.
-- ECE (plug-in) over 10 equal-width bins of the top option's probability: biased upward at small
-  n, so reported for comparison with published figures, never gated.
-- ECE debiased: the l2 calibration error with Kumar, Liang & Ma's (2019) bias correction over
-  equal-mass bins, CE^2 = sum_b n_b/n [(conf_b - acc_b)^2 - acc_b (1 - acc_b) / (n_b - 1)],
-  reported as sqrt(max(CE^2, 0)); hand-written, checked in tests/test_stats.py.
+"""Calibration metrics of multiple-choice items (option probabilities and the right option), for
+the quality summaries and the gate: the per-item multi-class Brier score the gate tests (in
+[0, 2], lower is better), the plug-in ECE over 10 equal-width bins (reported, never gated), and
+the debiased l2 calibration error over equal-mass bins (Kumar, Liang & Ma 2019).
 """
 from __future__ import annotations
 
@@ -44,9 +37,8 @@ def brier_per_item(option_probs: Sequence[Sequence[float]], labels: Sequence[int
         p = normalised(probs)
         if not 0 <= int(label) < p.size:
             raise ValueError(f"label {label} is not one of {p.size} options")
-        onehot = np.zeros_like(p)
-        onehot[int(label)] = 1.0
-        out[i] = float(((p - onehot) ** 2).sum())
+        p[int(label)] -= 1.0
+        out[i] = float((p**2).sum())
     return out
 
 

@@ -5,11 +5,9 @@ Pocock-type one), one sided, and the nominal level each look's bound is drawn at
     z = boundaries([0.5, 1.0], alpha=0.025)        # [2.963, 1.969]: cross at look k if Z_k >= z[k]
     a = nominal_levels([200, 400, 600], 600, 0.025)  # one-sided alpha of each look's bound
 
-alpha(t), t = n_look / n_max, is the alpha spent by each look: 2 (1 - Phi(z_{1-alpha/2} / sqrt(t)))
-(O'Brien-Fleming type) or alpha ln(1 + (e - 1) t) (Pocock type). Look k's boundary c_k makes
-P(no earlier crossing, Z_k >= c_k) = alpha(t_k) - alpha(t_{k-1}) under H0, found by recursive
-numerical integration (Jennison & Turnbull 2000, ch. 19) and a root finder; its bound is drawn at
-nominal level 1 - Phi(c_k), each side apart (docs/methods/gate.md#sequential-looks).
+Look k's boundary c_k makes P(no earlier crossing, Z_k >= c_k) = alpha(t_k) - alpha(t_{k-1})
+under H0 (t = n_look / n_max), by recursive numerical integration (Jennison & Turnbull 2000, ch. 19)
+and a root finder; its bound is drawn at nominal level 1 - Phi(c_k) (docs/methods/gate.md).
 """
 from __future__ import annotations
 
@@ -84,9 +82,7 @@ def boundaries(fractions: Sequence[float], alpha: float, spending: str = "obf") 
 
 
 def nominal_levels(looks: Sequence[int], n_max: int, alpha: float, spending: str = "obf") -> list[float]:
-    """One-sided alpha of each look's bound, for looks at `looks` items of at most `n_max`: the
-    information fraction of a look is n / n_max (the items' share; with clusters the gate's
-    design effect is the same at every look, so the share of information equals the share of
-    items). A last look at n_max spends what is left."""
+    """One-sided alpha of each look's bound, for looks at `looks` items of at most `n_max`
+    (information fraction n / n_max); a last look at n_max spends what is left."""
     fractions = [min(n / n_max, 1.0) for n in looks]
     return [float(sps.norm.sf(c)) for c in boundaries(fractions, alpha, spending)]

@@ -1,14 +1,11 @@
 """Tango's score interval for a difference of paired proportions, with a design effect for
-clustered items. The gate uses it for every slice whose scores are 0/1 for both models.
+clustered items: the gate's bound for every slice whose scores are 0/1 for both models.
 
 With `better` / `worse` the items only the variant / only the reference gets right out of n,
-diff = (better - worse) / n (negative: the variant is worse), and Tango (1998, Stat Med 17:891)
-tests H0: diff = d0 with Z(d0) = (better - worse - n d0) / sqrt(n (2 q + d0 (1 - d0))), q the
-maximum-likelihood p_worse under H0 (constrained_worse_rate); a bound is the d0 at which Z = +-z.
-Its variance is the one H0 implies, so few discordant items (or none) do not make it narrow.
-Clustered items divide Z by sqrt(design_effect), which the caller chooses (pipeline/stats/paired.py).
-Hand-written: statsmodels and scipy have no paired-proportion score interval. Everything
-broadcasts over arrays, so the simulations run thousands of gates per call.
+diff = (better - worse) / n, and Tango (1998, Stat Med 17:891) tests H0: diff = d0 with
+Z(d0) = (better - worse - n d0) / sqrt(n (2 q + d0 (1 - d0))), q the maximum-likelihood p_worse
+under H0; a bound is the d0 at which Z = +-z. Clustered items divide Z by sqrt(design_effect).
+Hand-written (statsmodels and scipy have none); everything broadcasts over arrays.
 """
 from __future__ import annotations
 
@@ -16,12 +13,8 @@ import numpy as np
 from scipy import stats as sps
 from scipy.optimize import elementwise
 
-# The fail side (H0: diff >= d0, the upper bound) adds one effective item to the numerator
-# (design_effect items: the Rao-Scott table is the counts / design_effect). Without it, exact
-# false-fail rates at diff = -margin with lopsided mixes on independent items reached 0.051 at
-# n ~ 95 (mixes 6/1 and 5/0; nominal 0.025); with it the exact rate stays <= 0.024 for n = 20..300,
-# 400, 600, 1000 and mixes 5/0, 6/1, 10/5, 20/15 (tests/test_gate_sims.py). The pass side keeps
-# Tango's uncorrected bound (its exact rate peaks at 0.029-0.033 for single n; see the note there).
+# The fail side (the upper bound) adds one effective item (design_effect items) to the numerator:
+# without it exact false-fail rates reached 0.051 at nominal 0.025 (tests/test_gate_sims.py).
 FAIL_CORRECTION = 1.0
 
 _EDGE = 1e-12  # bounds are searched inside (-1, 1): Z is undefined at the ends themselves
@@ -85,13 +78,9 @@ def p_value(better, worse, n, d0, design_effect=1.0, side: str = "above", shift=
 
 
 def items_needed(better, worse, n, d0, alpha, power, design_effect=1.0):
-    """Items for the score test of H0: diff = d0 to reject (on the side the observed difference
-    lies) with probability `power`, if the discordance rates are the observed ones. The normal
-    approximation with the null and the alternative variances apart (Connor 1987's form):
-        n = design_effect * ((z_{1-alpha} sd_0 + z_power sd_1) / |diff - d0|)^2
-    Hand-written: statsmodels.stats.power takes one standard deviation, and with few discordant
-    items sd_1 (the observed spread, 0 for an identical copy) is far below sd_0 (the null's), so
-    one sd would ask for about twice the items. None when diff == d0 (no n settles it)."""
+    """Items for the score test of H0: diff = d0 to reject with probability `power` at the
+    observed discordance rates: n = design_effect ((z_{1-alpha} sd_0 + z_power sd_1) / |diff - d0|)^2
+    (Connor 1987: the null and observed spreads apart). None when diff == d0."""
     diff = (better - worse) / n
     gap = abs(diff - d0)
     if gap == 0.0:
