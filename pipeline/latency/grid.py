@@ -23,7 +23,7 @@ from pipeline.decode.attention import attention_path
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
 from pipeline.latency.modes import compare, run_mode
-from pipeline.latency.plan import plain_phase
+from pipeline.latency.memory import plan_loaded
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
 from pipeline.latency.speculative import Repeats, rel_half_width
 from pipeline.models.architecture import context_length
@@ -172,7 +172,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
         for context in sorted(set(lat.context_lengths) - set(fits)):
             grid.append({"batch": batch, "context": context,
                          "skipped": f"context + new tokens exceeds the model's {max_pos} positions"})
-    plan, memory_budget = plain_phase(model, lat, device, fits)
+    plan, memory_budget = plan_loaded(model, lat, device, fits)
     for cell in plan.dropped:
         progress(f"latency: {name}: B={cell['batch']} context={cell['context']} dropped by the memory plan: "
                  f"{cell['reason']}")

@@ -1,10 +1,12 @@
-"""The memory plan of a latency grid: which (batch, context) cells fit, in which order they run, how
-the prompt is prefilled, and when each KV cache is freed. Arithmetic only: nothing is allocated.
+"""The latency stage's memory plan: which (batch, context) cells fit in the memory free now, in
+which order they run, how the prompt is prefilled, and when each KV cache is freed. Arithmetic
+only: nothing is allocated.
 
-    from pipeline.latency.memory import ModelShape, plan_grid
-    shape = ModelShape.from_config(config, torch.bfloat16)        # an 8B shape, on no device
-    plan = plan_grid(shape, batches=[1, 8, 32], contexts=[128, 2048, 8192], new_tokens=64,
-                     budget_bytes=80e9 - shape.weight_bytes, device_type="cuda")
+    from pipeline.latency.memory import ModelShape, plan_grid, plan_loaded
+    plan, budget = plan_loaded(model, lat, device)                         # a variant's plain grid
+    plan, budget = plan_loaded(model, lat, device, [prompt_len], drafts, k_max)  # a B = 1 pair
+    plan = plan_grid(ModelShape.from_config(config, torch.bfloat16), [1, 8], [128, 2048], 64,
+                     budget_bytes=80e9, device_type="cuda")                # on no device
     plan.steps     # ("run", cell) / ("free", cache) in order; plan.dropped: what cannot fit
 
 Cells run in ascending order, each on a cache of exactly its length, prefilled in chunks where one
@@ -16,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT
-from pipeline.models.bytes import model_tensors, unique_bytes
+from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT, attention_path, use_gqa_attention
+from pipeline.decode.cache import hf_model
+from pipeline.models.bytes import bytes_in_memory, model_tensors, unique_bytes
 
 
 @dataclass(frozen=True)
@@ -209,3 +212,30 @@ def _host_memory() -> tuple[int, int, str]:
         return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
     vm = psutil.virtual_memory()
     return int(vm.available), int(vm.total), "psutil.virtual_memory().available"
+
+
+def plan_loaded(model, lat, device, contexts: list[int] | None = None, drafts: dict | None = None,
+                k_max: int = 0) -> tuple[MemoryPlan, dict]:
+    """The plan of a loaded model against the memory free now, and that budget: its plain grid
+    (contexts: lat.context_lengths by default), or with `drafts` (spec -> draft, loaded beside it)
+    the B = 1 speculative cell at contexts[0] with verify width k_max + 1, the largest draft cache
+    (one alive at a time) set aside first."""
+    use_gqa_attention(hf_model(model))  # the path its CachedModel will run anyway (idempotent)
+    path = attention_path(hf_model(model))
+    weights = bytes_in_memory(model)
+    budget = device_budget(device, weights_loaded=True, weight_bytes=weights)
+    shape = ModelShape.from_model(model, weights)
+    if drafts is None:
+        plan = plan_grid(shape, lat.batch_sizes, lat.context_lengths if contexts is None else contexts,
+                         lat.new_tokens, budget["budget_bytes"], device.type, attention_path=path)
+        return plan, budget
+    kv = [0 if getattr(d, "model", None) is None else
+          ModelShape.from_model(hf_model(d.model), 0).kv_bytes_per_token for d in drafts.values()]
+    largest = max(kv, default=0) * cache_len(contexts[0], lat.new_tokens)
+    plan = plan_grid(shape, [1], contexts, lat.new_tokens, budget["budget_bytes"] - largest, device.type,
+                     verify_width=k_max + 1, attention_path=path)
+    plan.budget_bytes = int(budget["budget_bytes"])
+    for step in plan.steps:
+        if step["action"] == "run":
+            step["draft_cache_bytes"] = int(largest)
+    return plan, budget

@@ -19,6 +19,7 @@ import torch
 
 from pipeline.decode.attention import EAGER_REPEAT, READS_ONCE, SDPA_REPEAT, attention_path
 from pipeline.decode.timing import synchronize
+from pipeline.latency.memory import ModelShape
 from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
 
 
@@ -68,20 +69,16 @@ def model_bytes(model) -> dict:
     """
     total = bytes_in_memory(model)
     embedding_bytes = _untied_input_embedding_bytes(model)
-    cfg = model.config
-    text = getattr(cfg, "get_text_config", lambda: cfg)()
-    layers = text.num_hidden_layers
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_element = _kv_element_bytes(model)
+    shape = ModelShape.from_model(model, total)
     out = {
         "weight_bytes": total - embedding_bytes,
         "all_weight_bytes": total,
         "untied_input_embedding_bytes": embedding_bytes,
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * kv_element,
-        "kv_formula": f"2 * {layers} layers * {kv_heads} kv_heads * {head_dim} head_dim * {kv_element} B",
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "kv_formula": f"2 * {shape.layers} layers * {shape.kv_heads} kv_heads * {shape.head_dim} head_dim * "
+                      f"{shape.element_bytes} B",
     }
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     if experts:  # Qwen-MoE / Mixtral naming
         out["moe"] = {"experts": experts, "experts_per_token": getattr(text, "num_experts_per_tok", None),
@@ -102,15 +99,6 @@ def _untied_input_embedding_bytes(model) -> int:
     if head_weight is not None and shares_data(weight, head_weight):
         return 0
     return unique_bytes([weight])  # like the total, a meta (offloaded) embedding holds nothing
-
-
-def _kv_element_bytes(model) -> int:
-    """The KV cache holds activations, so its element size is the compute dtype's, not the
-    (possibly 4-bit) weight storage's."""
-    dtype = getattr(model, "dtype", None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        dtype = torch.float32
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def bytes_per_step(weight_bytes: int, batch: int, context: float, kv_bytes_per_token: int,
@@ -141,11 +129,8 @@ def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1) -> int:
 def step_kv_passes(model, width: int = 1) -> int:
     """kv_passes for `model` as its cached steps run now (call it once a CachedModel has been made:
     that is what switches a grouped model to the path that reads each KV head once)."""
-    cfg = model.config
-    text = getattr(cfg, "get_text_config", lambda: cfg)()
-    heads = text.num_attention_heads
-    return kv_passes(attention_path(model), heads, getattr(text, "num_key_value_heads", None) or heads,
-                     width)
+    shape = ModelShape.from_model(model, 0)
+    return kv_passes(attention_path(model), shape.heads, shape.kv_heads, width)
 
 
 def roofline(bytes_step: int, seconds_per_step: float, device_gbps: float) -> dict:

@@ -24,7 +24,7 @@ from pipeline.core.stage import StageError, progress
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
 from pipeline.latency.modes import compare, run_mode
-from pipeline.latency.plan import speculative_phase
+from pipeline.latency.memory import plan_loaded
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.intervals import median_ci
@@ -320,7 +320,7 @@ def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, 
     """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). Repeats: up to lat.repeats, fewer once settled (SETTLE_RULE, lat.settle) or when `budget` (a
     StageBudget; None = no budget) cannot afford another; the JSON says how many and why."""
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
-    plan, memory_budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
+    plan, memory_budget = plan_loaded(model, lat, device, [longest], {draft_spec: draft}, max(ks))
     if plan.dropped:
         raise StageError(f"latency: {target} + {draft_spec}: the speculative cell does not fit: "
                          f"{plan.dropped[0]['reason']}")

@@ -19,6 +19,7 @@ from pipeline.report.served import render_served, served_plot
 from pipeline.serving.marginal import pair_report
 from pipeline.serving.served_k import served_report
 from pipeline.serving.timing_noise import noise_for, noise_line, pooled_noise
+from pipeline.stages.targets import vllm_measured
 
 
 def _pair_files(d: Path) -> dict[str, Path]:
@@ -39,15 +40,6 @@ def _k_by_category(report: dict) -> dict | None:
     """{category: {temperature: k}} from a marginal JSON (None for a pair with no table: screened, not timed)."""
     cats = report.get("recommended_k_by_category")
     return None if cats is None else {c: {t: e["k"] for t, e in temps.items()} for c, temps in cats.items()}
-
-
-def _served_pairs(run_dir: Path) -> dict[str, Path]:
-    """The pairs the vllm stage measured (its meta.json names them)."""
-    meta = run_dir / "vllm" / "meta.json"
-    if not meta.is_file():
-        return {}
-    measured = read_json(meta, "vllm meta.json").get("measured") or {}
-    return {pair: run_dir / "vllm" / f"{pair}.json" for pair in measured}
 
 
 def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, confidence: float) -> dict:
@@ -74,7 +66,7 @@ def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, con
 def run(ctx: StageContext) -> None:
     acc_files = _pair_files(ctx.run_dir / "acceptance")
     lat_files = _pair_files(ctx.run_dir / "latency")
-    served = _served_pairs(ctx.run_dir)
+    served = vllm_measured(ctx.run_dir)
     if not acc_files and not served:
         raise StageError(f"marginal: no acceptance/<variant>__<draft>.json in {ctx.run_dir}")
     missing = sorted(set(acc_files) - set(lat_files) - set(served))
