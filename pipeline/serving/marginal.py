@@ -327,71 +327,47 @@ def workload_brief(acceptance: dict) -> dict | None:
 # ---------------------------------------------------------------- joining the artifacts
 
 
-def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
-    """The marginal artifact of a pair the latency stage screened out (pipeline/latency/screen.py):
-    nothing timed, so no table: recommended_k 0, the screen's record under `screened`, its sentence
-    under `screened_note`, the acceptance figures that were measured, and k per category not given
-    (the bound is on the pooled slice; `categories_not_ruled_out` names any category whose own E CI
-    it does not rule out)."""
-    rec = latency["screened"]
+def untimed_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
+    """The marginal artifact of a pair with no timed table, with the acceptance figures that were
+    measured: one the latency stage screened out (pipeline/latency/screen.py: recommended_k 0, the
+    screen's record under `screened`, its sentence under `screened_note`, k per category not given)
+    or one its budget left no time for (`not_timed`: recommended_k None)."""
     slices = acceptance.get("slices") or {}
     primary_slice = "all" if "all" in slices else (sorted(slices)[0] if slices else "all")
     temps = slices.get(primary_slice) or {}
     primary_temp = (min(temps, key=float) if temps else latency.get("primary_temperature")) or "0.0"
     acc_primary = temps.get(primary_temp) or {}
+    out = {"variant": latency.get("variant", acceptance.get("variant")),
+           "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
+           "primary": {"slice": primary_slice, "temperature": primary_temp}, "rows": [], "rule": RULE,
+           "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None,
+           "workload": workload_brief(acceptance), "acceptance_per_position": acc_primary.get("per_position", [])}
+    if latency.get("not_timed"):
+        return {**out, "recommended_k": None, "not_timed": latency["not_timed"], "recommended_k_by_batch": None}
+    rec = latency["screened"]
     plain = [float(x) for x in (rec.get("probe") or {}).get("plain_ms") or []]
     cats = rec.get("categories_not_ruled_out") or []
     return {
-        "variant": latency.get("variant", acceptance.get("variant")),
-        "draft": latency.get("draft", acceptance.get("draft")),
-        "device": latency.get("device"),
-        "confidence": confidence,
-        "primary": {"slice": primary_slice, "temperature": primary_temp},
+        **out, "device": latency.get("device"),
         "baseline_ms_per_token": float(np.median(plain)) if plain else None,
         "baseline_ci": [min(plain), max(plain)] if plain else None,
         "baseline_source": "the screen's probe (plain decode steps on one prompt; the range of its repeats), "
                            "not a timed grid",
-        "rows": [],
-        "recommended_k": 0,
-        "rule": RULE,
-        "screened": rec,
-        "screened_note": screened_note(rec),
-        "slices": {},
-        "recommended_k_by_category": None,
+        "recommended_k": 0, "screened": rec, "screened_note": screened_note(rec),
         "recommended_k_by_category_note": (
             "k per category: not given, the pair was screened on the pooled slice 'all'" +
             (f" (the bound does not rule out {', '.join(cats)} on their own acceptance CI)" if cats else "")),
-        "category_rule": CATEGORY_RULE,
-        "workload": workload_brief(acceptance),
-        "acceptance_per_position": acc_primary.get("per_position", []),
-        "direct_check": acc_primary.get("direct_check", {}),
-        "latency_new_tokens": latency.get("new_tokens"),
-        "latency_rows": [],
+        "category_rule": CATEGORY_RULE, "direct_check": acc_primary.get("direct_check", {}),
+        "latency_new_tokens": latency.get("new_tokens"), "latency_rows": [],
     }
-
-
-def not_timed_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
-    """The marginal artifact of a pair the latency stage had no time left for: no table and no k
-    (recommended_k None), the acceptance figures that were measured, and why."""
-    slices = acceptance.get("slices") or {}
-    temps = slices.get("all") or {}
-    primary_temp = min(temps, key=float) if temps else "0.0"
-    return {"variant": latency.get("variant", acceptance.get("variant")),
-            "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
-            "primary": {"slice": "all", "temperature": primary_temp}, "rows": [], "recommended_k": None,
-            "not_timed": latency["not_timed"], "rule": RULE, "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None,
-            "recommended_k_by_batch": None, "workload": workload_brief(acceptance),
-            "acceptance_per_position": (temps.get(primary_temp) or {}).get("per_position", [])}
 
 
 def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise: dict | None = None) -> dict:
     """The whole marginal artifact for one pair: the primary table (slice "all", greedy when
     measured) at the top level, and one table per slice and temperature under "slices". A pair
-    the latency stage screened out (`screened`): screened_report."""
-    if isinstance(latency, dict) and latency.get("screened"):
-        return screened_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
-    if isinstance(latency, dict) and latency.get("not_timed"):
-        return not_timed_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
+    the latency stage did not time: untimed_report."""
+    if isinstance(latency, dict) and (latency.get("screened") or latency.get("not_timed")):
+        return untimed_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
     try:
         by_temp = latency["by_temperature"]
         slices = acceptance["slices"]

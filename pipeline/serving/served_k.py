@@ -237,3 +237,72 @@ def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95,
         "latency_percentiles": latency_percentiles(plain or {}, pair),
         "ci_unit": "prompt (paired bootstrap of the engine's per-request times)",
     }
+
+
+def b1_check(plain: dict, b1: list[dict], rec: dict, tables: dict, t: str, confidence: float) -> dict:
+    """The deployed config's B = 1 speedup over plain decoding, measured again on its own engine,
+    against the interval the report gives for that k."""
+    k = rec["recommended_k"]
+    row = speed_row(k, plain["measure"]["b1"][t], b1, confidence, 0)
+    report = next(r for r in tables[t]["1"] if r["k"] == k)
+    lo, hi = report["speedup_ci"]
+    return {"k": k, "temperature": t, "report_speedup": report["speedup"], "report_ci": report["speedup_ci"],
+            "measured_speedup": row["speedup"], "measured_ci": row["speedup_ci"],
+            "within_report_ci": bool(lo <= row["speedup"] <= hi)}
+
+
+def _median_ci(xs: list[float]) -> list[float] | None:
+    """95% percentile-bootstrap interval of the median (requests resampled)."""
+    if len(xs) < 2:
+        return None
+    a = np.asarray(xs, float)
+    idx = np.random.default_rng(0).integers(0, a.size, size=(2000, a.size))
+    return percentile_interval(np.median(a[idx], axis=1), 0.95, float(np.median(a)))
+
+
+def _compare(a: dict, b: dict) -> str:
+    """a against b: fewer requests within the SLO is worse; else by TPOT p50 when the CIs part."""
+    if a["slo_met"] != b["slo_met"]:
+        return "better" if a["slo_met"] > b["slo_met"] else "worse"
+    ca, cb = a.get("tpot_p50_ci"), b.get("tpot_p50_ci")
+    if ca and cb and ca[1] < cb[0]:
+        return "faster"
+    if ca and cb and cb[1] < ca[0]:
+        return "slower"
+    return "indistinguishable"
+
+
+PHRASE = {"better": "served more requests within the SLO than", "worse": "served fewer requests within the SLO than",
+          "faster": "had a lower TPOT p50 than", "slower": "had a higher TPOT p50 than",
+          "indistinguishable": "was indistinguishable from", "same config": "is"}
+
+
+def open_loop_verdict(v: dict) -> dict:
+    """Per load: each config's requests within the SLO and TPOT p50 [CI], and the recommendation
+    against no speculation and the best fixed k (the same arrivals for each)."""
+    per, sentences, beat = [], [], []
+    for i, rate in enumerate(v["rates"]):
+        cands = {"no speculation": v["plain"][i] if i < len(v["plain"]) else None,
+                 **{lab: c["runs"][i] for lab, c in v["configs"].items() if "runs" in c and i < len(c["runs"])}}
+        row = {"rate": rate}
+        for lab, x in cands.items():
+            if x:
+                row[lab] = {"slo_met": x["slo_met"], "requests": x["requests"], "goodput_rps": x["goodput_rps"],
+                            "tpot_p50_ms": (x["tpot_ms"] or {}).get("p50"), "tpot_p99_ms": (x["tpot_ms"] or {}).get("p99"),
+                            "tpot_p50_ci": _median_ci(x.get("tpot_per_request_ms") or []),
+                            "output_tokens_per_s": x.get("output_tokens_per_s")}
+        rec = row.get("recommended")
+        if rec and row.get("no speculation"):
+            row["recommended_vs_no_speculation"] = _compare(rec, row["no speculation"])
+            row["recommended_vs_best_fixed_k"] = (_compare(rec, row["best_fixed_k"]) if row.get("best_fixed_k")
+                                                  and v["configs"]["best_fixed_k"].get("same_as") is None else "same config")
+            beat.append(row["recommended_vs_no_speculation"] in ("better", "faster")
+                        and row["recommended_vs_best_fixed_k"] not in ("worse", "slower"))
+            sentences.append(f"at {rate:.2f} requests/s, {PHRASE[row['recommended_vs_no_speculation']]} no speculation "
+                             f"and {PHRASE.get(row['recommended_vs_best_fixed_k'], 'the same config as')} the best fixed k")
+        per.append(row)
+    if not v["configs"].get("recommended", {}).get("started", True):
+        sentences = [f"did not start ({v['configs']['recommended']['error']})"]
+    return {"per_rate": per, "recommendation_beat_alternatives": bool(beat) and all(beat),
+            "rule": "requests within the SLO first, then TPOT p50 where the 95% CIs (requests resampled) part",
+            "sentence": ("the recommended config, " + "; ".join(sentences)) if sentences else "no open-loop load was run"}
