@@ -42,8 +42,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, weight_bytes: int | None = None) -> "ModelShape":
-        """From a transformers config. Without `weight_bytes` the model is built on the meta device
-        (shapes only, no memory) and its parameters counted in `dtype`."""
+        """From a transformers config; without `weight_bytes` they are counted on the meta device."""
         text = getattr(config, "get_text_config", lambda: config)()
         heads = text.num_attention_heads
         if weight_bytes is None:
@@ -65,8 +64,7 @@ class ModelShape:
 
 
 def meta_weight_bytes(config, dtype: torch.dtype) -> int:
-    """Bytes of the model's parameters and buffers in `dtype`, from a meta-device build (tied
-    weights counted once)."""
+    """Bytes of the model's parameters and buffers in `dtype`, from a meta-device build."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -75,8 +73,7 @@ def meta_weight_bytes(config, dtype: torch.dtype) -> int:
 
 
 def cache_len(context: int, new_tokens: int, extra: int = 1) -> int:
-    """Positions the engine's static cache holds for a cell: the prompt, the new tokens and one
-    spare (the engine's own rule; it never allocates fewer than 64)."""
+    """Positions the engine's static cache holds for a cell (its own rule: at least 64)."""
     return max(context + new_tokens + extra, 64)
 
 
@@ -134,15 +131,10 @@ class MemoryPlan:
 def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_tokens: int,
               budget_bytes: float, device_type: str, verify_width: int = 1, slack: float = 1.2,
               min_chunk: int = 128, attention_path: str = GQA) -> MemoryPlan:
-    """Plan every (batch, context) cell against `budget_bytes`: the memory left for caches and
-    activations once the weights are loaded (the caller subtracts weights and a reserve).
-
-    verify_width: the widest forward a decode step makes (1 plain, k + 1 when speculative rounds
-    run on the same cache). Prefill is chunked (halving from the whole prompt down to min_chunk)
-    only when the one-shot prefill does not fit. attention_path: what the steps run
-    (pipeline.decode.attention.attention_path; the engine's "sdpa-gqa" by default): a path that
-    repeats K and V adds one layer's copies.
-    """
+    """Plan every (batch, context) cell against `budget_bytes`, the memory left for caches and
+    activations. verify_width: the widest forward a step makes (k + 1 for speculative rounds);
+    prefill is halved down to min_chunk only where one shot does not fit; an attention_path that
+    repeats K and V adds one layer's copies."""
     scores = device_type != "cuda"  # CPU SDPA with a mask materialises B x heads x T x S scores
     repeated = repeats_kv(attention_path, shape)
     plan = MemoryPlan(budget_bytes=int(budget_bytes), attention_path=attention_path)
@@ -184,9 +176,8 @@ def _size(n: float) -> str:
 
 def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
                   reserve_fraction: float = 0.05, reserve_min: int = 1 << 30) -> dict:
-    """Memory the plan may use for caches and activations, measured now: CUDA's free memory
-    (torch.cuda.mem_get_info) or the host's available memory (psutil), less a reserve for the
-    allocator, the CUDA context and library workspaces; less the weights if not loaded yet."""
+    """Memory the plan may use, measured now: CUDA's free memory or the host's available memory,
+    less a reserve (allocator, context, workspaces) and the weights if not loaded yet."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         source = "torch.cuda.mem_get_info"
@@ -199,8 +190,7 @@ def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
 
 
 def _host_memory() -> tuple[int, int, str]:
-    """(available, total, source) of the host's memory: psutil where installed, else the kernel's
-    own MemAvailable (a bare image's python may lack psutil)."""
+    """(available, total, source) of the host's memory: psutil, else /proc/meminfo."""
     try:
         import psutil
     except ImportError:

@@ -5,10 +5,9 @@ the recommendation as the `speculative_config` vLLM takes, and the derivation ch
     tables = engine_tables(plain_doc, pair_doc, confidence, seed)     # temperature -> B -> rows per k
     rec = recommend(tables, pair_doc, run_dir)                        # k at B = 1, k per B, config, command
 
-A row's ms/token is sum(decode time) / sum(decode tokens) over the workload's prompts (TPOT pooled
-over requests), the speedup is the plain engine's over it on the same prompts, and its interval a
-paired bootstrap over prompts (the unit every request is one draw of). k is chosen by
-marginal.RULE, leaving out any k whose lossless check failed at that temperature.
+A row's ms/token is TPOT pooled over the workload's requests, its speedup the plain engine's over it
+on the same prompts with a paired bootstrap over prompts. k is chosen by marginal.RULE, leaving out
+any k whose lossless check failed at that temperature. The open-loop check's verdict is here too.
 """
 from __future__ import annotations
 
@@ -78,9 +77,8 @@ def _acceptance_cells(run: dict, t: str) -> dict:
 
 
 def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
-    """False where speculation measurably changed the output at temperature t: greedy, this k's
-    greedy check; sampled, the pair's sampled check (run once, at k_max: the rejection sampler is
-    one code path for every k and every temperature above 0)."""
+    """False where speculation measurably changed the output at temperature t: this k's greedy check,
+    or above 0 the pair's sampled check (run once, at k_max: one code path for every k)."""
     if float(t) == 0.0:
         g = run.get("lossless", {}).get("greedy")
         return True if g is None else bool(g["greedy_lossless"])
@@ -89,8 +87,7 @@ def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
 
 def vllm_rows(by_batch: dict[int, int]) -> list[list[int]]:
     """{B: k} -> the [[start_bs, end_bs, k], ...] rows of vLLM's num_speculative_tokens_per_batch_size:
-    each measured B covers up to the next measured B minus one (vLLM gives a gap the previous row's
-    k), the last only itself; neighbouring rows with the same k merge."""
+    each measured B up to the next minus one, the last only itself; rows with the same k merge."""
     rows: list[list[int]] = []
     bs = sorted(by_batch)
     for i, b in enumerate(bs):
@@ -107,9 +104,8 @@ def _pick(rows: list[dict]) -> int:
 
 
 def recommend(tables: dict, pair: dict, run_dir) -> dict:
-    """The k to deploy at the primary temperature (greedy when measured): at B = 1, per measured
-    concurrency, the speculative_config (with vLLM's per-batch-size schedule where k differs by B)
-    and the `vllm serve` line; per temperature the same for reference."""
+    """The k to deploy at the primary temperature (greedy when measured): at B = 1 and per measured
+    concurrency, the speculative_config and the `vllm serve` line; per temperature the same."""
     per_temp = {}
     for t, by_b in tables.items():
         by_batch = {int(b): _pick(rows) for b, rows in by_b.items()}
@@ -142,9 +138,8 @@ def recommend(tables: dict, pair: dict, run_dir) -> dict:
 
 
 def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0.95) -> dict | None:
-    """specq's teacher-forced E(k) beside vLLM's measured E[tokens per step] on the same prompts and
-    temperature, paired by prompt: the difference and its t interval (acceptance_stats.ratio_difference).
-    None without an acceptance artifact for the pair."""
+    """specq's teacher-forced E(k) beside vLLM's measured E[tokens per step], paired by prompt: the
+    difference and its t interval (None without an acceptance artifact)."""
     if not acceptance:
         return None
     out = {}
@@ -195,10 +190,8 @@ def latency_percentiles(plain: dict, pair: dict) -> dict:
 
 
 def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95, plain: dict | None = None) -> dict:
-    """The marginal artifact of a pair measured in vLLM: DESIGN.md's keys (baseline_ms_per_token,
-    rows with k / tokens_per_round / round_ms / ms_per_token / speedup / marginal_ms_per_token,
-    recommended_k) from the engine's B = 1 table at the primary temperature, the recommendation as
-    vLLM takes it, and the derived-vs-engine check."""
+    """The marginal artifact of a pair measured in vLLM: DESIGN.md's keys from the engine's B = 1
+    table at the primary temperature, the recommendation as vLLM takes it, and the derived-vs-engine check."""
     rec = pair["recommendation"]
     t = rec["primary_temperature"]
     table = pair["tables"][t]["1"]

@@ -3,12 +3,12 @@
     python -m pipeline vllm --run runs/smollm2-135m --config configs/default.yaml
 
 For each target (vllm.targets; default every release variant vLLM can serve here) it starts a plain
-engine, then one engine per (draft, k), and sends the acceptance workload's prompts through each
-(pipeline/latency/served.py). It writes vllm/<target>.json (the baseline) and
-vllm/<target>__<draft>.json: per k, per-position acceptance from vLLM's own counts, latency
-percentiles, the lossless checks, and the recommended speculative_config, checked under open-loop
-load. Under a time budget it starts an engine only when its measured cost fits, every pair's
-k = 1 before any k = 2; each (pair, k) is an item, so a re-run resumes (docs/methods/vllm-engine.md).
+engine, then one per (draft, k), and sends the acceptance workload through each
+(pipeline/latency/served.py). Writes vllm/<target>.json (the baseline) and vllm/<target>__<draft>.json
+(per k: vLLM's acceptance counts, latency, the lossless checks; the recommended speculative_config,
+checked under open-loop load: pipeline/serving/served_k.py). Under a budget an engine starts only
+when its measured cost fits, every pair's k = 1 first; each (pair, k) is an item, so a re-run
+resumes (docs/methods/vllm-engine.md).
 """
 from __future__ import annotations
 
