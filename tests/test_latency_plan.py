@@ -1,4 +1,4 @@
-"""The latency stage runs its memory plan and records what ran (pipeline/latency/plan.py).
+"""The latency stage runs its memory plan and records what ran (pipeline/latency/memory.py).
 
 A budget is chosen (with the planner's own arithmetic) so that, on the tiny model, one cell must
 prefill in chunks and one cannot fit at all; the stage must drop that one with the plan's reason,
@@ -39,7 +39,7 @@ def _budget_that_chunks_one_and_drops_one(model, lat) -> int:
 
 def test_plain_grid_executes_the_memory_plan(tiny_model, monkeypatch):
     from pipeline.latency import grid as latency
-    from pipeline.latency import plan as latency_plan
+    from pipeline.latency import memory as latency_plan
     from pipeline.decode.cache import CachedModel
 
     lat = _lat()

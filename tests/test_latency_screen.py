@@ -90,13 +90,6 @@ def test_bound_formula_on_given_timings():
     assert verdict_of(rows)[0] == DOES_NOT_PAY
 
 
-def test_screen_off_is_said():
-    from pipeline.latency.plan import why_not_screened
-
-    assert why_not_screened(Config.model_validate({"latency": {"screen": False}}).latency).startswith("off")
-    assert why_not_screened(Config.model_validate({}).latency) is None
-
-
 def _does_not_pay(screen, attempts: int = 3) -> dict:
     for _ in range(attempts):  # contention only raises the bound (module docstring)
         rec = screen()
@@ -297,7 +290,9 @@ def test_screened_pair_flows_through_latency_marginal_and_report(tmp_path, tiny_
     monkeypatch.setattr(stage, "speculative_pair", lambda target, spec, *a, **kw: timed.append(spec) or {
         "variant": target, "draft": spec, "rows": [{"k": 1}], "memory_plan": {}})
     off = Config.model_validate({**raw, "latency": {**raw["latency"], "screen": False}})
-    run_stage(STAGES["latency"], run, off, {}, STAGES)
+    assert meta["screen"] == "on"
+    meta = json.loads(run_stage(STAGES["latency"], run, off, {}, STAGES).read_text())
+    assert meta["screen"].startswith("off") and "latency: screen off" in capsys.readouterr().err
     assert timed == ["self:big"]  # the plain grid stays: screen is no timing input
     pair = json.loads((run / "latency" / "bf16__self-big.json").read_text())
     assert "screened" not in pair and "screen" not in pair and pair["rows"] == [{"k": 1}]

@@ -148,7 +148,7 @@ def _fake_stage_dirs(run, variants: list[str], drafts: list[str] = ()):
 def test_latency_stage_frees_each_variant_before_the_next_plan(tmp_path, tiny_tokenizer, monkeypatch, no_auto_gc):
     from pipeline.__main__ import STAGES
     from pipeline.core.stage import run_stage
-    from pipeline.latency import plan as latency_plan
+    from pipeline.latency import memory as latency_plan
     from pipeline.stages import latency as stage
 
     spy = _Spy()

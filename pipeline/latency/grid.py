@@ -23,7 +23,7 @@ from pipeline.decode.attention import attention_path
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
 from pipeline.latency.modes import compare, run_mode
-from pipeline.latency.plan import plain_phase
+from pipeline.latency.memory import plan_loaded
 from pipeline.latency.roofline import bytes_per_step, model_bytes, roofline, step_kv_passes
 from pipeline.latency.speculative import Repeats, rel_half_width
 from pipeline.models.architecture import context_length
@@ -33,14 +33,9 @@ from pipeline.stats.intervals import clip_contain, median_ci, percentile_bootstr
 PERCENTILES = (50, 90, 99)
 
 
-# ---------------------------------------------------------------- measuring
-
-
 class PeakMemory:
-    """Peak memory during a block. CUDA: torch.cuda.max_memory_allocated (tensors only). CPU: the
-    process's resident set size sampled every 2 ms by a thread (torch's CPU allocator is not
-    visible to tracemalloc, and ru_maxrss cannot be reset between cells); it includes the
-    interpreter and libraries, so compare cells, and read `rss_before_bytes` for the baseline."""
+    """Peak memory during a block: CUDA's max_memory_allocated, or on CPU the process's resident set
+    size sampled every 2 ms by a thread (interpreter and libraries included: compare cells)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -94,13 +89,9 @@ def _random_prompt(vocab: int, batch: int, context: int, seed: int) -> torch.Ten
 def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, repeats: int,
                device: torch.device, vocab: int, seed: int = 0, cache_len: int | None = None,
                prefill_chunk: int | None = None, *, loop: Repeats | None = None) -> dict:
-    """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one sample per repeat,
-    and every step's time. `loop`: how many repeats (pipeline.latency.speculative.Repeats: settle on
-    TPOT, a budget); None = exactly `repeats`. The result says how many ran and why they stopped.
-
-    TTFT = the prompt forward + picking the first token (engine's prefill_s; no queue here);
-    TPOT = the time for the remaining tokens / (new_tokens - 1), as SEEDS.md defines it; the
-    inter-token samples are those steps one by one. cache_len / prefill_chunk: the memory plan's."""
+    """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one per repeat, and every
+    step's time. `loop`: a Repeats (None: exactly `repeats`). TTFT = the prompt forward and the first
+    token; TPOT = the rest's time / (new_tokens - 1). cache_len / prefill_chunk: the memory plan's."""
     ids = _random_prompt(vocab, batch, context, seed)
     run = dict(cache_len=cache_len, prefill_chunk=prefill_chunk)
     for _ in range(warmup):
@@ -127,8 +118,7 @@ def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, re
 
 def percentiles_ci(per_repeat: list[list[float]], confidence: float, seed: int) -> dict:
     """p50/p90/p99 of the pooled samples, each with a CI that resamples whole repeats (a repeat's
-    steps share its machine state, so the repeat is the unit). Written out because
-    scipy.stats.bootstrap resamples single observations, not groups."""
+    steps share its machine state)."""
     x = np.asarray(per_repeat, dtype=float)  # [R, S]: every repeat has the same number of steps
     point = np.percentile(x.ravel(), PERCENTILES)
     if x.shape[0] < 2:
@@ -142,8 +132,7 @@ def percentiles_ci(per_repeat: list[list[float]], confidence: float, seed: int) 
 
 
 def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: int) -> dict:
-    """median(a) / median(b) with a percentile-bootstrap CI, a and b resampled independently
-    (they are different runs; their repeats are not paired)."""
+    """median(a) / median(b) with a percentile-bootstrap CI, a and b resampled independently."""
     point = float(np.median(a) / np.median(b))
     if len(a) < 2 or len(b) < 2:
         return {"value": point, "ci": [point, point], "ci_unit": "repeat (too few to resample)"}
@@ -153,14 +142,10 @@ def ratio_of_medians(a: list[float], b: list[float], confidence: float, seed: in
     return {"value": point, "ci": clip_contain(lo, hi, point), "ci_unit": "repeat, each variant resampled"}
 
 
-# ---------------------------------------------------------------- the two artifacts
-
-
 def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, seed: int,
                confidence: float, *, budget=None) -> dict:
-    """The latency/<variant>.json document. Each cell's repeats: up to lat.repeats, fewer once its
-    TPOT is settled (lat.settle) or when `budget` (a StageBudget; None = no budget) cannot afford
-    another repeat."""
+    """The latency/<variant>.json document; each cell's repeats as Repeats runs them (settled on
+    TPOT; `budget`: a StageBudget or None)."""
     rule = Repeats(lat, name)  # the grid's settings, for the record
     mb = model_bytes(model)
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
@@ -172,7 +157,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
         for context in sorted(set(lat.context_lengths) - set(fits)):
             grid.append({"batch": batch, "context": context,
                          "skipped": f"context + new tokens exceeds the model's {max_pos} positions"})
-    plan, memory_budget = plain_phase(model, lat, device, fits)
+    plan, memory_budget = plan_loaded(model, lat, device, fits)
     for cell in plan.dropped:
         progress(f"latency: {name}: B={cell['batch']} context={cell['context']} dropped by the memory plan: "
                  f"{cell['reason']}")
@@ -197,10 +182,7 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
         finally:
             CachedModel.release(model)  # no later cell uses this cache: each gets one of its own length
         tpot = median_ci(raw["tpot_ms"], confidence, seed)
-        # Attention reads every slot of the static cache each step (pipeline/decode/cache.py),
-        # so the KV bytes are the allocated length's, not the filled length's.
-        # And the attention path says how often those bytes move: once when each KV head is
-        # read once (pipeline/decode/attention.py), 1 + 2 n_rep where repeat_kv copies them.
+        # Attention reads every slot of the static cache each step: the allocated length's KV bytes.
         passes = step_kv_passes(model, width=1)
         step_bytes = bytes_per_step(mb["weight_bytes"], batch, raw["cache_positions"], mb["kv_bytes_per_token"],
                                     kv_passes=passes)
@@ -230,10 +212,8 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
 
 
 def add_reference_ratios(grid: dict, reference: dict, confidence: float, seed: int) -> bool:
-    """Give every measured cell of a non-reference grid its TPOT over the reference's (with a
-    CI), whether the two cells ran the same way (`like_with_like`; both modes when not), and the
-    roofline's ratio of bytes per step, (W_q + B K_q) / (W + B K). Returns whether anything was
-    added."""
+    """Give every measured cell of a non-reference grid its TPOT over the reference's (with a CI
+    and `like_with_like`) and the roofline's ratio of bytes per step; whether anything was added."""
     if grid is reference or grid.get("variant") == reference.get("variant"):
         return False
     ref = {(c["batch"], c["context"]): c for c in reference["grid"] if "tpot_ms" in c}

@@ -1,10 +1,12 @@
-"""The memory plan of a latency grid: which (batch, context) cells fit, in which order they run, how
-the prompt is prefilled, and when each KV cache is freed. Arithmetic only: nothing is allocated.
+"""The latency stage's memory plan: which (batch, context) cells fit in the memory free now, in
+which order they run, how the prompt is prefilled, and when each KV cache is freed. Arithmetic
+only: nothing is allocated.
 
-    from pipeline.latency.memory import ModelShape, plan_grid
-    shape = ModelShape.from_config(config, torch.bfloat16)        # an 8B shape, on no device
-    plan = plan_grid(shape, batches=[1, 8, 32], contexts=[128, 2048, 8192], new_tokens=64,
-                     budget_bytes=80e9 - shape.weight_bytes, device_type="cuda")
+    from pipeline.latency.memory import ModelShape, plan_grid, plan_loaded
+    plan, budget = plan_loaded(model, lat, device)                         # a variant's plain grid
+    plan, budget = plan_loaded(model, lat, device, [prompt_len], drafts, k_max)  # a B = 1 pair
+    plan = plan_grid(ModelShape.from_config(config, torch.bfloat16), [1, 8], [128, 2048], 64,
+                     budget_bytes=80e9, device_type="cuda")                # on no device
     plan.steps     # ("run", cell) / ("free", cache) in order; plan.dropped: what cannot fit
 
 Cells run in ascending order, each on a cache of exactly its length, prefilled in chunks where one
@@ -16,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT
-from pipeline.models.bytes import model_tensors, unique_bytes
+from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT, attention_path, use_gqa_attention
+from pipeline.decode.cache import hf_model
+from pipeline.models.bytes import bytes_in_memory, model_tensors, unique_bytes
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, weight_bytes: int | None = None) -> "ModelShape":
-        """From a transformers config. Without `weight_bytes` the model is built on the meta device
-        (shapes only, no memory) and its parameters counted in `dtype`."""
+        """From a transformers config; without `weight_bytes` they are counted on the meta device."""
         text = getattr(config, "get_text_config", lambda: config)()
         heads = text.num_attention_heads
         if weight_bytes is None:
@@ -62,8 +64,7 @@ class ModelShape:
 
 
 def meta_weight_bytes(config, dtype: torch.dtype) -> int:
-    """Bytes of the model's parameters and buffers in `dtype`, from a meta-device build (tied
-    weights counted once)."""
+    """Bytes of the model's parameters and buffers in `dtype`, from a meta-device build."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -72,8 +73,7 @@ def meta_weight_bytes(config, dtype: torch.dtype) -> int:
 
 
 def cache_len(context: int, new_tokens: int, extra: int = 1) -> int:
-    """Positions the engine's static cache holds for a cell: the prompt, the new tokens and one
-    spare (the engine's own rule; it never allocates fewer than 64)."""
+    """Positions the engine's static cache holds for a cell (its own rule: at least 64)."""
     return max(context + new_tokens + extra, 64)
 
 
@@ -131,15 +131,10 @@ class MemoryPlan:
 def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_tokens: int,
               budget_bytes: float, device_type: str, verify_width: int = 1, slack: float = 1.2,
               min_chunk: int = 128, attention_path: str = GQA) -> MemoryPlan:
-    """Plan every (batch, context) cell against `budget_bytes`: the memory left for caches and
-    activations once the weights are loaded (the caller subtracts weights and a reserve).
-
-    verify_width: the widest forward a decode step makes (1 plain, k + 1 when speculative rounds
-    run on the same cache). Prefill is chunked (halving from the whole prompt down to min_chunk)
-    only when the one-shot prefill does not fit. attention_path: what the steps run
-    (pipeline.decode.attention.attention_path; the engine's "sdpa-gqa" by default): a path that
-    repeats K and V adds one layer's copies.
-    """
+    """Plan every (batch, context) cell against `budget_bytes`, the memory left for caches and
+    activations. verify_width: the widest forward a step makes (k + 1 for speculative rounds);
+    prefill is halved down to min_chunk only where one shot does not fit; an attention_path that
+    repeats K and V adds one layer's copies."""
     scores = device_type != "cuda"  # CPU SDPA with a mask materialises B x heads x T x S scores
     repeated = repeats_kv(attention_path, shape)
     plan = MemoryPlan(budget_bytes=int(budget_bytes), attention_path=attention_path)
@@ -181,9 +176,8 @@ def _size(n: float) -> str:
 
 def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
                   reserve_fraction: float = 0.05, reserve_min: int = 1 << 30) -> dict:
-    """Memory the plan may use for caches and activations, measured now: CUDA's free memory
-    (torch.cuda.mem_get_info) or the host's available memory (psutil), less a reserve for the
-    allocator, the CUDA context and library workspaces; less the weights if not loaded yet."""
+    """Memory the plan may use, measured now: CUDA's free memory or the host's available memory,
+    less a reserve (allocator, context, workspaces) and the weights if not loaded yet."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         source = "torch.cuda.mem_get_info"
@@ -196,8 +190,7 @@ def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
 
 
 def _host_memory() -> tuple[int, int, str]:
-    """(available, total, source) of the host's memory: psutil where installed, else the kernel's
-    own MemAvailable (a bare image's python may lack psutil)."""
+    """(available, total, source) of the host's memory: psutil, else /proc/meminfo."""
     try:
         import psutil
     except ImportError:
@@ -209,3 +202,30 @@ def _host_memory() -> tuple[int, int, str]:
         return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
     vm = psutil.virtual_memory()
     return int(vm.available), int(vm.total), "psutil.virtual_memory().available"
+
+
+def plan_loaded(model, lat, device, contexts: list[int] | None = None, drafts: dict | None = None,
+                k_max: int = 0) -> tuple[MemoryPlan, dict]:
+    """The plan of a loaded model against the memory free now, and that budget: its plain grid
+    (contexts: lat.context_lengths by default), or with `drafts` (spec -> draft, loaded beside it)
+    the B = 1 speculative cell at contexts[0] with verify width k_max + 1, the largest draft cache
+    (one alive at a time) set aside first."""
+    use_gqa_attention(hf_model(model))  # the path its CachedModel will run anyway (idempotent)
+    path = attention_path(hf_model(model))
+    weights = bytes_in_memory(model)
+    budget = device_budget(device, weights_loaded=True, weight_bytes=weights)
+    shape = ModelShape.from_model(model, weights)
+    if drafts is None:
+        plan = plan_grid(shape, lat.batch_sizes, lat.context_lengths if contexts is None else contexts,
+                         lat.new_tokens, budget["budget_bytes"], device.type, attention_path=path)
+        return plan, budget
+    kv = [0 if getattr(d, "model", None) is None else
+          ModelShape.from_model(hf_model(d.model), 0).kv_bytes_per_token for d in drafts.values()]
+    largest = max(kv, default=0) * cache_len(contexts[0], lat.new_tokens)
+    plan = plan_grid(shape, [1], contexts, lat.new_tokens, budget["budget_bytes"] - largest, device.type,
+                     verify_width=k_max + 1, attention_path=path)
+    plan.budget_bytes = int(budget["budget_bytes"])
+    for step in plan.steps:
+        if step["action"] == "run":
+            step["draft_cache_bytes"] = int(largest)
+    return plan, budget

@@ -19,17 +19,14 @@ import torch
 
 from pipeline.decode.attention import EAGER_REPEAT, READS_ONCE, SDPA_REPEAT, attention_path
 from pipeline.decode.timing import synchronize
+from pipeline.latency.memory import ModelShape
 from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
 
 
 def measure_bandwidth(device: torch.device, size_bytes: int | None = None, repeats: int = 5) -> dict:
-    """Device memory bandwidth from a large tensor copy (dst.copy_(src) reads and writes `size`
-    bytes each, so one copy moves 2 * size). Run once per stage and recorded, not assumed.
-
-    The buffer is far larger than any cache (256 MiB on CPU, 1 GiB on CUDA), the first copy is a
-    warm-up (page faults, allocator), and the best of `repeats` is the figure: the question is
-    what the memory system can do, and on a shared CPU slower copies measure the neighbours.
-    """
+    """Device memory bandwidth from a large tensor copy (one copy reads and writes `size` bytes):
+    the best of `repeats` after a warm-up copy, since on a shared CPU slower copies measure the
+    neighbours."""
     if size_bytes is None:
         size_bytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     n = size_bytes // 4
@@ -58,30 +55,21 @@ def measure_bandwidth(device: torch.device, size_bytes: int | None = None, repea
 
 
 def model_bytes(model) -> dict:
-    """Bytes a decode step reads from the model, and KV bytes per cached token per sequence.
-
-    Weight bytes are every parameter and buffer (quantized layers keep their packed
-    weights, scales and zeros in buffers), counted as the bytes they hold (pipeline.models.bytes:
-    a torchao weight is its int8 data and scales, not its logical float32), once when shared
-    (tied embeddings). An input embedding that is NOT tied to the LM head is read one row per
-    token, not whole, so it is left out of the per-step figure (and reported separately).
-    """
+    """Bytes a decode step reads from the model (every parameter and buffer as the bytes it holds,
+    shared ones once; an untied input embedding is read one row per token, so it is left out and
+    reported separately), and KV bytes per cached token per sequence."""
     total = bytes_in_memory(model)
     embedding_bytes = _untied_input_embedding_bytes(model)
-    cfg = model.config
-    text = getattr(cfg, "get_text_config", lambda: cfg)()
-    layers = text.num_hidden_layers
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_element = _kv_element_bytes(model)
+    shape = ModelShape.from_model(model, total)
     out = {
         "weight_bytes": total - embedding_bytes,
         "all_weight_bytes": total,
         "untied_input_embedding_bytes": embedding_bytes,
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * kv_element,
-        "kv_formula": f"2 * {layers} layers * {kv_heads} kv_heads * {head_dim} head_dim * {kv_element} B",
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "kv_formula": f"2 * {shape.layers} layers * {shape.kv_heads} kv_heads * {shape.head_dim} head_dim * "
+                      f"{shape.element_bytes} B",
     }
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     if experts:  # Qwen-MoE / Mixtral naming
         out["moe"] = {"experts": experts, "experts_per_token": getattr(text, "num_experts_per_tok", None),
@@ -91,8 +79,7 @@ def model_bytes(model) -> dict:
 
 
 def _untied_input_embedding_bytes(model) -> int:
-    """Bytes of the input embedding when it is not tied to the LM head, else 0. Tied is judged by
-    the data held, not data_ptr(): a torchao wrapper's data_ptr() is 0 for every wrapper."""
+    """Bytes of the input embedding when it is not tied to the LM head (judged by the data held), else 0."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(emb, "weight", None) if emb is not None else None
@@ -104,30 +91,17 @@ def _untied_input_embedding_bytes(model) -> int:
     return unique_bytes([weight])  # like the total, a meta (offloaded) embedding holds nothing
 
 
-def _kv_element_bytes(model) -> int:
-    """The KV cache holds activations, so its element size is the compute dtype's, not the
-    (possibly 4-bit) weight storage's."""
-    dtype = getattr(model, "dtype", None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        dtype = torch.float32
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def bytes_per_step(weight_bytes: int, batch: int, context: float, kv_bytes_per_token: int,
                    kv_passes: int = 1) -> int:
     """W + B * K * kv_passes: weights once per step, plus each sequence's cache at the length
-    attention reads, as many times as the attention path moves it (kv_passes; 1 when each KV head
-    is read once)."""
+    attention reads, as many times as the attention path moves it."""
     return int(weight_bytes + batch * context * kv_bytes_per_token * kv_passes)
 
 
 def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1) -> int:
-    """How many times one step of `width` new tokens moves the KV bytes it attends over, on
-    attention path `path` (pipeline.decode.attention.attention_path). 1 for a path that reads each
-    KV head once, for a model without grouped heads and for kernels that take GQA themselves
-    (flash_attention_2, ...). 1 + 2 * n_rep where repeat_kv runs: one read to copy, n_rep writes,
-    n_rep reads by attention. transformers' sdpa skips the copy in a single-token step (pack_gqa)
-    but not for width > 1."""
+    """How many times one step of `width` new tokens moves the KV bytes it attends over on attention
+    path `path`: 1 where each KV head is read once (or there are no groups), 1 + 2 * n_rep where
+    repeat_kv runs (one read to copy, n_rep writes, n_rep reads); sdpa skips the copy at width 1."""
     n_rep = heads // kv_heads if kv_heads else 1
     if n_rep <= 1 or path in READS_ONCE:
         return 1
@@ -139,13 +113,9 @@ def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1) -> int:
 
 
 def step_kv_passes(model, width: int = 1) -> int:
-    """kv_passes for `model` as its cached steps run now (call it once a CachedModel has been made:
-    that is what switches a grouped model to the path that reads each KV head once)."""
-    cfg = model.config
-    text = getattr(cfg, "get_text_config", lambda: cfg)()
-    heads = text.num_attention_heads
-    return kv_passes(attention_path(model), heads, getattr(text, "num_key_value_heads", None) or heads,
-                     width)
+    """kv_passes for `model` as its cached steps run now (once a CachedModel has been made)."""
+    shape = ModelShape.from_model(model, 0)
+    return kv_passes(attention_path(model), shape.heads, shape.kv_heads, width)
 
 
 def roofline(bytes_step: int, seconds_per_step: float, device_gbps: float) -> dict:

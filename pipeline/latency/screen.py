@@ -43,9 +43,6 @@ MODEL_FREE = ("the draft proposes without a model forward (prompt lookup): a rou
               "T_plain_lo is at least 1; never screened, not probed")
 
 
-# ---------------------------------------------------------------- acceptance's upper end
-
-
 def e_upper(acceptance: dict | None, ks: list[int], slice_name: str = "all") -> dict[int, dict]:
     """k -> {"e_hi", "by_temperature": {t: hi}, "source"}: the upper CI end of E(k) on the slice,
     the largest over temperatures; k + 1 where the acceptance JSON has no CI at k."""
@@ -65,16 +62,12 @@ def e_upper(acceptance: dict | None, ks: list[int], slice_name: str = "all") -> 
     return out
 
 
-# ---------------------------------------------------------------- the probe
-
-
 @torch.inference_mode()
 def probe_costs(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, plain_sampling: SamplingParams,
                 repeats: int = PROBE_REPEATS, warmup: int = PROBE_WARMUP, seed: int = 0) -> dict:
-    """Probe timings (ms) for one model draft at ids [1, T] on a static cache of `cache_len`
-    positions (raised to what the probe itself needs where a tiny config asks fewer): `plain_ms`
-    per repeat (plain ms/token as the timed runs measure it), `verify_ms[k + 1]` and `draft_ms[k]`
-    per repeat, and the `cache_len` used."""
+    """Probe timings (ms) per repeat for one model draft at ids [1, T] on a static cache of at least
+    `cache_len` positions: `plain_ms` (plain ms/token), `verify_ms[k + 1]`, `draft_ms[k]`, and the
+    `cache_len` used."""
     device = next(model.parameters()).device
     b, t = ids.shape
     cache_len = max(cache_len, t + PLAIN_STEPS + 2, t + max(ks) + 2)
@@ -114,16 +107,12 @@ def probe_costs(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, 
 
 
 def _rewind(drafter, ids: torch.Tensor, cache_len: int, t: int) -> None:
-    """The draft's cache back to the prompt (T positions), untimed: a rollback where the draft
-    keeps a CachedModel, else a fresh prefill."""
+    """The draft's cache back to the prompt (T positions), untimed."""
     cached = getattr(drafter, "cached", None)
     if isinstance(cached, CachedModel):
         cached.rollback(min(cached.length, t))
     else:
         drafter.prefill(ids, cache_len, exact=True)
-
-
-# ---------------------------------------------------------------- the bound
 
 
 def bound_rows(upper: dict[int, dict], probe: dict, ks: list[int]) -> list[dict]:
@@ -148,8 +137,7 @@ def verdict_of(rows: list[dict]) -> tuple[str, float, dict]:
 
 
 def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[dict]) -> list[str]:
-    """The acceptance slices other than "all" whose own E CI would put the bound at or above 1 at
-    some k (same probe): categories the pooled screen does not rule out on their own."""
+    """The slices other than "all" whose own E CI puts the bound at or above 1 at some k (same probe)."""
     rounds = {r["k"]: r for r in rows}
     out = []
     for name in sorted(((acceptance or {}).get("slices") or {})):
@@ -162,11 +150,6 @@ def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[
     return out
 
 
-def _model_free_record() -> dict:
-    return {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
-            "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
-
-
 def pool(a: dict, b: dict) -> dict:
     """Two probes' samples together (min and max then run over both)."""
     return {"cache_len": a["cache_len"], "plain_ms": a["plain_ms"] + b["plain_ms"],
@@ -175,9 +158,8 @@ def pool(a: dict, b: dict) -> dict:
 
 def _bound(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, acceptance: dict | None,
                acc_cfg, seed: int, prompt_id: str | None = None) -> dict:
-    """The bound on one prompt (ids: [1, T]). A pair (or a k: ks_to_time) is only ruled out
-    when a second probe, its samples pooled with the first's, still puts its bound below 1: a burst
-    of load during one probe's round-part measurements would otherwise rule out one that pays."""
+    """The bound on one prompt (ids: [1, T]). A pair (or a k) is only ruled out when a second probe,
+    pooled with the first, still puts it below 1: a burst of load could rule out one that pays."""
     b = int(ids.shape[0])
     hottest = max(acc_cfg.temperatures, default=0.0)
     plain_sampling = sampling_of(acc_cfg.sampling, hottest)
@@ -205,7 +187,8 @@ def screen_pair(model, draft, prompt_ids: list[int], ks: list[int], acceptance: 
     """The B = 1 screen of one pair (module docstring): the record the latency JSON carries, under
     `screened` when it does not pay, else under `screen`."""
     if getattr(draft, "model", None) is None:
-        return _model_free_record()
+        return {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
+                "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     one = _bound(model, draft, ids, ks, cache_len, acceptance, acc_cfg, seed, prompt_id)
     return {**one, "model_free": False, "reason": reason(one), "formula": FORMULA, "assumes": ASSUMES}
@@ -213,12 +196,8 @@ def screen_pair(model, draft, prompt_ids: list[int], ks: list[int], acceptance: 
 
 def ks_to_time(rec: dict, ks: list[int]) -> tuple[list[int], dict[str, float]]:
     """The k a pair that may pay is timed at, and the bound of each k it is not: 1..k_hi, k_hi the
-    largest k whose bound is at least 1. A k past k_hi
-    cannot be recommended at the bound's level (its speedup is below 1, and the marginal stage
-    recommends a k only where the speedup CI lies above 1), so timing it cannot change the
-    recommendation. The k are kept a prefix 1..k_hi (a k below k_hi whose own bound is under 1 is
-    still timed): the marginal stage reads a pair's k up to the largest timed drafted count.
-    A model-free or unscreened record, or one with no bound at 1, keeps every k."""
+    largest k whose bound is at least 1 (a k past it cannot be recommended; the marginal stage reads
+    a prefix of k). A model-free or unscreened record, or one with no bound at 1, keeps every k."""
     bound = {int(row["k"]): float(row["bound"]) for row in rec.get("rows") or []}
     if rec.get("model_free") or rec.get("verdict") != MAY_PAY or not bound or any(k not in bound for k in ks):
         return list(ks), {}
@@ -245,14 +224,12 @@ def reason(rec: dict) -> str:
     """'speedup at most 0.62 at k=1' (and B) in words, or the model-free line."""
     if rec.get("model_free"):
         return MODEL_FREE
-    if rec.get("max_bound") is None:
-        return rec.get("reason") or "not screened"
     return f"speedup at most {rec['max_bound']:.2f} at k={rec['at_k']}"
 
 
-def progress_line(target: str, spec: str, rec: dict, what: str = "") -> str:
+def progress_line(target: str, spec: str, rec: dict) -> str:
     """The stage's one line per screened pair."""
-    head = f"latency: {target} + {spec}{what}"
+    head = f"latency: {target} + {spec}"
     if rec.get("model_free"):
         return f"{head}: not screened (drafts without a model forward), timing"
     if rec["verdict"] == DOES_NOT_PAY:

@@ -5,10 +5,8 @@
         m = measure(srv.url, prompts, settings, k)                          # B = 1 and closed loops
 
 `measure` sends every workload prompt once per temperature, one at a time (B = 1: per-request
-TTFT, TPOT and inter-token times, and vLLM's per-request accepted counts per step), then each
-closed loop at the configured concurrencies, and reads vLLM's /metrics counters around each
-phase so the per-request sums can be checked against the engine's own totals. The same
-prompts, temperatures and seeds run on the plain engine (spec None): the baseline of every ratio.
+times and accepted counts), then each closed loop, reading vLLM's /metrics counters around each
+phase. The same prompts, temperatures and seeds run on the plain engine (spec None).
 """
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from pathlib import Path
 
 from pipeline.core.stage import StageError, read_json
 from pipeline.speculation.engine_stats import latency_summary, request_record
+from pipeline.speculation.measure import temp_key
 from pipeline.vllm.client import closed_loop, complete, counter_delta, open_loop, poisson_arrivals, spec_counters
 from pipeline.vllm.server import Server
 from pipeline.vllm.spec_config import engine_env, server_args, target_reason
@@ -108,7 +107,7 @@ def b1_records(url: str, prompts: dict, settings: Settings, temperature: float, 
                progress=None) -> list[dict]:
     """Every workload prompt alone at `temperature` (B = 1): one record per request."""
     rows = _rows(prompts)
-    tk = f"{float(temperature):.1f}" if round(temperature, 1) == temperature else repr(float(temperature))
+    tk = temp_key(temperature)
     recs = []
     for j, (cat, pid, ids) in enumerate(rows):
         comp = complete(url, body(settings, ids, temperature, seed_base + j), settings.request_timeout_s)
@@ -124,7 +123,7 @@ def measure(url: str, prompts: dict, settings: Settings, k: int, progress=None) 
     complete(url, body(settings, rows[0][2], 0.0, settings.seed, max_tokens=4), settings.request_timeout_s)  # warm-up
     out: dict = {"b1": {}, "closed_loop": {}, "counters": {}}
     for ti, t in enumerate(settings.temperatures):
-        tk = f"{float(t):.1f}" if round(t, 1) == t else repr(float(t))
+        tk = temp_key(t)
         before = spec_counters(url)
         out["b1"][tk] = b1_records(url, prompts, settings, t, k, settings.seed * 1000 + ti * 100, progress)
         out["counters"][f"b1 T={tk}"] = counter_delta(spec_counters(url), before)
@@ -147,9 +146,8 @@ def _slim(records: list[dict]) -> list[dict]:
 
 def sampled_texts(url: str, ids: list[int], samples: int, temperature: float, seed: int, tokens: int = SAMPLED_TOKENS,
                   timeout_s: float = 600.0) -> list[list[int]]:
-    """`samples` sampled completions of one prompt, `tokens` tokens each (sent as one request with
-    n = samples): the lossless test's draws. The first token of each comes from the prefill; every
-    later one from a step that may have speculated."""
+    """`samples` sampled completions of one prompt, `tokens` tokens each (one request, n = samples):
+    the lossless test's draws."""
     req = {"model": "specq", "prompt": list(ids), "n": samples, "max_tokens": tokens, "temperature": temperature,
            "seed": seed, "return_token_ids": True, "ignore_eos": True}
     r = urllib.request.Request(f"{url}/v1/completions", json.dumps(req).encode(), {"Content-Type": "application/json"})

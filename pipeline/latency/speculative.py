@@ -3,12 +3,11 @@
     from pipeline.latency.speculative import speculative_pair
     out = speculative_pair("bf16", "ngram", model, draft, prompts, lat, acc, device, confidence, seed)
 
-A round's cost depends on its content through one number, how many tokens the draft proposed, so
-rounds are timed on the acceptance stage's own prompts at every k and reported by drafted count
-(`round_ms_by_drafted[d]`), which the marginal stage weights by the acceptance stage's drafted
-counts. Repeats stop early once every figure the recommendation uses is settled (SETTLE_RULE,
-also used by pipeline/latency/grid.py) or the budget runs out. Why, and the
-rule: docs/methods/stages.md, docs/methods/budget.md.
+A round's cost depends on its content through how many tokens the draft proposed, so rounds are
+timed on the acceptance prompts at every k and reported by drafted count (`round_ms_by_drafted[d]`),
+which the marginal stage weights by the acceptance stage's drafted counts. Repeats stop once every
+figure the recommendation uses is settled (SETTLE_RULE, also the grid's) or the budget runs out.
+Why: docs/methods/stages.md, docs/methods/budget.md.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from pipeline.core.stage import StageError, progress
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.engine import generate
 from pipeline.latency.modes import compare, run_mode
-from pipeline.latency.plan import speculative_phase
+from pipeline.latency.memory import plan_loaded
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.intervals import median_ci
@@ -32,9 +31,8 @@ from pipeline.stats.intervals import median_ci
 
 # ---------------------------------------------------------------- how many repeats
 
-# The rarest drafted counts (verify widths) that together hold at most this share of the timed
-# rounds at every k are not asked to settle: they move no T_round(k) by more than this share of
-# their own error, and their few rounds per repeat would keep a pair running to the maximum.
+# The rarest drafted counts that together hold at most this share of the timed rounds at every k
+# are not asked to settle: they move no T_round(k) much, and would keep a pair running to the maximum.
 SETTLE_MIN_SHARE = 0.05
 
 SETTLE_RULE = (
@@ -50,16 +48,6 @@ SETTLE_RULE = (
 )
 
 
-def check_repeats(lat) -> None:
-    """One line (StageError) for repeat settings a stage cannot use."""
-    if lat.repeats < 1:
-        raise StageError("latency.repeats must be >= 1")
-    if getattr(lat, "min_repeats", 1) < 1:
-        raise StageError("latency.min_repeats must be >= 1")
-    if getattr(lat, "settle_rel", 1.0) <= 0:
-        raise StageError("latency.settle_rel must be > 0")
-
-
 def rel_half_width(samples, confidence: float, seed: int) -> float:
     """median_ci's half-width / |median| (inf with fewer than 2 samples or a zero median)."""
     xs = [float(x) for x in samples if x is not None]
@@ -70,9 +58,8 @@ def rel_half_width(samples, confidence: float, seed: int) -> float:
 
 
 def carrying(counts_by_k: dict, min_share: float = SETTLE_MIN_SHARE) -> list[int]:
-    """The drafted counts (widths) asked to settle: counts_by_k is k -> {d: rounds at k that
-    drafted d}; at each k the rarest d that together hold at most `min_share` of its rounds are left
-    out, and what any k keeps is kept."""
+    """The drafted counts asked to settle (counts_by_k: k -> {d: rounds}): at each k all but the
+    rarest that together hold at most `min_share` of its rounds; what any k keeps is kept."""
     keep = set()
     for counts in counts_by_k.values():
         total, dropped = sum(counts.values()), 0
@@ -88,28 +75,24 @@ def carrying(counts_by_k: dict, min_share: float = SETTLE_MIN_SHARE) -> list[int
 
 def settle_widths(plain, by_d: dict, counts_by_k: dict, confidence: float, seed: int, label: str = "",
                   unit: str = "d") -> dict[str, float]:
-    """name -> CI half-width / median of the figures SETTLE_RULE asks to settle: `plain` (per repeat
-    plain ms/token) and by_d[d] (per repeat mean round time of the rounds drafting d; None where a
-    repeat had none) for every d `carrying` keeps."""
+    """name -> CI half-width / median of the figures SETTLE_RULE settles: `plain` (per repeat ms/token)
+    and by_d[d] (per repeat mean round time drafting d) for every d `carrying` keeps."""
     out = {f"{label}plain": rel_half_width(plain, confidence, seed)}
     for d in carrying(counts_by_k):
         out[f"{label}{unit}={d}"] = rel_half_width(by_d.get(d, []), confidence, seed)
     return out
 
 
-# The fewest timing repeats a k is recommended from (pipeline/serving/marginal.py): a speedup CI
-# from one repeat has no timing spread in it (docs/results/2026-12-03-budgeted-vs-exhaustive.md), so
-# the budget never stops a timed pair's loop before this many repeats (Repeats' `floor`).
+# The fewest timing repeats a k is recommended from (a speedup CI from one repeat has no timing
+# spread in it), so the budget never stops a timed pair's loop before this many (Repeats' `floor`).
 MIN_TIMING_REPEATS = 2
 
 
 class Repeats:
     """One cell's (or pair's) repeat loop: up to latency.repeats; SETTLE_RULE after each repeat from
-    latency.min_repeats on when latency.settle; and, with a `budget` (pipeline.core.budget.StageBudget),
-    no further repeat once the budget cannot afford one at the mean repeat time so far (after at
-    least `floor` of them: 1 for a plain grid cell, MIN_TIMING_REPEATS for a timed pair, whose k
-    is recommended from that many on), recorded with budget.skip. Without a budget and with settle
-    off (or a `lat` that has no settle key) it does exactly latency.repeats.
+    latency.min_repeats on when latency.settle; with a `budget` (a StageBudget), no further repeat
+    once it cannot afford one at the mean repeat time so far (after at least `floor`), recorded with
+    budget.skip.
 
         loop = Repeats(lat, "bf16 + ngram", budget, confidence=0.95, seed=0)
         while loop.next():
@@ -139,8 +122,7 @@ class Repeats:
         return float(np.mean(self.times)) if self.times else None
 
     def eta(self) -> str:
-        """' (at most 2.1 min left; budget 7.5 min left)': this loop's repeats left at the mean
-        repeat time so far (at most: it may settle sooner), and the budget's."""
+        """' (at most 2.1 min left; budget 7.5 min left)': this loop's time left, and the budget's."""
         parts = []
         if self.times:
             parts.append(f"at most {fmt_s(self.mean_s() * (self.max - self.done))} left")
@@ -167,8 +149,7 @@ class Repeats:
         return True
 
     def finished(self, widths=None) -> None:
-        """After a repeat: `widths` (a callable giving settle_widths over the repeats so far) is
-        checked when settle is on, from min_repeats on, before the maximum."""
+        """After a repeat: `widths` (a callable giving settle_widths so far) is checked when settling."""
         self.times.append(self.clock() - self._t0)
         self.done += 1
         if self.settle and widths is not None and self.min <= self.done < self.max:
@@ -215,11 +196,8 @@ def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_
     return out
 
 
-# What one warm-up is (latency.warmup of them, untimed): every step shape a timed repeat uses, run
-# once. A B = 1 repeat runs every prompt at every temperature and k; its step shapes (a decode step,
-# a draft step, a verify of width k + 1, on a cache of the pair's one length) do not depend on the
-# prompt, so one run per (temperature, k) on the shortest prompt, WARMUP_TOKENS long, warms each of
-# them.
+# A warm-up (latency.warmup of them, untimed) runs every step shape a timed repeat uses once: they
+# do not depend on the prompt, so one short run per (temperature, k) on the shortest prompt.
 WARMUP_TOKENS = 8
 WARMUP_UNIT = (f"one run of {WARMUP_TOKENS} tokens per (temperature, k) on the shortest prompt, "
                "on the pair's cache length (every step shape a repeat uses, once)")
@@ -231,39 +209,25 @@ def warm_up(model, draft, prompts: dict, temperatures: list[float], sampling_cfg
     rows = [ids for kind_rows in prompts.values() for _, ids in kind_rows]
     if not rows or times < 1:
         return 0
-    device = next(model.parameters()).device
-    ids = torch.tensor([min(rows, key=len)], device=device)
-    n = min(new_tokens, WARMUP_TOKENS)
-    runs = 0
+    shortest = {"warm-up": [("", min(rows, key=len))]}
     for w in range(times):
-        for ti, t in enumerate(temperatures):
-            g = torch.Generator(device).manual_seed((seed + 1000 + w) * 7919 + ti)
-            for k in [0, *ks]:
-                generate(model, ids, n, draft=draft if k else None, k=k, sampling=sampling_of(sampling_cfg, t),
-                         generator=g, cache_len=cache_len)
-                runs += 1
-    return runs
-
-
-def round_time_block(times_per_repeat: list[list[float]]) -> dict:
-    """{"samples": per repeat the mean of its round times (None where a repeat had none),
-    "rounds": how many rounds in all}: one entry of round_ms_by_drafted, which
-    pipeline.serving.marginal.by_drafted_matrix reads."""
-    return {"samples": [float(np.mean(t)) if t else None for t in times_per_repeat],
-            "rounds": sum(len(t) for t in times_per_repeat)}
+        one_repeat(model, draft, shortest, temperatures, sampling_cfg, ks, min(new_tokens, WARMUP_TOKENS),
+                   seed + 1000 + w, cache_len)
+    return times * len(temperatures) * (len(ks) + 1)
 
 
 def _by_drafted(reps: list[dict], k_max: int, part: int) -> dict:
-    """d -> round_time_block of the rounds that drafted d (ms), over every k > 0."""
-    return {str(d): round_time_block([[r[part] * 1e3 for k, fig in rep.items() if k for r in fig["rounds"] if r[1] == d]
-                                      for rep in reps])
-            for d in range(k_max + 1)}
+    """d -> {"samples": per repeat the mean time (ms) of its rounds that drafted d, over every k > 0
+    (None where it had none), "rounds": how many in all}: what serving.marginal.by_drafted_matrix reads."""
+    out = {}
+    for d in range(k_max + 1):
+        times = [[r[part] * 1e3 for k, fig in rep.items() if k for r in fig["rounds"] if r[1] == d] for rep in reps]
+        out[str(d)] = {"samples": [float(np.mean(t)) if t else None for t in times], "rounds": sum(map(len, times))}
+    return out
 
 
 def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, seed: int) -> dict:
-    """One temperature's figures over repeats (reps: one_repeat(...)[temperature] per repeat).
-    Each k's row carries its `run_mode` and whether its speedup compares like with like
-    (pipeline/latency/modes.py)."""
+    """One temperature's figures over repeats (reps: one_repeat(...)[temperature] per repeat)."""
     k_max = max(ks)
     plain = [rep[0]["decode_s"] / max(rep[0]["tokens"], 1) * 1e3 for rep in reps]
     modes = {k: run_mode() for k in [0, *ks]}
@@ -299,8 +263,7 @@ def summarize_temperature(reps: list[dict], ks: list[int], confidence: float, se
 
 
 def pair_widths(reps: list[dict], ks: list[int], confidence: float, seed: int) -> dict[str, float]:
-    """SETTLE_RULE's figures of a B = 1 pair over the repeats so far (one_repeat outputs): at every
-    temperature, plain ms/token and the round time of every drafted count that carries rounds."""
+    """SETTLE_RULE's figures of a B = 1 pair over the repeats so far (one_repeat outputs)."""
     out = {}
     for t in reps[0]:
         per = [rep[t] for rep in reps]
@@ -317,10 +280,10 @@ def pair_widths(reps: list[dict], ks: list[int], confidence: float, seed: int) -
 
 def speculative_pair(target: str, draft_spec: str, model, draft, prompts: dict, lat, acc, device: torch.device,
                      confidence: float, seed: int, ks: list[int], *, budget=None) -> dict:
-    """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]). Repeats: up to lat.repeats, fewer once settled (SETTLE_RULE, lat.settle) or when `budget` (a
-    StageBudget; None = no budget) cannot afford another; the JSON says how many and why."""
+    """The latency/<target>__<draft>.json document (prompts: kind -> [(prompt id, ids)]); its
+    repeats as Repeats runs them (`budget`: a StageBudget or None), the JSON says how many and why."""
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
-    plan, memory_budget = speculative_phase(model, {draft_spec: draft}, lat, max(ks), longest, device)
+    plan, memory_budget = plan_loaded(model, lat, device, [longest], {draft_spec: draft}, max(ks))
     if plan.dropped:
         raise StageError(f"latency: {target} + {draft_spec}: the speculative cell does not fit: "
                          f"{plan.dropped[0]['reason']}")

@@ -35,8 +35,7 @@ RULE = (
 
 
 def timed_enough(row: dict) -> bool:
-    """Whether a row's timing has the repeats a recommendation needs (rows written before the
-    count was recorded are taken to have them)."""
+    """Whether a row's timing has the repeats a recommendation needs (an unrecorded count: yes)."""
     return row.get("timing_repeats", MIN_TIMING_REPEATS) >= MIN_TIMING_REPEATS
 
 
@@ -55,22 +54,10 @@ CATEGORY_RULE = (
 )
 
 
-# ---------------------------------------------------------------- helpers
-
-
-def _overlap(a: list[float], b: list[float]) -> bool:
-    return a[0] <= b[1] and b[0] <= a[1]
-
-
-# ---------------------------------------------------------------- the computation
-
-
 def by_drafted_matrix(block: dict, d_max: int) -> tuple[np.ndarray, list[int]]:
     """{d: {"samples": per repeat ms or None, "rounds"}} -> [R, d_max+1] ms, and the d that no
-    round drafted (filled). A repeat's missing d is read off a least-squares line through its
-    measured ones, weighted by their round counts: a round drafts d tokens and verifies d + 1, so
-    its time is close to linear in d. Filled values only weigh as much as the acceptance stage's
-    share of rounds drafting d, which is small where no timed round drafted d."""
+    round drafted. A repeat's missing d is read off a least-squares line through its measured
+    ones, weighted by their round counts (a round's time is close to linear in d)."""
     cols = [block.get(str(d)) or {"samples": [], "rounds": 0} for d in range(d_max + 1)]
     repeats = max(len(c["samples"]) for c in cols)
     m = np.full((repeats, d_max + 1), np.nan)
@@ -106,13 +93,9 @@ def _prompt_arrays(acc: dict, ks: list[int], d_max: int):
 
 def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int = 0, resamples: int = 2000,
                    noise: dict | None = None) -> dict:
-    """The marginal-cost table for one (pair, slice, temperature).
-
-    acc: the acceptance JSON's block for the slice and temperature (expected_tokens_per_round,
-    per_prompt, per_position); timing: the latency pair JSON's block for the temperature
-    (plain_ms_per_token, round_ms_by_drafted, draft_ms_by_drafted); noise: the run's pooled
-    timing noise (pipeline/serving/timing_noise.py pooled_noise; None: the table's own repeats
-    are resampled)."""
+    """The marginal-cost table for one (pair, slice, temperature) from the acceptance JSON's block
+    `acc` and the latency pair JSON's block `timing` at that temperature; `noise`: the run's
+    pooled timing noise (timing_noise.py; None: the table's own repeats are resampled)."""
     # Only the k whose drafted counts were all timed (latency.k_max may stop below acceptance's).
     timed = max((int(d) for d in timing["round_ms_by_drafted"]), default=0)
     ks = sorted(int(k) for k in acc["expected_tokens_per_round"] if 1 <= int(k) <= timed)
@@ -136,11 +119,8 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
     idx = rng.integers(0, plain_ms.size, (resamples, plain_ms.size))
     with np.errstate(divide="ignore", invalid="ignore"):
         share_b = np.einsum("bp,pkd->bkd", w, drafted) / (w @ rounds)[..., None]
-        # Small-sample calibration: E(k)'s part of each replicate is a draw from the
-        # acceptance stage's own E(k) interval (summarize_slice: t on n - 1 df, log(E - 1) scale),
-        # one t draw per replicate shared by every k; the rounds' drafted shares stay resampled
-        # as above, and the timing part follows. A percentile bootstrap of E over a handful of prompts is too
-        # narrow (it sees the plug-in spread, a normal quantile and no skew).
+        # E(k)'s part of each replicate is a draw from the acceptance stage's own t interval (one
+        # t draw per replicate, shared by every k): a bootstrap of E over few prompts is too narrow.
         if n_prompts >= 2:
             t_b = rng.standard_t(n_prompts - 1, size=resamples)
             e_c = np.stack([ratio_t_draws(tokens, rounds[:, j], e_point[j], t_b, log_above=1.0,
@@ -153,9 +133,8 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
             ms_c = round_b / e_c
             sp_c = np.median(plain_ms[idx], axis=1)[:, None] / ms_c
         else:
-            # The timing part from the run's pooled noise (timing_noise.py), the prompts' part as
-            # above: a replicate's round time moves with its resampled drafted shares (relative to
-            # the point's) and a t draw of the median over n repeats; the ratio plain / round by its own.
+            # Pooled noise: a replicate's round time moves with its resampled drafted shares and a
+            # t draw of the median over n repeats; the ratio plain / round by its own draw.
             n_rep = int(min(plain_ms.size, t_round.shape[0]))
             t_med = np.median(t_round, axis=0)  # [D]
             moved = (share_b @ t_med) / (share @ t_med)[None, :]  # [B, K]
@@ -169,9 +148,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
     c = _cost_ratio(by_drafted_matrix(timing.get("draft_ms_by_drafted") or {}, d_max)[0]
                     if timing.get("draft_ms_by_drafted") else None, t_plain)
 
-    def ci(boot: np.ndarray, point: float) -> list[float]:
-        # Percentile interval containing the point; resamples where a ratio is undefined (no
-        # weight on any prompt's rounds) are dropped, and with none left it is the point alone.
+    def ci(boot: np.ndarray, point: float) -> list[float]:  # undefined ratios dropped
         return percentile_interval(boot, confidence, point, drop_nonfinite=True, too_few=(point, point))
 
     rows = []
@@ -195,12 +172,9 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
             "speedup_ci": ci(sp_c[:, j], t_plain / ms_tok),
             "timing_repeats": int(min(plain_ms.size, t_round.shape[0])),
             "marginal_ms_per_token": marginal,
-            # k-1 -> k lowers ms/token iff a marginal token costs less than the average one at
-            # k-1. SEEDS' looser test (below plain ms/token) says the extra tokens are at least
-            # cheaper than plain decoding would make them.
+            # k-1 -> k lowers ms/token iff a marginal token costs less than the average one at k-1.
             "marginal_pays": marginal is not None and marginal < prev_round / prev_tokens,
             "marginal_beats_plain": marginal is not None and marginal < t_plain,
-            # The latency stage's run modes of this k and of plain decoding (None: not recorded).
             **compare(lat_modes.get(k), timing.get("plain_run_mode"), ("speculative", "plain")),
         }
         if alphas and c is not None and k <= len(alphas):
@@ -221,8 +195,6 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
         "ci_unit": ("acceptance prompts and timing repeats, resampled independently" if n_prompts >= 2 else
                     "timing repeats only (one prompt: acceptance not resampled)"),
         "timing_ci": noise_line(noise),
-        # tokens_per_round_ci is the acceptance stage's E(k) interval; ms_per_token_ci and speedup_ci
-        # draw E(k)'s part from it; round_ms_ci and baseline_ci are plain percentile intervals.
         "ci_method": ("percentile over resampled timing repeats and prompts' drafted shares, E(k) drawn from "
                       "its t interval (n - 1 df, log(E - 1) scale)" if n_prompts >= 2 else
                       "percentile over resampled timing repeats"),
@@ -232,8 +204,7 @@ def marginal_table(acc: dict, timing: dict, confidence: float = 0.95, seed: int 
 
 
 def _position_rates(per_position: list[dict]) -> list[float]:
-    """Measured conditional acceptance per position (P(A_i | A_1..A_i-1)); where no round reached
-    position i, the mean beta_i (1 - TV(p, q)) stands in."""
+    """Measured conditional acceptance per position; the mean beta_i where no round reached i."""
     rates = []
     for pos in sorted(per_position, key=lambda p: p["position"]):
         r = pos.get("conditional")
@@ -246,8 +217,7 @@ def _position_rates(per_position: list[dict]) -> list[float]:
 
 
 def _cost_ratio(draft_ms: np.ndarray | None, t_plain: float) -> float | None:
-    """c = one draft step / one plain target step: the median over drafted counts d >= 1 of
-    median draft time(d) / (d T_plain). draft_ms: [repeats, d_max + 1]."""
+    """c = one draft step / one plain target step: median over d >= 1 of draft time(d) / (d T_plain)."""
     if draft_ms is None or draft_ms.shape[1] < 2 or t_plain <= 0:
         return None
     per_d = np.median(draft_ms[:, 1:], axis=0) / (np.arange(1, draft_ms.shape[1]) * t_plain)
@@ -261,14 +231,15 @@ def recommend_k(rows: list[dict]) -> int:
     if not beats:
         return 0
     best = min(beats, key=lambda k: (by_k[k]["ms_per_token"], k))
-    while best - 1 in beats and _overlap(by_k[best - 1]["ms_per_token_ci"], by_k[best]["ms_per_token_ci"]):
+    while best - 1 in beats and (by_k[best - 1]["ms_per_token_ci"][0] <= by_k[best]["ms_per_token_ci"][1]
+                                 and by_k[best]["ms_per_token_ci"][0] <= by_k[best - 1]["ms_per_token_ci"][1]):
         best -= 1
     return best
 
 
 def category_entry(table: dict, acc: dict) -> dict:
-    """One category's recommendation at one temperature (CATEGORY_RULE). table: marginal_table's
-    result for the slice; acc: the acceptance slice block (for its `few_prompts` flag)."""
+    """One category's recommendation at one temperature (CATEGORY_RULE) from its marginal_table and
+    acceptance slice block."""
     rows = table["rows"]
     rec = table["recommended_k"]
     usable = [r for r in rows if comparable(r)]
@@ -278,7 +249,6 @@ def category_entry(table: dict, acc: dict) -> dict:
     if rec:
         verdict, settled, reason = "speculate", True, f"k = {rec}: speedup CI above 1"
     elif usable and not timed_enough(best):
-        # Neither way settled: a single repeat's CI resamples the prompts alone.
         verdict, settled = "inconclusive", False
         reason = (f"best k = {best['k']}: one timing repeat (speedup {best['speedup']:.3g}, its CI over prompts "
                   f"alone); a k is recommended, or ruled out, from {MIN_TIMING_REPEATS} repeats on")
@@ -308,8 +278,7 @@ def category_entry(table: dict, acc: dict) -> dict:
 
 
 def by_category(tables: dict[str, dict[str, dict]], slices: dict, categories: list[str] | None) -> dict:
-    """{category: {temperature: category_entry}} for every acceptance slice but "all", in the
-    workload's category order where it is known (then any other slice, sorted)."""
+    """{category: {temperature: category_entry}} for every slice but "all", in the workload's order."""
     names = [c for c in (categories or []) if c in tables and c != "all"]
     names += sorted(s for s in tables if s != "all" and s not in names)
     return {c: {t: category_entry(tables[c][t], slices[c][t]) for t in sorted(tables[c], key=float)}
@@ -324,74 +293,46 @@ def workload_brief(acceptance: dict) -> dict | None:
     return {k: v for k, v in w.items() if k != "prompts"}
 
 
-# ---------------------------------------------------------------- joining the artifacts
-
-
-def screened_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
-    """The marginal artifact of a pair the latency stage screened out (pipeline/latency/screen.py):
-    nothing timed, so no table: recommended_k 0, the screen's record under `screened`, its sentence
-    under `screened_note`, the acceptance figures that were measured, and k per category not given
-    (the bound is on the pooled slice; `categories_not_ruled_out` names any category whose own E CI
-    it does not rule out)."""
-    rec = latency["screened"]
+def untimed_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
+    """The marginal artifact of a pair with no timed table, with the acceptance figures that were
+    measured: one the latency stage screened out (pipeline/latency/screen.py: recommended_k 0, the
+    screen's record under `screened`, its sentence under `screened_note`, k per category not given)
+    or one its budget left no time for (`not_timed`: recommended_k None)."""
     slices = acceptance.get("slices") or {}
     primary_slice = "all" if "all" in slices else (sorted(slices)[0] if slices else "all")
     temps = slices.get(primary_slice) or {}
     primary_temp = (min(temps, key=float) if temps else latency.get("primary_temperature")) or "0.0"
     acc_primary = temps.get(primary_temp) or {}
+    out = {"variant": latency.get("variant", acceptance.get("variant")),
+           "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
+           "primary": {"slice": primary_slice, "temperature": primary_temp}, "rows": [], "rule": RULE,
+           "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None,
+           "workload": workload_brief(acceptance), "acceptance_per_position": acc_primary.get("per_position", [])}
+    if latency.get("not_timed"):
+        return {**out, "recommended_k": None, "not_timed": latency["not_timed"], "recommended_k_by_batch": None}
+    rec = latency["screened"]
     plain = [float(x) for x in (rec.get("probe") or {}).get("plain_ms") or []]
     cats = rec.get("categories_not_ruled_out") or []
     return {
-        "variant": latency.get("variant", acceptance.get("variant")),
-        "draft": latency.get("draft", acceptance.get("draft")),
-        "device": latency.get("device"),
-        "confidence": confidence,
-        "primary": {"slice": primary_slice, "temperature": primary_temp},
+        **out, "device": latency.get("device"),
         "baseline_ms_per_token": float(np.median(plain)) if plain else None,
         "baseline_ci": [min(plain), max(plain)] if plain else None,
         "baseline_source": "the screen's probe (plain decode steps on one prompt; the range of its repeats), "
                            "not a timed grid",
-        "rows": [],
-        "recommended_k": 0,
-        "rule": RULE,
-        "screened": rec,
-        "screened_note": screened_note(rec),
-        "slices": {},
-        "recommended_k_by_category": None,
+        "recommended_k": 0, "screened": rec, "screened_note": screened_note(rec),
         "recommended_k_by_category_note": (
             "k per category: not given, the pair was screened on the pooled slice 'all'" +
             (f" (the bound does not rule out {', '.join(cats)} on their own acceptance CI)" if cats else "")),
-        "category_rule": CATEGORY_RULE,
-        "workload": workload_brief(acceptance),
-        "acceptance_per_position": acc_primary.get("per_position", []),
-        "direct_check": acc_primary.get("direct_check", {}),
-        "latency_new_tokens": latency.get("new_tokens"),
-        "latency_rows": [],
+        "category_rule": CATEGORY_RULE, "direct_check": acc_primary.get("direct_check", {}),
+        "latency_new_tokens": latency.get("new_tokens"), "latency_rows": [],
     }
 
 
-def not_timed_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
-    """The marginal artifact of a pair the latency stage had no time left for: no table and no k
-    (recommended_k None), the acceptance figures that were measured, and why."""
-    slices = acceptance.get("slices") or {}
-    temps = slices.get("all") or {}
-    primary_temp = min(temps, key=float) if temps else "0.0"
-    return {"variant": latency.get("variant", acceptance.get("variant")),
-            "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
-            "primary": {"slice": "all", "temperature": primary_temp}, "rows": [], "recommended_k": None,
-            "not_timed": latency["not_timed"], "rule": RULE, "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None,
-            "recommended_k_by_batch": None, "workload": workload_brief(acceptance),
-            "acceptance_per_position": (temps.get(primary_temp) or {}).get("per_position", [])}
-
-
 def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise: dict | None = None) -> dict:
-    """The whole marginal artifact for one pair: the primary table (slice "all", greedy when
-    measured) at the top level, and one table per slice and temperature under "slices". A pair
-    the latency stage screened out (`screened`): screened_report."""
-    if isinstance(latency, dict) and latency.get("screened"):
-        return screened_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
-    if isinstance(latency, dict) and latency.get("not_timed"):
-        return not_timed_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
+    """The marginal artifact of one pair: the primary table (slice "all", greedy when measured) at
+    the top level, one per slice and temperature under "slices"; an untimed pair's: untimed_report."""
+    if isinstance(latency, dict) and (latency.get("screened") or latency.get("not_timed")):
+        return untimed_report(acceptance if isinstance(acceptance, dict) else {}, latency, confidence)
     try:
         by_temp = latency["by_temperature"]
         slices = acceptance["slices"]
@@ -432,16 +373,13 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise
         "primary": {"slice": primary_slice, "temperature": primary_temp},
         **primary,
         "rule": RULE,
-        # The run's pooled timing noise behind every speedup CI's timing part (None: each table's own repeats).
         "timing_noise": noise,
         "slices": tables,
-        # k per category, and the workload the acceptance prompts came from.
         "recommended_k_by_category": by_category(tables, slices, (acceptance.get("workload") or {}).get("categories")),
         "category_rule": CATEGORY_RULE,
         "workload": workload_brief(acceptance),
         "acceptance_per_position": acc_primary.get("per_position", []),
         "direct_check": acc_primary.get("direct_check", {}),
-        # The k the latency stage did not time (their speedup bound is below 1: screen.ks_to_time).
         "ks_not_timed": latency.get("ks_not_timed") or {},
         "ks_not_timed_note": cut_line(latency.get("ks_timed") or [], latency.get("ks_not_timed") or {}) or None,
         "latency_new_tokens": latency.get("new_tokens"),

@@ -5,10 +5,9 @@ the recommendation as the `speculative_config` vLLM takes, and the derivation ch
     tables = engine_tables(plain_doc, pair_doc, confidence, seed)     # temperature -> B -> rows per k
     rec = recommend(tables, pair_doc, run_dir)                        # k at B = 1, k per B, config, command
 
-A row's ms/token is sum(decode time) / sum(decode tokens) over the workload's prompts (TPOT pooled
-over requests), the speedup is the plain engine's over it on the same prompts, and its interval a
-paired bootstrap over prompts (the unit every request is one draw of). k is chosen by
-marginal.RULE, leaving out any k whose lossless check failed at that temperature.
+A row's ms/token is TPOT pooled over the workload's requests, its speedup the plain engine's over it
+on the same prompts with a paired bootstrap over prompts. k is chosen by marginal.RULE, leaving out
+any k whose lossless check failed at that temperature. The open-loop check's verdict is here too.
 """
 from __future__ import annotations
 
@@ -78,9 +77,8 @@ def _acceptance_cells(run: dict, t: str) -> dict:
 
 
 def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
-    """False where speculation measurably changed the output at temperature t: greedy, this k's
-    greedy check; sampled, the pair's sampled check (run once, at k_max: the rejection sampler is
-    one code path for every k and every temperature above 0)."""
+    """False where speculation measurably changed the output at temperature t: this k's greedy check,
+    or above 0 the pair's sampled check (run once, at k_max: one code path for every k)."""
     if float(t) == 0.0:
         g = run.get("lossless", {}).get("greedy")
         return True if g is None else bool(g["greedy_lossless"])
@@ -89,8 +87,7 @@ def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
 
 def vllm_rows(by_batch: dict[int, int]) -> list[list[int]]:
     """{B: k} -> the [[start_bs, end_bs, k], ...] rows of vLLM's num_speculative_tokens_per_batch_size:
-    each measured B covers up to the next measured B minus one (vLLM gives a gap the previous row's
-    k), the last only itself; neighbouring rows with the same k merge."""
+    each measured B up to the next minus one, the last only itself; rows with the same k merge."""
     rows: list[list[int]] = []
     bs = sorted(by_batch)
     for i, b in enumerate(bs):
@@ -107,9 +104,8 @@ def _pick(rows: list[dict]) -> int:
 
 
 def recommend(tables: dict, pair: dict, run_dir) -> dict:
-    """The k to deploy at the primary temperature (greedy when measured): at B = 1, per measured
-    concurrency, the speculative_config (with vLLM's per-batch-size schedule where k differs by B)
-    and the `vllm serve` line; per temperature the same for reference."""
+    """The k to deploy at the primary temperature (greedy when measured): at B = 1 and per measured
+    concurrency, the speculative_config and the `vllm serve` line; per temperature the same."""
     per_temp = {}
     for t, by_b in tables.items():
         by_batch = {int(b): _pick(rows) for b, rows in by_b.items()}
@@ -142,9 +138,8 @@ def recommend(tables: dict, pair: dict, run_dir) -> dict:
 
 
 def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0.95) -> dict | None:
-    """specq's teacher-forced E(k) beside vLLM's measured E[tokens per step] on the same prompts and
-    temperature, paired by prompt: the difference and its t interval (acceptance_stats.ratio_difference).
-    None without an acceptance artifact for the pair."""
+    """specq's teacher-forced E(k) beside vLLM's measured E[tokens per step], paired by prompt: the
+    difference and its t interval (None without an acceptance artifact)."""
     if not acceptance:
         return None
     out = {}
@@ -195,10 +190,8 @@ def latency_percentiles(plain: dict, pair: dict) -> dict:
 
 
 def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95, plain: dict | None = None) -> dict:
-    """The marginal artifact of a pair measured in vLLM: DESIGN.md's keys (baseline_ms_per_token,
-    rows with k / tokens_per_round / round_ms / ms_per_token / speedup / marginal_ms_per_token,
-    recommended_k) from the engine's B = 1 table at the primary temperature, the recommendation as
-    vLLM takes it, and the derived-vs-engine check."""
+    """The marginal artifact of a pair measured in vLLM: DESIGN.md's keys from the engine's B = 1
+    table at the primary temperature, the recommendation as vLLM takes it, and the derived-vs-engine check."""
     rec = pair["recommendation"]
     t = rec["primary_temperature"]
     table = pair["tables"][t]["1"]
@@ -237,3 +230,72 @@ def served_report(pair: dict, acceptance: dict | None, confidence: float = 0.95,
         "latency_percentiles": latency_percentiles(plain or {}, pair),
         "ci_unit": "prompt (paired bootstrap of the engine's per-request times)",
     }
+
+
+def b1_check(plain: dict, b1: list[dict], rec: dict, tables: dict, t: str, confidence: float) -> dict:
+    """The deployed config's B = 1 speedup over plain decoding, measured again on its own engine,
+    against the interval the report gives for that k."""
+    k = rec["recommended_k"]
+    row = speed_row(k, plain["measure"]["b1"][t], b1, confidence, 0)
+    report = next(r for r in tables[t]["1"] if r["k"] == k)
+    lo, hi = report["speedup_ci"]
+    return {"k": k, "temperature": t, "report_speedup": report["speedup"], "report_ci": report["speedup_ci"],
+            "measured_speedup": row["speedup"], "measured_ci": row["speedup_ci"],
+            "within_report_ci": bool(lo <= row["speedup"] <= hi)}
+
+
+def _median_ci(xs: list[float]) -> list[float] | None:
+    """95% percentile-bootstrap interval of the median (requests resampled)."""
+    if len(xs) < 2:
+        return None
+    a = np.asarray(xs, float)
+    idx = np.random.default_rng(0).integers(0, a.size, size=(2000, a.size))
+    return percentile_interval(np.median(a[idx], axis=1), 0.95, float(np.median(a)))
+
+
+def _compare(a: dict, b: dict) -> str:
+    """a against b: fewer requests within the SLO is worse; else by TPOT p50 when the CIs part."""
+    if a["slo_met"] != b["slo_met"]:
+        return "better" if a["slo_met"] > b["slo_met"] else "worse"
+    ca, cb = a.get("tpot_p50_ci"), b.get("tpot_p50_ci")
+    if ca and cb and ca[1] < cb[0]:
+        return "faster"
+    if ca and cb and cb[1] < ca[0]:
+        return "slower"
+    return "indistinguishable"
+
+
+PHRASE = {"better": "served more requests within the SLO than", "worse": "served fewer requests within the SLO than",
+          "faster": "had a lower TPOT p50 than", "slower": "had a higher TPOT p50 than",
+          "indistinguishable": "was indistinguishable from", "same config": "is"}
+
+
+def open_loop_verdict(v: dict) -> dict:
+    """Per load: each config's requests within the SLO and TPOT p50 [CI], and the recommendation
+    against no speculation and the best fixed k (the same arrivals for each)."""
+    per, sentences, beat = [], [], []
+    for i, rate in enumerate(v["rates"]):
+        cands = {"no speculation": v["plain"][i] if i < len(v["plain"]) else None,
+                 **{lab: c["runs"][i] for lab, c in v["configs"].items() if "runs" in c and i < len(c["runs"])}}
+        row = {"rate": rate}
+        for lab, x in cands.items():
+            if x:
+                row[lab] = {"slo_met": x["slo_met"], "requests": x["requests"], "goodput_rps": x["goodput_rps"],
+                            "tpot_p50_ms": (x["tpot_ms"] or {}).get("p50"), "tpot_p99_ms": (x["tpot_ms"] or {}).get("p99"),
+                            "tpot_p50_ci": _median_ci(x.get("tpot_per_request_ms") or []),
+                            "output_tokens_per_s": x.get("output_tokens_per_s")}
+        rec = row.get("recommended")
+        if rec and row.get("no speculation"):
+            row["recommended_vs_no_speculation"] = _compare(rec, row["no speculation"])
+            row["recommended_vs_best_fixed_k"] = (_compare(rec, row["best_fixed_k"]) if row.get("best_fixed_k")
+                                                  and v["configs"]["best_fixed_k"].get("same_as") is None else "same config")
+            beat.append(row["recommended_vs_no_speculation"] in ("better", "faster")
+                        and row["recommended_vs_best_fixed_k"] not in ("worse", "slower"))
+            sentences.append(f"at {rate:.2f} requests/s, {PHRASE[row['recommended_vs_no_speculation']]} no speculation "
+                             f"and {PHRASE.get(row['recommended_vs_best_fixed_k'], 'the same config as')} the best fixed k")
+        per.append(row)
+    if not v["configs"].get("recommended", {}).get("started", True):
+        sentences = [f"did not start ({v['configs']['recommended']['error']})"]
+    return {"per_rate": per, "recommendation_beat_alternatives": bool(beat) and all(beat),
+            "rule": "requests within the SLO first, then TPOT p50 where the 95% CIs (requests resampled) part",
+            "sentence": ("the recommended config, " + "; ".join(sentences)) if sentences else "no open-loop load was run"}

@@ -43,16 +43,14 @@ def _ss(x: np.ndarray) -> float:
 
 
 class _Pool:
-    """Sums of squared deviations: per-repeat log plain / round (`ratio`) and log round time over
-    the figures, log plain ms/token over the plain sequences (one per temperature)."""
+    """Sums of squared deviations of per-repeat log plain / round, log round and log plain."""
 
     def __init__(self) -> None:
         self.ratio_ss = self.round_ss = self.plain_ss = 0.0
         self.df = self.plain_df = self.figures = 0
 
     def add(self, plain, cols: list[dict]) -> None:
-        """One plain sequence (per-repeat plain ms/token) and the round-time blocks {"samples",
-        "rounds"} timed in the same repeats."""
+        """One plain sequence and the round-time blocks {"samples", "rounds"} timed in its repeats."""
         plain = _samples(plain) or []
         used = False
         for col in cols:
@@ -72,10 +70,8 @@ class _Pool:
             self.plain_df += p.size - 1
 
     def figure(self, over: str) -> dict | None:
-        """The pooled figure, or None below MIN_DF plain or effective degrees of freedom. The figures of one
-        plain sequence share its repeats, so the ratio's variance is only as sure as the plain part's:
-        the effective df is Welch-Satterthwaite's for var(log plain) + var(log round) on plain_df
-        and df (an upper bound on the ratio's: it ignores the covariance the paired ratio removes)."""
+        """The pooled figure, or None below MIN_DF plain or effective degrees of freedom (Welch-
+        Satterthwaite's for var(log plain) + var(log round): the figures share the plain repeats)."""
         if self.df < 1 or self.plain_df < MIN_DF:  # Satterthwaite's df is itself a guess on fewer
             return None
         v_p, v_r = self.plain_ss / self.plain_df, self.round_ss / self.df
@@ -89,10 +85,9 @@ class _Pool:
 
 
 def pooled_noise(pairs: dict[str, dict]) -> dict | None:
-    """The run's pooled timing noise, from its latency pair documents (pair -> latency/<pair>.json):
-    {"ratio_sd", "round_sd", "df" (effective), "figure_df", "plain_df", "figures", "pooled_over": "the run",
-    "unit", "phases": {phase: the same over one document's figures, or None}}, phases named `<pair>`.
-    None when the run holds fewer than MIN_DF effective degrees of freedom."""
+    """The run's pooled timing noise from its latency pair documents (pair -> doc): {"ratio_sd",
+    "round_sd", "df", "figure_df", "plain_df", "figures", "pooled_over", "unit", "phases": {pair: the
+    same over its own figures, or None}}; None below MIN_DF effective degrees of freedom."""
     run, phases = _Pool(), {}
 
     def phase(name: str, sequences) -> None:
@@ -111,9 +106,8 @@ def pooled_noise(pairs: dict[str, dict]) -> dict | None:
 
 
 def noise_for(noise: dict | None, phase: str | None = None) -> dict | None:
-    """The noise one phase's intervals use: its own figures' pool when it holds MIN_DF degrees of
-    freedom (the figures timed in the same repeats, under the same load), else the run's (phase
-    None: the run's)."""
+    """The noise one phase's intervals use: its own pool where it has MIN_DF degrees of freedom, else
+    the run's."""
     if noise is None:
         return None
     own = (noise.get("phases") or {}).get(phase) if phase is not None else None
@@ -122,8 +116,7 @@ def noise_for(noise: dict | None, phase: str | None = None) -> dict | None:
 
 @lru_cache(maxsize=None)
 def median_factor(n: int) -> float:
-    """sqrt(n Var(median of n standard normals)): the median's standard error over sigma / sqrt(n)
-    (1 for n <= 2; Monte Carlo, 200,000 draws, fixed seed: about 0.3% error)."""
+    """The median's standard error over sigma / sqrt(n) (1 for n <= 2; Monte Carlo, fixed seed)."""
     if n <= 2:
         return 1.0
     z = np.random.default_rng(20261203).standard_normal((200_000, n))

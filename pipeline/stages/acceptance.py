@@ -26,14 +26,10 @@ from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts,
 from pipeline.stages.targets import engine_drafts, speculation_targets
 from pipeline.variants.schemes import load_variant
 
-# The stage's plan before any pair is measured, in plain texts' time (SmolLM2-135M on 2 CPU cores,
-# 48 new tokens, k_max 6, where a text takes 1.5-1.8 s): a pair's teacher-forced passes cost about
-# TF_PER_TEXT of a text each (0.06-0.3: ngram and layerskip:8 0.1 s, self:w4a16-gptq 0.2-0.5 s), its
-# sampled lossless test about LOSSLESS_TEXTS texts (120 samples: 5-15 s), and each direct run about
-# DIRECT_PER_TEXT texts (0.7-1.2 on a quiet machine; the direct check's own plan starts from the
-# more cautious PRIOR_DIRECT_PER_TEXT_S, pipeline/speculation/measure.py). Once a pair is measured
-# its own time replaces the first two; its direct check plans from its own first runs. The
-# estimate is printed after ANNOUNCE_AFTER texts (the first carries the warm-up), from the fastest.
+# The stage's estimate before any pair is measured, in plain texts' time: a pair's teacher-forced
+# passes cost about TF_PER_TEXT of a text each, its sampled lossless test about LOSSLESS_TEXTS texts,
+# each direct run about DIRECT_PER_TEXT texts; a measured pair's own time replaces the first two. It
+# is printed after ANNOUNCE_AFTER texts (the first carries the warm-up), from the fastest.
 TF_PER_TEXT = 0.15
 LOSSLESS_TEXTS = 6.0
 DIRECT_PER_TEXT = 1.2
@@ -41,8 +37,8 @@ ANNOUNCE_AFTER = 2
 
 
 def _every(seconds: float, label: str, budget: StageBudget | None = None, clock=time.time):
-    """tick(done, total[, left_s]): a progress line with the time left (at the rate so far, or
-    `left_s` when the caller knows better) and the budget left, at most once every `seconds`."""
+    """tick(done, total[, left_s]): a progress line with the time left (at the rate so far unless
+    given) and the budget's, at most once every `seconds`."""
     start = last = clock()
 
     def tick(done: int, total: int, left_s: float | None = None) -> None:
@@ -57,10 +53,9 @@ def _every(seconds: float, label: str, budget: StageBudget | None = None, clock=
 
 
 class _Planner:
-    """The stage's running estimate: texts (per variant), then per pair its measurement
-    (teacher-forced passes and the sampled lossless test, always whole) and its direct check,
-    which gets an equal part of what the budget has left once every pair's measurement is
-    reserved."""
+    """The stage's running estimate: texts per variant, then per pair its measurement (always whole)
+    and its direct check, which gets an equal part of what the budget has left once every pair's
+    measurement is reserved."""
 
     def __init__(self, budget: StageBudget, todo: dict[str, list], n_prompts: int, cfg):
         self.budget, self.todo, self.cfg = budget, todo, cfg
@@ -124,8 +119,7 @@ def run(ctx: StageContext) -> None:
             slug = draft_slug(spec)
             dmeta = read_json(ctx.run_dir / "drafts" / slug / "meta.json", f"draft '{spec}' meta.json")
             name = f"{variant}__{slug}"
-            # budget_s: a pair measured under a budget may have cut its direct check; it is not
-            # the exhaustive run's, nor another budget's.
+            # budget_s: a budget may have cut the pair's direct check.
             inputs = {"variant": vmeta.get("input_hash"), "draft": dmeta.get("input_hash"),
                       "acceptance": ctx.config.section("acceptance"), "confidence": ctx.config.confidence,
                       "seed": ctx.config.seed, "device": str(device), "prompt_limit": prompt_limit_inputs(ctx.config),
@@ -179,7 +173,6 @@ def run(ctx: StageContext) -> None:
                     "not run (budget)" if (result.get("direct_check_plan") or {}).get("stopped") else "-")
                 progress(f"acceptance: {name} T={t}: E[tokens/round]@k_max="
                          f"{v['expected_tokens_per_round'][str(cfg.k_max)]:.2f}; derived vs direct {line}")
-        # Done with this variant: its memory goes back before the next one loads (pipeline/decode/release.py).
         release_caches(model)
         model = tokenizer = prompts = texts = None
         collect(device)

@@ -2,13 +2,11 @@
 
     python -m pipeline latency --run runs/smollm2-135m --config configs/default.yaml
 
-Writes `latency/<variant>.json` (the plain grid: pipeline/latency/grid.py),
-`latency/<variant>__<draft_slug>.json` (round time by drafted count on the acceptance workload,
-for pairs the vllm stage did not measure: pipeline/latency/speculative.py; speculation under
-batching is measured in vLLM). A memory plan
-(pipeline/latency/plan.py) runs first, a screen (pipeline/latency/screen.py) skips pairs that
-cannot pay, and every ratio says whether both sides ran the same way (pipeline/latency/modes.py).
-Method: docs/methods/stages.md, marginal.md, budget.md, gpu-box.md.
+Writes `latency/<variant>.json` (the plain grid: pipeline/latency/grid.py) and
+`latency/<variant>__<draft_slug>.json` (B = 1 round time by drafted count on the acceptance
+workload: pipeline/latency/speculative.py) for the pairs the vllm stage did not measure. Each model's
+memory plan (pipeline/latency/memory.py) runs first, a screen (pipeline/latency/screen.py) skips
+pairs that cannot pay. Method: docs/methods/stages.md, marginal.md, budget.md, gpu-box.md.
 """
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, a
 from pipeline.decode.release import collect, release_caches
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
-from pipeline.latency.plan import why_not_screened
 from pipeline.latency.roofline import measure_bandwidth
 from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_pair, skipped_b1, summary
 from pipeline.latency.speculative import speculative_pair
@@ -35,19 +32,16 @@ from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.report.figures import tpot_ratio_plot
 from pipeline.speculation.measure import temp_key
 from pipeline.speculation.workload import prompt_limit_inputs, workload_prompts, workload_summary
-from pipeline.stages.targets import engine_drafts, speculation_targets
+from pipeline.stages.targets import engine_drafts, speculation_targets, vllm_measured
 from pipeline.variants.schemes import load_variant
 
-
-def draft_input_hash(run_dir: Path, slug: str) -> str | None:
-    """The drafts stage's input hash for one draft (None before it ran): a pair's items key on it."""
-    meta = run_dir / "drafts" / slug / "meta.json"
-    return read_json(meta).get("input_hash") if meta.is_file() else None
+# With a time budget (pipeline/core/budget.py) the plain grids get this share of the stage's time,
+# the pairs the rest; within a phase each piece gets an even split of what the phase has left.
+PHASE_SHARES = {"grids": 0.3, "pairs": 1.0}
 
 
 def workload_inputs(cfg) -> dict:
-    """The config keys that choose the workload's prompts (pipeline/speculation/workload.py): the
-    acceptance keys of the draw and the prompt-length limit's terms as the acceptance stage hashes
+    """The config keys that choose the workload's prompts, hashed as the acceptance stage hashes
     them (prompt_limit_inputs), so the two stages draw the same prompts and re-run together."""
     acc = cfg.section("acceptance")
     out = {key: acc[key] for key in ("workload", "workload_prompts", "categories", "workload_sha256")}
@@ -55,23 +49,24 @@ def workload_inputs(cfg) -> dict:
     return out
 
 
-def timing_inputs(cfg) -> dict:
-    """The latency section as the stage's items key on it, with the confidence of their intervals:
-    without `screen`, which decides whether a pair is timed, not how (turning it off times the
-    screened pairs only, nothing else)."""
-    return {**{k: v for k, v in cfg.section("latency").items() if k != "screen"}, "confidence": cfg.confidence}
-
-
-def _resolve_dir(ctx, name: str, d: str | None) -> Path:
-    for cand in ([ctx.run_dir / d, Path(d)] if d else []) + [ctx.run_dir / "variants" / name]:
-        if (cand / "meta.json").is_file():
-            return cand
-    raise StageError(f"latency: variant '{name}' has no directory with a meta.json under {ctx.run_dir}")
+def _variant_dirs(ctx: StageContext) -> dict[str, Path]:
+    """variant -> its directory (the quantize stage's listing, else every variants/*/meta.json)."""
+    listed = ctx.upstream.get("quantize", {}).get("variants") or {}
+    names = list(listed) or [p.parent.name for p in sorted((ctx.run_dir / "variants").glob("*/meta.json"))]
+    if not names:
+        raise StageError(f"latency: no variants in {ctx.run_dir / 'variants'} (run make quantize first)")
+    dirs = {}
+    for name in names:
+        d = (listed.get(name) or {}).get("dir")
+        cands = ([ctx.run_dir / d, Path(d)] if d else []) + [ctx.run_dir / "variants" / name]
+        dirs[name] = next((c for c in cands if (c / "meta.json").is_file()), None)
+        if dirs[name] is None:
+            raise StageError(f"latency: variant '{name}' has no directory with a meta.json under {ctx.run_dir}")
+    return dirs
 
 
 def run(ctx: StageContext) -> None:
-    cfg = ctx.config
-    lat = cfg.latency
+    cfg, lat = ctx.config, ctx.config.latency
     if lat.new_tokens < 2:
         raise StageError("latency.new_tokens must be >= 2 (TPOT is undefined for one output token)")
     if lat.repeats < 1 or lat.warmup < 0:
@@ -80,12 +75,7 @@ def run(ctx: StageContext) -> None:
     k_max = lat.k_max or cfg.vllm.k_max or cfg.acceptance.k_max
     if k_max < 1:
         raise StageError(f"latency.k_max must be >= 1 (got {k_max})")
-    ks = list(range(1, k_max + 1))
-    listed = ctx.upstream.get("quantize", {}).get("variants") or {}
-    names = list(listed) or [p.parent.name for p in sorted((ctx.run_dir / "variants").glob("*/meta.json"))]
-    if not names:
-        raise StageError(f"latency: no variants in {ctx.run_dir / 'variants'} (run make quantize first)")
-    dirs = {n: _resolve_dir(ctx, n, (listed.get(n) or {}).get("dir")) for n in names}
+    dirs = _variant_dirs(ctx)
     targets = speculation_targets(cfg, ctx.run_dir)
     for target in targets:
         if target not in dirs:
@@ -94,31 +84,24 @@ def run(ctx: StageContext) -> None:
                     memory_plan={"plain": {}, "speculative": {}},
                     kernels={}, threads=torch.get_num_threads(),
                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
-
     budget = StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     budget.announce(f"plain grids of {len(dirs)} variants ({PHASE_SHARES['grids']:.0%} of the budget), then "
                     f"{len(targets) * len(cfg.drafts)} pairs at B = 1 (the rest); each piece's estimate follows its "
                     "first repeat", None)
-    _plain_grids(ctx, dirs, device, budget)  # latency/<variant>.json, tpot_ratio.png
-    _speculative_pairs(ctx, dirs, targets, ks, device, budget)  # latency/<target>__<draft>.json
+    # The latency section as the items key on it, without `screen`: it decides whether a pair is timed, not how.
+    timing = {**{k: v for k, v in cfg.section("latency").items() if k != "screen"}, "confidence": cfg.confidence}
+    _plain_grids(ctx, dirs, device, budget, timing)
+    _speculative_pairs(ctx, dirs, targets, list(range(1, k_max + 1)), device, budget, timing)
     ctx.meta["budget"] = {**budget.to_json(), "phase_shares": PHASE_SHARES}
 
 
-# With a time budget (pipeline/core/budget.py): the plain grids get this share of the stage's time,
-# the pairs the rest; within a phase each piece (a variant, a pair) gets an even split of what the
-# phase has left when it starts, so time one does not use carries to the next. A piece's repeats stop when its allowance
-# cannot afford another (pipeline/latency/speculative.py, Repeats); the skip is in meta.json.
-PHASE_SHARES = {"grids": 0.3, "pairs": 1.0}
-
-
-def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget | None = None) -> None:
+def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: StageBudget, timing: dict) -> None:
     """Every variant's plain decode grid, then each one's TPOT against the reference's."""
-    cfg, lat = ctx.config, ctx.config.latency
-    common = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed}
+    cfg = ctx.config
+    common = {"latency": timing, "device": str(device), "seed": cfg.seed}
     bandwidth: dict | None = None
     items = {name: ctx.item(f"{name}.json", {**common, "variant": read_json(d / "meta.json").get("input_hash")
                                               or str(d)}, is_dir=False) for name, d in dirs.items()}
-    budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
     phase = budget.part("plain grids", PHASE_SHARES["grids"])
     pending = [name for name, item in items.items() if not item.fresh]
     for name, d in dirs.items():
@@ -131,7 +114,7 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
             progress("latency: measuring device bandwidth (large tensor copy)")
             bandwidth = ctx.meta["bandwidth"] = measure_bandwidth(device)
         model, _ = load_variant(d, device=device)
-        doc = plain_grid(name, model, lat, device, bandwidth, cfg.seed, cfg.confidence,
+        doc = plain_grid(name, model, cfg.latency, device, bandwidth, cfg.seed, cfg.confidence,
                          budget=phase.piece(f"{name} grid", len(pending) - pending.index(name)))
         _record(ctx.meta, "plain", name, doc)
         item.write_json(doc)
@@ -149,38 +132,29 @@ def _plain_grids(ctx: StageContext, dirs: dict[str, Path], device, budget: Stage
             atomic_write_bytes(ctx.out_dir / "tpot_ratio.png", png)
 
 
-def served_pairs(run_dir: Path) -> set[str]:
-    """The pairs the vllm stage measured: their speed is vLLM's, so this stage does not time them."""
-    meta = run_dir / "vllm" / "meta.json"
-    return set((read_json(meta, "vllm meta.json").get("measured") or {}) if meta.is_file() else ())
-
-
 def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, inputs: dict) -> dict:
-    """draft spec -> the item of (target, draft) that is not yet current. A screened
-    item (not timed) is current only while latency.screen is on and its acceptance JSON is the one
-    it was screened against; a current item's screen goes into meta.json."""
+    """draft spec -> the item of (target, draft) that is not yet current. A screened item, or one
+    the screen cut to fewer k, is current only while latency.screen is on and its acceptance JSON
+    is the one it was screened against; a current item's screen goes into meta.json."""
     target_hash = read_json(dirs[target] / "meta.json").get("input_hash") or target
     pending = {}
-    served = served_pairs(ctx.run_dir)
+    served = vllm_measured(ctx.run_dir)
     for spec in engine_drafts(engine_specs(ctx.config.drafts, "latency"), target, "latency",
                               reference=ctx.config.quantize.reference):
         slug = draft_slug(spec)
         if f"{target}__{slug}" in served:  # measured where it is served (the vllm stage): not timed here
             ctx.meta.setdefault("measured_in_vllm", []).append(f"{target}__{slug}")
             continue
-        # latency.screen is not an input of a pair's timing: turning it off times the screened pairs only.
-        item = ctx.item(f"{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec,
-                                                             "draft_meta": draft_input_hash(ctx.run_dir, slug)},
+        dmeta = ctx.run_dir / "drafts" / slug / "meta.json"
+        item = ctx.item(f"{target}__{slug}.json", {**inputs, "target": target_hash, "draft": spec, "draft_meta":
+                                                   read_json(dmeta).get("input_hash") if dmeta.is_file() else None},
                         is_dir=False)
         screened = item.meta.get("screened") if item.fresh else None
-        # A pair timed at fewer k than asked (the screen cut the k past its bound) depends on the
-        # screen the same way: re-timed once the screen is off or its acceptance JSON changed.
-        cut = item.meta.get("screen") if item.fresh and item.meta.get("ks_not_timed") else None
-        rec = screened or cut
+        rec = screened or (item.meta.get("screen") if item.fresh and item.meta.get("ks_not_timed") else None)
         if item.fresh and item.meta.get("not_timed"):  # the budget ran out before it: time it now
             item.fresh = False
         if rec and (not ctx.config.latency.screen
-                    or (rec.get("acceptance") or {}).get("sha256") != _acceptance_sha(ctx, target, spec)):
+                    or (rec.get("acceptance") or {}).get("sha256") != _acceptance_source(ctx, target, spec)["sha256"]):
             item.fresh = False
         if not item.fresh:
             pending[spec] = item
@@ -190,8 +164,8 @@ def _pending_pairs(ctx: StageContext, dirs: dict[str, Path], target: str, inputs
 
 
 def _not_timed(ctx: StageContext, target: str, pending: dict, budget: StageBudget) -> bool:
-    """Where the stage's time is spent, the target's pending pairs are not timed: each gets a
-    `not_timed` document (no k is recommended from it; a re-run with time left times it)."""
+    """Where the stage's time is spent, the target's pending pairs each get a `not_timed`
+    document (no k is recommended from it; a re-run with time left times it)."""
     if not budget.active or budget.left() > 0:
         return False
     why = f"budget: the latency stage's {fmt_s(budget.seconds)} were spent before this pair"
@@ -204,37 +178,18 @@ def _not_timed(ctx: StageContext, target: str, pending: dict, budget: StageBudge
     return True
 
 
-def _acceptance_path(ctx: StageContext, target: str, spec: str) -> Path:
-    return ctx.run_dir / "acceptance" / f"{target}__{draft_slug(spec)}.json"
-
-
-def _acceptance_sha(ctx: StageContext, target: str, spec: str) -> str | None:
-    path = _acceptance_path(ctx, target, spec)
-    return sha256_file(path) if path.is_file() else None
-
-
-def _acceptance_of(ctx: StageContext, target: str, spec: str) -> tuple[dict | None, dict]:
-    """The pair's acceptance JSON (None when the acceptance stage wrote none: the bound then takes
-    k + 1 tokens per round) and what the screen record says about it."""
-    path = _acceptance_path(ctx, target, spec)
+def _acceptance_source(ctx: StageContext, target: str, spec: str) -> dict:
+    """The screen record's note of the pair's acceptance JSON (without one the bound takes k + 1
+    tokens per round)."""
+    path = ctx.run_dir / "acceptance" / f"{target}__{draft_slug(spec)}.json"
     if not path.is_file():
-        return None, {"file": None, "sha256": None, "note": "no acceptance JSON: E_hi(k) = k + 1"}
-    return read_json(path, "acceptance artifact"), {"file": str(path.relative_to(ctx.run_dir)),
-                                                    "sha256": sha256_file(path), "slice": "all"}
-
-
-def _screening(ctx: StageContext, lat) -> bool:
-    """Whether pairs are screened here; meta.json's `screen` says so, or why not."""
-    why = why_not_screened(lat)
-    if why is not None and ctx.meta.get("screen") != why:
-        progress(f"latency: screen {why}")
-    ctx.meta["screen"] = "on" if why is None else why
-    return why is None
+        return {"file": None, "sha256": None, "note": "no acceptance JSON: E_hi(k) = k + 1"}
+    return {"file": str(path.relative_to(ctx.run_dir)), "sha256": sha256_file(path), "slice": "all"}
 
 
 def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[int]) -> tuple[list[int], dict[str, float]]:
-    """The k a pair that may pay is timed at (pipeline/latency/screen.py: ks_to_time) and the
-    bound of each k cut; says so in a line, in the screen record and in meta.json."""
+    """The k a pair that may pay is timed at (screen.ks_to_time) and the bound of each k cut; says
+    so in a line, in the screen record and in meta.json."""
     if rec is None:
         return list(ks), {}
     pair_ks, cut = ks_to_time(rec, ks)
@@ -252,47 +207,43 @@ def _note_screen(ctx: StageContext, target: str, spec: str, rec: dict) -> None:
 
 def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts: dict, ks: list[int], device,
                item) -> dict:
-    """The B = 1 screen of one pair (pipeline/latency/screen.py); writes the pair's JSON, not timed,
-    when it does not pay. Returns the record."""
+    """The B = 1 screen of one pair; writes the pair's JSON, not timed, when it does not pay."""
     cfg, lat = ctx.config, ctx.config.latency
-    acceptance, source = _acceptance_of(ctx, target, spec)
+    source = _acceptance_source(ctx, target, spec)
+    acceptance = read_json(ctx.run_dir / source["file"], "acceptance artifact") if source["file"] else None
     rows = [(pid, ids) for kind_rows in prompts.values() for pid, ids in kind_rows]
     pid, ids = min(rows, key=lambda r: (len(r[1]), r[0]))  # the shortest prompt: the cheapest prefill
-    longest = max(len(r[1]) for r in rows)
-    rec = screen_pair(model, draft, ids, ks, acceptance, cfg.acceptance, device, cache_len(longest, lat.new_tokens),
-                      seed=cfg.seed, prompt_id=pid)
+    length = cache_len(max(len(r[1]) for r in rows), lat.new_tokens)
+    rec = screen_pair(model, draft, ids, ks, acceptance, cfg.acceptance, device, length, seed=cfg.seed, prompt_id=pid)
     rec["acceptance"] = source
     progress(progress_line(target, spec, rec))
     _note_screen(ctx, target, spec, rec)
-    if rec["verdict"] == DOES_NOT_PAY:
+    if rec["verdict"] == DOES_NOT_PAY:  # never a model-free draft: it always may pay
         rec["skipped"] = skipped_b1(ks, prompts, cfg.acceptance.temperatures)
-        has_model = getattr(draft, "model", None) is not None
         item.write_json({
             "variant": target, "draft": spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [p for p, _ in kind_rows] for kind, kind_rows in prompts.items()},
             "new_tokens": lat.new_tokens, "warmup": lat.warmup, "repeats": lat.repeats, "repeats_done": 0,
             "stopped": "screened", "timing_unit": None,
             "primary_temperature": temp_key(min(cfg.acceptance.temperatures)),
-            "plain_ms_per_token": None, "rows": [], "by_temperature": {},
-            "cache_len": cache_len(longest, lat.new_tokens), "memory_plan": None,
-            "kernels": quantized_kernels(model), "draft_kernels": quantized_kernels(draft.model) if has_model else None,
+            "plain_ms_per_token": None, "rows": [], "by_temperature": {}, "cache_len": length, "memory_plan": None,
+            "kernels": quantized_kernels(model), "draft_kernels": quantized_kernels(draft.model),
             "screened": rec, "workload": workload_summary(prompts)})
     return rec
 
 
 def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[str], ks: list[int], device,
-                       budget: StageBudget | None = None) -> None:
-    """B = 1 round times of every (target, draft) pair on the acceptance stage's prompts and
-    temperatures."""
+                       budget: StageBudget, timing: dict) -> None:
+    """B = 1 round times of every (target, draft) pair on the acceptance prompts and temperatures."""
     cfg, lat = ctx.config, ctx.config.latency
     acc_inputs = {key: cfg.section("acceptance")[key] for key in ("temperatures", "sampling", "prompts_per_kind")}
     acc_inputs.update(workload_inputs(cfg))
-    inputs = {"latency": timing_inputs(cfg), "device": str(device), "seed": cfg.seed, "ks": ks,
-              "acceptance": acc_inputs}
-    budget = budget or StageBudget(cfg, "latency", run_dir=ctx.run_dir)
+    inputs = {"latency": timing, "device": str(device), "seed": cfg.seed, "ks": ks, "acceptance": acc_inputs}
     phase = budget.part("B = 1 pairs", PHASE_SHARES["pairs"])
     pending_by_target = {target: _pending_pairs(ctx, dirs, target, inputs) for target in targets}
-    screening = _screening(ctx, lat)
+    ctx.meta["screen"] = "on" if lat.screen else "off (latency.screen: false)"
+    if not lat.screen:
+        progress(f"latency: screen {ctx.meta['screen']}")
     for target in targets:
         pending = pending_by_target[target]
         if not pending or _not_timed(ctx, target, pending, budget):
@@ -302,7 +253,7 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
                                    context=context_length(model))
         drafts = {spec: build_draft(spec, model, tok, ctx.run_dir, device) for spec in pending}
         screens = {}
-        if screening:  # pipeline/latency/screen.py
+        if lat.screen:
             for spec in list(pending):
                 screens[spec] = _screen_b1(ctx, target, spec, model, drafts[spec], prompts, ks, device, pending[spec])
                 if screens[spec]["verdict"] == DOES_NOT_PAY:

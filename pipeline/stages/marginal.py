@@ -19,35 +19,20 @@ from pipeline.report.served import render_served, served_plot
 from pipeline.serving.marginal import pair_report
 from pipeline.serving.served_k import served_report
 from pipeline.serving.timing_noise import noise_for, noise_line, pooled_noise
+from pipeline.stages.targets import vllm_measured
+
+
+NO_BATCH_NOTE = "timed at B = 1 in specq's engine; k per batch size is measured in vLLM (the vllm stage)"
 
 
 def _pair_files(d: Path) -> dict[str, Path]:
     return {p.stem: p for p in sorted(d.glob("*__*.json"))}
 
 
-# A specq-engine pair is timed at B = 1 only; speculation under batching is measured in vLLM.
-NO_BATCH_NOTE = "timed at B = 1 in specq's engine; k per batch size is measured in vLLM (the vllm stage)"
-
-
-def _latency_docs(lat_files: dict[str, Path]) -> dict[str, dict]:
-    """Every pair's latency document, read once: the run's timing noise pools over all of them
-    (timing_noise.py), and each pair's report reads its own."""
-    return {pair: read_json(path, "latency artifact") for pair, path in lat_files.items()}
-
-
 def _k_by_category(report: dict) -> dict | None:
     """{category: {temperature: k}} from a marginal JSON (None for a pair with no table: screened, not timed)."""
     cats = report.get("recommended_k_by_category")
     return None if cats is None else {c: {t: e["k"] for t, e in temps.items()} for c, temps in cats.items()}
-
-
-def _served_pairs(run_dir: Path) -> dict[str, Path]:
-    """The pairs the vllm stage measured (its meta.json names them)."""
-    meta = run_dir / "vllm" / "meta.json"
-    if not meta.is_file():
-        return {}
-    measured = read_json(meta, "vllm meta.json").get("measured") or {}
-    return {pair: run_dir / "vllm" / f"{pair}.json" for pair in measured}
 
 
 def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, confidence: float) -> dict:
@@ -59,7 +44,6 @@ def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, con
         return item.meta
     acc = read_json(acc_path, "acceptance artifact") if acc_path else None
     pair_doc = read_json(path, "vllm pair result")
-    plain_path = path.parent / f"{pair_doc['variant']}.json"
     plain = read_json(plain_path, "vllm plain result") if plain_path.is_file() else None
     report = served_report(pair_doc, acc, confidence, plain)
     atomic_write_bytes(ctx.out_dir / f"{pair}.png", served_plot(report, ctx.config.report.dpi))
@@ -74,7 +58,7 @@ def _served(ctx: StageContext, pair: str, path: Path, acc_path: Path | None, con
 def run(ctx: StageContext) -> None:
     acc_files = _pair_files(ctx.run_dir / "acceptance")
     lat_files = _pair_files(ctx.run_dir / "latency")
-    served = _served_pairs(ctx.run_dir)
+    served = vllm_measured(ctx.run_dir)
     if not acc_files and not served:
         raise StageError(f"marginal: no acceptance/<variant>__<draft>.json in {ctx.run_dir}")
     missing = sorted(set(acc_files) - set(lat_files) - set(served))
@@ -82,7 +66,8 @@ def run(ctx: StageContext) -> None:
         raise StageError(f"marginal: no latency/{missing[0]}.json for acceptance pair {missing[0]} "
                          "(re-run make latency)")
     confidence = ctx.config.confidence
-    lat_docs = _latency_docs({p: f for p, f in lat_files.items() if p not in served})
+    # Read once: the run's timing noise pools over every pair's latency document.
+    lat_docs = {p: read_json(f, "latency artifact") for p, f in lat_files.items() if p not in served}
     noise = pooled_noise(lat_docs)
     progress("marginal: " + noise_line(noise_for(noise)))
     recommended, by_batch, by_category, engines = {}, {}, {}, {}
@@ -96,33 +81,29 @@ def run(ctx: StageContext) -> None:
         item = ctx.item(f"{pair}.json", {"acceptance": sha256_file(acc_path),
                                           "latency": sha256_file(lat_files[pair]),
                                           "confidence": confidence, "timing_noise": noise}, is_dir=False)
-        if item.fresh:
-            recommended[pair] = item.meta.get("recommended_k")
-            by_batch[pair] = item.meta.get("recommended_k_by_batch")
-            by_category[pair] = _k_by_category(item.meta)
-            continue
-        acc = read_json(acc_path, "acceptance artifact")
-        report = pair_report(acc, lat_docs[pair], confidence, noise_for(noise, pair))
-        if report.get("not_timed"):  # the latency stage's budget ran out before this pair
-            atomic_write_text(ctx.out_dir / f"{pair}.md", f"# {pair}\n\nNot timed: {report['not_timed']}. "
-                              "Its acceptance was measured; a re-run with a larger budget.minutes times it.\n")
-            item.write_json(report)
-            recommended[pair], by_batch[pair], by_category[pair] = None, None, None
-            progress(f"marginal: {pair}: not timed ({report['not_timed']})")
-            continue
-        report.update(recommended_k_by_batch=None, speculative_config_by_batch=None, by_batch_note=NO_BATCH_NOTE)
-        # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
-        write_plot(report, ctx.out_dir / f"{pair}.png")
-        write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png")
-        item.write_json(report)
-        recommended[pair] = report["recommended_k"]
-        by_batch[pair] = report.get("recommended_k_by_batch")
+        report = item.meta if item.fresh else _specq(ctx, item, pair, read_json(acc_path, "acceptance artifact"),
+                                                     lat_docs[pair], noise_for(noise, pair))
+        recommended[pair], by_batch[pair] = report.get("recommended_k"), report.get("recommended_k_by_batch")
         by_category[pair] = _k_by_category(report)
-        if report.get("screened"):
-            progress(f"marginal: {pair}: {report['screened_note']}: recommended k = 0")
-        progress(f"marginal: {pair}: recommended k = {report['recommended_k']}, by category {by_category[pair]}")
-    ctx.meta["timing_noise"] = noise
-    ctx.meta["recommended_k"] = recommended
-    ctx.meta["recommended_k_by_batch"] = by_batch
-    ctx.meta["recommended_k_by_category"] = by_category
-    ctx.meta["engine"] = engines
+    ctx.meta.update(timing_noise=noise, recommended_k=recommended, recommended_k_by_batch=by_batch,
+                    recommended_k_by_category=by_category, engine=engines)
+
+
+def _specq(ctx: StageContext, item, pair: str, acc: dict, latency: dict, noise: dict | None) -> dict:
+    """A pair timed by specq's engine (or screened, or not timed): its report, page and plot."""
+    report = pair_report(acc, latency, ctx.config.confidence, noise)
+    if report.get("not_timed"):  # the latency stage's budget ran out before this pair
+        atomic_write_text(ctx.out_dir / f"{pair}.md", f"# {pair}\n\nNot timed: {report['not_timed']}. "
+                          "Its acceptance was measured; a re-run with a larger budget.minutes times it.\n")
+        item.write_json(report)
+        progress(f"marginal: {pair}: not timed ({report['not_timed']})")
+        return report
+    report.update(recommended_k_by_batch=None, speculative_config_by_batch=None, by_batch_note=NO_BATCH_NOTE)
+    # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
+    write_plot(report, ctx.out_dir / f"{pair}.png")
+    write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png")
+    item.write_json(report)
+    if report.get("screened"):
+        progress(f"marginal: {pair}: {report['screened_note']}: recommended k = 0")
+    progress(f"marginal: {pair}: recommended k = {report['recommended_k']}, by category {_k_by_category(report)}")
+    return report

@@ -3,12 +3,10 @@
     python -m pipeline quantize --run runs/smollm2-135m --config configs/default.yaml
     make quantize MODEL=smollm2-135m
 
-Each variant is one resumable item, `variants/<name>/` (an HF-style directory plus meta.json),
-written into `<name>.tmp/` and renamed when finished. Every check that can fail fast
-(pipeline/variants/checks.py) runs before the first variant is made. Calibration windows come from
-pipeline/variants/quantizers.py, the held-out perplexity from pipeline/variants/sanity.py, the
-quantizers and loaders from the scheme registry (pipeline/variants/schemes.py). What meta.json
-records: docs/methods/stages.md, "Variants: what quantize checks and records".
+Each variant is one resumable item, `variants/<name>/` (an HF-style directory plus meta.json).
+Every check that can fail fast (pipeline/variants/checks.py) runs before the first variant is made;
+the quantizers and loaders come from the scheme registry (pipeline/variants/schemes.py). What
+meta.json records: docs/methods/stages.md, "Variants: what quantize checks and records".
 """
 from __future__ import annotations
 
@@ -53,9 +51,8 @@ def _checkpoint_fingerprint(path: str | None) -> list | None:
 
 
 def _compute_dtype(spec, scheme, device: torch.device) -> tuple[torch.dtype, str]:
-    """A variant's compute dtype and why: the config's, or for `auto` pipeline.core.device.auto_dtype
-    (bf16 for unquantized weights wherever the device computes bf16 natively). A checkpoint counts
-    as quantized when its config.json carries a quantization_config."""
+    """A variant's compute dtype and why: the config's, or for `auto` core.device.auto_dtype (a
+    checkpoint counts as quantized when its config.json carries a quantization_config)."""
     if spec.dtype != "auto":
         return resolve_dtype(spec.dtype, device), "set in the config"
     quantized = bool(scheme.quantizes)

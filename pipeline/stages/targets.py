@@ -3,6 +3,7 @@
     from pipeline.stages.targets import vllm_targets, speculation_targets, engine_drafts, engine_args
     vllm_targets(config)                      # the vllm stage's targets
     speculation_targets(config, run_dir)      # the targets specq's engine derives acceptance for
+    vllm_measured(run_dir)                    # the pairs the vllm stage measured: pair -> its JSON
 
 By default every release variant is a target in both engines (the reference when listed).
 
@@ -12,6 +13,9 @@ the stages it changes (engine_args goes into their hash).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+from pipeline.core.stage import read_json
 from pipeline.vllm.env import engine_info, speculation_engine
 
 
@@ -55,3 +59,11 @@ def engine_drafts(specs: list[str], target: str, stage: str, say=None, reference
             continue
         out.append(spec)
     return out
+
+
+def vllm_measured(run_dir: Path) -> dict[str, Path]:
+    """The pairs the vllm stage measured (its meta.json names them): their speed is vLLM's, so the
+    latency stage does not time them and the marginal stage reports them from vLLM's figures."""
+    meta = run_dir / "vllm" / "meta.json"
+    measured = (read_json(meta, "vllm meta.json").get("measured") or {}) if meta.is_file() else {}
+    return {pair: run_dir / "vllm" / f"{pair}.json" for pair in measured}

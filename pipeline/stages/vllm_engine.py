@@ -3,12 +3,12 @@
     python -m pipeline vllm --run runs/smollm2-135m --config configs/default.yaml
 
 For each target (vllm.targets; default every release variant vLLM can serve here) it starts a plain
-engine, then one engine per (draft, k), and sends the acceptance workload's prompts through each
-(pipeline/latency/served.py). It writes vllm/<target>.json (the baseline) and
-vllm/<target>__<draft>.json: per k, per-position acceptance from vLLM's own counts, latency
-percentiles, the lossless checks, and the recommended speculative_config, checked under open-loop
-load. Under a time budget it starts an engine only when its measured cost fits, every pair's
-k = 1 before any k = 2; each (pair, k) is an item, so a re-run resumes (docs/methods/vllm-engine.md).
+engine, then one per (draft, k), and sends the acceptance workload through each
+(pipeline/latency/served.py). Writes vllm/<target>.json (the baseline) and vllm/<target>__<draft>.json
+(per k: vLLM's acceptance counts, latency, the lossless checks; the recommended speculative_config,
+checked under open-loop load: pipeline/serving/served_k.py). Under a budget an engine starts only
+when its measured cost fits, every pair's k = 1 first; each (pair, k) is an item, so a re-run
+resumes (docs/methods/vllm-engine.md).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.stage import StageContext, StageError, progress, read_json
 from pipeline.latency.served import (Settings, b1_records, measure, open_loop_run, sampled_texts, serve,
                                      serve_reason)
-from pipeline.serving.served_k import engine_tables, recommend, speed_row
+from pipeline.serving.served_k import b1_check, engine_tables, open_loop_verdict, recommend
 from pipeline.speculation.engine_stats import greedy_lossless, latency_summary, sampled_lossless, summarize_requests
 from pipeline.speculation.lossless import LOSSLESS_ALPHA, LOSSLESS_TEMPERATURE
 from pipeline.speculation.measure import temp_key
@@ -60,28 +60,29 @@ def _settings_inputs(s: Settings) -> dict:
     return {k: v for k, v in vars(s).items() if k not in ("python", "startup_timeout_s", "request_timeout_s")}
 
 
-def _by_slice(records: list[dict], k: int, confidence: float) -> dict:
-    cats = {}
-    for r in records:
-        cats.setdefault(r["category"], []).append(r)
-    return {"all": summarize_requests(records, k, confidence),
-            **{c: summarize_requests(rs, k, confidence) for c, rs in cats.items()}}
-
-
-def _strip_logprobs(m: dict) -> dict:
-    for recs in m["b1"].values():
-        for r in recs:
-            r.pop("logprobs", None)
-    return m
-
-
 class _Engines:
-    """Starts engines for one run: settings, logs, and the progress lines."""
+    """Starts engines for one run: settings, logs, the progress lines, and what an engine costs."""
 
-    def __init__(self, ctx: StageContext, settings: Settings, prompts: dict):
-        self.ctx, self.settings, self.prompts = ctx, settings, prompts
+    def __init__(self, ctx: StageContext, settings: Settings, prompts: dict, budget: StageBudget):
+        self.ctx, self.settings, self.prompts, self.budget = ctx, settings, prompts, budget
         self.logs = ctx.out_dir / "logs"
         self.started: list[dict] = []
+
+    def fits(self, what: str, target: str | None = None, engines: int = 1) -> bool:
+        """Whether `engines` more engines fit the budget, each costing the mean start so far plus the
+        work of the target's engines (the best guess for a speculative one on the same prompts); the
+        first engine always runs. A skip is recorded."""
+        if not self.started:
+            return True
+        work = [e["total_s"] - e["start_s"] for e in self.started
+                if target is None or e["engine"] == target or e["engine"].startswith(f"{target}__")]
+        work = work or [e["total_s"] - e["start_s"] for e in self.started]
+        estimate_s = engines * (sum(e["start_s"] for e in self.started) / len(self.started) + max(work))
+        if self.budget.affords(estimate_s):
+            return True
+        self.budget.skip(what, f"budget: {fmt_s(max(self.budget.left(), 0.0))} left, an engine here takes "
+                               f"~{fmt_s(estimate_s)} (start and work, measured on this stage's engines)")
+        return False
 
     def run(self, name: str, vdir, spec: dict | None, work):
         t0 = time.time()
@@ -102,24 +103,27 @@ class _Engines:
         return tick
 
 
-def _measure_plain(eng: _Engines, target: str, vdir, acc) -> dict:
-    s = eng.settings
+def _measure(eng: _Engines, name: str, vdir, acc, spec: str | None = None, k: int = 0, last: bool = False) -> dict:
+    """One engine over the workload: the plain one (k = 0) with its closed-loop capacity and open-loop
+    runs, or the pair's at k; the lossless test's samples on the plain engine and at the pair's k_max."""
+    s, cfg = eng.settings, eng.ctx.config
     ids = next(iter(eng.prompts.values()))[0][1]
-    ol = eng.ctx.config.vllm.open_loop
+    config = speculative_config(spec, k, eng.ctx.run_dir) if k else None
 
     def work(url):
-        m = measure(url, eng.prompts, s, 0, progress=eng.b1_progress(target))
-        samples = sampled_texts(url, ids, acc.lossless_samples, LOSSLESS_TEMPERATURE, s.seed,
-                                timeout_s=s.request_timeout_s)
-        capacity = _capacity(m, s)
-        loops = []
-        if eng.ctx.config.vllm.open_loop_check and capacity:
-            loops = [open_loop_run(url, eng.prompts, s, f * capacity, ol.requests, s.seed,
-                                   eng.ctx.config.serving.slo_ttft_ms, eng.ctx.config.serving.slo_tpot_ms)
-                     for f in ol.loads]
-        return {"measure": m, "samples": samples, "capacity_rps": capacity, "open_loop": loops}
-    out, start_s = eng.run(target, vdir, None, work)
-    return {"variant": target, "engine_start_s": start_s, **out,
+        out = {"measure": measure(url, eng.prompts, s, k, progress=eng.b1_progress(f"{name} k={k}" if k else name))}
+        out["samples"] = (sampled_texts(url, ids, acc.lossless_samples, LOSSLESS_TEMPERATURE, s.seed + (1 if k else 0),
+                                        timeout_s=s.request_timeout_s) if last or not k else None)
+        if not k:
+            capacity = out["capacity_rps"] = _capacity(out["measure"], s)
+            out["open_loop"] = [open_loop_run(url, eng.prompts, s, f * capacity, cfg.vllm.open_loop.requests, s.seed,
+                                              cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms)
+                                for f in cfg.vllm.open_loop.loads] if cfg.vllm.open_loop_check and capacity else []
+        return out
+    out, start_s = eng.run(f"{name}.k{k}" if k else name, vdir, config, work)
+    if k:
+        return {"k": k, "speculative_config": config, "engine_start_s": start_s, **out}
+    return {"variant": name, "engine_start_s": start_s, **out,
             "latency": {t: latency_summary(recs) for t, recs in out["measure"]["b1"].items()}}
 
 
@@ -131,31 +135,6 @@ def _capacity(m: dict, s: Settings) -> float | None:
     return block.get("requests_per_s")
 
 
-def _measure_k(eng: _Engines, name: str, vdir, spec: str, k: int, last: bool, acc) -> dict:
-    s = eng.settings
-    config = speculative_config(spec, k, eng.ctx.run_dir)
-    ids = next(iter(eng.prompts.values()))[0][1]
-
-    def work(url):
-        m = measure(url, eng.prompts, s, k, progress=eng.b1_progress(f"{name} k={k}"))
-        samples = (sampled_texts(url, ids, acc.lossless_samples, LOSSLESS_TEMPERATURE, s.seed + 1,
-                                 timeout_s=s.request_timeout_s) if last else None)
-        return {"measure": m, "samples": samples}
-    out, start_s = eng.run(f"{name}.k{k}", vdir, config, work)
-    return {"k": k, "speculative_config": config, "engine_start_s": start_s, **out}
-
-
-def _part(ctx: StageContext, eng: _Engines, name: str, vdir, spec: str, k: int, k_max: int, pair_inputs: dict,
-          acc) -> dict:
-    """One (pair, k) measurement: its own item, so a stopped stage resumes at the next k."""
-    item = ctx.item(f"parts/{name}.k{k}.json", {**pair_inputs, "k": k}, is_dir=False)
-    if item.fresh:
-        return item.meta
-    part = _measure_k(eng, name, vdir, spec, k, k == k_max, acc)
-    item.write_json(part)
-    return part
-
-
 def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
     k, m = part["k"], part["measure"]
     out = {"speculative_config": part["speculative_config"], "engine_start_s": part["engine_start_s"],
@@ -163,8 +142,10 @@ def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
            "lossless": {}}
     for t, recs in m["b1"].items():
         out["latency"][t] = latency_summary(recs)
-        for sl, block in _by_slice(recs, k, confidence).items():
-            out["summary"].setdefault(sl, {})[t] = block
+        out["summary"].setdefault("all", {})[t] = summarize_requests(recs, k, confidence)
+        for cat in dict.fromkeys(r["category"] for r in recs):
+            out["summary"].setdefault(cat, {})[t] = summarize_requests([r for r in recs if r["category"] == cat],
+                                                                       k, confidence)
     if "0.0" in m["b1"] and "0.0" in plain["measure"]["b1"]:
         p = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in plain["measure"]["b1"]["0.0"]}
         sp = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in m["b1"]["0.0"]}
@@ -172,20 +153,11 @@ def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
     if part.get("samples"):
         out["lossless"]["sampled"] = {"temperature": LOSSLESS_TEMPERATURE,
                                       **sampled_lossless(plain["samples"], part["samples"], LOSSLESS_ALPHA)}
-    out["b1"] = _strip_logprobs(m)["b1"]
+    for recs in m["b1"].values():
+        for r in recs:
+            r.pop("logprobs", None)
+    out["b1"] = m["b1"]
     return out
-
-
-def _b1_check(plain: dict, b1: list[dict], rec: dict, tables: dict, t: str, confidence: float) -> dict:
-    """The deployed config's B = 1 speedup over plain decoding, measured again on its own engine,
-    against the interval the report gives for that k."""
-    k = rec["recommended_k"]
-    row = speed_row(k, plain["measure"]["b1"][t], b1, confidence, 0)
-    report = next(r for r in tables[t]["1"] if r["k"] == k)
-    lo, hi = report["speedup_ci"]
-    return {"k": k, "temperature": t, "report_speedup": report["speedup"], "report_ci": report["speedup_ci"],
-            "measured_speedup": row["speedup"], "measured_ci": row["speedup_ci"],
-            "within_report_ci": bool(lo <= row["speedup"] <= hi)}
 
 
 def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict, tables: dict, confidence: float) -> dict:
@@ -214,71 +186,11 @@ def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict, tables: di
         out["configs"][label] = {"speculative_config": config, "started": True, "engine_start_s": start_s,
                                  "runs": runs}
         if b1 is not None:
-            out["b1_check"] = _b1_check(plain, b1, rec, tables, t, confidence)
+            out["b1_check"] = b1_check(plain, b1, rec, tables, t, confidence)
     if "best_fixed_k" not in out["configs"] and "runs" in out["configs"]["recommended"]:
         out["configs"]["best_fixed_k"] = {**out["configs"]["recommended"], "same_as": "recommended"}
-    out["verdict"] = _verdict(out)
+    out["verdict"] = open_loop_verdict(out)
     return out
-
-
-def _median_ci(xs: list[float]) -> list[float] | None:
-    """95% percentile-bootstrap interval of the median (requests resampled)."""
-    import numpy as np
-
-    from pipeline.stats.intervals import percentile_interval
-    if len(xs) < 2:
-        return None
-    a = np.asarray(xs, float)
-    idx = np.random.default_rng(0).integers(0, a.size, size=(2000, a.size))
-    return percentile_interval(np.median(a[idx], axis=1), 0.95, float(np.median(a)))
-
-
-def _compare(a: dict, b: dict) -> str:
-    """a against b: fewer requests within the SLO is worse; else by TPOT p50 when the CIs part."""
-    if a["slo_met"] != b["slo_met"]:
-        return "better" if a["slo_met"] > b["slo_met"] else "worse"
-    ca, cb = a.get("tpot_p50_ci"), b.get("tpot_p50_ci")
-    if ca and cb and ca[1] < cb[0]:
-        return "faster"
-    if ca and cb and cb[1] < ca[0]:
-        return "slower"
-    return "indistinguishable"
-
-
-PHRASE = {"better": "served more requests within the SLO than", "worse": "served fewer requests within the SLO than",
-          "faster": "had a lower TPOT p50 than", "slower": "had a higher TPOT p50 than",
-          "indistinguishable": "was indistinguishable from", "same config": "is"}
-
-
-def _verdict(v: dict) -> dict:
-    """Per load: each config's requests within the SLO and TPOT p50 [CI], and the recommendation
-    against no speculation and the best fixed k (the same arrivals for each)."""
-    per, sentences, beat = [], [], []
-    for i, rate in enumerate(v["rates"]):
-        cands = {"no speculation": v["plain"][i] if i < len(v["plain"]) else None,
-                 **{lab: c["runs"][i] for lab, c in v["configs"].items() if "runs" in c and i < len(c["runs"])}}
-        row = {"rate": rate}
-        for lab, x in cands.items():
-            if x:
-                row[lab] = {"slo_met": x["slo_met"], "requests": x["requests"], "goodput_rps": x["goodput_rps"],
-                            "tpot_p50_ms": (x["tpot_ms"] or {}).get("p50"), "tpot_p99_ms": (x["tpot_ms"] or {}).get("p99"),
-                            "tpot_p50_ci": _median_ci(x.get("tpot_per_request_ms") or []),
-                            "output_tokens_per_s": x.get("output_tokens_per_s")}
-        rec = row.get("recommended")
-        if rec and row.get("no speculation"):
-            row["recommended_vs_no_speculation"] = _compare(rec, row["no speculation"])
-            row["recommended_vs_best_fixed_k"] = (_compare(rec, row["best_fixed_k"]) if row.get("best_fixed_k")
-                                                  and v["configs"]["best_fixed_k"].get("same_as") is None else "same config")
-            beat.append(row["recommended_vs_no_speculation"] in ("better", "faster")
-                        and row["recommended_vs_best_fixed_k"] not in ("worse", "slower"))
-            sentences.append(f"at {rate:.2f} requests/s, {PHRASE[row['recommended_vs_no_speculation']]} no speculation "
-                             f"and {PHRASE.get(row['recommended_vs_best_fixed_k'], 'the same config as')} the best fixed k")
-        per.append(row)
-    if not v["configs"].get("recommended", {}).get("started", True):
-        sentences = [f"did not start ({v['configs']['recommended']['error']})"]
-    return {"per_rate": per, "recommendation_beat_alternatives": bool(beat) and all(beat),
-            "rule": "requests within the SLO first, then TPOT p50 where the 95% CIs (requests resampled) part",
-            "sentence": ("the recommended config, " + "; ".join(sentences)) if sentences else "no open-loop load was run"}
 
 
 def run(ctx: StageContext) -> None:
@@ -298,12 +210,11 @@ def run(ctx: StageContext) -> None:
     k_max = ctx.config.vllm.k_max or acc.k_max
     tok = AutoTokenizer.from_pretrained(ctx.run_dir / "model")
     prompts = workload_prompts(ctx.config, tok, "vllm", context=s.max_model_len)
-    eng = _Engines(ctx, s, prompts)
     common = {"settings": _settings_inputs(s), "vllm": info.get("vllm"), "workload": workload_summary(prompts),
               "acceptance": {"lossless_samples": acc.lossless_samples}}
     measured, skipped, recs = {}, {}, {}
     budget = StageBudget(ctx.config, "vllm", run_dir=ctx.run_dir)
-    cost = _EngineCost(eng)
+    eng = _Engines(ctx, s, prompts, budget)
     progress(f"vllm: vLLM {info.get('vllm')} ({info.get('platform')}), {sum(map(len, prompts.values()))} prompts x "
              f"{len(s.temperatures)} temperatures, k = 1..{k_max}, closed loops at {s.concurrency or 'none'}")
     budget.announce("a plain engine per target, then each pair at k = 1, 2, ... while an engine fits (its cost "
@@ -325,10 +236,10 @@ def run(ctx: StageContext) -> None:
         plain_item = ctx.item(f"{target}.json", inputs, is_dir=False)
         plain = plain_item.meta if plain_item.fresh else None
         if plain is None:
-            if not cost.fits(budget, f"{target}: the plain engine", cost.plain()):
+            if not eng.fits(f"{target}: the plain engine"):
                 continue
             try:
-                plain = _measure_plain(eng, target, vdir, acc)
+                plain = _measure(eng, target, vdir, acc)
             except EngineStartError as e:  # a target vLLM does not start with: its pairs stay on specq's engine
                 skipped[target] = str(e)
                 progress(f"vllm: {target}: not measured in vLLM: {e}")
@@ -365,11 +276,11 @@ def run(ctx: StageContext) -> None:
             if item.fresh:
                 pair["parts"].append(item.meta)
                 continue
-            if not cost.fits(budget, f"{name} at k = {k}" + (" and up" if k < k_max else ""), cost.plain(target)):
+            if not eng.fits(f"{name} at k = {k}" + (" and up" if k < k_max else ""), target):
                 pair["stopped"] = "budget"
                 continue
             try:
-                part = _measure_k(eng, name, plains[target][0], pair["spec"], k, k == k_max, acc)
+                part = _measure(eng, name, plains[target][0], acc, pair["spec"], k, k == k_max)
             except EngineStartError as e:  # e.g. a draft vLLM cannot load: the pair is skipped, said once
                 skipped[name] = str(e)
                 pair["stopped"] = "error"
@@ -406,7 +317,7 @@ def run(ctx: StageContext) -> None:
         rec = doc["recommendation"]
         if ctx.config.vllm.open_loop_check and rec["speculative_config"] and plain.get("open_loop"):
             n = 1 + bool(rec.get("best_fixed_config") and rec["best_fixed_config"] != rec["speculative_config"])
-            if cost.fits(budget, f"{name}: the open-loop check of the recommendation", n * cost.plain(target)):
+            if eng.fits(f"{name}: the open-loop check of the recommendation", target, n):
                 doc["validation"] = _validate(eng, name, vdir, plain, rec, tables, confidence)
             else:
                 doc["validation_skipped"] = "budget"
@@ -415,33 +326,3 @@ def run(ctx: StageContext) -> None:
         progress(f"vllm: {name}: {rec['verdict']}")
     ctx.meta.update(measured=measured, skipped=skipped, recommendations=recs, engines=eng.started,
                     budget=budget.to_json())
-
-
-class _EngineCost:
-    """What an engine costs here, from the engines this stage has run: its start (the mean so far)
-    plus its work (the target's plain engine's, the best guess for a speculative one on the same
-    prompts). None until one engine has run: the first always runs."""
-
-    def __init__(self, eng: _Engines):
-        self.eng = eng
-
-    def _start(self) -> float | None:
-        starts = [e["start_s"] for e in self.eng.started]
-        return sum(starts) / len(starts) if starts else None
-
-    def plain(self, target: str | None = None) -> float | None:
-        start = self._start()
-        if start is None:
-            return None
-        works = [e["total_s"] - e["start_s"] for e in self.eng.started
-                 if target is None or e["engine"] == target or e["engine"].startswith(f"{target}__")]
-        works = works or [e["total_s"] - e["start_s"] for e in self.eng.started]
-        return start + max(works)
-
-    @staticmethod
-    def fits(budget: StageBudget, what: str, estimate_s: float | None) -> bool:
-        if estimate_s is None or budget.affords(estimate_s):
-            return True
-        budget.skip(what, f"budget: {fmt_s(max(budget.left(), 0.0))} left, an engine here takes ~{fmt_s(estimate_s)} "
-                          "(start and work, measured on this stage's engines)")
-        return False
