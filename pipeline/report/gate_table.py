@@ -10,7 +10,7 @@ open the report.
 """
 from __future__ import annotations
 
-from pipeline.report.document import Block
+from pipeline.report.document import Block, to_markdown
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import interval, number
 
@@ -47,70 +47,62 @@ def open_text(c: dict) -> str:
     return f": open ({why}) at {scored} of {n_max} items"
 
 
-def headline(gate: dict) -> list[str]:
-    """The decision and one sentence on what it means, in words a release manager reads."""
+def headline(gate: dict) -> str:
+    """One sentence on what the decision means, in words a release manager reads."""
     decision = gate["decision"]
     release = gate.get("release_variants") or []
     by = {d: [n for n in release if gate["variants"].get(n, {}).get("decision") == d]
-          for d in ("go", "no-go", "inconclusive")}
+          for d in ("no-go", "inconclusive")}
     if decision == "go":
-        why = f"Every release variant ({', '.join(release)}) passes every gated cell."
-    elif decision == "no-go":
-        why = (f"Release variant(s) {', '.join(by['no-go'])} fail: a cell's CI lies wholly below "
-               f"-margin.")
-    else:
-        why = (f"INCONCLUSIVE: nothing fails, but {', '.join(by['inconclusive'])} lack(s) the "
-               f"evidence to pass. The inconclusive cells say how many items per slice would settle "
-               f"them; `make gate` exits 3 until they do.")
-    stopped = {n: gate["variants"].get(n, {}).get("stopped_on_budget") or [] for n in release}
-    stopped = {n: k for n, k in stopped.items() if k}
-    if stopped and decision == "inconclusive":
-        cells = sum(len(k) for k in stopped.values())
-        why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the "
-                f"data, with {cells} cell(s) of {', '.join(stopped)} open; a re-run with a larger budget "
-                f"continues from the items already scored.")
-    return [f"# specq gate: {decision.upper()}", "", why]
+        return f"Every release variant ({', '.join(release)}) passes every gated cell."
+    if decision == "no-go":
+        return f"Release variant(s) {', '.join(by['no-go'])} fail: a cell's CI lies wholly below -margin."
+    why = (f"INCONCLUSIVE: nothing fails, but {', '.join(by['inconclusive'])} lack(s) the evidence to pass. "
+           "The inconclusive cells say how many items per slice would settle them; `make gate` exits 3 until "
+           "they do.")
+    stopped = {n: k for n in release if (k := gate["variants"].get(n, {}).get("stopped_on_budget"))}
+    if stopped:
+        why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the data, "
+                f"with {sum(map(len, stopped.values()))} cell(s) of {', '.join(stopped)} open; a re-run with a "
+                "larger budget continues from the items already scored.")
+    return why
 
 
 def render_table(gate: dict) -> str:
     """Markdown: the headline, then one row per gated cell (diff, CI, margin, status)."""
-    lines = headline(gate) + [
-        "", f"Reference `{gate['reference']}`. {gate['method']}.", "",
-        "| variant | release | decision | slice | metric | reference | variant | diff [CI] status "
-        "| CI level | margin | n | items/slice to settle |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name, v in gate["variants"].items():
-        rel = "yes" if v["release"] else "no"
+        head = [name, "yes" if v["release"] else "no", f"**{v['decision']}**"]
         if not v["slices"]:
-            lines.append(f"| {name} | {rel} | **{v['decision']}** | - | - | - | - | missing: "
-                         f"{', '.join(v['missing']) or 'nothing gated'} | - | - | - | - |")
+            rows.append([*head, "-", "-", "-", "-", f"missing: {', '.join(v['missing']) or 'nothing gated'}",
+                         "-", "-", "-", "-"])
         for i, (key, c) in enumerate(v["slices"].items()):
-            head = f"| {name} | {rel} | **{v['decision']}** " if i == 0 else "| | | "
-            lines.append(f"{head}| {key} | {c['metric']} | {number(c['reference'], 3)} | {number(c['variant'], 3)} "
-                         f"| {cell_text(c)} | {c['ci_level']:.4f} | {c['margin']:g} | {c['n']} "
-                         f"| {c.get('items_to_settle') or '-'} |")
-            for g, gc in (c.get("groups") or {}).items():
-                tag = "" if gc.get("gated", True) else " (reported, not gated)"
-                lines.append(f"| | | | {key}/{g} | {gc['metric']} | {number(gc['reference'], 3)} "
-                             f"| {number(gc['variant'], 3)} | {cell_text(gc)}{tag} | {gc['ci_level']:.4f} "
-                             f"| {gc['margin']:g} | {gc['n']} | {gc.get('items_to_settle') or '-'} |")
-            for what, ce in ((c.get("calibration_error") or {}).items()):
+            cells = [(key, c, "")] + [(f"{key}/{g}", gc, "" if gc.get("gated", True) else " (reported, not gated)")
+                                      for g, gc in (c.get("groups") or {}).items()]
+            for j, (label, x, tag) in enumerate(cells):
+                rows.append([*(head if i == j == 0 else ["", "", ""]), label, x["metric"],
+                             number(x["reference"], 3), number(x["variant"], 3), cell_text(x) + tag,
+                             f"{x['ci_level']:.4f}", f"{x['margin']:g}", str(x["n"]),
+                             str(x.get("items_to_settle") or "-")])
+            for what, ce in (c.get("calibration_error") or {}).items():
                 if isinstance(ce, dict):
-                    lines.append(f"| | | | {key}:{what} | {what} | {number(ce['reference'], 3)} "
-                                 f"| {number(ce['variant'], 3)} | {number(ce['diff'], 3, signed=True)} (reported, not "
-                                 f"gated) | - | - | {c['n']} | - |")
+                    rows.append(["", "", "", f"{key}:{what}", what, number(ce["reference"], 3),
+                                 number(ce["variant"], 3), f"{number(ce['diff'], 3, signed=True)} (reported, "
+                                 "not gated)", "-", "-", str(c["n"]), "-"])
         for what, chk in (v.get("distribution") or {}).get("checks", {}).items():
-            lo, hi = chk["ci"]
-            lines.append(f"| | | | distribution | {what} | - | - | {interval([lo, hi], 3)} "
-                         f"{chk['status']} (threshold {chk['threshold']:g}) | - | - | - | - |")
+            rows.append(["", "", "", "distribution", what, "-", "-", f"{interval(chk['ci'], 3)} {chk['status']} "
+                         f"(threshold {chk['threshold']:g})", "-", "-", "-", "-"])
+    blocks = [("p", headline(gate)), ("p", f"Reference `{gate['reference']}`. {gate['method']}."),
+              ("table", ["variant", "release", "decision", "slice", "metric", "reference", "variant",
+                         "diff [CI] status", "CI level", "margin", "n", "items/slice to settle"], rows, None)]
     spec = gate.get("speculation") or {"pairs": {}}
     if spec["pairs"]:
-        lines += ["", f"Speculation (lossless check, judged apart from quality): "
-                      f"**{spec['decision']}**", "",
-                  "| pair | greedy identical (dtype) | sampling p (adjusted) | decision |", "|---|---|---|---|"]
-        for key, p in spec["pairs"].items():
-            lines.append(f"| {key} | {_greedy_cell(p)} ({p.get('dtype') or '-'}) | {number(p['sampling_p'], 3)} "
-                         f"({number(p['sampling_p_adjusted'], 3)}) | **{p['decision']}** |")
-    return "\n".join(lines) + "\n"
+        blocks += [("p", f"Speculation (lossless check, judged apart from quality): **{spec['decision']}**"),
+                   ("table", ["pair", "greedy identical (dtype)", "sampling p (adjusted)", "decision"],
+                    [[key, f"{_greedy_cell(p)} ({p.get('dtype') or '-'})",
+                      f"{number(p['sampling_p'], 3)} ({number(p['sampling_p_adjusted'], 3)})",
+                      f"**{p['decision']}**"] for key, p in spec["pairs"].items()], None)]
+    return to_markdown(f"specq gate: {gate['decision'].upper()}", blocks)
 
 
 def _greedy_cell(pair: dict) -> str:
