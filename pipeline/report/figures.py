@@ -28,6 +28,12 @@ def png_bytes(fig, dpi: int, tight: bool = True) -> bytes:
     return buf.getvalue()
 
 
+def ci_errors(ys: list[float], cis: list) -> list[list[float]]:
+    """matplotlib's yerr for points ys with intervals [lo, hi], clipped at 0 (a bound a rounding
+    error past its point must not make matplotlib refuse the plot)."""
+    return [[max(0.0, y - c[0]) for y, c in zip(ys, cis)], [max(0.0, c[1] - y) for y, c in zip(ys, cis)]]
+
+
 def finish_axes(ax, xlabel: str, ylabel: str, title: str, integer_x: bool = True, legend: int = 7) -> None:
     """Labels, a small legend and a light grid: how every line plot of the report ends."""
     if integer_x:
@@ -54,7 +60,7 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
         x = [c["batch"] * c["context"] for c in cells]
         r = [c["tpot_ratio_vs_reference"] for c in cells]
         y = [1 / v["value"] for v in r]
-        err = [[yi - 1 / v["ci"][1] for yi, v in zip(y, r)], [1 / v["ci"][0] - yi for yi, v in zip(y, r)]]
+        err = ci_errors(y, [[1 / v["ci"][1], 1 / v["ci"][0]] for v in r])
         line = ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=f"{name} measured")
         ax.plot(x, [1 / c["roofline_tpot_ratio_vs_reference"] for c in cells], "s--", color=line[0].get_color(),
                 alpha=0.6, label=f"{name} roofline (W + BK) / (W_q + BK)")

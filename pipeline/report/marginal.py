@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.core.stage import atomic_write_bytes, atomic_write_text
 from pipeline.report.document import Block, to_markdown
-from pipeline.report.figures import finish_axes, png_bytes, pyplot
+from pipeline.report.figures import ci_errors, finish_axes, png_bytes, pyplot
 from pipeline.report.format import MISSING, footnote, interval, number
 from pipeline.report.format import mark as like_mark
 from pipeline.serving.marginal import MIN_TIMING_REPEATS, category_entry, timed_enough
@@ -272,11 +272,8 @@ def _position_axes(ax2, report: dict) -> None:
     if pos:
         x = [p["position"] for p in pos]
         cond = [p.get("conditional") if p.get("conditional") is not None else float("nan") for p in pos]
-        # Bars are clipped at 0: a bound a rounding error past its point must not make matplotlib
-        # refuse the plot.
-        err = [[max(0.0, c - (p.get("ci") or [c, c])[0]) for c, p in zip(cond, pos)],
-               [max(0.0, (p.get("ci") or [c, c])[1] - c) for c, p in zip(cond, pos)]]
-        ax2.errorbar(x, cond, yerr=err, fmt="o-", capsize=3, label="conditional")
+        cis = [p.get("ci") or [c, c] for c, p in zip(cond, pos)]
+        ax2.errorbar(x, cond, yerr=ci_errors(cond, cis), fmt="o-", capsize=3, label="conditional")
         ax2.plot(x, [p.get("prefix") for p in pos], "s--", label="prefix (all up to i)")
         if any(p.get("expected_beta") is not None for p in pos):
             ax2.plot(x, [p.get("expected_beta") for p in pos], "^:", label="mean beta = 1 - TV")

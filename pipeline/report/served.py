@@ -10,7 +10,7 @@ and concurrency, per-position acceptance, the derivation beside the engine's cou
 from __future__ import annotations
 
 from pipeline.report.document import Block, to_markdown
-from pipeline.report.figures import finish_axes, png_bytes, pyplot
+from pipeline.report.figures import ci_errors, finish_axes, png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, number
 from pipeline.report.marginal import temp_label
 
@@ -156,9 +156,8 @@ def served_plot(r: dict, dpi: int) -> bytes:
     fig, ax = pyplot().subplots(figsize=(6, 3.4))
     for t, by_b in r["tables"].items():
         rows = by_b["1"]
-        ks, ms = [x["k"] for x in rows], [x["ms_per_token"] for x in rows]
-        cis = [x["ms_per_token_ci"] for x in rows]
-        line = ax.errorbar(ks, ms, yerr=[[m - c[0] for m, c in zip(ms, cis)], [c[1] - m for m, c in zip(ms, cis)]],
+        ms = [x["ms_per_token"] for x in rows]
+        line = ax.errorbar([x["k"] for x in rows], ms, yerr=ci_errors(ms, [x["ms_per_token_ci"] for x in rows]),
                            marker="o", capsize=3, label=f"{_temp(t)} speculative")
         ax.axhline(rows[0]["baseline_ms_per_token"], ls="--", color=line[0].get_color(), alpha=0.7,
                    label=f"{_temp(t)} plain")

@@ -67,8 +67,9 @@ def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> li
                  grid_rows, None)]
         flagged = [{**c["tpot_ratio_vs_reference"], "cell": f"{n} B={c['batch']} context={c['context']}"}
                    for n, d in lat.items() for c in d.get("grid", []) if c.get("tpot_ratio_vs_reference")]
-        if footnote(flagged, "TPOT / reference", lambda r: r["cell"]):
-            out.append(("p", footnote(flagged, "TPOT / reference", lambda r: r["cell"])))
+        note = footnote(flagged, "TPOT / reference", lambda r: r["cell"])
+        if note:
+            out.append(("p", note))
         ratio_png = run_dir / "latency" / "tpot_ratio.png"
         if figures is not None and ratio_png.is_file():
             figures["tpot-ratio.png"] = ratio_png.read_bytes()
