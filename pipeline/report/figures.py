@@ -1,8 +1,7 @@
 """The report's matplotlib setup (pyplot on the Agg backend, a figure as PNG bytes) and the
 latency stage's figure. matplotlib is imported on first use.
 
-    plt = pyplot()
-    fig, ax = plt.subplots()
+    fig, ax = pyplot().subplots()
     data = png_bytes(fig, dpi=110)            # the figure is closed
 """
 from __future__ import annotations
@@ -53,8 +52,7 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = pyplot().subplots(figsize=(7, 4.2))
     for i, (name, cells) in enumerate(sorted(series.items())):
         cells = sorted(cells, key=lambda c: (c["batch"] * c["context"], c["batch"]))
         x = [c["batch"] * c["context"] for c in cells]

@@ -25,17 +25,6 @@ def cell_text(c: dict) -> str:
             f"{open_text(c)}{settle}")
 
 
-def cell_brief(c: dict) -> str:
-    """A cell in few words (its status is the cell's colour): 'diff [CI]', and for an open cell
-    how many items per slice would settle it and why it stopped."""
-    text = f"{number(c['diff'], 3, signed=True)} {interval(c['ci'], 3, signed=True)}"
-    if c["status"] != "inconclusive":
-        return text
-    why = {"budget": ", budget", "verdict": ", variant no-go"}.get(c.get("stopped_on"), "")
-    settle = f"~{c['items_to_settle']} to settle" if c.get("items_to_settle") else "on the margin"
-    return f"{text} (open{why}; {settle})"
-
-
 def open_text(c: dict) -> str:
     """': open (budget) at 80 of 240 items' for an open cell whose scoring stopped before its
     slice's last look; '' otherwise."""
@@ -114,17 +103,13 @@ def _greedy_cell(pair: dict) -> str:
             else f"False: {bad} of {n} divergences not near-ties")
 
 
-# ---------------------------------------------------------------- the report's section
-
-
 def forest_plot(gate: dict, dpi: int) -> bytes | None:
     """Each (variant, slice) difference with its CI, coloured by status, beside -margin; None when no cells."""
     rows = [(f"{v} / {k}", c) for v, e in gate["variants"].items() for k, c in e["slices"].items()]
     if not rows:
         return None
-    plt = pyplot()
     colour = {"pass": "#2e7d32", "fail": "#c62828", "inconclusive": "#ef8f00"}
-    fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(rows) + 1.2))
+    fig, ax = pyplot().subplots(figsize=(7.5, 0.32 * len(rows) + 1.2))
     for y, (label, c) in enumerate(reversed(rows)):
         lo, hi = c["ci"]
         ax.plot([lo, hi], [y, y], color=colour[c["status"]], lw=2)
@@ -151,14 +136,13 @@ def gate_blocks(gate: dict, figures: dict[str, bytes], dpi: int) -> list[Block]:
     rows, classes = [], []
     for name, v in gate["variants"].items():
         rows.append([name, "yes" if v["release"] else "no", v["decision"].upper(),
-                     *[cell_brief(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
+                     *[cell_text(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
         classes.append([None, None, v["decision"],
                         *[v["slices"][k]["status"] if k in v["slices"] else None for k in keys]])
     out: list[Block] = [
         ("h2", f"Decision: {gate['decision'].upper()}"),
         ("p", f"Each release variant against `{gate['reference']}`, per slice: the difference (negative = "
-              "worse) and its CI; green passes, red fails, orange is open, with the items per slice that "
-              "would settle it."),
+              "worse), its CI and status (green passes, red fails, orange is open)."),
         ("table", ["variant", "release", "decision", *keys], rows, classes),
     ]
     forest = forest_plot(gate, dpi)

@@ -21,8 +21,7 @@ def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
     pooled = (acc.get("slices") or {}).get("all") or {}
     if not pooled:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = pyplot().subplots(figsize=(6, 3.4))
     for temp, rec in sorted(pooled.items()):
         # A position no round reached (n = 0) has no conditional rate and no CI: not drawn.
         pos = [p for p in rec.get("per_position") or [] if p.get("conditional") is not None]

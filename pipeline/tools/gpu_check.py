@@ -108,9 +108,6 @@ class Check:
         atomic_write_text(self.out_dir / "gpu_check.md", render_markdown(self.doc))
 
 
-# ---------------------------------------------------------------- the model, the draft, greedy equality
-
-
 def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
     """A random Llama of `shape` built directly on `device` in `dtype` (no host copy of 8B weights).
     Weights: N(0, 1/fan_in) linears, N(0, 1) embeddings, unit norms, and an LM head 4x that scale,
@@ -164,9 +161,6 @@ def compare_greedy(model, ids: torch.Tensor, reference: list[int], tokens: list[
 def release(*models) -> None:
     for m in models:
         CachedModel.release(m)
-
-
-# ---------------------------------------------------------------- timed parts
 
 
 def plain_part(check: Check, model, cells, args, gbps) -> None:
@@ -257,9 +251,6 @@ def fp32_part(check: Check, model, draft, args) -> None:
     check.save(f"float32 greedy: speculative == plain for k in {ks}: {ok}")
 
 
-# ---------------------------------------------------------------- the table
-
-
 def _ms(d: dict | None) -> str:
     return "-" if not d else f"{d['median']:.2f}"
 
@@ -315,9 +306,6 @@ def render_markdown(doc: dict) -> str:
     return to_markdown(f"gpu-check: {settings.get('shape', '?')} shape on {env.get('device_name', '?')}",
                        [("p", intro), ("table", ["part", "cell", "measured", "note"], rows, None)]
                        + ([("p", "\n".join(notes))] if notes else []))
-
-
-# ---------------------------------------------------------------- entry point
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
