@@ -173,14 +173,13 @@ def test_html_renders_in_headless_chromium(tmp_path):
 def test_one_number_format_everywhere():
     """pipeline/report/format.py: a missing number (None, NaN, inf) is "-", an absent interval is
     "", digits are the caller's, a value that is not a number is written as it is."""
-    from pipeline.report.format import interval, median_ci, nbytes, number, percent
+    from pipeline.report.format import interval, median_ci, nbytes, number
 
     assert [number(x, 3) for x in (None, float("nan"), float("inf"), 0.12345, 2, "n/a")] == \
         ["-", "-", "-", "0.123", "2.000", "n/a"]
     assert number(-0.02, 3, signed=True) == "-0.020" and number(0.0, 2, signed=True) == "+0.00"
     assert interval(None, 2) == "" and interval([], 2) == "" and interval([None, None], 3) == "[-, -]"
     assert interval([0.1, 0.25], 2) == "[0.10, 0.25]"
-    assert percent(0.0312, 1, signed=True) == "+3.1%" and percent(None, 0) == "-"
-    assert interval([-0.05, 0.012], 1, signed=True, as_percent=True) == "[-5.0%, +1.2%]"
+    assert interval([-0.05, 0.012], 3, signed=True) == "[-0.050, +0.012]"
     assert median_ci({"median": 10, "ci": [9, 11]}, 2) == "10.00 [9.00, 11.00]" and median_ci(None, 2) == "-"
     assert nbytes(3 << 20) == "3.0 MiB" and nbytes(6e10, "GB", 2) == "60.00 GB" and nbytes(None) == "-"

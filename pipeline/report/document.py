@@ -53,8 +53,9 @@ figure.wide{display:block;max-width:900px}figcaption{font-size:12px;color:#555}"
 
 
 def _inline(text: str) -> str:
-    """Escaped text with `code` spans as <code> (the Markdown's inline code, rendered)."""
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    """Escaped text with the Markdown's `code` spans and **bold** rendered."""
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
 
 
 def to_html(title: str, blocks: list[Block], figures: dict[str, bytes], decision: str) -> str:

@@ -1,8 +1,7 @@
 """The report's matplotlib setup (pyplot on the Agg backend, a figure as PNG bytes) and the
 latency stage's figure. matplotlib is imported on first use.
 
-    plt = pyplot()
-    fig, ax = plt.subplots()
+    fig, ax = pyplot().subplots()
     data = png_bytes(fig, dpi=110)            # the figure is closed
 """
 from __future__ import annotations
@@ -28,6 +27,12 @@ def png_bytes(fig, dpi: int, tight: bool = True) -> bytes:
     return buf.getvalue()
 
 
+def ci_errors(ys: list[float], cis: list) -> list[list[float]]:
+    """matplotlib's yerr for points ys with intervals [lo, hi], clipped at 0 (a bound a rounding
+    error past its point must not make matplotlib refuse the plot)."""
+    return [[max(0.0, y - c[0]) for y, c in zip(ys, cis)], [max(0.0, c[1] - y) for y, c in zip(ys, cis)]]
+
+
 def finish_axes(ax, xlabel: str, ylabel: str, title: str, integer_x: bool = True, legend: int = 7) -> None:
     """Labels, a small legend and a light grid: how every line plot of the report ends."""
     if integer_x:
@@ -47,14 +52,13 @@ def tpot_ratio_plot(grids: dict[str, dict], reference: str) -> bytes | None:
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = pyplot().subplots(figsize=(7, 4.2))
     for i, (name, cells) in enumerate(sorted(series.items())):
         cells = sorted(cells, key=lambda c: (c["batch"] * c["context"], c["batch"]))
         x = [c["batch"] * c["context"] for c in cells]
         r = [c["tpot_ratio_vs_reference"] for c in cells]
         y = [1 / v["value"] for v in r]
-        err = [[yi - 1 / v["ci"][1] for yi, v in zip(y, r)], [1 / v["ci"][0] - yi for yi, v in zip(y, r)]]
+        err = ci_errors(y, [[1 / v["ci"][1], 1 / v["ci"][0]] for v in r])
         line = ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=f"{name} measured")
         ax.plot(x, [1 / c["roofline_tpot_ratio_vs_reference"] for c in cells], "s--", color=line[0].get_color(),
                 alpha=0.6, label=f"{name} roofline (W + BK) / (W_q + BK)")

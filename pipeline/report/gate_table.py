@@ -10,7 +10,7 @@ open the report.
 """
 from __future__ import annotations
 
-from pipeline.report.document import Block
+from pipeline.report.document import Block, to_markdown
 from pipeline.report.figures import png_bytes, pyplot
 from pipeline.report.format import interval, number
 
@@ -25,17 +25,6 @@ def cell_text(c: dict) -> str:
             f"{open_text(c)}{settle}")
 
 
-def cell_brief(c: dict) -> str:
-    """A cell in few words (its status is the cell's colour): 'diff [CI]', and for an open cell
-    how many items per slice would settle it and why it stopped."""
-    text = f"{number(c['diff'], 3, signed=True)} {interval(c['ci'], 3, signed=True)}"
-    if c["status"] != "inconclusive":
-        return text
-    why = {"budget": ", budget", "verdict": ", variant no-go"}.get(c.get("stopped_on"), "")
-    settle = f"~{c['items_to_settle']} to settle" if c.get("items_to_settle") else "on the margin"
-    return f"{text} (open{why}; {settle})"
-
-
 def open_text(c: dict) -> str:
     """': open (budget) at 80 of 240 items' for an open cell whose scoring stopped before its
     slice's last look; '' otherwise."""
@@ -47,70 +36,62 @@ def open_text(c: dict) -> str:
     return f": open ({why}) at {scored} of {n_max} items"
 
 
-def headline(gate: dict) -> list[str]:
-    """The decision and one sentence on what it means, in words a release manager reads."""
+def headline(gate: dict) -> str:
+    """One sentence on what the decision means, in words a release manager reads."""
     decision = gate["decision"]
     release = gate.get("release_variants") or []
     by = {d: [n for n in release if gate["variants"].get(n, {}).get("decision") == d]
-          for d in ("go", "no-go", "inconclusive")}
+          for d in ("no-go", "inconclusive")}
     if decision == "go":
-        why = f"Every release variant ({', '.join(release)}) passes every gated cell."
-    elif decision == "no-go":
-        why = (f"Release variant(s) {', '.join(by['no-go'])} fail: a cell's CI lies wholly below "
-               f"-margin.")
-    else:
-        why = (f"INCONCLUSIVE: nothing fails, but {', '.join(by['inconclusive'])} lack(s) the "
-               f"evidence to pass. The inconclusive cells say how many items per slice would settle "
-               f"them; `make gate` exits 3 until they do.")
-    stopped = {n: gate["variants"].get(n, {}).get("stopped_on_budget") or [] for n in release}
-    stopped = {n: k for n, k in stopped.items() if k}
-    if stopped and decision == "inconclusive":
-        cells = sum(len(k) for k in stopped.values())
-        why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the "
-                f"data, with {cells} cell(s) of {', '.join(stopped)} open; a re-run with a larger budget "
-                f"continues from the items already scored.")
-    return [f"# specq gate: {decision.upper()}", "", why]
+        return f"Every release variant ({', '.join(release)}) passes every gated cell."
+    if decision == "no-go":
+        return f"Release variant(s) {', '.join(by['no-go'])} fail: a cell's CI lies wholly below -margin."
+    why = (f"INCONCLUSIVE: nothing fails, but {', '.join(by['inconclusive'])} lack(s) the evidence to pass. "
+           "The inconclusive cells say how many items per slice would settle them; `make gate` exits 3 until "
+           "they do.")
+    stopped = {n: k for n in release if (k := gate["variants"].get(n, {}).get("stopped_on_budget"))}
+    if stopped:
+        why += (f" Scoring stopped on the time budget (quality's share of `budget.minutes`), not on the data, "
+                f"with {sum(map(len, stopped.values()))} cell(s) of {', '.join(stopped)} open; a re-run with a "
+                "larger budget continues from the items already scored.")
+    return why
 
 
 def render_table(gate: dict) -> str:
     """Markdown: the headline, then one row per gated cell (diff, CI, margin, status)."""
-    lines = headline(gate) + [
-        "", f"Reference `{gate['reference']}`. {gate['method']}.", "",
-        "| variant | release | decision | slice | metric | reference | variant | diff [CI] status "
-        "| CI level | margin | n | items/slice to settle |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name, v in gate["variants"].items():
-        rel = "yes" if v["release"] else "no"
+        head = [name, "yes" if v["release"] else "no", f"**{v['decision']}**"]
         if not v["slices"]:
-            lines.append(f"| {name} | {rel} | **{v['decision']}** | - | - | - | - | missing: "
-                         f"{', '.join(v['missing']) or 'nothing gated'} | - | - | - | - |")
+            rows.append([*head, "-", "-", "-", "-", f"missing: {', '.join(v['missing']) or 'nothing gated'}",
+                         "-", "-", "-", "-"])
         for i, (key, c) in enumerate(v["slices"].items()):
-            head = f"| {name} | {rel} | **{v['decision']}** " if i == 0 else "| | | "
-            lines.append(f"{head}| {key} | {c['metric']} | {number(c['reference'], 3)} | {number(c['variant'], 3)} "
-                         f"| {cell_text(c)} | {c['ci_level']:.4f} | {c['margin']:g} | {c['n']} "
-                         f"| {c.get('items_to_settle') or '-'} |")
-            for g, gc in (c.get("groups") or {}).items():
-                tag = "" if gc.get("gated", True) else " (reported, not gated)"
-                lines.append(f"| | | | {key}/{g} | {gc['metric']} | {number(gc['reference'], 3)} "
-                             f"| {number(gc['variant'], 3)} | {cell_text(gc)}{tag} | {gc['ci_level']:.4f} "
-                             f"| {gc['margin']:g} | {gc['n']} | {gc.get('items_to_settle') or '-'} |")
-            for what, ce in ((c.get("calibration_error") or {}).items()):
+            cells = [(key, c, "")] + [(f"{key}/{g}", gc, "" if gc.get("gated", True) else " (reported, not gated)")
+                                      for g, gc in (c.get("groups") or {}).items()]
+            for j, (label, x, tag) in enumerate(cells):
+                rows.append([*(head if i == j == 0 else ["", "", ""]), label, x["metric"],
+                             number(x["reference"], 3), number(x["variant"], 3), cell_text(x) + tag,
+                             f"{x['ci_level']:.4f}", f"{x['margin']:g}", str(x["n"]),
+                             str(x.get("items_to_settle") or "-")])
+            for what, ce in (c.get("calibration_error") or {}).items():
                 if isinstance(ce, dict):
-                    lines.append(f"| | | | {key}:{what} | {what} | {number(ce['reference'], 3)} "
-                                 f"| {number(ce['variant'], 3)} | {number(ce['diff'], 3, signed=True)} (reported, not "
-                                 f"gated) | - | - | {c['n']} | - |")
+                    rows.append(["", "", "", f"{key}:{what}", what, number(ce["reference"], 3),
+                                 number(ce["variant"], 3), f"{number(ce['diff'], 3, signed=True)} (reported, "
+                                 "not gated)", "-", "-", str(c["n"]), "-"])
         for what, chk in (v.get("distribution") or {}).get("checks", {}).items():
-            lo, hi = chk["ci"]
-            lines.append(f"| | | | distribution | {what} | - | - | {interval([lo, hi], 3)} "
-                         f"{chk['status']} (threshold {chk['threshold']:g}) | - | - | - | - |")
+            rows.append(["", "", "", "distribution", what, "-", "-", f"{interval(chk['ci'], 3)} {chk['status']} "
+                         f"(threshold {chk['threshold']:g})", "-", "-", "-", "-"])
+    blocks = [("p", headline(gate)), ("p", f"Reference `{gate['reference']}`. {gate['method']}."),
+              ("table", ["variant", "release", "decision", "slice", "metric", "reference", "variant",
+                         "diff [CI] status", "CI level", "margin", "n", "items/slice to settle"], rows, None)]
     spec = gate.get("speculation") or {"pairs": {}}
     if spec["pairs"]:
-        lines += ["", f"Speculation (lossless check, judged apart from quality): "
-                      f"**{spec['decision']}**", "",
-                  "| pair | greedy identical (dtype) | sampling p (adjusted) | decision |", "|---|---|---|---|"]
-        for key, p in spec["pairs"].items():
-            lines.append(f"| {key} | {_greedy_cell(p)} ({p.get('dtype') or '-'}) | {number(p['sampling_p'], 3)} "
-                         f"({number(p['sampling_p_adjusted'], 3)}) | **{p['decision']}** |")
-    return "\n".join(lines) + "\n"
+        blocks += [("p", f"Speculation (lossless check, judged apart from quality): **{spec['decision']}**"),
+                   ("table", ["pair", "greedy identical (dtype)", "sampling p (adjusted)", "decision"],
+                    [[key, f"{_greedy_cell(p)} ({p.get('dtype') or '-'})",
+                      f"{number(p['sampling_p'], 3)} ({number(p['sampling_p_adjusted'], 3)})",
+                      f"**{p['decision']}**"] for key, p in spec["pairs"].items()], None)]
+    return to_markdown(f"specq gate: {gate['decision'].upper()}", blocks)
 
 
 def _greedy_cell(pair: dict) -> str:
@@ -122,17 +103,13 @@ def _greedy_cell(pair: dict) -> str:
             else f"False: {bad} of {n} divergences not near-ties")
 
 
-# ---------------------------------------------------------------- the report's section
-
-
 def forest_plot(gate: dict, dpi: int) -> bytes | None:
     """Each (variant, slice) difference with its CI, coloured by status, beside -margin; None when no cells."""
     rows = [(f"{v} / {k}", c) for v, e in gate["variants"].items() for k, c in e["slices"].items()]
     if not rows:
         return None
-    plt = pyplot()
     colour = {"pass": "#2e7d32", "fail": "#c62828", "inconclusive": "#ef8f00"}
-    fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(rows) + 1.2))
+    fig, ax = pyplot().subplots(figsize=(7.5, 0.32 * len(rows) + 1.2))
     for y, (label, c) in enumerate(reversed(rows)):
         lo, hi = c["ci"]
         ax.plot([lo, hi], [y, y], color=colour[c["status"]], lw=2)
@@ -159,14 +136,13 @@ def gate_blocks(gate: dict, figures: dict[str, bytes], dpi: int) -> list[Block]:
     rows, classes = [], []
     for name, v in gate["variants"].items():
         rows.append([name, "yes" if v["release"] else "no", v["decision"].upper(),
-                     *[cell_brief(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
+                     *[cell_text(v["slices"][k]) if k in v["slices"] else "-" for k in keys]])
         classes.append([None, None, v["decision"],
                         *[v["slices"][k]["status"] if k in v["slices"] else None for k in keys]])
     out: list[Block] = [
         ("h2", f"Decision: {gate['decision'].upper()}"),
         ("p", f"Each release variant against `{gate['reference']}`, per slice: the difference (negative = "
-              "worse) and its CI; green passes, red fails, orange is open, with the items per slice that "
-              "would settle it."),
+              "worse), its CI and status (green passes, red fails, orange is open)."),
         ("table", ["variant", "release", "decision", *keys], rows, classes),
     ]
     forest = forest_plot(gate, dpi)

@@ -5,11 +5,14 @@
 
 Sections: the `vllm serve` line (or "do not speculate") and its open-loop check, the table per k
 and concurrency, per-position acceptance, the derivation beside the engine's counts, lossless.
+`served_blocks` gives the report the same deploy lines and the checks' verdicts.
 """
 from __future__ import annotations
 
-from pipeline.report.figures import finish_axes, png_bytes, pyplot
-from pipeline.report.format import interval, number
+from pipeline.report.document import Block, to_markdown
+from pipeline.report.figures import ci_errors, finish_axes, png_bytes, pyplot
+from pipeline.report.format import MISSING, interval, number
+from pipeline.report.marginal import temp_label
 
 DEFINITIONS = (
     "E[tokens/step]: tokens the decode steps emitted / decode steps (every step, drafted or not: specq's "
@@ -20,154 +23,141 @@ DEFINITIONS = (
 
 
 def _temp(t: str) -> str:
-    return f"T = {t}" + (" (greedy)" if float(t) == 0.0 else "")
+    return f"T = {temp_label(t)}"
 
 
-def _lossless_cell(row: dict) -> str:
-    return "yes" if row.get("lossless", True) else "**no**"
+def _by_int(d: dict) -> list:
+    return sorted(d.items(), key=lambda kv: int(kv[0]))
 
 
-def deploy_lines(r: dict) -> list[str]:
+def deploy_blocks(r: dict) -> list[Block]:
+    """The `vllm serve` line (or "do not speculate"), its B = 1 check and its open-loop check."""
     if r.get("speculative_config"):
-        out = [f"**Deploy: {r['verdict']}.**", "", "```", r["serve_command"], "```"]
+        out: list[Block] = [("p", f"**Deploy: {r['verdict']}.**"), ("code", r["serve_command"])]
     else:
-        out = ["**Do not speculate** with this draft: no k was measurably faster than plain decoding in vLLM "
-               "(or its lossless check failed)."]
+        out = [("p", "**Do not speculate** with this draft: no k was measurably faster than plain decoding in "
+                     "vLLM (or its lossless check failed).")]
     val = r.get("validation") or {}
-    if val.get("b1_check"):
-        out += ["", b1_sentence(val["b1_check"])]
-    v = val.get("verdict")
-    if v:
-        out += ["", f"Open-loop check: {v['sentence']} ({v['rule']})."]
+    c = val.get("b1_check")
+    if c:
+        out.append(("p", f"Started as written, the config's own B = 1 speedup at T = {c['temperature']} was "
+                         f"{number(c['measured_speedup'], 2)}x {interval(c['measured_ci'], 2)}, against the "
+                         f"{number(c['report_speedup'], 2)}x {interval(c['report_ci'], 2)} reported for k = "
+                         f"{c['k']}: " + ("within the report's CI." if c["within_report_ci"]
+                                          else "**outside the report's CI**.")))
+    if val.get("verdict"):
+        out.append(("p", f"Open-loop check: {val['verdict']['sentence']} ({val['verdict']['rule']})."))
     return out
 
 
-def b1_sentence(c: dict) -> str:
-    return (f"Started as written, the config's own B = 1 speedup at T = {c['temperature']} was "
-            f"{number(c['measured_speedup'], 2)}x {interval(c['measured_ci'], 2)}, against the "
-            f"{number(c['report_speedup'], 2)}x {interval(c['report_ci'], 2)} reported for k = {c['k']}: "
-            + ("within the report's CI." if c["within_report_ci"] else "**outside the report's CI**."))
-
-
 def render_served(r: dict) -> str:
-    conf = int(round(r["confidence"] * 100))
-    out = [f"# Draft length k for `{r['variant']}` drafted by `{r['draft']}`, measured in {r['device']}", ""]
-    out += deploy_lines(r) + [""]
-    out += [f"All intervals are {conf}% CIs over prompts. {DEFINITIONS}", ""]
+    out = deploy_blocks(r) + [("p", f"All intervals are {int(round(r['confidence'] * 100))}% CIs over prompts. "
+                                    + DEFINITIONS)]
     for t, by_b in r["tables"].items():
-        for b, rows in sorted(by_b.items(), key=lambda kv: int(kv[0])):
-            base = rows[0]["baseline_ms_per_token"]
-            out += [f"## {_temp(t)}, {'B = 1' if b == '1' else f'closed loop at concurrency {b}'}", "",
-                    f"Plain decoding: {number(base, 2)} ms/token {interval(rows[0].get('baseline_ci'), 2)}.", "",
-                    "| k | E[tokens/step] | mean acceptance length | drafted share | ms/token | speedup | lossless |",
-                    "|---:|---:|---:|---:|---:|---:|---|"]
-            for row in rows:
-                out.append(f"| {row['k']} | {number(row.get('tokens_per_step'), 2)} "
-                           f"{interval(row.get('tokens_per_step_ci'), 2)} | {number(row.get('mean_acceptance_length'), 2)} "
-                           f"| {number(row.get('drafted_share'), 2)} | {number(row['ms_per_token'], 2)} "
-                           f"{interval(row['ms_per_token_ci'], 2)} | {number(row['speedup'], 2)}x "
-                           f"{interval(row['speedup_ci'], 2)} | {_lossless_cell(row)} |")
-            out.append("")
-    out += percentile_lines(r)
-    out += ["## Recommended k per temperature and batch size", "",
-            ", ".join(f"{_temp(t)}: {k}" for t, k in r["recommended_k_by_temperature"].items())
-            + f". By batch size at the primary temperature: {r['recommended_k_by_batch']}.", "", r["rule"], ""]
-    k = r["per_position_k"]
-    out += [f"## Per-position acceptance at k = {k}", "",
-            "prefix: steps accepting positions 1..i over all steps (specq's); per draft: over drafted steps "
-            "(vLLM's accepted_per_pos / num_drafts); conditional: over steps that reached position i.", "",
-            "| temperature | position | prefix [CI] | per draft [CI] | conditional [CI] |", "|---|---:|---:|---:|---:|"]
-    for t, pos in r["per_position"].items():
-        for p in pos:
-            out.append(f"| {t} | {p['position']} | {number(p['prefix'], 3)} {interval(p['prefix_ci'], 3)} "
-                       f"| {number(p['per_draft'], 3)} {interval(p['per_draft_ci'], 3)} "
-                       f"| {number(p['conditional'], 3)} {interval(p['ci'], 3)} |")
-    out.append("")
-    out += derived_lines(r) + lossless_lines(r) + validation_lines(r)
-    return "\n".join(out) + "\n"
+        for b, rows in _by_int(by_b):
+            out += [("h2", f"{_temp(t)}, {'B = 1' if b == '1' else f'closed loop at concurrency {b}'}"),
+                    ("p", f"Plain decoding: {number(rows[0]['baseline_ms_per_token'], 2)} ms/token "
+                          f"{interval(rows[0].get('baseline_ci'), 2)}."),
+                    ("table", ["k", "E[tokens/step]", "mean acceptance length", "drafted share", "ms/token",
+                               "speedup", "lossless"],
+                     [[str(x["k"]), f"{number(x.get('tokens_per_step'), 2)} {interval(x.get('tokens_per_step_ci'), 2)}",
+                       number(x.get("mean_acceptance_length"), 2), number(x.get("drafted_share"), 2),
+                       f"{number(x['ms_per_token'], 2)} {interval(x['ms_per_token_ci'], 2)}",
+                       f"{number(x['speedup'], 2)}x {interval(x['speedup_ci'], 2)}",
+                       "yes" if x.get("lossless", True) else "**no**"] for x in rows], None)]
+    out += _percentile_blocks(r)
+    out += [("h2", "Recommended k per temperature and batch size"),
+            ("p", ", ".join(f"{_temp(t)}: {k}" for t, k in r["recommended_k_by_temperature"].items())
+                  + f". By batch size at the primary temperature: {r['recommended_k_by_batch']}."),
+            ("p", r["rule"]),
+            ("h2", f"Per-position acceptance at k = {r['per_position_k']}"),
+            ("p", "prefix: steps accepting positions 1..i over all steps (specq's); per draft: over drafted steps "
+                  "(vLLM's accepted_per_pos / num_drafts); conditional: over steps that reached position i."),
+            ("table", ["temperature", "position", "prefix [CI]", "per draft [CI]", "conditional [CI]"],
+             [[t, str(p["position"]), f"{number(p['prefix'], 3)} {interval(p['prefix_ci'], 3)}",
+               f"{number(p['per_draft'], 3)} {interval(p['per_draft_ci'], 3)}",
+               f"{number(p['conditional'], 3)} {interval(p['ci'], 3)}"]
+              for t, pos in r["per_position"].items() for p in pos], None)]
+    out += _derived_blocks(r) + _lossless_blocks(r) + _validation_blocks(r)
+    return to_markdown(f"Draft length k for `{r['variant']}` drafted by `{r['draft']}`, measured in {r['device']}",
+                       out)
 
 
-def percentile_lines(r: dict) -> list[str]:
+def _percentile_blocks(r: dict) -> list[Block]:
     lat = r.get("latency_percentiles") or {}
     if not lat:
         return []
-    out = ["## Latency across k (ms; k = 0 is plain decoding)", "",
-           "| temperature | B | k | TTFT p50 / p90 / p99 | TPOT p50 / p90 / p99 | ITL p50 / p90 / p99 |",
-           "|---|---:|---:|---:|---:|---:|"]
 
     def p3(x):
-        return " / ".join(number((x or {}).get(q), 1) for q in ("p50", "p90", "p99")) if x else "-"
-    for t, by_b in lat.items():
-        for b, by_k in sorted(by_b.items(), key=lambda kv: int(kv[0])):
-            for k, c in sorted(by_k.items(), key=lambda kv: int(kv[0])):
-                out.append(f"| {t} | {b} | {k} | {p3(c['ttft_ms'])} | {p3(c['tpot_ms'])} | {p3(c['itl_ms'])} |")
-    return out + ["", "ITL is the gap between chunks of the stream: a speculative step delivers several tokens in "
-                  "one chunk, so its ITL is per step, not per token.", ""]
+        return " / ".join(number(x.get(q), 1) for q in ("p50", "p90", "p99")) if x else MISSING
+    rows = [[t, b, k, p3(c["ttft_ms"]), p3(c["tpot_ms"]), p3(c["itl_ms"])]
+            for t, by_b in lat.items() for b, by_k in _by_int(by_b) for k, c in _by_int(by_k)]
+    return [("h2", "Latency across k (ms; k = 0 is plain decoding)"),
+            ("table", ["temperature", "B", "k", "TTFT p50 / p90 / p99", "TPOT p50 / p90 / p99",
+                       "ITL p50 / p90 / p99"], rows, None),
+            ("p", "ITL is the gap between chunks of the stream: a speculative step delivers several tokens in one "
+                  "chunk, so its ITL is per step, not per token.")]
 
 
-def derived_lines(r: dict) -> list[str]:
+def _derived_blocks(r: dict) -> list[Block]:
     d = r.get("derived_vs_engine")
     if d is None:
-        return ["## Derived vs engine", "", "No acceptance artifact for this pair (acceptance.targets does not "
-                "include the target): nothing to check the engine's figures against.", ""]
-    out = ["## Derived (specq, teacher-forced) vs measured in vLLM", "",
-           "The acceptance stage derives E(k) from one teacher-forced pass over the target's text; vLLM measured it "
-           "on the same prompts. The difference's paired t CI (prompts) should contain 0, up to kernel-level "
-           "near-ties (bf16, another GPTQ kernel). A flag marks a disagreement beyond the CI.", "",
-           "| temperature | k | derived | vLLM | vLLM - derived [CI] | agree |", "|---|---:|---:|---:|---:|---|"]
-    for t, ks in d.items():
-        for k, c in sorted(ks.items(), key=lambda kv: int(kv[0])):
-            verdict = "too few prompts" if c["agree"] is None else "yes" if c["agree"] else "**no (flagged)**"
-            out.append(f"| {t} | {k} | {number(c['derived'], 3)} | {number(c['engine'], 3)} | "
-                       f"{number(c['difference'], 3)} {interval(c['difference_ci'], 3)} | {verdict} |")
-    return out + [""]
+        return [("h2", "Derived vs engine"), ("p", "No acceptance artifact for this pair (acceptance.targets does "
+                                                   "not include the target): nothing to check the engine's figures "
+                                                   "against.")]
+    rows = [[t, k, number(c["derived"], 3), number(c["engine"], 3),
+             f"{number(c['difference'], 3)} {interval(c['difference_ci'], 3)}",
+             "too few prompts" if c["agree"] is None else "yes" if c["agree"] else "**no (flagged)**"]
+            for t, ks in d.items() for k, c in _by_int(ks)]
+    return [("h2", "Derived (specq, teacher-forced) vs measured in vLLM"),
+            ("p", "The acceptance stage derives E(k) from one teacher-forced pass over the target's text; vLLM "
+                  "measured it on the same prompts. The difference's paired t CI (prompts) should contain 0, up "
+                  "to kernel-level near-ties (bf16, another GPTQ kernel). A flag marks a disagreement beyond the CI."),
+            ("table", ["temperature", "k", "derived", "vLLM", "vLLM - derived [CI]", "agree"], rows, None)]
 
 
-def lossless_lines(r: dict) -> list[str]:
-    out = ["## Lossless in vLLM", "", "Greedy: speculative output against the plain engine's on every prompt; a "
-           "divergence is forgiven only at a near-tie (the rule below). Sampled: the distribution of each output "
-           "position, speculative against plain.", "", "| k | greedy identical | diverged (explained) | sampled p |",
-           "|---:|---:|---:|---:|"]
-    rule = ""
-    for k, ll in sorted(r["lossless"].items(), key=lambda kv: int(kv[0])):
+def _lossless_blocks(r: dict) -> list[Block]:
+    rows, rule = [], ""
+    for k, ll in _by_int(r["lossless"]):
         g, s = ll.get("greedy") or {}, ll.get("sampled")
         div = g.get("diverged") or {}
         rule = g.get("rule", rule)
-        out.append(f"| {k} | {g.get('identical', '-')} of {g.get('prompts', '-')} | {len(div)} "
-                   f"({sum(v['explained'] for v in div.values())}) | "
-                   + (f"{s['p_value']:.2g} ({'pass' if s['passed'] else '**FAIL**'}, {s['test']}, T = "
-                      f"{s['temperature']})" if s else "-") + " |")
-    return out + ["", rule, ""] if rule else out + [""]
+        rows.append([k, f"{g.get('identical', MISSING)} of {g.get('prompts', MISSING)}",
+                     f"{len(div)} ({sum(v['explained'] for v in div.values())})",
+                     f"{s['p_value']:.2g} ({'pass' if s['passed'] else '**FAIL**'}, {s['test']}, T = "
+                     f"{s['temperature']})" if s else MISSING])
+    return [("h2", "Lossless in vLLM"),
+            ("p", "Greedy: speculative output against the plain engine's on every prompt; a divergence is forgiven "
+                  "only at a near-tie (the rule below). Sampled: the distribution of each output position, "
+                  "speculative against plain."),
+            ("table", ["k", "greedy identical", "diverged (explained)", "sampled p"], rows, None)] \
+        + ([("p", rule)] if rule else [])
 
 
-def validation_lines(r: dict) -> list[str]:
+def _validation_blocks(r: dict) -> list[Block]:
     v = r.get("validation")
     if not v:
         return []
-    out = ["## The recommendation under open-loop load", "",
-           "Poisson arrivals at shares of the plain engine's closed-loop capacity, the same arrivals for each "
-           "config; each config started exactly as written above. Requests within the SLO, TPOT p50 [95% CI, "
-           "requests resampled] and p99 (ms), output tokens/s.", "",
-           "| requests/s | config | within SLO | TPOT p50 | TPOT p99 | tokens/s |", "|---:|---|---:|---:|---:|---:|"]
-    for p in v["verdict"]["per_rate"]:
-        for lab in ("no speculation", "best_fixed_k", "recommended"):
-            x = p.get(lab)
-            if x:
-                out.append(f"| {number(p['rate'], 2)} | {lab} | {x['slo_met']} / {x['requests']} | "
-                           f"{number(x['tpot_p50_ms'], 1)} {interval(x.get('tpot_p50_ci'), 1)} | "
-                           f"{number(x['tpot_p99_ms'], 1)} | {number(x['output_tokens_per_s'], 1)} |")
-    return out + ["", f"Measured in vLLM: {v['verdict']['sentence']}.", ""]
+    rows = [[number(p["rate"], 2), lab, f"{x['slo_met']} / {x['requests']}",
+             f"{number(x['tpot_p50_ms'], 1)} {interval(x.get('tpot_p50_ci'), 1)}", number(x["tpot_p99_ms"], 1),
+             number(x["output_tokens_per_s"], 1)]
+            for p in v["verdict"]["per_rate"] for lab in ("no speculation", "best_fixed_k", "recommended")
+            if (x := p.get(lab))]
+    return [("h2", "The recommendation under open-loop load"),
+            ("p", "Poisson arrivals at shares of the plain engine's closed-loop capacity, the same arrivals for "
+                  "each config; each config started exactly as written above. Requests within the SLO, TPOT p50 "
+                  "[95% CI, requests resampled] and p99 (ms), output tokens/s."),
+            ("table", ["requests/s", "config", "within SLO", "TPOT p50", "TPOT p99", "tokens/s"], rows, None),
+            ("p", f"Measured in vLLM: {v['verdict']['sentence']}.")]
 
 
 def served_plot(r: dict, dpi: int) -> bytes:
     """ms/token vs k at B = 1 (each temperature) with CIs, and the plain lines."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = pyplot().subplots(figsize=(6, 3.4))
     for t, by_b in r["tables"].items():
         rows = by_b["1"]
-        ks, ms = [x["k"] for x in rows], [x["ms_per_token"] for x in rows]
-        cis = [x["ms_per_token_ci"] for x in rows]
-        line = ax.errorbar(ks, ms, yerr=[[m - c[0] for m, c in zip(ms, cis)], [c[1] - m for m, c in zip(ms, cis)]],
+        ms = [x["ms_per_token"] for x in rows]
+        line = ax.errorbar([x["k"] for x in rows], ms, yerr=ci_errors(ms, [x["ms_per_token_ci"] for x in rows]),
                            marker="o", capsize=3, label=f"{_temp(t)} speculative")
         ax.axhline(rows[0]["baseline_ms_per_token"], ls="--", color=line[0].get_color(), alpha=0.7,
                    label=f"{_temp(t)} plain")
@@ -175,19 +165,10 @@ def served_plot(r: dict, dpi: int) -> bytes:
     return png_bytes(fig, dpi)
 
 
-def served_blocks(r: dict) -> list:
-    """The report's blocks for a vLLM-measured pair: what to deploy, the open-loop check, the
+def served_blocks(r: dict) -> list[Block]:
+    """The report's blocks for a vLLM-measured pair: what to deploy and its checks, the
     derived-vs-engine flags and the lossless verdict (the full tables are on the pair's page)."""
-    out = [("p", f"Measured in {r['device']}. " + (f"Deploy: {r['verdict']}: {r['serve_command']}"
-                                                   if r.get("speculative_config") else
-                                                   "Do not speculate with this draft (no k was measurably faster "
-                                                   "than plain decoding in vLLM, or its lossless check failed)."))]
-    val = r.get("validation") or {}
-    if val.get("b1_check"):
-        out.append(("p", b1_sentence(val["b1_check"]).replace("**", "")))
-    v = val.get("verdict")
-    if v:
-        out.append(("p", f"Open-loop check: {v['sentence']} ({v['rule']})."))
+    out = [("p", f"Measured in {r['device']}."), *deploy_blocks(r)]
     if r.get("derived_vs_engine") is None:
         out.append(("p", "No specq derivation for this pair (its target is not in acceptance.targets)."))
     elif r.get("derived_vs_engine_flagged"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.report.document import Block
-from pipeline.report.figures import finish_axes, png_bytes, pyplot
+from pipeline.report.figures import ci_errors, finish_axes, png_bytes, pyplot
 from pipeline.report.format import MISSING, interval, json_files, number
 from pipeline.report.marginal import CATEGORY_HEADER, category_rows, workload_line
 from pipeline.report.served import served_blocks
@@ -21,8 +21,7 @@ def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
     pooled = (acc.get("slices") or {}).get("all") or {}
     if not pooled:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = pyplot().subplots(figsize=(6, 3.4))
     for temp, rec in sorted(pooled.items()):
         # A position no round reached (n = 0) has no conditional rate and no CI: not drawn.
         pos = [p for p in rec.get("per_position") or [] if p.get("conditional") is not None]
@@ -31,8 +30,7 @@ def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
         x = [p["position"] for p in pos]
         y = [p["conditional"] for p in pos]
         ci = [p.get("ci") or [p["conditional"]] * 2 for p in pos]
-        err = [[max(0.0, yi - c[0]) for yi, c in zip(y, ci)], [max(0.0, c[1] - yi) for yi, c in zip(y, ci)]]
-        line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"T={temp} conditional")
+        line = ax.errorbar(x, y, yerr=ci_errors(y, ci), marker="o", capsize=3, label=f"T={temp} conditional")
         prefix = [p for p in rec["per_position"] if p.get("prefix") is not None]
         ax.plot([p["position"] for p in prefix], [p["prefix"] for p in prefix], ls=":",
                 color=line[0].get_color(), label=f"T={temp} prefix P(A1..Ai)")
@@ -47,24 +45,18 @@ def acceptance_plot(pair: str, acc: dict, dpi: int) -> bytes | None:
 def speed_plot(pair: str, marginal: dict | None, latency: dict | None, dpi: int) -> bytes | None:
     """ms/token vs k with CIs and the plain-decode line, from marginal (or else latency) JSON."""
     if marginal and marginal.get("rows"):
-        rows = marginal["rows"]
-        ks = [r["k"] for r in rows]
+        rows, base = marginal["rows"], marginal["baseline_ms_per_token"]
         med = [r["ms_per_token"] for r in rows]
         cis = [r.get("ms_per_token_ci") or [m, m] for r, m in zip(rows, med)]
-        base = marginal["baseline_ms_per_token"]
     elif latency and latency.get("rows"):
-        rows = latency["rows"]
-        ks = [r["k"] for r in rows]
+        rows, base = latency["rows"], latency["plain_ms_per_token"]["median"]
         med = [r["ms_per_token"]["median"] for r in rows]
         cis = [r["ms_per_token"].get("ci") or [m, m] for r, m in zip(rows, med)]
-        base = latency["plain_ms_per_token"]["median"]
     else:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.errorbar(ks, med, yerr=[[max(0.0, m - c[0]) for m, c in zip(med, cis)],
-                               [max(0.0, c[1] - m) for m, c in zip(med, cis)]],
-                marker="o", capsize=3, label="speculative ms/token")
+    fig, ax = pyplot().subplots(figsize=(6, 3.4))
+    ax.errorbar([r["k"] for r in rows], med, yerr=ci_errors(med, cis), marker="o", capsize=3,
+                label="speculative ms/token")
     ax.axhline(base, color="grey", ls="--", label="plain decode ms/token")
     finish_axes(ax, "draft length k", "ms / token", f"{pair}: decode time per token vs k", legend=8)
     return png_bytes(fig, dpi)
@@ -83,26 +75,24 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
         return out + [("p", "No acceptance, latency or marginal results for any pair in this run.")]
     rows, classes, screened = [], [], []
     for pair in pairs:
-        m, loss = marginal.get(pair), lossless.get(pair, {})
-        rec = m.get("recommended_k") if m else None
-        at = next((r for r in (m or {}).get("rows", []) if r["k"] == rec), None)
-        if m and m.get("screened"):
-            screened.append(f"{pair}: {m.get('screened_note')}; skipped: "
-                            f"{m['screened'].get('skipped') or 'its timing'}")
-        elif m and m.get("not_timed"):
+        m = marginal.get(pair) or {}
+        rec = m.get("recommended_k")
+        at = next((r for r in m.get("rows", []) if r["k"] == rec), None)
+        if m.get("screened"):
+            screened.append(f"{pair}: {m.get('screened_note')}; skipped: {m['screened'].get('skipped') or 'its timing'}")
+        elif m.get("not_timed"):
             screened.append(f"{pair}: not timed ({m['not_timed']})")
-        elif m and m.get("ks_not_timed_note"):  # timed at the k that may pay only (screen.ks_to_time)
+        elif m.get("ks_not_timed_note"):  # timed at the k that may pay only (screen.ks_to_time)
             screened.append(f"{pair}: {m['ks_not_timed_note']}")
-        shown = MISSING if rec is None else str(rec) + (" (does not pay, not timed)" if (m or {}).get("screened") else "")
-        if m and m.get("engine") == "vllm":
-            loss = {"decision": "go" if m.get("lossless_ok") else "no-go"}
-        rows.append([pair, (m or {}).get("engine", "specq"), loss.get("decision", "unchecked"), shown,
+        loss = lossless.get(pair, {}).get("decision", "unchecked")
+        if m.get("engine") == "vllm":
+            loss = "go" if m.get("lossless_ok") else "no-go"
+        rows.append([pair, m.get("engine", "specq"), loss,
+                     MISSING if rec is None else str(rec) + (" (does not pay, not timed)" if m.get("screened") else ""),
                      f"{number(at['speedup'], 2)}x {interval(at.get('speedup_ci'), 2)}" if at else MISSING,
                      number(at["ms_per_token"], 2) if at else MISSING,
-                     number(at["tokens_per_round"], 2) if at else MISSING,
-                     number(m["baseline_ms_per_token"], 2) if m and m.get("baseline_ms_per_token") is not None else MISSING])
-        classes.append([None, None, {"go": "pass", "no-go": "fail"}.get(loss.get("decision"), "inconclusive"),
-                        None, None, None, None, None])
+                     number(at["tokens_per_round"], 2) if at else MISSING, number(m.get("baseline_ms_per_token"), 2)])
+        classes.append([None, None, {"go": "pass", "no-go": "fail"}.get(loss, "inconclusive"), *[None] * 5])
     out += [("p", "Lossless: greedy speculative output identical to the target's own (up to near-ties), and the "
                   "sampling test, in the engine that measured the pair (specq's own engine, or vLLM against its "
                   "own plain output); a pair that fails is no-go for speculation whatever its speed. It does not "
@@ -110,35 +100,30 @@ def speculation_blocks(run_dir: Path, gate: dict, figures: dict[str, bytes], dpi
             ("table", ["pair", "measured in", "lossless", "recommended k", "speedup at k [CI]", "ms/token at k",
                        "E[tokens/round] at k", "plain ms/token"], rows, classes)]
     if screened:  # pairs screened out before timing (latency.screen)
-        out.append(("p", "Screened before timing (latency.screen): an upper bound on the speedup at every k, "
-                         "from the upper end of acceptance's E(k) CI times the slowest probed plain step over the "
-                         "fastest probed draft + verify, is below 1, so no k can be recommended and the pair was "
-                         "not timed (plain ms/token there is the probe's); where the bound is below 1 only past "
-                         "some k, the k past it were not timed. " + " ".join(f"{x}." for x in screened)))
+        out.append(("p", "Screened before timing (latency.screen): where the speedup's upper bound (the pair's "
+                         "page shows its terms) is below 1 the k were not timed, and plain ms/token is the "
+                         "probe's. " + " ".join(f"{x}." for x in screened)))
     for pair in pairs:
         out.append(("h3", pair))
-        m = marginal.get(pair)
-        if m and m.get("engine") == "vllm":
+        m = marginal.get(pair) or {}
+        if m.get("engine") == "vllm":
             out += served_blocks(m)
-        if m and m.get("screened"):
-            out.append(("p", f"This pair {m['screened_note']}. "
-                             + (m.get("recommended_k_by_category_note") or "") + "."))
-        if m and category_rows(m):  # the workload, and k per category with CIs
+        if m.get("screened"):
+            out.append(("p", f"This pair {m['screened_note']}. {m.get('recommended_k_by_category_note') or ''}."))
+        if category_rows(m):  # the workload, and k per category with CIs
             out += [("p", workload_line(m) + " k per category: RULE on each category's own prompts; where k = 0 "
                           "the figures are at the best k, and 'settled' says whether the CIs decide it."),
                     ("table", CATEGORY_HEADER, category_rows(m), None)]
-        if pair in acceptance:
-            png = acceptance_plot(pair, acceptance[pair], dpi)
-            if png:
-                figures[f"acceptance-{pair}.png"] = png
-                out.append(("img", f"acceptance-{pair}.png", "per-position acceptance with CIs"))
+        png = acceptance_plot(pair, acceptance[pair], dpi) if pair in acceptance else None
+        if png:
+            figures[f"acceptance-{pair}.png"] = png
+            out.append(("img", f"acceptance-{pair}.png", "per-position acceptance with CIs"))
         theirs = run_dir / "marginal" / f"{pair}.png"
-        png = theirs.read_bytes() if theirs.is_file() else speed_plot(pair, marginal.get(pair),
-                                                                      latency.get(pair), dpi)
+        png = theirs.read_bytes() if theirs.is_file() else speed_plot(pair, m, latency.get(pair), dpi)
         if png:
             figures[f"speed-{pair}.png"] = png
             out.append(("img", f"speed-{pair}.png", "speedup upper bound vs k (screened, not timed)"
-                        if (m or {}).get("screened") else "ms/token vs k with CIs (marginal report)"))
+                        if m.get("screened") else "ms/token vs k with CIs (marginal report)"))
         else:
             out.append(("p", "No timing for this pair."))
     return out

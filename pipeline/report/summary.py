@@ -17,7 +17,7 @@ from pipeline.vllm.spec_config import draft_method
 
 
 def deciding_cell(entry: dict) -> str:
-    cells = {s: c for s, c in entry.get("slices", {}).items()}
+    cells = entry.get("slices", {})
     fails = {s: c for s, c in cells.items() if c["status"] == "fail"}
     if fails:
         s, c = min(fails.items(), key=lambda kv: kv[1]["ci"][1])
@@ -50,9 +50,8 @@ def _config_line(m: dict, run_dir: Path) -> str | None:
     `vllm serve` line instead."""
     if not m.get("recommended_k"):
         return None
-    cfg = {"num_speculative_tokens": int(m["recommended_k"])}
     base = draft_method(m["draft"], run_dir) if m.get("draft") else None
-    full = {**(base if isinstance(base, dict) else {}), **cfg}
+    full = {**(base if isinstance(base, dict) else {}), "num_speculative_tokens": int(m["recommended_k"])}
     return "speculative_config: " + json.dumps(full, sort_keys=True, separators=(",", ":"))
 
 

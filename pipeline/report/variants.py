@@ -15,9 +15,9 @@ from pipeline.report.format import MISSING, footnote, interval, json_files, medi
 from pipeline.report.format import mark as like_mark
 
 
-def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> list[Block]:
+def variant_blocks(run_dir: Path, figures: dict[str, bytes]) -> list[Block]:
     """One row per variant (scheme, size, memory, perplexity, calibration), then the plain-decode
-    latency grid and the latency stage's TPOT-ratio figure (added to `figures` when given)."""
+    latency grid and the latency stage's TPOT-ratio figure (added to `figures`)."""
     out: list[Block] = [("h2", "Variants: size, memory, decode latency")]
     rows, why = [], []
     for vdir in sorted(p for p in (run_dir / "variants").glob("*") if (p / "meta.json").is_file()):
@@ -67,10 +67,11 @@ def variant_blocks(run_dir: Path, figures: dict[str, bytes] | None = None) -> li
                  grid_rows, None)]
         flagged = [{**c["tpot_ratio_vs_reference"], "cell": f"{n} B={c['batch']} context={c['context']}"}
                    for n, d in lat.items() for c in d.get("grid", []) if c.get("tpot_ratio_vs_reference")]
-        if footnote(flagged, "TPOT / reference", lambda r: r["cell"]):
-            out.append(("p", footnote(flagged, "TPOT / reference", lambda r: r["cell"])))
+        note = footnote(flagged, "TPOT / reference", lambda r: r["cell"])
+        if note:
+            out.append(("p", note))
         ratio_png = run_dir / "latency" / "tpot_ratio.png"
-        if figures is not None and ratio_png.is_file():
+        if ratio_png.is_file():
             figures["tpot-ratio.png"] = ratio_png.read_bytes()
             out.append(("img", "tpot-ratio.png", "speedup over the reference vs batch x context, with the "
                                                  "roofline's (W + BK) / (W_q + BK)"))

@@ -6,18 +6,53 @@ Writes `report/report.md` (figures beside it as report/*.png) and `report/index.
 self-contained (figures embedded as base64, inline CSS) so it can be mailed or attached to a
 release ticket. Both are rendered from one list of blocks, so they say the same thing. Inputs a
 stage did not produce (no pairs, no latency grid) become a line saying so; a corrupt one is an error.
-The sections and their figures are drawn by pipeline/report/ (one module per section).
+The sections and their figures are drawn by pipeline/report/; provenance is drawn here.
 """
 from __future__ import annotations
 
-from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, atomic_write_text, read_json
-from pipeline.report.document import to_html, to_markdown
+import json
+import time
+from pathlib import Path
+
+from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_text, library_versions,
+                                 read_json)
+from pipeline.report.document import Block, to_html, to_markdown
+from pipeline.report.format import number, optional_json
 from pipeline.report.gate_table import gate_blocks
-from pipeline.report.format import optional_json
-from pipeline.report.provenance import provenance_blocks
 from pipeline.report.speculation import speculation_blocks
 from pipeline.report.summary import summary_blocks
 from pipeline.report.variants import runtime_blocks, variant_blocks
+
+
+def provenance_blocks(run_dir: Path, cfg, gate_meta: dict) -> list[Block]:
+    """The model and host, each stage's start, wall time and input hash, library versions (as the
+    gate recorded them, else this process's) and the resolved config."""
+    model = optional_json(run_dir / "model" / "meta.json", "model meta.json")
+    libs = gate_meta.get("libraries") or library_versions()
+    host = gate_meta.get("host") or {}
+    arch = {k: model[k] for k in ("architecture", "layers", "hidden_size", "vocab_size", "parameters")
+            if k in model}
+    stages = []
+    for stage in ("model", "variants", "drafts", "acceptance", "latency", "marginal", "quality", "gate"):
+        m = optional_json(run_dir / stage / "meta.json", f"{stage} meta.json")
+        if m:
+            stages.append([stage, m.get("started", "-"), number(m.get("wall_s"), 1),
+                           str(m.get("input_hash", ""))[:12]])
+    facts = [["model", str(model.get("source") or model.get("model") or "-")],
+             ["architecture", str(arch or "-")], ["run", str(run_dir)],
+             ["report date", time.strftime("%Y-%m-%d %H:%M:%S %Z")], ["seed", str(cfg.seed)],
+             ["device (config)", cfg.device],
+             ["host", f"{host.get('platform', '-')}, {host.get('cpus', '-')} CPUs"]]
+    return [
+        ("h2", "Provenance"),
+        ("table", ["", ""], facts, None),
+        ("h3", "Stages"),
+        ("table", ["stage", "started", "wall s", "input hash"], stages, None),
+        ("h3", "Library versions"),
+        ("table", ["library", "version"], [[k, str(v)] for k, v in libs.items()], None),
+        ("h3", "Resolved config"),
+        ("pre", json.dumps(cfg.model_dump(mode="json"), indent=1)),
+    ]
 
 
 def run(ctx: StageContext) -> None:

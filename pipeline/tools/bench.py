@@ -48,9 +48,6 @@ def pick_draft(drafts: list[str]) -> tuple[str, int]:
         raise SystemExit(f"bench: draft {spec}: expected layerskip:<n> with an integer n") from None
 
 
-# ---------------------------------------------------------------- transformers' side
-
-
 def hf_generation_config(model, n: int):
     """Greedy, exactly n tokens (EOS off), on a static cache, never compiled (transformers would
     compile a static-cache generate on CUDA by itself)."""
@@ -100,9 +97,6 @@ def hf_generate(model, ids: torch.Tensor, gc, assistant=None, record: dict | Non
         record["cache"] = type(cache).__name__ if cache is not None else None
         out = out.sequences
     return out[0, ids.shape[1]:].tolist()
-
-
-# ---------------------------------------------------------------- clocks
 
 
 @contextmanager
@@ -168,9 +162,6 @@ def paired_runs(sides: dict, device, warmup: int, repeats: int, label: str) -> t
     return seconds, tokens
 
 
-# ---------------------------------------------------------------- one mode, both sides
-
-
 def bench_mode(model, ids, n: int, device, args, draft=None, assistant=None, k: int = 0) -> dict:
     """Plain (no draft) or speculative decode on both sides: a first untimed run each (transformers'
     records its caches), the paired repeats, the row with its ratio, and the profile runs."""
@@ -222,9 +213,6 @@ def bench_mode(model, ids, n: int, device, args, draft=None, assistant=None, k: 
         row["profile"] = {"engine": clocked(engine, engine_modules, device),
                           "transformers": clocked(hf, hf_modules, device)}
     return row
-
-
-# ---------------------------------------------------------------- entry point
 
 
 def print_table(rows: list[dict]) -> None:

@@ -73,9 +73,6 @@ def request_tokens(tokenizer, docs: list[dict], cfg: dict) -> list[int]:
     return [len(tokenizer.encode(d["prompt"])) + cap for d in docs]
 
 
-# ---------------------------------------------------------------- instrumenting the evaluators
-
-
 class ProbeMemo:
     """Stands in for HFLM._detect_batch_size on one instance: each distinct probe (the length it
     would run) runs once, for real; later calls with the same probe get its answer. Records every
@@ -144,9 +141,6 @@ def setup_seconds(lm) -> float:
     return float((getattr(lm, "stats", None) or {}).get("calibration_seconds", 0.0) or 0.0)
 
 
-# ---------------------------------------------------------------- running one task
-
-
 def run_task(lm, name: str, cfg: dict, manager, seed: int, chat_template: bool) -> dict:
     """simple_evaluate of one task on `lm`, the way pipeline/quality/evaluate.py runs the stage.
     Returns {doc id: {"score", "prediction", "lls"}} (lls: per-option log-likelihoods, multiple
@@ -192,9 +186,6 @@ def task_row(name: str, kind: str, items: int, seconds: dict, agreement: dict, c
         **ratio_summary(hf, pre, GOAL, confidence),
         "agreement": agreement,
     }
-
-
-# ---------------------------------------------------------------- entry point
 
 
 def print_table(rows: list[dict]) -> None:

@@ -37,6 +37,7 @@ from pipeline.decode.engine import generate
 from pipeline.latency.memory import ModelShape, cache_len, device_budget, plan_grid
 from pipeline.latency.roofline import bytes_per_step, measure_bandwidth, model_bytes, roofline, step_kv_passes
 from pipeline.models.kernels import device_name
+from pipeline.report.document import to_markdown
 
 # Model shapes (transformers LlamaConfig fields) and each shape's default run settings.
 SHAPES = {
@@ -107,9 +108,6 @@ class Check:
         atomic_write_text(self.out_dir / "gpu_check.md", render_markdown(self.doc))
 
 
-# ---------------------------------------------------------------- the model, the draft, greedy equality
-
-
 def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
     """A random Llama of `shape` built directly on `device` in `dtype` (no host copy of 8B weights).
     Weights: N(0, 1/fan_in) linears, N(0, 1) embeddings, unit norms, and an LM head 4x that scale,
@@ -163,9 +161,6 @@ def compare_greedy(model, ids: torch.Tensor, reference: list[int], tokens: list[
 def release(*models) -> None:
     for m in models:
         CachedModel.release(m)
-
-
-# ---------------------------------------------------------------- timed parts
 
 
 def plain_part(check: Check, model, cells, args, gbps) -> None:
@@ -256,16 +251,11 @@ def fp32_part(check: Check, model, draft, args) -> None:
     check.save(f"float32 greedy: speculative == plain for k in {ks}: {ok}")
 
 
-# ---------------------------------------------------------------- the table
-
-
 def _ms(d: dict | None) -> str:
     return "-" if not d else f"{d['median']:.2f}"
 
 
-def _greedy(g: dict | None) -> str:
-    if not g:
-        return ""
+def _greedy(g: dict) -> str:
     if g["equal"]:
         return "greedy == plain"
     if "logit_gap" not in g:
@@ -276,56 +266,50 @@ def _greedy(g: dict | None) -> str:
 
 def render_markdown(doc: dict) -> str:
     env, parts, settings = doc.get("environment", {}), doc["parts"], doc.get("settings", {})
-    lines = [f"# gpu-check: {settings.get('shape', '?')} shape on {env.get('device_name', '?')}", "",
-             f"python {env.get('python')} ({env.get('python_executable')}), torch {env.get('torch')} (CUDA "
-             f"{env.get('torch_cuda')}), transformers {env.get('transformers')}, {settings.get('dtype')}, "
-             f"context {settings.get('context')}, {settings.get('new_tokens')} new tokens, "
-             f"{settings.get('repeats')} repeats; {doc.get('elapsed_s', 0):.0f} s of a {doc['budget_s']:.0f} s "
-             f"budget{'' if doc.get('finished') else ' (not finished)'}. Times are medians (ms).", "",
-             "| part | cell | measured | note |", "|---|---|---|---|"]
+    rows = []
     bw = parts.get("bandwidth")
     if bw:
-        lines.append(f"| bandwidth | copy {bw['bytes_per_copy'] / 2 ** 21:.0f} MiB | {bw['gbps']:.1f} GB/s | "
-                     "tensor copy, read + write |")
+        rows.append(["bandwidth", f"copy {bw['bytes_per_copy'] / 2 ** 21:.0f} MiB", f"{bw['gbps']:.1f} GB/s",
+                     "tensor copy, read + write"])
     cells = parts.get("plain", {}).get("cells", [])
     for c in cells:
         roof = f", {100 * c['roofline_fraction']:.3g}% of roofline" if c.get("roofline_fraction") else ""
-        lines.append(f"| plain decode | B={c['batch']}, context {c['context']} | TPOT {_ms(c['tpot_ms'])}{roof} | "
-                     f"TTFT {_ms(c['ttft_ms'])} |")
+        rows.append(["plain decode", f"B={c['batch']}, context {c['context']}", f"TPOT {_ms(c['tpot_ms'])}{roof}",
+                     f"TTFT {_ms(c['ttft_ms'])}"])
     spec = parts.get("speculative", {})
     base = next((c for c in cells if c["batch"] == 1), None)
     for r in spec.get("rows", []):
-        verify_cost = (f"; verify / plain step {r['verify_ms']['median'] / base['tpot_ms']['median']:.2f}"
-                       if base else "")
-        lines.append(f"| speculative ({spec.get('draft')}) | k={r['k']} | round {_ms(r['round_ms'])} (draft "
-                     f"{_ms(r['draft_ms'])}, verify {_ms(r['verify_ms'])}), {r['tokens_per_round']['median']:.2f} "
-                     f"tokens/round, {_ms(r['ms_per_token'])} ms/token | {_greedy(r['greedy'])}{verify_cost} |")
+        cost = f"; verify / plain step {r['verify_ms']['median'] / base['tpot_ms']['median']:.2f}" if base else ""
+        rows.append([f"speculative ({spec.get('draft')})", f"k={r['k']}",
+                     f"round {_ms(r['round_ms'])} (draft {_ms(r['draft_ms'])}, verify {_ms(r['verify_ms'])}), "
+                     f"{r['tokens_per_round']['median']:.2f} tokens/round, {_ms(r['ms_per_token'])} ms/token",
+                     _greedy(r["greedy"]) + cost])
     g32 = parts.get("greedy_float32")
     if g32:
-        lines.append(f"| greedy float32 | k={', '.join(str(r['k']) for r in g32['rows'])} | "
-                     f"{'all equal' if g32['all_equal'] else 'DIFFER'} | "
-                     f"{'; '.join(_greedy(r) for r in g32['rows'] if not r['equal'])} |")
-    lines.append("")
+        rows.append(["greedy float32", f"k={', '.join(str(r['k']) for r in g32['rows'])}",
+                     "all equal" if g32["all_equal"] else "DIFFER",
+                     "; ".join(_greedy(r) for r in g32["rows"] if not r["equal"])])
+    notes = []
     plan = doc.get("memory_plan")
     if plan:
         run = [st for st in plan["steps"] if st["action"] == "run"]
-        lines.append(f"- memory plan: {len(run)} cells against {plan['budget_bytes'] / 1e9:.1f} GB free after the "
+        notes.append(f"- memory plan: {len(run)} cells against {plan['budget_bytes'] / 1e9:.1f} GB free after the "
                      f"weights ({len(plan['dropped'])} dropped); prefill chunks: "
                      f"{', '.join(str(c['prefill_chunk']) for c in run if c['prefill_chunk']) or 'none'}")
-    lines += [f"- FAILED {e['part']}: {e['error']}" for e in doc["errors"]]
-    lines += [f"- skipped {s['part']}: {s['why']}" for s in doc["skipped"]]
-    lines += [f"- {n}" for n in doc["notes"]]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- entry point
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    notes += [f"- FAILED {e['part']}: {e['error']}" for e in doc["errors"]]
+    notes += [f"- skipped {s['part']}: {s['why']}" for s in doc["skipped"]] + [f"- {n}" for n in doc["notes"]]
+    intro = (f"python {env.get('python')} ({env.get('python_executable')}), torch {env.get('torch')} (CUDA "
+             f"{env.get('torch_cuda')}), transformers {env.get('transformers')}, {settings.get('dtype')}, "
+             f"context {settings.get('context')}, {settings.get('new_tokens')} new tokens, "
+             f"{settings.get('repeats')} repeats; {doc.get('elapsed_s', 0):.0f} s of a {doc['budget_s']:.0f} s "
+             f"budget{'' if doc.get('finished') else ' (not finished)'}. Times are medians (ms).")
+    return to_markdown(f"gpu-check: {settings.get('shape', '?')} shape on {env.get('device_name', '?')}",
+                       [("p", intro), ("table", ["part", "cell", "measured", "note"], rows, None)]
+                       + ([("p", "\n".join(notes))] if notes else []))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments; the run settings (batches, context, new tokens, draft layers, repeats) are the shape's."""
     p = argparse.ArgumentParser(prog="python -m pipeline.tools.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("out_dir", type=Path)
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -333,25 +317,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip parts rather than run past this")
-    p.add_argument("--batches", type=_ints, default=None, help="plain decode batch sizes (8b: 1,8)")
-    p.add_argument("--context", type=int, default=None, help="prompt tokens (8b: 512)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens per generation (8b: 64)")
-    p.add_argument("--ks", type=_ints, default=None, help="draft lengths timed (8b: 1..6)")
-    p.add_argument("--draft-layers", type=int, default=None, help="layers of the layer-skip draft (8b: 8)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (8b: 3)")
+    p.add_argument("--ks", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=None,
+                   help="draft lengths timed (8b: 1..6)")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size (default 1024 CUDA, 256 CPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for key, value in SHAPES[args.shape]["run"].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    layers = SHAPES[args.shape]["config"]["num_hidden_layers"]
-    if args.repeats < 1 or args.new_tokens < 2 or args.context < 1:
-        p.error("--repeats must be >= 1, --new-tokens >= 2 and --context >= 1")
-    if not 1 <= args.draft_layers < layers:
-        p.error(f"--draft-layers must be between 1 and {layers - 1} for the {args.shape} shape")
-    if not args.ks or min(args.ks) < 1 or not args.batches:
-        p.error("--ks and --batches must be non-empty, every k >= 1")
+    ks = args.ks
+    vars(args).update(SHAPES[args.shape]["run"])
+    args.ks = ks or args.ks
+    if min(args.ks) < 1:
+        p.error("--ks: every k must be >= 1")
     return args
 
 

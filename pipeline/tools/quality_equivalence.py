@@ -132,8 +132,7 @@ def measure(run_dir: str | Path, config, items: int = 40, slices: list[str] | No
     from pipeline.models.loading import load_tokenizer
     from pipeline.quality import vllm_backend
     from pipeline.quality.evaluate import evaluate
-    from pipeline.quality.items import builtin_task_config
-    from pipeline.quality.items import slice_data
+    from pipeline.quality.items import builtin_task_config, slice_data
     from pipeline.variants.schemes import load_variant
 
     run_dir = Path(run_dir)
