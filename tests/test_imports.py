@@ -65,7 +65,7 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
 
 
 def part(module: str) -> str:
-    """The part of the house a module belongs to: pipeline.latency.plan -> latency."""
+    """The part of the house a module belongs to: pipeline.latency.memory -> latency."""
     bits = module.split(".")
     if bits[0] != "pipeline":
         return bits[0]
@@ -182,7 +182,7 @@ def test_a_rule_break_is_reported():
     of decode or core."""
     graph = {
         "pipeline.stats.paired": {"pipeline.serving.served_k"},  # upward
-        "pipeline.latency.plan": {"pipeline.quality.lm_tasks"},  # same rank
+        "pipeline.latency.memory": {"pipeline.quality.lm_tasks"},  # same rank
         "pipeline.decode.engine": {"pipeline.core.stage"},  # decode imports nothing
         "pipeline.stages.gate": {"pipeline.gate.decision"},  # fine
     }
