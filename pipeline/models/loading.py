@@ -20,8 +20,7 @@ def load_hf(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
     """A plain Hugging Face directory (the reference, a `none` variant): transformers' own loader."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 
 def load_tokenizer(path: str | Path):

@@ -8,6 +8,7 @@ transformers into a plain model), a local HF directory, or a hub id (`org/name`)
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -35,16 +36,6 @@ def find_packaged_gguf(package: str, filename: str) -> Path:
     raise StageError(f"package '{package}' has no {filename}")
 
 
-def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-        return False
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def check_model(config, args: dict) -> None:
     """Cheap validation of MODEL before the stage starts (no weights are read)."""
     model = args["model"]
@@ -60,9 +51,12 @@ def check_model(config, args: dict) -> None:
             raise StageError(f"MODEL directory '{model}' has no config.json: not a Hugging Face model directory")
         check_weight_files(path, f"MODEL directory '{model}'")
         return
-    if not hub_reachable():
-        raise StageError(f"MODEL '{model}' looks like a hub id, but the Hugging Face hub is unreachable "
-                         "from this machine (offline); pass a local directory or the alias smollm2-135m")
+    if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+        with contextlib.suppress(OSError):
+            socket.create_connection(("huggingface.co", 443), timeout=3.0).close()
+            return
+    raise StageError(f"MODEL '{model}' looks like a hub id, but the Hugging Face hub is unreachable "
+                     "from this machine (offline); pass a local directory or the alias smollm2-135m")
 
 
 def load_source(model: str):

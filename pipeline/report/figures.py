@@ -28,8 +28,7 @@ def png_bytes(fig, dpi: int, tight: bool = True) -> bytes:
 
 
 def ci_errors(ys: list[float], cis: list) -> list[list[float]]:
-    """matplotlib's yerr for points ys with intervals [lo, hi], clipped at 0 (a bound a rounding
-    error past its point must not make matplotlib refuse the plot)."""
+    """matplotlib's yerr for points ys with intervals [lo, hi], clipped at 0 (matplotlib refuses negatives)."""
     return [[max(0.0, y - c[0]) for y, c in zip(ys, cis)], [max(0.0, c[1] - y) for y, c in zip(ys, cis)]]
 
 

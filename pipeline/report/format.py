@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeline.core.stage import StageError, read_json, require_schema
+from pipeline.core.stage import read_json, require_schema
 
 MISSING = "-"
 # Marks a ratio whose two sides did not run the same way (a row's `like_with_like` false, with its
@@ -75,18 +75,9 @@ def footnote(rows: list[dict], what: str, name=lambda r: f"k={r.get('k')}") -> s
 
 def json_files(folder: Path, pattern: str, what: str) -> dict[str, dict]:
     """{file stem: JSON object} for the files matching `pattern` in `folder`, meta.json left out,
-    in name order. StageError when a file is not a JSON object, or the folder's meta.json is of
-    another specq version."""
+    in name order (StageError where the folder's meta.json is of another specq version)."""
     require_schema(folder / "meta.json")
-    out = {}
-    for path in sorted(folder.glob(pattern)):
-        if path.name == "meta.json":
-            continue
-        doc = read_json(path, what)
-        if not isinstance(doc, dict):
-            raise StageError(f"corrupt {what}: {path} is not a JSON object")
-        out[path.stem] = doc
-    return out
+    return {p.stem: read_json(p, what) for p in sorted(folder.glob(pattern)) if p.name != "meta.json"}
 
 
 def optional_json(path: Path, what: str) -> dict:

@@ -16,24 +16,16 @@ from pipeline.report.format import interval, number
 
 
 def cell_text(c: dict) -> str:
-    lo, hi = c["ci"]
-    settle = ""
+    """diff [CI] status, with ': open (budget) at 80 of 240 items' where scoring stopped early."""
+    settle = opened = ""
     if c["status"] == "inconclusive":
         settle = (f" (~{c['items_to_settle']} items per slice would settle it)" if c.get("items_to_settle")
                   else " (diff sits on -margin: no n settles it)")
-    return (f"{number(c['diff'], 3, signed=True)} {interval([lo, hi], 3, signed=True)} {c['status']}"
-            f"{open_text(c)}{settle}")
-
-
-def open_text(c: dict) -> str:
-    """': open (budget) at 80 of 240 items' for an open cell whose scoring stopped before its
-    slice's last look; '' otherwise."""
-    if c.get("status") != "inconclusive" or c.get("stopped_on") not in ("budget", "verdict", "early"):
-        return ""
-    why = {"budget": "budget", "verdict": "variant already no-go"}.get(c["stopped_on"], "stopped early")
-    n_max = c.get("n_max")
-    scored = c.get("slice_items", (n_max or 0) - (c.get("items_left") or 0))
-    return f": open ({why}) at {scored} of {n_max} items"
+        if c.get("stopped_on") in ("budget", "verdict", "early"):
+            why = {"budget": "budget", "verdict": "variant already no-go"}.get(c["stopped_on"], "stopped early")
+            scored = c.get("slice_items", (c.get("n_max") or 0) - (c.get("items_left") or 0))
+            opened = f": open ({why}) at {scored} of {c.get('n_max')} items"
+    return f"{number(c['diff'], 3, signed=True)} {interval(c['ci'], 3, signed=True)} {c['status']}{opened}{settle}"
 
 
 def headline(gate: dict) -> str:
@@ -130,9 +122,7 @@ def forest_plot(gate: dict, dpi: int) -> bytes | None:
 def gate_blocks(gate: dict, figures: dict[str, bytes], dpi: int) -> list[Block]:
     """The report's first section: the decision, the go/no-go table (one row per variant, one column
     per slice), the forest plot (added to `figures`), then per group and the distribution checks."""
-    keys = []
-    for v in gate["variants"].values():
-        keys += [k for k in v["slices"] if k not in keys]
+    keys = list(dict.fromkeys(k for v in gate["variants"].values() for k in v["slices"]))
     rows, classes = [], []
     for name, v in gate["variants"].items():
         rows.append([name, "yes" if v["release"] else "no", v["decision"].upper(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.stage import atomic_write_bytes, atomic_write_text
+from pipeline.core.stage import atomic_write_bytes
 from pipeline.report.document import Block, to_markdown
 from pipeline.report.figures import ci_errors, finish_axes, png_bytes, pyplot
 from pipeline.report.format import MISSING, footnote, interval, number
@@ -225,10 +225,6 @@ def _position_blocks(report: dict) -> list[Block]:
                   "and is never narrower than the Wilson interval on the expected round counts."),
             ("table", ["position", "conditional", "prefix", "mean beta", "rounds reaching it (expected)",
                        "CI (conditional)"], rows, None)]
-
-
-def write_markdown(report: dict, path: Path, png_name: str | None = None) -> None:
-    atomic_write_text(path, render_markdown(report, png_name))
 
 
 def _bound_axes(ax, report: dict) -> None:

@@ -45,9 +45,7 @@ def _best_pair(pairs: dict[str, dict]) -> tuple[str, dict, dict | None] | None:
 
 
 def _config_line(m: dict, run_dir: Path) -> str | None:
-    """The speculative_config for a pair specq's engine measured (at B = 1: its recommended k),
-    with the draft's method (and model) where vLLM has one, as JSON. A pair vLLM measured has its
-    `vllm serve` line instead."""
+    """A specq-measured pair's speculative_config at its recommended k, as JSON (vLLM's pairs have a serve line)."""
     if not m.get("recommended_k"):
         return None
     base = draft_method(m["draft"], run_dir) if m.get("draft") else None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_text, progress, read_json,
                                  sha256_file)
-from pipeline.report.marginal import write_markdown, write_plot
+from pipeline.report.marginal import render_markdown, write_plot
 from pipeline.report.served import render_served, served_plot
 from pipeline.serving.marginal import pair_report
 from pipeline.serving.served_k import served_report
@@ -101,7 +101,7 @@ def _specq(ctx: StageContext, item, pair: str, acc: dict, latency: dict, noise: 
     report.update(recommended_k_by_batch=None, speculative_config_by_batch=None, by_batch_note=NO_BATCH_NOTE)
     # The .md and .png first, the JSON last: the JSON is what marks the pair finished.
     write_plot(report, ctx.out_dir / f"{pair}.png")
-    write_markdown(report, ctx.out_dir / f"{pair}.md", f"{pair}.png")
+    atomic_write_text(ctx.out_dir / f"{pair}.md", render_markdown(report, f"{pair}.png"))
     item.write_json(report)
     if report.get("screened"):
         progress(f"marginal: {pair}: {report['screened_note']}: recommended k = 0")

@@ -52,13 +52,10 @@ def hf_generation_config(model, n: int):
     """Greedy, exactly n tokens (EOS off), on a static cache, never compiled (transformers would
     compile a static-cache generate on CUDA by itself)."""
     gc = copy.deepcopy(model.generation_config)
-    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, n, None
-    gc.temperature = gc.top_p = gc.top_k = None
-    gc.eos_token_id = None  # exactly n tokens, like the engine with eos_token_id=None
+    gc.update(do_sample=False, max_new_tokens=n, min_new_tokens=None, temperature=None, top_p=None, top_k=None,
+              eos_token_id=None, cache_implementation="static", disable_compile=True)
     if gc.pad_token_id is None:
         gc.pad_token_id = model.config.get_text_config().pad_token_id or 0
-    gc.cache_implementation = "static"
-    gc.disable_compile = True
     return gc
 
 
@@ -78,9 +75,8 @@ def truncated_copy(model, n_layers: int, k: int):
     text.num_hidden_layers = n_layers
     if getattr(text, "layer_types", None):
         text.layer_types = text.layer_types[:n_layers]
-    agc = draft.generation_config
-    agc.num_assistant_tokens, agc.num_assistant_tokens_schedule, agc.assistant_confidence_threshold = \
-        k, "constant", 0.0
+    draft.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                                   assistant_confidence_threshold=0.0)
     return draft.eval()
 
 

@@ -58,14 +58,12 @@ def parse_args(argv: list[str] | None = None):
 
 
 def auto_max_length(request_tokens: list[int], margin: int = 8) -> int:
-    """The smallest multiple of 64 holding the longest request (prompt + continuation or
-    generation cap, in tokens) with a few tokens to spare."""
+    """The smallest multiple of 64 holding the longest request (in tokens) with `margin` to spare."""
     return -(-(max(request_tokens) + margin) // 64) * 64
 
 
 def request_tokens(tokenizer, docs: list[dict], cfg: dict) -> list[int]:
-    """Per document, the tokens its longest request needs: prompt + the longest option (multiple
-    choice) or prompt + the generation cap (generation)."""
+    """Per document, its longest request's tokens: prompt + the longest option, or + the generation cap."""
     delim = cfg.get("target_delimiter", " ")
     if cfg.get("output_type") == "multiple_choice":
         return [max(len(tokenizer.encode(d["prompt"] + delim + c)) for c in d["choices"]) + 1 for d in docs]
@@ -136,8 +134,7 @@ class RequestClock:
 
 
 def setup_seconds(lm) -> float:
-    """Seconds the prefix evaluator has spent measuring its cost constants (once per model: its
-    `stats["calibration_seconds"]`; 0 where it keeps no such figure)."""
+    """The prefix evaluator's `stats["calibration_seconds"]` so far (its one-off cost calibration), else 0."""
     return float((getattr(lm, "stats", None) or {}).get("calibration_seconds", 0.0) or 0.0)
 
 

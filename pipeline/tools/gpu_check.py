@@ -109,10 +109,8 @@ class Check:
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
-    """A random Llama of `shape` built directly on `device` in `dtype` (no host copy of 8B weights).
-    Weights: N(0, 1/fan_in) linears, N(0, 1) embeddings, unit norms, and an LM head 4x that scale,
-    so next-token distributions are peaked like a trained model's (flat logits make every greedy
-    step a tie)."""
+    """A random Llama of `shape` built on `device` in `dtype`: N(0, 1/fan_in) linears, an LM head 4x
+    that scale so next-token distributions are peaked like a trained model's (flat logits tie)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
@@ -322,9 +320,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size (default 1024 CUDA, 256 CPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    ks = args.ks
-    vars(args).update(SHAPES[args.shape]["run"])
-    args.ks = ks or args.ks
+    vars(args).update({**SHAPES[args.shape]["run"], **({"ks": args.ks} if args.ks else {})})
     if min(args.ks) < 1:
         p.error("--ks: every k must be >= 1")
     return args

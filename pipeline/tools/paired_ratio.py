@@ -69,8 +69,7 @@ def ratio_summary(baseline_s: Sequence[float], candidate_s: Sequence[float], goa
 
 
 def run_order(repeat: int, names: tuple[str, str]) -> tuple[str, str]:
-    """The two sides in the order repeat `repeat` runs them: as given on even repeats, swapped on
-    odd ones, so neither side always runs first (warm caches, a neighbour's burst)."""
+    """The two sides as given on even repeats, swapped on odd ones: neither always runs first (warm caches)."""
     return names if repeat % 2 == 0 else (names[1], names[0])
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, progress, read_json
+from pipeline.core.stage import StageError, atomic_write_bytes, atomic_write_json, progress
 from pipeline.stats.paired import merge_clusters, paired_difference
+from pipeline.tools.paired_ratio import at_least
 
 # Mantissa bits of each compute dtype: a logit z is rounded to a spacing of 2**(floor(log2|z|) - bits).
 MANTISSA = {"bfloat16": 7, "float16": 10, "float32": 23}
@@ -200,9 +201,9 @@ def render(report: dict) -> str:
              f"{'equivalent' if report['equivalent'] else 'NOT equivalent'}"]
     for name, r in report["slices"].items():
         lo, hi = r["score_difference_ci"]
-        head = f"  {name:<13} score {r['hf_mean']:.3f} -> {r['vllm_mean']:.3f} (diff {r['score_difference']:+.3f} [{lo:+.3f}, {hi:+.3f}])"
         ips = r["items_per_second"]
-        head += f", items/s hf {ips['hf']:.2f} vLLM {ips['vllm']:.2f}"
+        head = (f"  {name:<13} score {r['hf_mean']:.3f} -> {r['vllm_mean']:.3f} (diff {r['score_difference']:+.3f} "
+                f"[{lo:+.3f}, {hi:+.3f}]), items/s hf {ips['hf']:.2f} vLLM {ips['vllm']:.2f}")
         if r["kind"] == "loglikelihood":
             lines.append(f"{head}; same choice {r['same_choice']}/{r['items']}, "
                          f"max option-prob diff {r['max_option_prob_difference']:.4f}")
@@ -224,12 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.tools.quality_equivalence", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="a run directory whose quantize stage has run")
     ap.add_argument("--config", default="configs/default.yaml")
-    ap.add_argument("--items", type=int, default=40, help="items per slice (the first of the stage's order)")
+    ap.add_argument("--items", type=at_least(1), default=40, help="items per slice (the first of the stage's order)")
     ap.add_argument("--slices", nargs="*", help="default: quality.slices")
     a = ap.parse_args(argv)
     try:
-        if a.items < 1:
-            raise StageError("--items must be >= 1")
         report = measure(a.run, load_config(a.config), a.items, a.slices)
     except (StageError, ConfigError) as e:
         print(f"specq: {e}", file=sys.stderr)

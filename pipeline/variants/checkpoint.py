@@ -19,7 +19,7 @@ import torch
 from pipeline.core.stage import StageError, library_version, read_json
 from pipeline.models.loading import (SPECQ_FILES, check_weight_files, compare_tokenizers, link_or_copy_tree, load_hf,
                                      weight_bytes)
-from pipeline.variants.quantizers import hf_from_pretrained, load_bnb, load_gptq, load_torchao
+from pipeline.variants.quantizers import hf_from_pretrained, load_bnb, load_gptq
 
 
 def _read_json(path: Path) -> dict:
@@ -158,14 +158,12 @@ def quantize_checkpoint(src: Path, out: Path, spec, job) -> dict:
 
 
 def load_checkpoint(path: Path, meta: dict, device: torch.device, dtype: torch.dtype):
-    """GPTQ, bitsandbytes and torchao through their schemes' loaders; anything else through transformers."""
+    """GPTQ and bitsandbytes through their schemes' loaders; anything else through transformers."""
     method = meta["checkpoint"]["quant_method"]  # quantize_checkpoint's record
     if method == "gptq":
         return load_gptq(path, meta, device, dtype)
     if method == "bitsandbytes":
         return load_bnb(path, meta, device, dtype)
-    if method == "torchao":
-        return load_torchao(path, meta, device, dtype)
     if method is None:
         return load_hf(path, meta, device, dtype)
     return hf_from_pretrained(path, dtype, device)

@@ -23,8 +23,7 @@ from pipeline.variants.schemes import SCHEMES
 
 
 def reference_matrices(src: Path) -> list[WeightMatrix]:
-    """The decoder weight matrices of the model in `src` (what GPTQ quantizes; the LM head and
-    embeddings stay unquantized), on the meta device: no weights are read."""
+    """The decoder weight matrices of the model in `src` (what GPTQ quantizes), on the meta device."""
     cfg = Path(src) / "config.json"
     return _matrices(str(Path(src).resolve()), cfg.stat().st_mtime_ns, cfg.stat().st_size)
 

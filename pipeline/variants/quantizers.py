@@ -91,10 +91,6 @@ def add_weight_noise(model: torch.nn.Module, relative_std: float, seed: int) -> 
     return changed
 
 
-def noise_seed(seed: int, variant: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(variant.encode())) % (2**31)
-
-
 @contextlib.contextmanager
 def library_output_to(log_file: Path):
     """Send a library's chatter to a log file and run in its directory (GPTQModel writes `logs/` into
@@ -119,7 +115,8 @@ def quantize_none(src: Path, out: Path, spec, job: Job) -> dict:
     bits = torch.finfo(job.storage_dtype).bits
     if spec.weight_noise > 0:
         model = hf_from_pretrained(src, job.storage_dtype, torch.device("cpu"))
-        n = add_weight_noise(model, spec.weight_noise, noise_seed(job.seed, job.name))
+        seed = (job.seed * 1_000_003 + zlib.crc32(job.name.encode())) % (2**31)  # one per variant
+        n = add_weight_noise(model, spec.weight_noise, seed)
         model.save_pretrained(out, safe_serialization=True)
         return {"storage": f"copy of the reference with noise on {n} decoder weight matrices", "bits": bits,
                 "library": "transformers", "library_version": library_version("transformers")}

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from pipeline.decode.timing import synchronize
+
 SANITY_MODULES = ("argparse", "textwrap", "difflib", "heapq", "bisect", "functools", "contextlib",
                   "statistics", "fractions", "shutil", "tempfile", "zipfile", "csv", "string", "pathlib")
 
@@ -34,8 +36,7 @@ def sanity_text() -> str:
 
 def sanity_ids(tokenizer, n_tokens: int) -> list[int]:
     """The first n_tokens token ids of the held-out text."""
-    ids = tokenizer(sanity_text(), add_special_tokens=False)["input_ids"]
-    return ids[:n_tokens]
+    return tokenizer(sanity_text(), add_special_tokens=False)["input_ids"][:n_tokens]
 
 
 @torch.no_grad()
@@ -61,12 +62,10 @@ def timed_forward(model, ids: list[int], window: int = 512) -> dict:
     chunk = torch.tensor([ids[:window]], device=device)
     best = math.inf
     for _ in range(2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         model(chunk)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return {"tokens": int(chunk.shape[1]), "seconds": round(best, 4)}
 

@@ -64,6 +64,4 @@ def load_variant(path: str | Path, device: str | torch.device = "auto", dtype: s
     dev = resolve_device(device) if isinstance(device, str) else device
     dt = resolve_dtype(dtype or meta.get("dtype_compute", "auto"), dev)
     check_weight_files(path, "corrupt artifact")
-    model = loader(path, meta, dev, dt)
-    model.eval()
-    return model, load_tokenizer(path)
+    return loader(path, meta, dev, dt).eval(), load_tokenizer(path)
