@@ -301,13 +301,13 @@ class StageContext:
         """An item at out_dir/name, fresh when `inputs`, the stage's code and the schema are unchanged."""
         path = self.out_dir / name
         item = Item(path=path, input_hash=hash_obj({"inputs": inputs, "code": self.code}), is_dir=is_dir)
-        old = _old_meta(path / "meta.json" if is_dir else path)
+        old = old_meta(path / "meta.json" if is_dir else path)
         if old.get("input_hash") == item.input_hash and other_schema(old) is None:
             item.fresh, item.meta = True, old
         return item
 
 
-def _old_meta(path: Path) -> dict:
+def old_meta(path: Path) -> dict:
     """A meta.json or item record; {} when missing or unreadable (the work is then done again)."""
     try:
         old = json.loads(path.read_text())
@@ -359,7 +359,7 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
     input_hash = hash_obj(inputs)
     out_dir = run_dir / spec.out
     meta_path = out_dir / "meta.json"
-    old = {} if force else _old_meta(meta_path)
+    old = {} if force else old_meta(meta_path)
     if old:
         why = other_schema(old)
         if why:

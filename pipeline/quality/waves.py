@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeline.core import budget as budget_mod
 from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.stage import (SCHEMA_VERSION, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
-                                 other_schema, progress, read_json, sha256_file)
+                                 old_meta, other_schema, progress, sha256_file)
 from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
 from pipeline.quality.row_sizing import SIZING_CONSTANTS
@@ -32,24 +32,20 @@ class Pace:
     slice never scored alone. `state`: an earlier run's `to_json()` (kept in scoring.json)."""
 
     def __init__(self, weights: dict[str, float] | None = None, state: dict | None = None):
-        self.weights = dict(weights or {})
-        state = state if isinstance(state, dict) else {}
-        try:
-            self.solo = {str(s): [int(v[0]), float(v[1])] for s, v in (state.get("solo") or {}).items()}
-            w = state.get("weighted") or [0.0, 0.0]
-            self.weighted = [float(w[0]), float(w[1])]
-        except (TypeError, ValueError, IndexError):
-            self.solo, self.weighted = {}, [0.0, 0.0]
+        self.weights = weights or {}
+        state = state or {}
+        self.solo = {s: list(v) for s, v in state.get("solo", {}).items()}
+        self.weighted = list(state.get("weighted", [0.0, 0.0]))
 
     def weight(self, s: str) -> float:
         if s in self.weights:
-            return float(self.weights[s])
+            return self.weights[s]
         return sum(self.weights.values()) / len(self.weights) if self.weights else 1.0
 
     def record(self, items: dict[str, int], seconds: float) -> None:
         """One call: `items` per slice (or lm-eval task) it scored, in `seconds`."""
-        items = {s: int(n) for s, n in items.items() if n > 0}
-        if not items or seconds < 0:
+        items = {s: n for s, n in items.items() if n > 0}
+        if not items:
             return
         if len(items) == 1:
             (s, n), = items.items()
@@ -170,11 +166,7 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
 
 def read_meta(vdir: Path) -> dict:
     """A directory's meta.json, {} where it is missing or unreadable."""
-    try:
-        meta = json.loads((vdir / "meta.json").read_text())
-    except (json.JSONDecodeError, OSError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
+    return old_meta(vdir / "meta.json")
 
 
 def budget_stopped(item_dir: Path) -> bool:
@@ -208,14 +200,8 @@ class Waves:
         self.items[d.name] = item
         self.hashes[d.name] = h
         self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None}
-        state = d / "scoring.json"
-        try:
-            old = read_json(state, "quality scoring state") if state.is_file() else {}
-        except StageError:
-            if not item.fresh:
-                raise
-            old = {}  # a finished item's pace is only an estimate: never a reason to stop
-        reusable = isinstance(old, dict) and old.get("score_hash") == h and other_schema(old) is None
+        old = old_meta(d / "scoring.json")  # unreadable: scored again
+        reusable = old.get("score_hash") == h and other_schema(old) is None
         self.pace[d.name] = Pace(self.weights, old.get("pace") if reusable else None)
         if item.fresh:
             return item
@@ -237,8 +223,8 @@ class Waves:
         return item
 
     def scored(self, name: str) -> dict[str, int]:
-        d = self.out_dir / name
-        return {s: _count(d / f"{s}.jsonl") for s in self.plans}
+        files = {s: self.out_dir / name / f"{s}.jsonl" for s in self.plans}
+        return {s: len(f.read_bytes().splitlines()) if f.is_file() else 0 for s, f in files.items()}
 
     def grew(self, name: str) -> bool:
         return self.stats[name]["grew"]
@@ -290,7 +276,7 @@ class Waves:
             done = sum(1 for x in looks if x <= n)
             rec = {"items": n, "n_max": p["n_max"], "looks_done": done, "looks_planned": len(looks)}
             if stop and s in stop["need"]:
-                rec.update(stopped_on=stop.get("kind", "budget"), looks_skipped=len(looks) - done, why=stop["why"])
+                rec.update(stopped_on=stop["kind"], looks_skipped=len(looks) - done, why=stop["why"])
             else:
                 rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
             slices[s] = rec
@@ -407,10 +393,6 @@ class Waves:
         atomic_write_json(item.path / "meta.json", item.record(meta))
 
 
-def _count(path: Path) -> int:
-    return len(path.read_bytes().splitlines()) if path.is_file() else 0
-
-
 def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowance | None = None) -> None:
     """Variant `name`'s first look, its estimate announced against `allowance` (its share of the
     stage's budget); scored even over the allowance: the gate needs a first look."""
@@ -428,13 +410,6 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
     waves.first_look(name, score)
 
 
-def next_need(waves: Waves, reference: str, name: str, cfg) -> tuple[dict[str, int], list[str]]:
-    """(the look each open slice of `name` needs next, slice -> items; the rows a look has failed)
-    from the gate's own replay (gate.decision.open_slices)."""
-    open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
-    return waves.next_looks(name, open_), failed
-
-
 def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                 allowance: Allowance | None = None) -> None:
     """A look at a time for the slices of `name` whose cells are open, the reference first scoring
@@ -445,7 +420,8 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
     if allowance is not None:
         waves.allowances[name] = allowance
     while True:
-        need, failed = next_need(waves, reference, name, cfg)
+        open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)  # the gate's own replay
+        need = waves.next_looks(name, open_)
         if not need:
             return
         if budgeted:
@@ -491,7 +467,8 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
         if not budget.active:  # (an inactive Allowance affords every look; meta.json still has its record)
             later_looks(waves, reference, name, ref_score, score, cfg, allowance)
         else:
-            need, failed = next_need(waves, reference, name, cfg)
+            open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
+            need = waves.next_looks(name, open_)
             if need and failed:
                 _stop_on_verdict(waves, name, need, failed, budget)
             elif need:
