@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageError, progress
 from pipeline.quality.items import order_items
 
@@ -141,13 +140,11 @@ def unknown(entries: list[str]) -> dict[str, str]:
             for entry, (_, name, path) in zip(entries, parsed) if name not in manager.all_tasks}
 
 
-def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSlice], dict[str, str]]:
+def resolve(entries: list[str], qcfg, seed: int = 0) -> tuple[list[NamedSlice], dict[str, str]]:
     """The listed tasks that can run here, and {entry: why not} for the others (one line each).
     An unknown name is skipped here too; the stage refuses it first (`unknown`)."""
     if not entries:
         return [], {}
-    if qcfg is None:
-        qcfg = QualityConfig()
     parsed = split_entries(entries)
     manager, (defaults, paths) = _index(parsed)
     usable, skipped = [], {}
@@ -252,11 +249,6 @@ def subset(s: NamedSlice, ids) -> NamedSlice:
     return replace(s, leaves=leaves, rows=b"", ends=[])
 
 
-def requests(named: list[NamedSlice]) -> list:
-    """simple_evaluate's tasks for the named slices: each subtask's Task that has documents to run."""
-    return [s.tasks[leaf.name] for s in named for leaf in s.leaves if leaf.doc_ids]
-
-
 def cost_weight(s: NamedSlice, tokenizer, sample: int = 32) -> float:
     """An item's prior cost relative to the built-in slices' (items.cost_weights): the first
     documents' prompt tokens times one plus the few-shot examples, plus twice max_gen_toks."""
@@ -307,7 +299,7 @@ def _key(metric: str, filt: str, leaf: Leaf) -> str:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float, bool)) and not isinstance(x, complex)
+    return isinstance(x, (int, float, bool))
 
 
 def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:

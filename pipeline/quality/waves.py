@@ -1,6 +1,6 @@
 """Scoring in waves: each model's item files grown a look at a time (`Waves`), what re-opens them
-(`item_inputs`), each model's seconds per item (`Pace`), each variant's share of the stage's time
-(`Allowance`), and the order in which the stage spends its looks (`score_variants`).
+(`item_inputs`), each model's seconds per item (`Pace`), and the order in which the stage spends
+its looks (`score_variants`), each variant on its share of the stage's time (StageBudget.part).
 
     waves = Waves(out_dir, lines, plans, named, configs)
     waves.first_look(reference, ref_score)
@@ -17,8 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.core import budget as budget_mod
-from pipeline.core.budget import StageBudget, fmt_s
+from pipeline.core.budget import Allowance, StageBudget, fmt_s
 from pipeline.core.stage import (SCHEMA_VERSION, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
                                  old_meta, other_schema, progress, sha256_file)
 from pipeline.gate.decision import open_slices
@@ -94,29 +93,16 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
     return {n: float(seconds(n)) / float(ref) for n in metas if ref and n != reference and seconds(n)}
 
 
-class Allowance(budget_mod.Allowance):
-    """One variant's share of the quality stage's budget: the time left over the `variants_left`
-    variants still to score (this one included); what one leaves unused goes to the next.
-    Without a budget it affords everything."""
+def share(budget: StageBudget, variants_left: int) -> Allowance:
+    """One variant's share of the stage's budget: the time left over the `variants_left` variants
+    still to score (this one included); what one leaves unused goes to the next."""
+    return budget.part("variant", of_items=variants_left)
 
-    def __init__(self, budget, variants_left: int):
-        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1), 0.0)
-                         if budget.active else None)
 
-    def affords(self, estimate_s: float | None) -> bool:
-        """Whether a look estimated at `estimate_s` fits (an unknown estimate: while time is left)."""
-        if not self.active:
-            return True
-        return self.left() > 0 if estimate_s is None else estimate_s <= self.left()
-
-    def why_not(self, estimate_s: float | None) -> str:
-        """The reason a look was not taken, as meta.json and gate.json say it."""
-        need = "an unknown time" if estimate_s is None else f"~{fmt_s(estimate_s)}"
-        return f"budget: {fmt_s(max(self.left(), 0.0))} left, the next look needs {need}"
-
-    def to_json(self) -> dict:
-        return {"allowance_s": None if self.seconds is None else round(self.seconds, 1),
-                "spent_s": round(self.spent(), 1)}
+def _why_not(allowance: Allowance, estimate_s: float | None) -> str:
+    """The reason a look was not taken, as meta.json and gate.json say it."""
+    need = "an unknown time" if estimate_s is None else f"~{fmt_s(estimate_s)}"
+    return f"budget: {fmt_s(max(allowance.left(), 0.0))} left, the next look needs {need}"
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
@@ -269,7 +255,7 @@ class Waves:
         """Per slice: the items scored, the looks done, planned and skipped, and where scoring
         stopped: "settled", "last look", "budget" or "verdict" (with why)."""
         have, stop = self.scored(name), self.stats[name]["stop"]
-        allowance = self.allowances.get(name)
+        a = self.allowances.get(name)
         slices = {}
         for s, p in self.plans.items():
             looks, n = p["looks"], have[s]
@@ -280,7 +266,8 @@ class Waves:
             else:
                 rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
             slices[s] = rec
-        return {**(allowance.to_json() if allowance else {"allowance_s": None, "spent_s": None}),
+        return {"allowance_s": None if a is None or a.seconds is None else round(a.seconds, 1),
+                "spent_s": None if a is None else round(a.spent(), 1),
                 "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
 
     def first_look(self, name: str, score) -> None:
@@ -337,14 +324,14 @@ class Waves:
                 raise StageError(f"quality: lm-eval returned {len(records.get(s, []))} records of '{s}' for "
                                  f"{len(ids)} documents asked ({name}, items {step[s][0]}-{step[s][1]})")
             records[s] = [got[i] for i in ids]
-        load = (counters or {}).get("load_seconds") or 0.0
+        load = counters.get("load_seconds", 0.0)
         self.pace.setdefault(name, Pace(self.weights)).record({t: len(recs) for t, recs in records.items()},
                                                               max(took - load, 0.0))
         self._save_state(name)
         st = self.stats[name]
         st["seconds"] += took
         st["grew"] = True
-        _add_counters(st["counters"], counters or {})
+        _add_counters(st["counters"], counters)
         count = 0
         for task, recs in records.items():
             count += len(recs)
@@ -405,7 +392,7 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
                 f"{name}: first look, {sum(first.values())} items; allowance "
                 f"{fmt_s(allowance.seconds) if allowance.active else 'unlimited'}", est)
             if not allowance.affords(est):
-                progress(f"quality: {name}: the first look is over the allowance ({allowance.why_not(est)}); "
+                progress(f"quality: {name}: the first look is over the allowance ({_why_not(allowance, est)}); "
                          "scored anyway: the gate needs a first look")
     waves.first_look(name, score)
 
@@ -430,7 +417,7 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                 return
             est = waves.look_cost(reference, name, need)
             if not allowance.affords(est):
-                why = allowance.why_not(est)
+                why = _why_not(allowance, est)
                 waves.stop(name, need, why)
                 allowance.parent.skip(_looks_skipped(name, need), why)
                 return
@@ -461,10 +448,10 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
     an active `budget` (a StageBudget) each variant whole in turn; with one, in two passes."""
     later = []
     for i, name in enumerate(pending):
-        score, allowance = scorer(name), Allowance(budget, len(pending) - i)
+        score, allowance = scorer(name), share(budget, len(pending) - i)
         first_look(waves, reference, name, score, allowance)
         after_first(name)
-        if not budget.active:  # (an inactive Allowance affords every look; meta.json still has its record)
+        if not budget.active:  # (an inactive allowance affords every look; meta.json still has its record)
             later_looks(waves, reference, name, ref_score, score, cfg, allowance)
         else:
             open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
@@ -479,7 +466,7 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
                 continue
         finish(name)
     for i, name in enumerate(later):
-        later_looks(waves, reference, name, ref_score, scorer(name), cfg, Allowance(budget, len(later) - i))
+        later_looks(waves, reference, name, ref_score, scorer(name), cfg, share(budget, len(later) - i))
         finish(name)
 
 
