@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pipeline.core.quality_config import QualityConfig
 from pipeline.core.stage import StageError, progress
 from pipeline.quality.items import order_items
 
@@ -140,11 +141,12 @@ def unknown(entries: list[str]) -> dict[str, str]:
             for entry, (_, name, path) in zip(entries, parsed) if name not in manager.all_tasks}
 
 
-def resolve(entries: list[str], qcfg, seed: int = 0) -> tuple[list[NamedSlice], dict[str, str]]:
+def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSlice], dict[str, str]]:
     """The listed tasks that can run here, and {entry: why not} for the others (one line each).
     An unknown name is skipped here too; the stage refuses it first (`unknown`)."""
     if not entries:
         return [], {}
+    qcfg = qcfg or QualityConfig()
     parsed = split_entries(entries)
     manager, (defaults, paths) = _index(parsed)
     usable, skipped = [], {}
