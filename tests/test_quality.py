@@ -134,13 +134,15 @@ def test_named_task_without_data_is_skipped_with_one_line(capsys, monkeypatch):
 
 
 def test_mismatched_item_ids_are_refused(tmp_path):
-    from pipeline.quality.evaluate import check_same_ids
+    from pipeline.quality.evaluate import write_summaries
 
     for name, ids in (("ref", ["a", "b"]), ("var", ["a", "c"])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "s.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in ids))
+        (tmp_path / name / "s.jsonl").write_text("".join(json.dumps(
+            {"id": i, "cluster": i, "group": None, "metric": "acc", "score": 1.0, "scores": {"acc": 1.0}}) + "\n"
+            for i in ids))
     with pytest.raises(StageError, match="other 's' items"):
-        check_same_ids(tmp_path, ["ref", "var"], ["s"])
+        write_summaries(tmp_path, ["ref", "var"], ["s"], 0.95)
 
 
 def test_slice_summary_groups_and_clustered_ci():

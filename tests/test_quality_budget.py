@@ -1,6 +1,6 @@
 """The quality stage on a time budget (issue 27): the wave loop (pipeline/quality/waves.py:
 score_variants, Waves) with injected per-item scorers and a fake clock that each scored item
-advances, each variant's allowance (Allowance, Pace), and the gate's
+advances, each variant's allowance (share, Pace), and the gate's
 replay of what was scored (pipeline/gate/decision.py: build_gate). Shows: without a budget the
 looks are exactly those of the loop without one; a budget that affords two looks stops there and
 the gate says inconclusive, stopped on the budget; a cell that fails within the budget is still
@@ -18,8 +18,8 @@ from pipeline.core.budget import StageBudget
 from pipeline.core.stage import StageContext
 from pipeline.gate.decision import build_gate
 from pipeline.gate.looks import levels, plan
-from pipeline.quality.waves import (Allowance, Pace, Waves, budget_stopped, item_inputs, pace_priors,
-                                    score_in_waves, score_variants)
+from pipeline.quality.waves import (Pace, Waves, budget_stopped, item_inputs, pace_priors,
+                                    score_in_waves, score_variants, share)
 from pipeline.report.gate_table import render_table
 
 from tests.test_sequential_gate import (_config, damaged, flips, identical, independent_slice, reference_score,
@@ -98,7 +98,7 @@ def run_budget(tmp_path: Path, cfg, data: dict[str, bytes], plans: dict, fns: di
         return timed(scorer(fns[name], calls.setdefault(name, [])), clock, per_item)
     if one_pass:
         for i, name in enumerate(pending):
-            score_in_waves(waves, "bf16", name, ref_score, score_of(name), cfg, Allowance(budget, len(pending) - i))
+            score_in_waves(waves, "bf16", name, ref_score, score_of(name), cfg, share(budget, len(pending) - i))
             finish(name)
     else:
         score_variants(waves, "bf16", pending, ref_score, score_of, cfg, budget, finish=finish)
@@ -267,7 +267,7 @@ def test_the_allowance_split_leaves_the_second_variant_looks_of_its_own(tmp_path
     for n in ("v1", "v2"):
         assert g["variants"][n]["slices"]["s"]["stopped_on"] == "budget"
     # Without the split the first variant would have taken it all: 110 s, 20 s a look.
-    greedy = Allowance(StageBudget(cfg, "quality", clock=Clock()), 1)
+    greedy = share(StageBudget(cfg, "quality", clock=Clock()), 1)
     assert greedy.seconds == pytest.approx(120.0) and greedy.seconds > 2 * rec["v1"]["allowance_s"]
 
 
@@ -410,8 +410,8 @@ def test_the_second_pass_splits_the_time_left_evenly(tmp_path):
     """The second pass's allowance: the time left over the open variants still to score; the
     last variant takes everything left."""
     budget = StageBudget(budget_config(tmp_path, ["v"], 10, 0.5), "quality", clock=Clock())  # 300 s
-    assert Allowance(budget, 4).seconds == pytest.approx(75.0)
-    assert Allowance(budget, 1).seconds == pytest.approx(300.0)
+    assert share(budget, 4).seconds == pytest.approx(75.0)
+    assert share(budget, 1).seconds == pytest.approx(300.0)
 
 
 def test_a_variants_prior_pace_is_its_timed_forward_over_the_references(tmp_path):

@@ -38,9 +38,9 @@ class _Clock:
     def active(self) -> bool:
         return self.seconds is not None
 
-    def affords(self, estimate_s: float) -> bool:
-        """Whether work estimated at `estimate_s` seconds still fits."""
-        return estimate_s <= self.left()
+    def affords(self, estimate_s: float | None) -> bool:
+        """Whether work estimated at `estimate_s` seconds still fits (an unknown estimate: while time is left)."""
+        return self.left() > 0 if estimate_s is None else estimate_s <= self.left()
 
     def eta(self, done: float, total: float) -> str:
         """' (3.2 min left; budget 5.0 min left)': the time left at the rate so far, for a progress line."""

@@ -14,6 +14,7 @@ import io
 import json
 import textwrap
 import tokenize
+import types
 import typing
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,18 +35,14 @@ class Key:
 @lru_cache(maxsize=None)
 def _comments(cls: type) -> dict[str, str]:
     """field name -> the comment above it (contiguous comment lines) and at the end of its line."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
+    src = textwrap.dedent(inspect.getsource(cls))
     by_line: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
             by_line[tok.start[0]] = tok.string.lstrip("#").strip()
     lines = src.splitlines()
-    body = ast.parse(src).body[0].body
     out = {}
-    for node in body:
+    for node in ast.parse(src).body[0].body:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
         above, i = [], node.lineno - 1
@@ -62,7 +59,7 @@ def _type_name(ann) -> str:
     origin = typing.get_origin(ann)
     if origin is typing.Literal:
         return "one of " + ", ".join(json.dumps(a) for a in typing.get_args(ann))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(ann))
     if origin is typing.Annotated:
         return _type_name(typing.get_args(ann)[0])

@@ -41,7 +41,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2, default=_json_default) + "\n")
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -129,10 +129,10 @@ def hash_obj(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
@@ -301,13 +301,13 @@ class StageContext:
         """An item at out_dir/name, fresh when `inputs`, the stage's code and the schema are unchanged."""
         path = self.out_dir / name
         item = Item(path=path, input_hash=hash_obj({"inputs": inputs, "code": self.code}), is_dir=is_dir)
-        old = _old_meta(path / "meta.json" if is_dir else path)
+        old = old_meta(path / "meta.json" if is_dir else path)
         if old.get("input_hash") == item.input_hash and other_schema(old) is None:
             item.fresh, item.meta = True, old
         return item
 
 
-def _old_meta(path: Path) -> dict:
+def old_meta(path: Path) -> dict:
     """A meta.json or item record; {} when missing or unreadable (the work is then done again)."""
     try:
         old = json.loads(path.read_text())
@@ -340,13 +340,10 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
               force: bool = False) -> Path:
     """Run one stage if its inputs changed. Returns the stage's meta.json path."""
     upstream = {}
-    for up in spec.upstream:
+    for up in spec.upstream + spec.after:
         meta_path = run_dir / specs[up].out / "meta.json"
-        if not meta_path.exists():
+        if not meta_path.exists() and up in spec.upstream:
             raise StageError(f"{spec.name}: stage '{up}' has not run for {run_dir} (make {up} first)")
-        upstream[up] = read_json(meta_path, f"{up} meta.json")
-    for up in spec.after:
-        meta_path = run_dir / specs[up].out / "meta.json"
         upstream[up] = read_json(meta_path, f"{up} meta.json") if meta_path.exists() else {}
     code = code_hash(spec.code + RUNNER_CODE)
     inputs = {
@@ -359,7 +356,7 @@ def run_stage(spec: StageSpec, run_dir: Path, config: Any, args: dict, specs: di
     input_hash = hash_obj(inputs)
     out_dir = run_dir / spec.out
     meta_path = out_dir / "meta.json"
-    old = {} if force else _old_meta(meta_path)
+    old = {} if force else old_meta(meta_path)
     if old:
         why = other_schema(old)
         if why:

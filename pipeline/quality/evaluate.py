@@ -37,7 +37,8 @@ def evaluate(model, tokenizer, task_configs: dict[str, dict], named: list, qcfg,
         from pipeline.quality.prefix_lm import PrefixCachedLM as lm_class
     else:
         lm_class = HFLM
-    tasks = list(task_configs.values()) + lm_tasks.requests(named)
+    named_tasks = [s.tasks[leaf.name] for s in named for leaf in s.leaves if leaf.doc_ids]
+    tasks = list(task_configs.values()) + named_tasks
     use_template = bool(qcfg.chat_template and getattr(tokenizer, "chat_template", None))
     include = tuple(sorted({p for s in named for p in s.index[1]}))
     manager = lm_tasks.task_manager(any(s.index[0] for s in named), include)
@@ -113,30 +114,24 @@ def summarize_slice(records: list[dict], confidence: float) -> dict:
     return out
 
 
-def write_summaries(out_dir: Path, order: list[str], tasks: list[str], waved: set[str], confidence: float) -> None:
-    """quality/<model>.json for every model (the reference first in `order`), after checking that
-    each scored the reference's item ids (the gate pairs items by id; on a slice in `waved`, the
-    first ones of them)."""
+def write_summaries(out_dir: Path, order: list[str], tasks: list[str], confidence: float) -> None:
+    """quality/<model>.json for every model (the reference first in `order`), each checked to have
+    scored the first of the reference's item ids (the gate pairs items by id)."""
+    ref_ids: dict[str, list] = {}
     for name in order:
         summary = {"variant": name, "reference": order[0], "slices": {}}
         for task in tasks:
             recs = read_jsonl(out_dir / name / f"{task}.jsonl")
             if not recs:
                 raise StageError(f"quality: slice '{task}' produced no items for {name}")
+            ids = [r["id"] for r in recs]
+            ref = ref_ids.setdefault(task, ids)
+            if ids != ref[:len(ids)]:
+                raise StageError(f"quality: {name} scored other '{task}' items than {order[0]} "
+                                 f"({len(ids)} vs {len(ref)}); delete {out_dir / name} and re-run")
             summary["slices"][task] = summarize_slice(recs, confidence)
         dist = out_dir / name / "distribution.json"
         if dist.is_file():
             summary["distribution"] = {k: v for k, v in read_json(dist, "distribution metrics").items()
                                        if k != "per_document"}
         atomic_write_json(out_dir / f"{name}.json", summary)
-    check_same_ids(out_dir, order, tasks, waved)
-
-
-def check_same_ids(out_dir: Path, order: list[str], tasks: list[str], waved: set[str] = frozenset()) -> None:
-    for task in tasks:
-        ref_ids = [r["id"] for r in read_jsonl(out_dir / order[0] / f"{task}.jsonl")]
-        for name in order[1:]:
-            ids = [r["id"] for r in read_jsonl(out_dir / name / f"{task}.jsonl")]
-            if ids != (ref_ids[:len(ids)] if task in waved else ref_ids):
-                raise StageError(f"quality: {name} scored other '{task}' items than {order[0]} "
-                                 f"({len(ids)} vs {len(ref_ids)}); delete {out_dir / name} and re-run")

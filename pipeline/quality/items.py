@@ -103,27 +103,19 @@ def builtin_task_config(name: str, data_file: Path, max_new_tokens: int, sandbox
     path = TASKS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise StageError(f"unknown quality slice '{name}' (known: {', '.join(sorted(KNOWN_SLICES))})")
-    cfg = _load_task_yaml(path)
+    from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own: resolves `!function utils.X` beside it
+
+    cfg = load_yaml(str(path))
     cfg["dataset_kwargs"] = {"data_files": str(data_file)}
     if "generation_kwargs" in cfg:
         cfg["generation_kwargs"]["max_gen_toks"] = min(cfg["generation_kwargs"]["max_gen_toks"],
                                                       max_new_tokens)
     if name == "code" and sandbox_cfg is not None:
         step = cfg["filter_list"][0]["filter"][0]
-        step["filter_fn"] = functools.partial(step["filter_fn"], limits=sandbox_limits(sandbox_cfg),
+        limits = sandbox.Limits(seconds=sandbox_cfg.seconds, memory_bytes=sandbox_cfg.memory_mb << 20)
+        step["filter_fn"] = functools.partial(step["filter_fn"], limits=limits,
                                               workers=sandbox_cfg.workers or None)
     return cfg
-
-
-def sandbox_limits(sandbox_cfg) -> sandbox.Limits:
-    return sandbox.Limits(seconds=sandbox_cfg.seconds, memory_bytes=sandbox_cfg.memory_mb << 20)
-
-
-def _load_task_yaml(path: Path) -> dict:
-    """lm-eval's own YAML loader (it resolves `!function utils.X` next to the YAML)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    return load_yaml(str(path))
 
 
 def slice_data(name: str, qcfg, seed: int, tokenizer) -> tuple[bytes, dict]:

@@ -146,8 +146,7 @@ def resolve(entries: list[str], qcfg=None, seed: int = 0) -> tuple[list[NamedSli
     An unknown name is skipped here too; the stage refuses it first (`unknown`)."""
     if not entries:
         return [], {}
-    if qcfg is None:
-        qcfg = QualityConfig()
+    qcfg = qcfg or QualityConfig()
     parsed = split_entries(entries)
     manager, (defaults, paths) = _index(parsed)
     usable, skipped = [], {}
@@ -252,11 +251,6 @@ def subset(s: NamedSlice, ids) -> NamedSlice:
     return replace(s, leaves=leaves, rows=b"", ends=[])
 
 
-def requests(named: list[NamedSlice]) -> list:
-    """simple_evaluate's tasks for the named slices: each subtask's Task that has documents to run."""
-    return [s.tasks[leaf.name] for s in named for leaf in s.leaves if leaf.doc_ids]
-
-
 def cost_weight(s: NamedSlice, tokenizer, sample: int = 32) -> float:
     """An item's prior cost relative to the built-in slices' (items.cost_weights): the first
     documents' prompt tokens times one plus the few-shot examples, plus twice max_gen_toks."""
@@ -307,7 +301,7 @@ def _key(metric: str, filt: str, leaf: Leaf) -> str:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float, bool)) and not isinstance(x, complex)
+    return isinstance(x, (int, float, bool))
 
 
 def records(s: NamedSlice, samples: dict[str, list[dict]]) -> list[dict] | str:

@@ -49,16 +49,16 @@ def gqa_attention(device: torch.device):
     """On CPU, let transformers hand grouped-query K/V to SDPA as they are (enable_gqa) even with
     a padding mask, instead of repeating them per query head (much faster decode steps, same
     output); not on CUDA, where that path can fall back to the slow math kernel."""
-    key, cpu = "TRANSFORMERS_SDPA_FORCE_GQA", device.type == "cpu"
+    key = "TRANSFORMERS_SDPA_FORCE_GQA"
     old = os.environ.get(key)
-    if cpu:
+    if device.type == "cpu":
         os.environ[key] = "1"
     try:
         yield
     finally:
-        if cpu and old is None:
+        if old is None:
             os.environ.pop(key, None)
-        elif cpu:
+        else:
             os.environ[key] = old
 
 
@@ -201,11 +201,6 @@ class StopCheck:
         self.until = [s for s in until if s]
         self.window = max((len(s.encode("utf-8")) for s in self.until), default=0) + 2
 
-    def contains(self, toks: list[int]) -> bool:
-        """The whole-text test."""
-        text = self.tokenizer.decode(toks, skip_special_tokens=False)
-        return any(s in text for s in self.until)
-
     def __call__(self, rows: list[list[int]]) -> list[bool]:
         done = [len(t) >= self.max_gen or t[-1] in self.stop_ids for t in rows]
         look = [j for j, d in enumerate(done) if not d] if self.until else []
@@ -213,7 +208,8 @@ class StopCheck:
             tails = self.tokenizer.batch_decode([rows[j][-self.window:] for j in look], skip_special_tokens=False)
             for j, text in zip(look, tails):
                 if any(s in text for s in self.until):
-                    done[j] = self.contains(rows[j])
+                    whole = self.tokenizer.decode(rows[j], skip_special_tokens=False)
+                    done[j] = any(s in whole for s in self.until)
         return done
 
 

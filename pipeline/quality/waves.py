@@ -1,6 +1,6 @@
 """Scoring in waves: each model's item files grown a look at a time (`Waves`), what re-opens them
-(`item_inputs`), each model's seconds per item (`Pace`), each variant's share of the stage's time
-(`Allowance`), and the order in which the stage spends its looks (`score_variants`).
+(`item_inputs`), each model's seconds per item (`Pace`), and the order in which the stage spends
+its looks (`score_variants`), each variant on its share of the stage's time (StageBudget.part).
 
     waves = Waves(out_dir, lines, plans, named, configs)
     waves.first_look(reference, ref_score)
@@ -17,10 +17,9 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.core import budget as budget_mod
-from pipeline.core.budget import StageBudget, fmt_s
+from pipeline.core.budget import Allowance, StageBudget, fmt_s
 from pipeline.core.stage import (SCHEMA_VERSION, StageError, atomic_write_bytes, atomic_write_json, hash_obj,
-                                 other_schema, progress, read_json, sha256_file)
+                                 old_meta, other_schema, progress, sha256_file)
 from pipeline.gate.decision import open_slices
 from pipeline.quality import lm_tasks
 from pipeline.quality.row_sizing import SIZING_CONSTANTS
@@ -32,24 +31,20 @@ class Pace:
     slice never scored alone. `state`: an earlier run's `to_json()` (kept in scoring.json)."""
 
     def __init__(self, weights: dict[str, float] | None = None, state: dict | None = None):
-        self.weights = dict(weights or {})
-        state = state if isinstance(state, dict) else {}
-        try:
-            self.solo = {str(s): [int(v[0]), float(v[1])] for s, v in (state.get("solo") or {}).items()}
-            w = state.get("weighted") or [0.0, 0.0]
-            self.weighted = [float(w[0]), float(w[1])]
-        except (TypeError, ValueError, IndexError):
-            self.solo, self.weighted = {}, [0.0, 0.0]
+        self.weights = weights or {}
+        state = state or {}
+        self.solo = {s: list(v) for s, v in state.get("solo", {}).items()}
+        self.weighted = list(state.get("weighted", [0.0, 0.0]))
 
     def weight(self, s: str) -> float:
         if s in self.weights:
-            return float(self.weights[s])
+            return self.weights[s]
         return sum(self.weights.values()) / len(self.weights) if self.weights else 1.0
 
     def record(self, items: dict[str, int], seconds: float) -> None:
         """One call: `items` per slice (or lm-eval task) it scored, in `seconds`."""
-        items = {s: int(n) for s, n in items.items() if n > 0}
-        if not items or seconds < 0:
+        items = {s: n for s, n in items.items() if n > 0}
+        if not items:
             return
         if len(items) == 1:
             (s, n), = items.items()
@@ -98,29 +93,16 @@ def pace_priors(metas: dict[str, dict], reference: str) -> dict[str, float]:
     return {n: float(seconds(n)) / float(ref) for n in metas if ref and n != reference and seconds(n)}
 
 
-class Allowance(budget_mod.Allowance):
-    """One variant's share of the quality stage's budget: the time left over the `variants_left`
-    variants still to score (this one included); what one leaves unused goes to the next.
-    Without a budget it affords everything."""
+def share(budget: StageBudget, variants_left: int) -> Allowance:
+    """One variant's share of the stage's budget: the time left over the `variants_left` variants
+    still to score (this one included); what one leaves unused goes to the next."""
+    return budget.part("variant", of_items=variants_left)
 
-    def __init__(self, budget, variants_left: int):
-        super().__init__(budget, "variant", max(budget.left() / max(variants_left, 1), 0.0)
-                         if budget.active else None)
 
-    def affords(self, estimate_s: float | None) -> bool:
-        """Whether a look estimated at `estimate_s` fits (an unknown estimate: while time is left)."""
-        if not self.active:
-            return True
-        return self.left() > 0 if estimate_s is None else estimate_s <= self.left()
-
-    def why_not(self, estimate_s: float | None) -> str:
-        """The reason a look was not taken, as meta.json and gate.json say it."""
-        need = "an unknown time" if estimate_s is None else f"~{fmt_s(estimate_s)}"
-        return f"budget: {fmt_s(max(self.left(), 0.0))} left, the next look needs {need}"
-
-    def to_json(self) -> dict:
-        return {"allowance_s": None if self.seconds is None else round(self.seconds, 1),
-                "spent_s": round(self.spent(), 1)}
+def _why_not(allowance: Allowance, estimate_s: float | None) -> str:
+    """The reason a look was not taken, as meta.json and gate.json say it."""
+    need = "an unknown time" if estimate_s is None else f"~{fmt_s(estimate_s)}"
+    return f"budget: {fmt_s(max(allowance.left(), 0.0))} left, the next look needs {need}"
 
 
 def _add_counters(into: dict, new: dict, digits: int | None = None) -> None:
@@ -170,11 +152,7 @@ def item_inputs(ctx, vdir: Path, ref_dir: Path, data_hashes: dict, named: list,
 
 def read_meta(vdir: Path) -> dict:
     """A directory's meta.json, {} where it is missing or unreadable."""
-    try:
-        meta = json.loads((vdir / "meta.json").read_text())
-    except (json.JSONDecodeError, OSError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
+    return old_meta(vdir / "meta.json")
 
 
 def budget_stopped(item_dir: Path) -> bool:
@@ -208,14 +186,8 @@ class Waves:
         self.items[d.name] = item
         self.hashes[d.name] = h
         self.stats[d.name] = {"items": 0, "seconds": 0.0, "counters": {}, "grew": False, "stop": None}
-        state = d / "scoring.json"
-        try:
-            old = read_json(state, "quality scoring state") if state.is_file() else {}
-        except StageError:
-            if not item.fresh:
-                raise
-            old = {}  # a finished item's pace is only an estimate: never a reason to stop
-        reusable = isinstance(old, dict) and old.get("score_hash") == h and other_schema(old) is None
+        old = old_meta(d / "scoring.json")  # unreadable: scored again
+        reusable = old.get("score_hash") == h and other_schema(old) is None
         self.pace[d.name] = Pace(self.weights, old.get("pace") if reusable else None)
         if item.fresh:
             return item
@@ -237,8 +209,8 @@ class Waves:
         return item
 
     def scored(self, name: str) -> dict[str, int]:
-        d = self.out_dir / name
-        return {s: _count(d / f"{s}.jsonl") for s in self.plans}
+        files = {s: self.out_dir / name / f"{s}.jsonl" for s in self.plans}
+        return {s: len(f.read_bytes().splitlines()) if f.is_file() else 0 for s, f in files.items()}
 
     def grew(self, name: str) -> bool:
         return self.stats[name]["grew"]
@@ -283,18 +255,19 @@ class Waves:
         """Per slice: the items scored, the looks done, planned and skipped, and where scoring
         stopped: "settled", "last look", "budget" or "verdict" (with why)."""
         have, stop = self.scored(name), self.stats[name]["stop"]
-        allowance = self.allowances.get(name)
+        a = self.allowances.get(name)
         slices = {}
         for s, p in self.plans.items():
             looks, n = p["looks"], have[s]
             done = sum(1 for x in looks if x <= n)
             rec = {"items": n, "n_max": p["n_max"], "looks_done": done, "looks_planned": len(looks)}
             if stop and s in stop["need"]:
-                rec.update(stopped_on=stop.get("kind", "budget"), looks_skipped=len(looks) - done, why=stop["why"])
+                rec.update(stopped_on=stop["kind"], looks_skipped=len(looks) - done, why=stop["why"])
             else:
                 rec.update(stopped_on="last look" if n >= looks[-1] else "settled", looks_skipped=0, why=None)
             slices[s] = rec
-        return {**(allowance.to_json() if allowance else {"allowance_s": None, "spent_s": None}),
+        return {"allowance_s": None if a is None or a.seconds is None else round(a.seconds, 1),
+                "spent_s": None if a is None else round(a.spent(), 1),
                 "stopped": bool(stop), "why": stop["why"] if stop else None, "slices": slices}
 
     def first_look(self, name: str, score) -> None:
@@ -351,14 +324,14 @@ class Waves:
                 raise StageError(f"quality: lm-eval returned {len(records.get(s, []))} records of '{s}' for "
                                  f"{len(ids)} documents asked ({name}, items {step[s][0]}-{step[s][1]})")
             records[s] = [got[i] for i in ids]
-        load = (counters or {}).get("load_seconds") or 0.0
+        load = counters.get("load_seconds", 0.0)
         self.pace.setdefault(name, Pace(self.weights)).record({t: len(recs) for t, recs in records.items()},
                                                               max(took - load, 0.0))
         self._save_state(name)
         st = self.stats[name]
         st["seconds"] += took
         st["grew"] = True
-        _add_counters(st["counters"], counters or {})
+        _add_counters(st["counters"], counters)
         count = 0
         for task, recs in records.items():
             count += len(recs)
@@ -407,10 +380,6 @@ class Waves:
         atomic_write_json(item.path / "meta.json", item.record(meta))
 
 
-def _count(path: Path) -> int:
-    return len(path.read_bytes().splitlines()) if path.is_file() else 0
-
-
 def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowance | None = None) -> None:
     """Variant `name`'s first look, its estimate announced against `allowance` (its share of the
     stage's budget); scored even over the allowance: the gate needs a first look."""
@@ -423,16 +392,9 @@ def first_look(waves: Waves, reference: str, name: str, score, allowance: Allowa
                 f"{name}: first look, {sum(first.values())} items; allowance "
                 f"{fmt_s(allowance.seconds) if allowance.active else 'unlimited'}", est)
             if not allowance.affords(est):
-                progress(f"quality: {name}: the first look is over the allowance ({allowance.why_not(est)}); "
+                progress(f"quality: {name}: the first look is over the allowance ({_why_not(allowance, est)}); "
                          "scored anyway: the gate needs a first look")
     waves.first_look(name, score)
-
-
-def next_need(waves: Waves, reference: str, name: str, cfg) -> tuple[dict[str, int], list[str]]:
-    """(the look each open slice of `name` needs next, slice -> items; the rows a look has failed)
-    from the gate's own replay (gate.decision.open_slices)."""
-    open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
-    return waves.next_looks(name, open_), failed
 
 
 def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
@@ -445,7 +407,8 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
     if allowance is not None:
         waves.allowances[name] = allowance
     while True:
-        need, failed = next_need(waves, reference, name, cfg)
+        open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)  # the gate's own replay
+        need = waves.next_looks(name, open_)
         if not need:
             return
         if budgeted:
@@ -454,7 +417,7 @@ def later_looks(waves: Waves, reference: str, name: str, ref_score, score, cfg,
                 return
             est = waves.look_cost(reference, name, need)
             if not allowance.affords(est):
-                why = allowance.why_not(est)
+                why = _why_not(allowance, est)
                 waves.stop(name, need, why)
                 allowance.parent.skip(_looks_skipped(name, need), why)
                 return
@@ -485,13 +448,14 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
     an active `budget` (a StageBudget) each variant whole in turn; with one, in two passes."""
     later = []
     for i, name in enumerate(pending):
-        score, allowance = scorer(name), Allowance(budget, len(pending) - i)
+        score, allowance = scorer(name), share(budget, len(pending) - i)
         first_look(waves, reference, name, score, allowance)
         after_first(name)
-        if not budget.active:  # (an inactive Allowance affords every look; meta.json still has its record)
+        if not budget.active:  # (an inactive allowance affords every look; meta.json still has its record)
             later_looks(waves, reference, name, ref_score, score, cfg, allowance)
         else:
-            need, failed = next_need(waves, reference, name, cfg)
+            open_, failed = open_slices(waves.out_dir, reference, name, cfg, waves.plans)
+            need = waves.next_looks(name, open_)
             if need and failed:
                 _stop_on_verdict(waves, name, need, failed, budget)
             elif need:
@@ -502,7 +466,7 @@ def score_variants(waves: Waves, reference: str, pending: list[str], ref_score, 
                 continue
         finish(name)
     for i, name in enumerate(later):
-        later_looks(waves, reference, name, ref_score, scorer(name), cfg, Allowance(budget, len(later) - i))
+        later_looks(waves, reference, name, ref_score, scorer(name), cfg, share(budget, len(later) - i))
         finish(name)
 
 

@@ -13,7 +13,6 @@ outputs), quality-vllm.md (`quality.backend: vllm`).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from evals import sandbox
 from pipeline.core.budget import StageBudget
@@ -25,8 +24,8 @@ from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, write_summaries
 from pipeline.quality.items import (KNOWN_SLICES, builtin_task_config, cost_weights, prompt_tokens_of, slice_data,
                                     task_looks)
-from pipeline.quality.waves import (Allowance, Waves, budget_stopped, item_inputs, pace_priors, read_meta,
-                                    score_in_waves, score_variants)
+from pipeline.quality.waves import (Waves, budget_stopped, item_inputs, pace_priors, read_meta,
+                                    score_in_waves, score_variants, share)
 from pipeline.variants.schemes import load_variant
 
 
@@ -72,15 +71,12 @@ def run(ctx: StageContext) -> None:
     order = [reference] + [v for v in variants if v != reference]
     if qcfg.items_per_slice < 1:
         raise StageError("quality.items_per_slice must be >= 1 (an empty slice cannot be gated)")
-
-    def variant_dir(name: str) -> Path:
-        d = Path(variants[name].get("dir") or f"variants/{name}")
-        return d if d.is_absolute() else ctx.run_dir / d
+    vdirs = {name: ctx.run_dir / variants[name]["dir"] for name in order}
 
     # What scores each model, decided before any work (fallback: stop ends the stage here).
     host = vllm_backend.Host.of(cfg, ctx.out_dir / "logs") if qcfg.backend == "vllm" else None
     version = vllm_backend.vllm_version() if host else None
-    backends = {name: vllm_backend.choose(qcfg, variant_dir(name), cfg.seed, name,
+    backends = {name: vllm_backend.choose(qcfg, vdirs[name], cfg.seed, name,
                                           platform=host.platform if host else "cuda", version=version)
                 for name in order}
     for name, chosen in backends.items():
@@ -90,7 +86,7 @@ def run(ctx: StageContext) -> None:
     drift = qcfg.backend == "hf" or qcfg.vllm.distribution
 
     # The items every model scores, in wave order, written once (their hashes are in every input).
-    ref_dir = variant_dir(reference)
+    ref_dir = vdirs[reference]
     ref_tokenizer = load_tokenizer(ref_dir)
     blobs, plans = {}, {}
     for name in qcfg.slices:
@@ -115,9 +111,9 @@ def run(ctx: StageContext) -> None:
     def load(name: str) -> tuple[tuple, float]:  # ((model, tokenizer), seconds loading took now)
         if name in models:
             return models[name], 0.0
-        progress(f"quality: {name}: loading {variant_dir(name)}")
+        progress(f"quality: {name}: loading {vdirs[name]}")
         start = time.perf_counter()
-        models[name] = load_variant(variant_dir(name), device)
+        models[name] = load_variant(vdirs[name], device)
         return models[name], time.perf_counter() - start
 
     def scorer(name: str, engines=engines):
@@ -130,7 +126,7 @@ def run(ctx: StageContext) -> None:
                     models.clear()
                     collect(device)
                 if name not in engines.loaded:
-                    progress(f"quality: {name}: starting vLLM on {variant_dir(name)} "
+                    progress(f"quality: {name}: starting vLLM on {vdirs[name]} "
                              f"(tensor_parallel_size {qcfg.vllm.tensor_parallel_size})")
                 lm, loaded = engines.get(name, choice.kwargs)
                 model, tok = lm, lm.tokenizer
@@ -150,7 +146,7 @@ def run(ctx: StageContext) -> None:
                 raise StageError(f"quality: {name}: {why}; the looks already written are kept and the "
                                  "requests it answered are cached: run again to resume") from e
             # The load is not the items' cost (Waves' pace leaves it out of seconds per item).
-            return records, {**(counters or {}), **({"load_seconds": loaded} if loaded else {})}
+            return records, {**counters, **({"load_seconds": loaded} if loaded else {})}
         return score
 
     weights = {**cost_weights(qcfg, data_files, prompt_tokens),
@@ -158,10 +154,10 @@ def run(ctx: StageContext) -> None:
     waves = Waves(ctx.out_dir, lines, plans, named,
                   lambda files: {s: builtin_task_config(s, f, qcfg.max_new_tokens_for(s), qcfg.sandbox)
                                  for s, f in files.items()}, weights=weights)
-    waves.prior = pace_priors({n: read_meta(variant_dir(n)) for n in order}, reference)
+    waves.prior = pace_priors({n: read_meta(vdirs[n]) for n in order}, reference)
     items, inputs_of = {}, {}
     for name in order:
-        scored_with, inputs_of[name] = item_inputs(ctx, variant_dir(name), ref_dir, data_hashes, named,
+        scored_with, inputs_of[name] = item_inputs(ctx, vdirs[name], ref_dir, data_hashes, named,
                                                    backends[name].scored_with())
         items[name] = waves.open(ctx.item(name, inputs_of[name](budget_stopped(ctx.out_dir / name))),
                                  scored_with)
@@ -216,7 +212,7 @@ def run(ctx: StageContext) -> None:
         def one(name: str, group: tuple[str, ...]) -> None:
             own = vllm_backend.Engines(host=host.on(group))
             try:
-                score_in_waves(waves, reference, name, ref_score, scorer(name, own), cfg, Allowance(budget, 1))
+                score_in_waves(waves, reference, name, ref_score, scorer(name, own), cfg, share(budget, 1))
             finally:
                 own.release()
 
@@ -231,12 +227,11 @@ def run(ctx: StageContext) -> None:
     if not items[reference].fresh or waves.grew(reference):
         waves.finish(reference, qcfg.evaluator, backends[reference].record(qcfg.evaluator))
     drop_request_cache(reference)
-    tasks = list(plans)
     metas = {name: read_meta(items[name].path) for name in order}
     # What scored each model, from its own meta.json (a variant finished earlier keeps its record).
     ran = {name: {"backend": "hf", **{k: m[k] for k in ("backend", "evaluator", "backend_reason", "vllm_version")
                                       if m.get(k) is not None}} for name, m in metas.items()}
-    write_summaries(ctx.out_dir, order, tasks, set(plans), cfg.confidence)
+    write_summaries(ctx.out_dir, order, list(plans), cfg.confidence)
     evaluators = {r.get("evaluator", qcfg.evaluator) for r in ran.values()}
     ctx.meta.update({
         "variants": order, "reference": reference, "slices": list(qcfg.slices),
