@@ -12,12 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.decode.cache import CachedModel
-
+from pipeline.decode.cache import CachedModel, EngineError
 from pipeline.decode.engine import generate
-
-from pipeline.decode.errors import EngineError
-
 from pipeline.decode.sampling import SamplingParams
 
 from pipeline.decode.steps import prefill

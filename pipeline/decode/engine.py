@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.decode.cache import CachedModel
+from pipeline.decode.cache import CachedModel, EngineError
 from pipeline.decode.drafts import Draft
-from pipeline.decode.errors import EngineError
 from pipeline.decode.sampling import (DeviceVerdict, SamplingParams, logits_to_probs, unpack_verdict,
                                       verify_on_device)
 from pipeline.decode.steps import GenerationResult, cut_at_eos, decode_one_token, prefill

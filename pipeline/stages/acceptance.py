@@ -18,7 +18,7 @@ from draft_models.registry import build_draft, draft_slug, engine_specs
 from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
-from pipeline.decode.release import collect, release_caches
+from pipeline.decode.cache import collect, release_caches
 from pipeline.models.architecture import context_length
 from pipeline.speculation.acceptance_stats import agree_mark
 from pipeline.speculation.measure import CheckPlan, generate_texts, measure_pair
@@ -179,7 +179,7 @@ def run(ctx: StageContext) -> None:
                     "not run (budget)" if (result.get("direct_check_plan") or {}).get("stopped") else "-")
                 progress(f"acceptance: {name} T={t}: E[tokens/round]@k_max="
                          f"{v['expected_tokens_per_round'][str(cfg.k_max)]:.2f}; derived vs direct {line}")
-        # Done with this variant: its memory goes back before the next one loads (pipeline/decode/release.py).
+        # Done with this variant: its memory goes back before the next one loads (pipeline/decode/cache.py).
         release_caches(model)
         model = tokenizer = prompts = texts = None
         collect(device)
