@@ -142,8 +142,3 @@ def verify_on_device(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, para
     emitted = torch.cat([draft, draft.new_zeros(1)]).index_put((n.view(1),), nxt.view(1))  # [k+1]
     return DeviceVerdict(n, emitted, betas(p[:k], q))
 
-
-def verify_draft(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Verdict:
-    """verify_on_device, read back to the host (one transfer). p: [k+1, V], q: [k, V], draft: [k]."""
-    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), draft.shape[0])

@@ -63,7 +63,7 @@ def first_verified_tokens(model, ids: list[int], draft: Draft, sampling: Samplin
             draft.cached.rollback(length)
         else:
             draft.prefill(x, length + k + 2)
-        new, _ = speculative_step(cached, draft, torch.cat([x[0], first]), k, sampling, generator, off)
+        new = speculative_step(cached, draft, torch.cat([x[0], first]), k, sampling, generator, off)[0]
         out.append(new[0])
     return out
 
