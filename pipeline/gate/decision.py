@@ -106,28 +106,25 @@ def distribution_checks(summary: dict, gcfg) -> dict:
     out = {k: dist.get(k) for k in ("kl_mean", "kl_ci", "top1_agreement", "top1_ci", "ppl_ratio",
                                     "ppl_ratio_ci", "n_docs")}
     checks = {}
-    # A threshold with no measurement (quality wrote no distribution CI) cannot pass: inconclusive.
     if gcfg.max_kl is not None:
-        lo, hi = _bounds(dist.get("kl_ci"))
-        checks["kl"] = {"threshold": gcfg.max_kl, "ci": [lo, hi],
-                        "status": "inconclusive" if lo is None else "pass" if hi <= gcfg.max_kl
-                        else "fail" if lo > gcfg.max_kl else "inconclusive"}
+        checks["kl"] = _threshold_check(dist.get("kl_ci"), gcfg.max_kl, at_most=True)
     if gcfg.min_top1_agreement is not None:
-        lo, hi = _bounds(dist.get("top1_ci"))
-        t = gcfg.min_top1_agreement
-        checks["top1_agreement"] = {"threshold": t, "ci": [lo, hi],
-                                    "status": "inconclusive" if lo is None else "pass" if lo >= t
-                                    else "fail" if hi < t else "inconclusive"}
+        checks["top1_agreement"] = _threshold_check(dist.get("top1_ci"), gcfg.min_top1_agreement, at_most=False)
     out["checks"] = checks
     return out
 
 
-def _bounds(ci) -> tuple[float | None, float | None]:
+def _threshold_check(ci, threshold: float, at_most: bool) -> dict:
+    """pass when the whole CI is on the threshold's good side, fail when wholly on the bad side;
+    a missing or non-finite CI (quality wrote no measurement) cannot pass: inconclusive."""
     try:
         lo, hi = (float(x) for x in ci)
     except (TypeError, ValueError):
-        return None, None
-    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (None, None)
+        lo = hi = math.nan
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return {"threshold": threshold, "ci": [None, None], "status": "inconclusive"}
+    good, bad = (hi <= threshold, lo > threshold) if at_most else (lo >= threshold, hi < threshold)
+    return {"threshold": threshold, "ci": [lo, hi], "status": "pass" if good else "fail" if bad else "inconclusive"}
 
 
 def decide(statuses: list[str]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.speculation.lossless import two_sample_chi2
+from pipeline.speculation.lossless import first_difference, two_sample_chi2
 from pipeline.speculation.acceptance_stats import MIN_PROMPTS, rate_interval, ratio_t_interval
 
 
@@ -128,12 +128,11 @@ def judge_divergence(plain_out: list[int], spec_out: list[int], plain_lp: list[d
     """Where two greedy texts first differ, and whether it is a near-tie: the speculative token
     within `tolerance` of the plain one in the plain run, and every later speculative token within
     `tolerance` of its own distribution's top."""
-    n = min(len(plain_out), len(spec_out))
-    i = next((j for j in range(n) if plain_out[j] != spec_out[j]), None)
-    if i is None:
+    i = first_difference(plain_out, spec_out)
+    if i == min(len(plain_out), len(spec_out)):
         if len(plain_out) == len(spec_out):
             return {"identical": True}
-        return {"identical": False, "at": n, "explained": True, "note": "one text is a prefix of the other (a stop)"}
+        return {"identical": False, "at": i, "explained": True, "note": "one text is a prefix of the other (a stop)"}
     a, b = plain_out[i], spec_out[i]
     here = plain_lp[i] if i < len(plain_lp) else None
     gap = None
@@ -154,8 +153,7 @@ def greedy_lossless(plain: dict[str, dict], spec: dict[str, dict]) -> dict:
     ids = [p for p in spec if p in plain]
     noise = 0.0
     for p in ids:
-        o1, o2 = plain[p]["output"], spec[p]["output"]
-        upto = next((j for j in range(min(len(o1), len(o2))) if o1[j] != o2[j]), min(len(o1), len(o2)))
+        upto = first_difference(plain[p]["output"], spec[p]["output"])
         noise = max(noise, logprob_noise(plain[p].get("logprobs") or [], spec[p].get("logprobs") or [], upto))
     tolerance = max(2 * noise, FLOOR_NATS)
     verdicts = {p: judge_divergence(plain[p]["output"], spec[p]["output"], plain[p].get("logprobs") or [],

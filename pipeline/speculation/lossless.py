@@ -153,6 +153,11 @@ def judge_divergence(model, prompt: list[int], plain: list[int], spec: list[int]
             "max_shortfall_index": at + worst, "explained": largest <= tolerance}
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where a and b differ; the shorter length when one is a prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], prompts: dict) -> list[dict]:
     out = []
     for k, by_prompt in sorted(runs.items()):
@@ -160,7 +165,7 @@ def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], promp
             for pid, ids in rows:
                 plain, spec = texts[pid], by_prompt[pid]["output"]
                 if plain != spec:
-                    at = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+                    at = first_difference(plain, spec)
                     out.append({"prompt": pid, "k": k, "index": at, "plain": plain[at:at + 3],
                                 "speculative": spec[at:at + 3], "_ids": ids, "_plain": plain, "_spec": spec})
     return out
