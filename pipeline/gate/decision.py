@@ -69,8 +69,8 @@ def group_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray) -> 
 
 
 def _margin(gcfg, key: str, slice_name: str) -> float:
-    """A metric row (`calibration:brier`) has its own units: its own margin, never the slice's
-    accuracy margin. A slice or group row: its key, else its slice's, else the default."""
+    """A metric row (`calibration:brier`) has its own units and margin; a slice or group row: its
+    key's margin, else its slice's, else the default."""
     if ":" in key:
         metric = key.split(":", 1)[1]
         default = gcfg.brier_margin if metric == "brier" else gcfg.margin
@@ -140,10 +140,8 @@ def overall_decision(decisions: list[str]) -> str:
 
 
 def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]]:
-    """The pass side's alpha per release variant, and the variants it is adjusted across. No
-    adjustment (intersection-union: go needs every cell) unless the user chooses among the
-    release variants (`gate.select_among_variants`): then alpha / r over the r release variants
-    (Bonferroni; with sequential looks a step-down would need its boundaries recomputed)."""
+    """The pass side's alpha per release variant, and the variants it is adjusted across: none
+    (intersection-union) unless `gate.select_among_variants`, then alpha / r over the r variants."""
     chosen = list(release) if gcfg.select_among_variants else []
     if chosen and gcfg.multiplicity != "none":
         return alpha / len(chosen), chosen
@@ -152,11 +150,10 @@ def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]
 
 def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcfg,
                 where: str) -> tuple[dict, dict, dict | None, dict]:
-    """One variant's slice at every look it reached: ({row key: {look index: estimate}},
-    {row key: margin}, the calibration errors and {group: estimate} at the last look, and the
-    slice's schedule as it happened). Without a schedule: one look over all items, whose id
-    set must equal the reference's; with one: the variant's items in file order (the waves'
-    order) must be a prefix of the planned looks, and the reference must hold them all."""
+    """One variant's slice at every look it reached: ({row key: {look index: estimate}}, {row key:
+    margin}, calibration errors and {group: estimate} at the last look, the schedule as it
+    happened). Without a schedule one look over all items (ids equal to the reference's); with
+    one, the variant's items in file order must end at a planned look."""
     var = by_item(var_rows)
     if sched is None:
         order = pair_items(ref, var, where)
@@ -226,9 +223,8 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
 
 
 def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tuple[set[str], list[str]]:
-    """(the slices of variant `name` with a row no look has settled and a planned look left, the
-    row keys a look has failed): the gate's own replay, on the schedules in quality/meta.json.
-    One failed row makes the variant no-go, which a budgeted stage uses to stop scoring it."""
+    """(slices of variant `name` with an unsettled row and a planned look left, row keys a look has
+    failed): the gate's own replay on quality/meta.json's schedules, for the quality stage."""
     gcfg = cfg.gate
     alpha = (1.0 - cfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
@@ -307,11 +303,8 @@ def build_gate(run_dir: Path, cfg) -> dict:
             p_go = p_go_adjusted[name] if p_go_adjusted[name] is not None else est.p_pass(margin)
             cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"],
                          (p_go, fail_adj[i]))
-            cell["looks"] = record
-            cell["items_spent"] = est.n
-            cell["planned_looks"] = sched["looks"]
-            cell["n_max"] = sched["n_max"]
-            cell["spending"] = sched["spending"]
+            cell.update(looks=record, items_spent=est.n, planned_looks=sched["looks"], n_max=sched["n_max"],
+                        spending=sched["spending"])
             cell.update(stop_fields(cell["status"], sched,
                                     stops.get(name, {}).get(key.split(":", 1)[0].split("/", 1)[0])))
             variants[name]["slices"][key] = cell
@@ -340,7 +333,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
             f"{k}/{g}" for k, c in entry["slices"].items() for g, gc in (c.get("groups") or {}).items()
             if gc.get("stopped_on") == "budget"]
         # A fail is a fail whatever else is missing; without one, a missing slice keeps it from go.
-        # A cell open on the budget is inconclusive like any open cell (decide).
         entry["decision"] = ("no-go" if "fail" in statuses else
                              "inconclusive" if entry["missing"] else decide(statuses))
     return {
