@@ -7,9 +7,8 @@
     res.tokens, res.rounds, res.prefill_s, res.decode_s
 
 One set of small functions (`prefill`, `decode_one_token`, `draft_k`, `verify`, `speculative_step`)
-serves both modes, so acceptance and latency describe the same computation. The cache is rolled
-back by moving its write position, and a round makes one device-to-host transfer. Speculation runs
-one row (B = 1); under batching vLLM measures it (pipeline/stages/vllm_engine.py).
+serves both modes, so acceptance and latency describe one computation. A round makes one
+device-to-host transfer. Speculation runs one row (B = 1); vLLM measures it under batching.
 """
 from __future__ import annotations
 
@@ -87,9 +86,8 @@ class RoundRecord:
 def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
             generator: torch.Generator | None, vocab: int,
             host: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """seq: [L] committed tokens -> draft tokens [k'] and q [k', V] (one-hot rows for a
-    model-free draft, which makes beta_i = p_i(d_i) and the accept test u < p_i(d_i)).
-    host: the same L tokens on the host, for a draft that reads them there (drafts.py)."""
+    """seq: [L] committed tokens -> draft tokens [k'] and q [k', V] (one-hot rows for a model-free
+    draft). host: the same tokens on the host, for a draft that reads them there."""
     if host is not None and getattr(draft, "reads_host_tokens", False):
         tokens, q = draft.propose(seq, k, sampling, generator, host=host)
     else:
@@ -145,13 +143,10 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
              sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
              timer: Timer | None = None, eos_token_id: int | list[int] | None = None,
              prefill_chunk: int | None = None, cache_len: int | None = None) -> GenerationResult:
-    """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts).
-
-    k = 0 or draft = None: plain decode (any B); else speculative at draft length k (B = 1 only,
-    k shrinking near the end). Stops at an EOS (emitted). cache_len: the static caches get exactly
-    this many positions, so a timed cell never attends over a longer pooled cache. Timer sections:
-    "prefill", then "decode" per plain step or "round" (with "draft" and "verify") per round.
-    """
+    """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts): plain
+    when k = 0 or no draft (any B), else speculative at k (B = 1, k shrinking near the end); stops
+    at an EOS (emitted). cache_len: static caches of exactly that many positions (timed cells).
+    Timer sections: "prefill", then "decode" per plain step or "round", "draft", "verify" per round."""
     if max_new_tokens < 1:
         raise EngineError("max_new_tokens must be >= 1")
     speculative = draft is not None and k > 0

@@ -50,9 +50,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs: [..., V] -> token ids [...] (long), by the exponential race argmax_x p(x) / E_x,
-    E_x ~ Exp(1), which picks x with probability p(x) exactly and, unlike torch.multinomial,
-    needs no CPU-GPU sync."""
+    """probs: [..., V] -> token ids [...] by the exponential race argmax_x p(x) / E_x, E_x ~ Exp(1):
+    exact, and unlike torch.multinomial no CPU-GPU sync."""
     e = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
     return torch.argmax(probs / e, dim=-1)
 

@@ -114,8 +114,7 @@ FLOOR_NATS = 0.125
 
 
 def logprob_noise(plain: list[dict | None], spec: list[dict | None], upto: int) -> float:
-    """Largest |log p_plain(t) - log p_spec(t)| of the same token at the same position, before the
-    texts part: how far a verify forward and a decode step put the same logit apart."""
+    """Largest |log p_plain(t) - log p_spec(t)| of the same token and position before the texts part."""
     out = 0.0
     for a, b in zip(plain[:upto], spec[:upto]):
         if a and b and a.get("logprob") is not None and b.get("logprob") is not None:
@@ -125,9 +124,7 @@ def logprob_noise(plain: list[dict | None], spec: list[dict | None], upto: int) 
 
 def judge_divergence(plain_out: list[int], spec_out: list[int], plain_lp: list[dict | None],
                      spec_lp: list[dict | None], tolerance: float) -> dict:
-    """Where two greedy texts first differ, and whether it is a near-tie: the speculative token
-    within `tolerance` of the plain one in the plain run, and every later speculative token within
-    `tolerance` of its own distribution's top."""
+    """Where two greedy texts first differ, and whether it is a near-tie (the rule greedy_lossless states)."""
     i = first_difference(plain_out, spec_out)
     if i == min(len(plain_out), len(spec_out)):
         if len(plain_out) == len(spec_out):
