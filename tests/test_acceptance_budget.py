@@ -207,7 +207,7 @@ def _fresh_prefill_each_sample(model, ids, draft, params, g, samples):
         cached.rollback(len(ids))
         first = pick(first_probs, params, g)
         draft.prefill(x, len(ids) + 3)
-        new, _ = speculative_step(cached, draft, torch.cat([x[0], first]), 1, params, g, Timer("cpu", enabled=False))
+        new = speculative_step(cached, draft, torch.cat([x[0], first]), 1, params, g, Timer("cpu", enabled=False))[0]
         out.append(new[0])
     return out
 

@@ -12,15 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.decode.cache import CachedModel
-
-from pipeline.decode.engine import generate
-
-from pipeline.decode.errors import EngineError
-
+from pipeline.decode.cache import CachedModel, EngineError
+from pipeline.decode.engine import generate, prefill
 from pipeline.decode.sampling import SamplingParams
-
-from pipeline.decode.steps import prefill
 
 
 def _prompt(vocab: int, t: int, batch: int = 2) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pipeline.decode.drafts import ModelDraft
 
 from pipeline.decode.engine import generate
 
-from pipeline.decode.errors import EngineError
+from pipeline.decode.cache import EngineError
 
 from pipeline.decode.sampling import SamplingParams
 

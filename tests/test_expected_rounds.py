@@ -16,8 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.decode.sampling import SamplingParams, verify_draft
+from pipeline.decode.sampling import SamplingParams, unpack_verdict, verify_on_device
 from pipeline.speculation.expected_rounds import TextAcceptance, model_draft_rows, round_chain
+
+
+def verify_draft(p, q, draft, params, generator=None):
+    """The rule as the engine runs it: on the device, read back in one transfer."""
+    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), draft.shape[0])
 
 
 def _text(per_token: np.ndarray, k_max: int, max_new_tokens: int, available=None, eos_at=None) -> TextAcceptance:

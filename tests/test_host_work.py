@@ -27,11 +27,16 @@ import torch
 import pipeline.decode.engine as engine
 from pipeline.decode.cache import CachedModel
 from pipeline.decode.drafts import ModelDraft, NgramDraft
-from pipeline.decode.engine import generate, verify
-from pipeline.decode.sampling import SamplingParams, betas, pick, verify_draft, verify_probs
-from pipeline.decode.steps import decode_one_token
+from pipeline.decode.engine import decode_one_token, generate, verify
+from pipeline.decode.sampling import SamplingParams, betas, pick, unpack_verdict, verify_on_device, verify_probs
 from pipeline.decode.timing import Timer
 from tests.conftest import make_tiny_llama
+
+
+def verify_draft(p, q, draft, params, generator=None):
+    """The rule as the engine runs it: on the device, read back in one transfer."""
+    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), draft.shape[0])
+
 
 REPEATING = "the quick brown fox jumps over the lazy dog. the quick brown"
 READS = ("item", "tolist", "cpu", "__int__", "__float__", "__bool__", "__index__")

@@ -14,8 +14,14 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.decode.sampling import (SamplingParams, betas, logits_to_probs, pick, sample, verify_draft,
-                               verify_probs)
+from pipeline.decode.sampling import (SamplingParams, betas, logits_to_probs, pick, sample, unpack_verdict,
+                                      verify_on_device, verify_probs)
+
+
+def verify_draft(p, q, draft, params, generator=None):
+    """The rule as the engine runs it: on the device, read back in one transfer."""
+    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), draft.shape[0])
+
 
 ALPHA = 1e-3
 

@@ -8,9 +8,14 @@
 The cache is transformers' StaticCache, written in place. A rollback moves every layer's write
 offset; the stale slots past it are never attended, but attention reads all max_len slots, so a
 timed cell asks for a cache of exactly its length (`exact=True`).
+
+Also here: EngineError (a model, draft or argument the engine cannot run; the command line prints
+it and exits 2) and release_caches / collect, which hand a dropped model's memory back (the
+caller deletes its own references first; gc frees hook cycles, empty_cache the CUDA blocks).
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -18,7 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decode.attention import use_gqa_attention
-from pipeline.decode.errors import EngineError
+
+
+class EngineError(Exception):
+    """A model or draft the engine cannot run; one line for the user."""
+
 
 def hf_model(model):
     """The transformers model inside a wrapper (GPTQModel returns one around the HF module)."""
@@ -148,3 +157,16 @@ def _move_offset(cache, delta: int) -> None:
 def _empty_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # freed cache blocks back to the driver: the next cell may be larger
+
+
+def release_caches(*models) -> int:
+    """Drop every pooled static cache of these models (None and model-free drafts skipped);
+    returns the bytes they held."""
+    return sum(CachedModel.release(m) for m in models if m is not None)
+
+
+def collect(device: torch.device | str | None = None) -> None:
+    """gc.collect(), then on CUDA hand the allocator's free blocks back to the driver."""
+    gc.collect()
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

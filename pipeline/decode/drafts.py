@@ -28,8 +28,7 @@ class Draft(Protocol):
     # reads_host_tokens: bool
 
     def prefill(self, input_ids: torch.Tensor, max_len: int, exact: bool = False) -> None:
-        """input_ids: [1, T], the prompt; max_len bounds every position the round will reach
-        (exact: a cache of exactly max_len positions, see CachedModel)."""
+        """input_ids: [1, T], the prompt; max_len bounds every position a round reaches (exact: see CachedModel)."""
 
     def propose(self, seq: torch.Tensor, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -41,9 +40,8 @@ class Draft(Protocol):
 
 
 class ModelDraft:
-    """A causal LM drafting through its own static cache (layerskip, self, hf drafts). propose()
-    feeds the catch-up tokens seq[c:L] in one forward, then d_1..d_{k-1} one at a time; after
-    the target keeps n drafts, L + min(n, k-1) positions stay valid."""
+    """A causal LM drafting through its own static cache: propose() feeds the catch-up tokens in one
+    forward, then d_1..d_{k-1} one at a time; after n kept drafts, L + min(n, k-1) positions stay."""
 
     def __init__(self, spec: str, model, vocab_size: int):
         self.spec = spec
@@ -120,7 +118,6 @@ class NgramDraft:
         return 0, 0
 
     def lookup(self, seq: np.ndarray, k: int) -> np.ndarray:
-        """seq: [L] -> up to k tokens that followed the chosen earlier match of the longest suffix."""
         start, count = self.match(seq, k)
         return seq[start: start + count]
 

@@ -7,9 +7,8 @@
     res.tokens, res.rounds, res.prefill_s, res.decode_s
 
 One set of small functions (`prefill`, `decode_one_token`, `draft_k`, `verify`, `speculative_step`)
-serves both modes, so acceptance and latency describe the same computation. The cache is rolled
-back by moving its write position, and a round makes one device-to-host transfer. Speculation runs
-one row (B = 1); under batching vLLM measures it (pipeline/stages/vllm_engine.py).
+serves both modes, so acceptance and latency describe one computation. A round makes one
+device-to-host transfer. Speculation runs one row (B = 1); vLLM measures it under batching.
 """
 from __future__ import annotations
 
@@ -19,15 +18,55 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.decode.cache import CachedModel
+from pipeline.decode.cache import CachedModel, EngineError
 from pipeline.decode.drafts import Draft
-from pipeline.decode.errors import EngineError
-from pipeline.decode.sampling import (DeviceVerdict, SamplingParams, logits_to_probs, unpack_verdict,
+from pipeline.decode.sampling import (DeviceVerdict, SamplingParams, logits_to_probs, pick, unpack_verdict,
                                       verify_on_device)
-from pipeline.decode.steps import GenerationResult, cut_at_eos, decode_one_token, prefill
 from pipeline.decode.timing import Timer, synchronize
 
-__all__ = ["generate", "RoundRecord", "draft_k", "verify", "speculative_step"]
+
+@dataclass
+class GenerationResult:
+    # New token ids: a flat list for one prompt; a list of per-sequence lists when B > 1.
+    tokens: list
+    # Speculative only (empty for k = 0): one RoundRecord per round.
+    rounds: list = field(default_factory=list)
+    prefill_s: float = 0.0  # prompt forward(s) + first token (target and draft prefill)
+    decode_s: float = 0.0  # every token after the first
+    batch_tokens: list[list[int]] = field(default_factory=list)  # always per sequence
+    stop: str = "length"  # "eos" or "length" (sequence 0)
+    step_s: list[float] = field(default_factory=list)  # plain decode: seconds of each step after the first
+    # Slots of the target's static cache: every step's attention reads all of them (cache.py).
+    cache_positions: int = 0
+
+
+def prefill(target: CachedModel, input_ids: torch.Tensor, sampling: SamplingParams,
+            generator: torch.Generator | None, chunk: int | None = None) -> torch.Tensor:
+    """input_ids: [B, T] -> first new token per sequence [B]; chunk: forwards of at most that many tokens."""
+    logits = target.prefill(input_ids, chunk)[:, -1]  # [B, V]
+    return next_token(logits, sampling, generator)
+
+
+def decode_one_token(target: CachedModel, token: torch.Tensor, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """token: [B] the last emitted token (not yet in the cache) -> the next token [B]."""
+    logits = target.forward(token.unsqueeze(1), all_logits=False)[:, -1]  # [B, V]
+    return next_token(logits, sampling, generator)
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    """logits: [B, V] -> [B]. Greedy skips building the one-hot: argmax of the logits is the same."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return pick(logits_to_probs(logits, sampling), sampling, generator)
+
+
+def cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    """tokens up to and including the first EOS, and whether there was one."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens, False
 
 
 @dataclass
@@ -47,9 +86,8 @@ class RoundRecord:
 def draft_k(draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
             generator: torch.Generator | None, vocab: int,
             host: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """seq: [L] committed tokens -> draft tokens [k'] and q [k', V] (one-hot rows for a
-    model-free draft, which makes beta_i = p_i(d_i) and the accept test u < p_i(d_i)).
-    host: the same L tokens on the host, for a draft that reads them there (drafts.py)."""
+    """seq: [L] committed tokens -> draft tokens [k'] and q [k', V] (one-hot rows for a model-free
+    draft). host: the same tokens on the host, for a draft that reads them there."""
     if host is not None and getattr(draft, "reads_host_tokens", False):
         tokens, q = draft.propose(seq, k, sampling, generator, host=host)
     else:
@@ -69,11 +107,13 @@ def verify(target: CachedModel, last: torch.Tensor, draft_tokens: torch.Tensor,
     return logits_to_probs(logits, sampling)
 
 
-def _round(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
-           generator: torch.Generator | None, timer: Timer,
-           host: np.ndarray | None) -> tuple[list[int], RoundRecord, torch.Tensor]:
-    """speculative_step, also returning the emitted tokens on the device (the first len(new)
-    entries are `new`), so the caller extends its device sequence without a host copy."""
+def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, sampling: SamplingParams,
+                     generator: torch.Generator | None, timer: Timer,
+                     host: np.ndarray | None = None) -> tuple[list[int], RoundRecord, torch.Tensor]:
+    """One round on seq: [L] (B = 1; the target cache holds L-1 positions). host: the same tokens
+    on the host (saves a prompt-lookup draft a copy). Returns the new tokens (accepted drafts + the
+    residual/bonus token), the round's record (timed once the timer is collected) and the emitted
+    tokens on the device (the first len(new) are `new`). A round that drafts nothing is a plain step."""
     start = target.length  # = L - 1
     with timer.measure("draft") as t_draft:
         d, q = draft_k(draft, seq, k, sampling, generator, target.vocab, host)
@@ -97,29 +137,16 @@ def _round(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int, samplin
     return new, record, outcome.emitted
 
 
-def speculative_step(target: CachedModel, draft: Draft, seq: torch.Tensor, k: int,
-                     sampling: SamplingParams, generator: torch.Generator | None,
-                     timer: Timer, host: np.ndarray | None = None) -> tuple[list[int], RoundRecord]:
-    """One round on seq: [L] (B = 1; the target cache holds L-1 positions). host: the same tokens
-    on the host (saves a prompt-lookup draft a copy). Returns (new tokens: accepted drafts + the
-    residual/bonus token, the round's record, timed once the timer is collected). A round that
-    drafts nothing is one plain decode step."""
-    new, record, _ = _round(target, draft, seq, k, sampling, generator, timer, host)
-    return new, record
-
 
 @torch.inference_mode()
 def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft | None = None, k: int = 0,
              sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
              timer: Timer | None = None, eos_token_id: int | list[int] | None = None,
              prefill_chunk: int | None = None, cache_len: int | None = None) -> GenerationResult:
-    """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts).
-
-    k = 0 or draft = None: plain decode (any B); else speculative at draft length k (B = 1 only,
-    k shrinking near the end). Stops at an EOS (emitted). cache_len: the static caches get exactly
-    this many positions, so a timed cell never attends over a longer pooled cache. Timer sections:
-    "prefill", then "decode" per plain step or "round" (with "draft" and "verify") per round.
-    """
+    """Decode up to max_new_tokens new tokens after input_ids [B, T] (equal-length prompts): plain
+    when k = 0 or no draft (any B), else speculative at k (B = 1, k shrinking near the end); stops
+    at an EOS (emitted). cache_len: static caches of exactly that many positions (timed cells).
+    Timer sections: "prefill", then "decode" per plain step or "round", "draft", "verify" per round."""
     if max_new_tokens < 1:
         raise EngineError("max_new_tokens must be >= 1")
     speculative = draft is not None and k > 0
@@ -168,7 +195,7 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, draft: Draft 
         while not done[0] and len(out[0]) < max_new_tokens:
             t_round = own.lap("round")
             k_round = min(k, max_new_tokens - len(out[0]) - 1)  # 0 with one token left: a plain step
-            new, record, emitted = _round(cached, draft, seq_dev[:length], k_round, sampling, generator, own,
+            new, record, emitted = speculative_step(cached, draft, seq_dev[:length], k_round, sampling, generator, own,
                                           seq_host[:length])
             kept, hit = cut_at_eos(new, eos)
             out[0].extend(kept)

@@ -50,9 +50,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs: [..., V] -> token ids [...] (long), by the exponential race argmax_x p(x) / E_x,
-    E_x ~ Exp(1), which picks x with probability p(x) exactly and, unlike torch.multinomial,
-    needs no CPU-GPU sync."""
+    """probs: [..., V] -> token ids [...] by the exponential race argmax_x p(x) / E_x, E_x ~ Exp(1):
+    exact, and unlike torch.multinomial no CPU-GPU sync."""
     e = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
     return torch.argmax(probs / e, dim=-1)
 
@@ -142,8 +141,3 @@ def verify_on_device(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, para
     emitted = torch.cat([draft, draft.new_zeros(1)]).index_put((n.view(1),), nxt.view(1))  # [k+1]
     return DeviceVerdict(n, emitted, betas(p[:k], q))
 
-
-def verify_draft(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Verdict:
-    """verify_on_device, read back to the host (one transfer). p: [k+1, V], q: [k, V], draft: [k]."""
-    return unpack_verdict(verify_on_device(p, q, draft, params, generator).packed().tolist(), draft.shape[0])

@@ -69,8 +69,8 @@ def group_estimates(ref: dict, var: dict, ids: list[str], codes: np.ndarray) -> 
 
 
 def _margin(gcfg, key: str, slice_name: str) -> float:
-    """A metric row (`calibration:brier`) has its own units: its own margin, never the slice's
-    accuracy margin. A slice or group row: its key, else its slice's, else the default."""
+    """A metric row (`calibration:brier`) has its own units and margin; a slice or group row: its
+    key's margin, else its slice's, else the default."""
     if ":" in key:
         metric = key.split(":", 1)[1]
         default = gcfg.brier_margin if metric == "brier" else gcfg.margin
@@ -106,28 +106,25 @@ def distribution_checks(summary: dict, gcfg) -> dict:
     out = {k: dist.get(k) for k in ("kl_mean", "kl_ci", "top1_agreement", "top1_ci", "ppl_ratio",
                                     "ppl_ratio_ci", "n_docs")}
     checks = {}
-    # A threshold with no measurement (quality wrote no distribution CI) cannot pass: inconclusive.
     if gcfg.max_kl is not None:
-        lo, hi = _bounds(dist.get("kl_ci"))
-        checks["kl"] = {"threshold": gcfg.max_kl, "ci": [lo, hi],
-                        "status": "inconclusive" if lo is None else "pass" if hi <= gcfg.max_kl
-                        else "fail" if lo > gcfg.max_kl else "inconclusive"}
+        checks["kl"] = _threshold_check(dist.get("kl_ci"), gcfg.max_kl, at_most=True)
     if gcfg.min_top1_agreement is not None:
-        lo, hi = _bounds(dist.get("top1_ci"))
-        t = gcfg.min_top1_agreement
-        checks["top1_agreement"] = {"threshold": t, "ci": [lo, hi],
-                                    "status": "inconclusive" if lo is None else "pass" if lo >= t
-                                    else "fail" if hi < t else "inconclusive"}
+        checks["top1_agreement"] = _threshold_check(dist.get("top1_ci"), gcfg.min_top1_agreement, at_most=False)
     out["checks"] = checks
     return out
 
 
-def _bounds(ci) -> tuple[float | None, float | None]:
+def _threshold_check(ci, threshold: float, at_most: bool) -> dict:
+    """pass when the whole CI is on the threshold's good side, fail when wholly on the bad side;
+    a missing or non-finite CI (quality wrote no measurement) cannot pass: inconclusive."""
     try:
         lo, hi = (float(x) for x in ci)
     except (TypeError, ValueError):
-        return None, None
-    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (None, None)
+        lo = hi = math.nan
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return {"threshold": threshold, "ci": [None, None], "status": "inconclusive"}
+    good, bad = (hi <= threshold, lo > threshold) if at_most else (lo >= threshold, hi < threshold)
+    return {"threshold": threshold, "ci": [lo, hi], "status": "pass" if good else "fail" if bad else "inconclusive"}
 
 
 def decide(statuses: list[str]) -> str:
@@ -143,10 +140,8 @@ def overall_decision(decisions: list[str]) -> str:
 
 
 def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]]:
-    """The pass side's alpha per release variant, and the variants it is adjusted across. No
-    adjustment (intersection-union: go needs every cell) unless the user chooses among the
-    release variants (`gate.select_among_variants`): then alpha / r over the r release variants
-    (Bonferroni; with sequential looks a step-down would need its boundaries recomputed)."""
+    """The pass side's alpha per release variant, and the variants it is adjusted across: none
+    (intersection-union) unless `gate.select_among_variants`, then alpha / r over the r variants."""
     chosen = list(release) if gcfg.select_among_variants else []
     if chosen and gcfg.multiplicity != "none":
         return alpha / len(chosen), chosen
@@ -155,11 +150,10 @@ def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]
 
 def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcfg,
                 where: str) -> tuple[dict, dict, dict | None, dict]:
-    """One variant's slice at every look it reached: ({row key: {look index: estimate}},
-    {row key: margin}, the calibration errors and {group: estimate} at the last look, and the
-    slice's schedule as it happened). Without a schedule: one look over all items, whose id
-    set must equal the reference's; with one: the variant's items in file order (the waves'
-    order) must be a prefix of the planned looks, and the reference must hold them all."""
+    """One variant's slice at every look it reached: ({row key: {look index: estimate}}, {row key:
+    margin}, calibration errors and {group: estimate} at the last look, the schedule as it
+    happened). Without a schedule one look over all items (ids equal to the reference's); with
+    one, the variant's items in file order must end at a planned look."""
     var = by_item(var_rows)
     if sched is None:
         order = pair_items(ref, var, where)
@@ -229,9 +223,8 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
 
 
 def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tuple[set[str], list[str]]:
-    """(the slices of variant `name` with a row no look has settled and a planned look left, the
-    row keys a look has failed): the gate's own replay, on the schedules in quality/meta.json.
-    One failed row makes the variant no-go, which a budgeted stage uses to stop scoring it."""
+    """(slices of variant `name` with an unsettled row and a planned look left, row keys a look has
+    failed): the gate's own replay on quality/meta.json's schedules, for the quality stage."""
     gcfg = cfg.gate
     alpha = (1.0 - cfg.confidence) / 2.0
     release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
@@ -310,11 +303,8 @@ def build_gate(run_dir: Path, cfg) -> dict:
             p_go = p_go_adjusted[name] if p_go_adjusted[name] is not None else est.p_pass(margin)
             cell = _cell(est, margin, record[-1]["alpha_lower"], record[-1]["alpha_upper"],
                          (p_go, fail_adj[i]))
-            cell["looks"] = record
-            cell["items_spent"] = est.n
-            cell["planned_looks"] = sched["looks"]
-            cell["n_max"] = sched["n_max"]
-            cell["spending"] = sched["spending"]
+            cell.update(looks=record, items_spent=est.n, planned_looks=sched["looks"], n_max=sched["n_max"],
+                        spending=sched["spending"])
             cell.update(stop_fields(cell["status"], sched,
                                     stops.get(name, {}).get(key.split(":", 1)[0].split("/", 1)[0])))
             variants[name]["slices"][key] = cell
@@ -343,7 +333,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
             f"{k}/{g}" for k, c in entry["slices"].items() for g, gc in (c.get("groups") or {}).items()
             if gc.get("stopped_on") == "budget"]
         # A fail is a fail whatever else is missing; without one, a missing slice keeps it from go.
-        # A cell open on the budget is inconclusive like any open cell (decide).
         entry["decision"] = ("no-go" if "fail" in statuses else
                              "inconclusive" if entry["missing"] else decide(statuses))
     return {

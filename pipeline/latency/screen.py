@@ -17,9 +17,8 @@ import time
 import torch
 
 from pipeline.decode.cache import CachedModel
-from pipeline.decode.engine import generate
+from pipeline.decode.engine import generate, prefill
 from pipeline.decode.sampling import SamplingParams, logits_to_probs
-from pipeline.decode.steps import prefill
 from pipeline.decode.timing import Timer, synchronize
 from pipeline.speculation.measure import sampling_of
 

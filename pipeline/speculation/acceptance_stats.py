@@ -30,15 +30,14 @@ CI_METHOD = ("t interval on the prompts, n - 1 df, the ratio of sums linearized 
 
 
 def agree_mark(check: dict) -> str:
-    """The progress line's mark for one direct_check entry: AGREE_MARK, with the entry's own reason
-    (`no_verdict`) where there is no verdict."""
+    """The progress line's mark for one direct_check entry (its `no_verdict` reason when it has one)."""
     if check.get("agree") is None and check.get("no_verdict"):
         return f" ({check['no_verdict']})"
     return AGREE_MARK[check.get("agree")]
 
 
 def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int, RoundChain]) -> dict:
-    """One prompt's expectations for every k (chains: k -> round_chain(text, k)); k_max = max key."""
+    """One prompt's expectations for every k (chains: k -> round_chain(text, k))."""
     k_max = max(chains)
     top = chains[k_max]
     return {
@@ -51,21 +50,12 @@ def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int
     }
 
 
-def linearized_se(num, den, point: float) -> float:
-    """The standard error of sum(num)/sum(den) over n prompts, the ratio linearized around `point`:
-    z_i = num_i - point den_i, se = sd(z) / sqrt(n) / mean den (ratio_difference's construction
-    for one ratio). Needs n >= 2 and sum(den) > 0."""
-    num, den = np.asarray(num, float), np.asarray(den, float)
-    return float(np.std(num - point * den, ddof=1) / np.sqrt(num.size) / den.mean())
-
-
 def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: tuple[float, float],
                      log_above: float | None = None) -> list[float] | None:
-    """sum(num)/sum(den) over n prompts with a t interval on n - 1 df (se: linearized_se), clipped
-    to `bounds` and containing the point; `bounds` itself with fewer than two prompts or no
-    denominator. With `log_above` = f (and point > f) the interval is built on log(ratio - f) by
-    the delta method and mapped back (E(k) uses f = 1: it is skewed above its floor). The ends are
-    ratio_t_draws at -/+ the t quantile, so the marginal stage's draws follow this interval."""
+    """sum(num)/sum(den) over n prompts with a t interval on n - 1 df, clipped to `bounds` and
+    containing the point (`bounds` itself below two prompts or with no denominator). log_above = f:
+    built on log(ratio - f) by the delta method (E(k) uses f = 1). Its ends are ratio_t_draws at
+    -/+ the t quantile, so the marginal stage's draws follow this interval."""
     if point is None:
         return None
     num, den = np.asarray(num, float), np.asarray(den, float)
@@ -79,15 +69,15 @@ def ratio_t_interval(num, den, point: float | None, confidence: float, bounds: t
 
 def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | None = None,
                   bounds: tuple[float, float] | None = None) -> np.ndarray:
-    """Replicates of the ratio distributed as ratio_t_interval's pivot, for given t draws (the
-    marginal stage's prompt part), clipped to `bounds` (a heavy-tailed draw on the log scale can
-    otherwise reach 1e300). The point, repeated, with fewer than two prompts or no denominator."""
+    """Replicates of the ratio distributed as ratio_t_interval's pivot for given t draws, clipped
+    to `bounds`; the point, repeated, below two prompts or with no denominator. se: the ratio
+    linearized around its point, sd(num - point den) / sqrt(n) / mean den."""
     num, den = np.asarray(num, float), np.asarray(den, float)
     draws = np.asarray(draws, float)
     if num.size < 2 or den.sum() <= 0:
         out = np.full(draws.shape, float(point))
     else:
-        se = linearized_se(num, den, point)
+        se = float(np.std(num - point * den, ddof=1) / np.sqrt(num.size) / den.mean())
         if log_above is None or point <= log_above:
             out = point + se * draws
         else:
@@ -97,8 +87,8 @@ def ratio_t_draws(num, den, point: float, draws: np.ndarray, log_above: float | 
 
 
 def rate_interval(hits_p, trials_p, confidence: float) -> list[float] | None:
-    """A rate sum(hits_p) / sum(trials_p) over prompts: its prompt t interval, widened to at least
-    the pooled Wilson interval (which a slice with no spread between prompts still has)."""
+    """A rate sum(hits_p) / sum(trials_p): its prompt t interval, widened to at least the pooled
+    Wilson interval (which a slice with no spread between prompts still has)."""
     from statsmodels.stats.proportion import proportion_confint
 
     hits, trials = float(np.sum(hits_p)), float(np.sum(trials_p))
@@ -115,9 +105,8 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95) -> dict:
-    """The acceptance JSON's per-slice, per-temperature block (DESIGN.md keys plus CIs and the
-    per-prompt records the marginal stage resamples). `few_prompts`: fewer than MIN_PROMPTS
-    prompts, so the intervals are indicative only (coverage table: docs/validation/direct-check.md)."""
+    """The acceptance JSON's per-slice, per-temperature block, with CIs and the per-prompt records
+    the marginal stage resamples; `few_prompts` below MIN_PROMPTS (intervals indicative only)."""
     n_prompts = len(records)
     ks = list(range(1, k_max + 1))
     tokens = np.array([r["tokens"] for r in records], float)  # [P]
@@ -171,11 +160,10 @@ def summarize_slice(records: list[dict], k_max: int, confidence: float = 0.95) -
 
 def ratio_difference(num_a, den_a, num_b, den_b, confidence: float,
                      bounds: tuple[float, float] | None = None) -> tuple[float, list[float] | None]:
-    """D = sum(num_b)/sum(den_b) - sum(num_a)/sum(den_a) over n paired prompts (a: derived, b:
-    direct), and its t interval D -/+ t_{n-1} se (clipped to `bounds`), None below
-    MIN_CHECK_PROMPTS prompts or with no rounds on either side. se linearizes D around the pooled
-    ratio of both sides (the test of D = 0 inverted), which keeps its level at 2-3 prompts
-    (tests/sim_direct_check.py); as a CI for D itself it is approximate when D != 0."""
+    """D = sum(num_b)/sum(den_b) - sum(num_a)/sum(den_a) over n paired prompts and its t interval
+    D -/+ t_{n-1} se (clipped to `bounds`; None below MIN_CHECK_PROMPTS or with no rounds on a
+    side). se linearizes D around the pooled ratio (the test of D = 0 inverted), which keeps its
+    level at 2-3 prompts; as a CI for D itself it is approximate when D != 0."""
     num_a, den_a, num_b, den_b = (np.asarray(x, float) for x in (num_a, den_a, num_b, den_b))
     n = num_a.size
     r_a, r_b = _ratio(num_a.sum(), den_a.sum()) or 1.0, _ratio(num_b.sum(), den_b.sum()) or 1.0
@@ -190,12 +178,10 @@ def ratio_difference(num_a, den_a, num_b, den_b, confidence: float,
 
 def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: bool, confidence: float = 0.95,
                  exact: bool = True) -> dict:
-    """derived E(k) (from the texts) vs direct E(k) (real engine runs at k on the same prompts).
-
-    direct: k -> one {"tokens", "rounds"} per record, in the same order. Greedy in float32
-    (`exact`): the texts are the same, so the two must be equal. Sampled, or greedy in a reduced
-    precision (a near-tie may flip an argmax: pipeline/speculation/lossless.py): `difference_ci`
-    (ratio_difference) must contain 0; below MIN_CHECK_PROMPTS prompts it and `agree` are None."""
+    """derived E(k) (from the texts) vs direct E(k) (engine runs at k on the same prompts; direct:
+    k -> one {"tokens", "rounds"} per record). Greedy in full precision (`exact`): they must be
+    equal. Otherwise `difference_ci` (ratio_difference) must contain 0 (None below
+    MIN_CHECK_PROMPTS prompts, and so is `agree`)."""
     n_prompts = len(records)
     tokens = np.array([r["tokens"] for r in records], float)
     out = {}

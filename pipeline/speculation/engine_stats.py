@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.speculation.lossless import two_sample_chi2
+from pipeline.speculation.lossless import first_difference, two_sample_chi2
 from pipeline.speculation.acceptance_stats import MIN_PROMPTS, rate_interval, ratio_t_interval
 
 
@@ -114,8 +114,7 @@ FLOOR_NATS = 0.125
 
 
 def logprob_noise(plain: list[dict | None], spec: list[dict | None], upto: int) -> float:
-    """Largest |log p_plain(t) - log p_spec(t)| of the same token at the same position, before the
-    texts part: how far a verify forward and a decode step put the same logit apart."""
+    """Largest |log p_plain(t) - log p_spec(t)| of the same token and position before the texts part."""
     out = 0.0
     for a, b in zip(plain[:upto], spec[:upto]):
         if a and b and a.get("logprob") is not None and b.get("logprob") is not None:
@@ -125,15 +124,12 @@ def logprob_noise(plain: list[dict | None], spec: list[dict | None], upto: int) 
 
 def judge_divergence(plain_out: list[int], spec_out: list[int], plain_lp: list[dict | None],
                      spec_lp: list[dict | None], tolerance: float) -> dict:
-    """Where two greedy texts first differ, and whether it is a near-tie: the speculative token
-    within `tolerance` of the plain one in the plain run, and every later speculative token within
-    `tolerance` of its own distribution's top."""
-    n = min(len(plain_out), len(spec_out))
-    i = next((j for j in range(n) if plain_out[j] != spec_out[j]), None)
-    if i is None:
+    """Where two greedy texts first differ, and whether it is a near-tie (the rule greedy_lossless states)."""
+    i = first_difference(plain_out, spec_out)
+    if i == min(len(plain_out), len(spec_out)):
         if len(plain_out) == len(spec_out):
             return {"identical": True}
-        return {"identical": False, "at": n, "explained": True, "note": "one text is a prefix of the other (a stop)"}
+        return {"identical": False, "at": i, "explained": True, "note": "one text is a prefix of the other (a stop)"}
     a, b = plain_out[i], spec_out[i]
     here = plain_lp[i] if i < len(plain_lp) else None
     gap = None
@@ -154,8 +150,7 @@ def greedy_lossless(plain: dict[str, dict], spec: dict[str, dict]) -> dict:
     ids = [p for p in spec if p in plain]
     noise = 0.0
     for p in ids:
-        o1, o2 = plain[p]["output"], spec[p]["output"]
-        upto = next((j for j in range(min(len(o1), len(o2))) if o1[j] != o2[j]), min(len(o1), len(o2)))
+        upto = first_difference(plain[p]["output"], spec[p]["output"])
         noise = max(noise, logprob_noise(plain[p].get("logprobs") or [], spec[p].get("logprobs") or [], upto))
     tolerance = max(2 * noise, FLOOR_NATS)
     verdicts = {p: judge_divergence(plain[p]["output"], spec[p]["output"], plain[p].get("logprobs") or [],

@@ -23,8 +23,7 @@ from pipeline.decode.sampling import SamplingParams, logits_to_probs, pick
 from pipeline.decode.timing import Timer
 from pipeline.speculation.teacher_forced import last_logits
 
-# The sampled check (both engines) fails at a p-value at or below LOSSLESS_ALPHA, drawn at
-# LOSSLESS_TEMPERATURE (the gate adjusts the pairs' p-values).
+# The sampled check (both engines) fails at p <= LOSSLESS_ALPHA, drawn at LOSSLESS_TEMPERATURE.
 LOSSLESS_ALPHA = 0.001
 LOSSLESS_TEMPERATURE = 1.0
 
@@ -63,7 +62,7 @@ def first_verified_tokens(model, ids: list[int], draft: Draft, sampling: Samplin
             draft.cached.rollback(length)
         else:
             draft.prefill(x, length + k + 2)
-        new, _ = speculative_step(cached, draft, torch.cat([x[0], first]), k, sampling, generator, off)
+        new = speculative_step(cached, draft, torch.cat([x[0], first]), k, sampling, generator, off)[0]
         out.append(new[0])
     return out
 
@@ -73,8 +72,7 @@ TIE_TOP_TOKENS = 16  # per position, the logits whose movement the noise is meas
 
 
 def _teacher_forced_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """float32 logits [n, V]: row j is the target's prediction of tokens[j] from prompt +
-    tokens[:j], in one forward without a cache (the first row is the prefill's own position)."""
+    """float32 logits [n, V]: row j predicts tokens[j] from prompt + tokens[:j] (one forward, no cache)."""
     device = next(hf_model(model).parameters()).device
     return last_logits(model, torch.tensor([list(prompt) + list(tokens[:-1])], device=device), len(tokens))
 
@@ -98,8 +96,8 @@ def dtype_resolution(dtype: torch.dtype, largest: float) -> float:
 
 @torch.inference_mode()
 def tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
-    """How far one logit moves between the forward widths the engine uses (compared with the
-    teacher-forced forward) over samples (prompt ids, plain greedy text), and the tolerance."""
+    """How far one logit moves between the engine's forward widths and the teacher-forced forward,
+    over samples (prompt ids, plain greedy text), and the tolerance that follows."""
     dtype = next(hf_model(model).parameters()).dtype
     noise, largest = 0.0, 0.0
     for prompt, tokens in samples:
@@ -127,8 +125,7 @@ _TOLERANCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def shared_tie_tolerance(model, samples: list[tuple[list[int], list[int]]], widths: list[int]) -> dict:
-    """tie_tolerance, computed once per target model, texts and widths (it reads no draft, so
-    every draft paired with the target shares it)."""
+    """tie_tolerance, once per target model, texts and widths (every draft of the target shares it)."""
     key = (tuple((tuple(p), tuple(t)) for p, t in samples), tuple(sorted(set(widths))))
     memo = _TOLERANCES.setdefault(hf_model(model), {})
     if key not in memo:
@@ -153,6 +150,11 @@ def judge_divergence(model, prompt: list[int], plain: list[int], spec: list[int]
             "max_shortfall_index": at + worst, "explained": largest <= tolerance}
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where a and b differ; the shorter length when one is a prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], prompts: dict) -> list[dict]:
     out = []
     for k, by_prompt in sorted(runs.items()):
@@ -160,7 +162,7 @@ def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], promp
             for pid, ids in rows:
                 plain, spec = texts[pid], by_prompt[pid]["output"]
                 if plain != spec:
-                    at = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+                    at = first_difference(plain, spec)
                     out.append({"prompt": pid, "k": k, "index": at, "plain": plain[at:at + 3],
                                 "speculative": spec[at:at + 3], "_ids": ids, "_plain": plain, "_spec": spec})
     return out
@@ -168,7 +170,7 @@ def _greedy_mismatches(texts: dict[str, list[int]], runs: dict[int, dict], promp
 
 def greedy_check(model, prompts: dict, plain: dict[str, list[int]], greedy_runs: dict) -> dict:
     """The greedy half: identical, or every divergence a near-tie, on the prompts every greedy run
-    covers (a budget may have cut some); with none, the verdicts are None (not checked)."""
+    covers; with none the verdicts are None (not checked)."""
     compared = {kind: [(pid, ids) for pid, ids in rows if pid in plain and all(pid in r for r in greedy_runs.values())]
                 for kind, rows in prompts.items()}
     n_compared = sum(map(len, compared.values()))
@@ -212,8 +214,8 @@ def sampling_check(model, prompts: dict, draft: Draft, cfg, seed: int) -> dict:
 
 def lossless_checks(model, prompts: dict, draft: Draft, cfg, seed: int, plain: dict[str, list[int]],
                     greedy_runs: dict, sampling: dict | None = None) -> dict:
-    """plain: prompt id -> the target's greedy output; greedy_runs: k -> prompt id -> direct run;
-    sampling: sampling_check's block when the caller ran it already (else it runs here)."""
+    """plain: prompt id -> greedy output; greedy_runs: k -> prompt id -> direct run; sampling:
+    sampling_check's block if already run."""
     greedy = greedy_check(model, prompts, plain, greedy_runs)
     if sampling is None:
         sampling = sampling_check(model, prompts, draft, cfg, seed)

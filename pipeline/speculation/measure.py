@@ -5,10 +5,8 @@ chain on them, direct engine runs beside it, the lossless checks.
     texts = generate_texts(model, prompts, cfg.acceptance, seed, tokenizer.eos_token_id)
     result = measure_pair(model, tokenizer, draft, cfg.acceptance, seed, prompts, texts, confidence=cfg.confidence)
 
-The measurement (texts, teacher-forced passes, the sampled lossless test) always runs whole; the
-direct check beside it may be cut by a time budget (CheckPlan), and always keeps its first prompt
-(MIN_DIRECT_PROMPTS). `temp_key` is the one key acceptance and latency JSON name a temperature by.
-Method: docs/methods/acceptance.md; the budget's cut: docs/methods/budget.md.
+The measurement always runs whole; the direct check beside it may be cut by a time budget
+(CheckPlan) but keeps its first prompt. Method: docs/methods/acceptance.md, budget.md.
 """
 from __future__ import annotations
 
@@ -28,11 +26,9 @@ from pipeline.speculation.lossless import lossless_checks, sampling_check
 from pipeline.speculation.teacher_forced import score_text
 from pipeline.speculation.workload import interleave
 
-# Before any direct run of a pair is timed, one is planned at this many times its prompt's plain
-# text; the first prompt's runs then give each cell its own figure.
+# A direct run is planned at this many times its prompt's plain text until one has been timed.
 PRIOR_DIRECT_PER_TEXT_S = 2.0
-# Prompts a budgeted direct check runs whatever its allotment: the greedy lossless check is made on
-# its greedy runs, and a pair checked on no prompt is one the gate cannot call lossless.
+# Prompts a budgeted direct check runs whatever its allotment (a pair checked on none is unchecked).
 MIN_DIRECT_PROMPTS = 1
 
 
@@ -42,16 +38,15 @@ def temp_key(t: float) -> str:
 
 
 def sampling_of(sampling_cfg, t: float) -> SamplingParams:
-    """The engine's sampling at temperature t with the config's top-k / top-p (acceptance.sampling):
-    the acceptance and latency stages build it the same way, so they measure the same decoding."""
+    """The engine's sampling at temperature t with acceptance.sampling's top-k / top-p (the
+    acceptance and latency stages both build it here)."""
     return SamplingParams(t, sampling_cfg.top_k, sampling_cfg.top_p)
 
 
 def generate_texts(model, prompts: dict, cfg, seed: int, eos, on_text=None,
                    seconds: dict | None = None) -> dict[str, dict[str, list[int]]]:
-    """temperature key -> prompt id -> the target's own output (plain decode, one per prompt).
-    on_text(done, total) after each text; `seconds`, if given, is filled like the result with
-    each text's wall-clock seconds (what the direct check plans from)."""
+    """temperature key -> prompt id -> the target's plain output. on_text(done, total) after each;
+    `seconds`, if given, gets each text's wall-clock seconds, keyed like the result."""
     device = next(model.parameters()).device
     texts: dict[str, dict[str, list[int]]] = {}
     total = len(cfg.temperatures) * sum(len(rows) for rows in prompts.values())
@@ -83,13 +78,10 @@ def direct_run(model, draft: Draft, ids: list[int], k: int, sampling: SamplingPa
 
 @dataclass
 class CheckPlan:
-    """How much of a pair's check work (its direct runs, and the greedy pair the lossless check
-    runs itself when no greedy direct run is configured) the stage lets it do.
-
-    allot(measured_s) -> the seconds the checks may take once the measurement took measured_s
-    (math.inf: every prompt, cell by cell). budgeted: prompts go round-robin over the categories,
-    each through every cell, and the sampled lossless test runs inside the measurement. text_s:
-    temperature key -> prompt id -> seconds of that plain text, what a run's cost is planned from.
+    """How much of a pair's check work (direct runs, or the lossless check's own greedy pair) runs.
+    allot(measured_s) -> seconds the checks may take (inf: all, cell by cell). budgeted: prompts
+    round-robin over the categories, the sampled lossless test inside the measurement. text_s:
+    temperature key -> prompt id -> plain text seconds (costs are planned from them).
     on_progress(done runs, total runs, spent_s, left_s or None); `record` gets what ran."""
     allot: Callable[[float], float] = lambda measured_s: math.inf
     budgeted: bool = False
@@ -101,10 +93,9 @@ class CheckPlan:
 
 def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, list[int]]], allot_s: float,
                  plan: CheckPlan) -> tuple[dict[str, dict[str, dict]], dict]:
-    """Every prompt of `order` through every cell (name, temperature key, run(ids) -> result).
-    allot_s infinite: cell by cell over every prompt. Finite: prompt by prompt through every cell,
-    the first MIN_DIRECT_PROMPTS whatever they cost, then while the next prompt's estimated cost
-    (from each cell's runs so far) fits. Returns (cell -> prompt id -> result, what ran)."""
+    """Every prompt of `order` through every cell (name, temperature key, run(ids) -> result):
+    cell by cell when allot_s is infinite, else prompt by prompt while the next prompt's estimated
+    cost fits (the first MIN_DIRECT_PROMPTS always). Returns (cell -> prompt id -> result, what ran)."""
     known = plan.text_s is not None and all(key in plan.text_s for _, key, _ in cells)
     spent, weighed = [0.0] * len(cells), [0.0] * len(cells)
     out: dict[str, dict[str, dict]] = {name: {} for name, _, _ in cells}
@@ -160,26 +151,23 @@ def planned_runs(cells: list[tuple[str, str, Callable]], order: list[tuple[str, 
 
 def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, texts: dict,
                  plan: CheckPlan | None = None, confidence: float = 0.95) -> dict:
-    """The acceptance JSON for one (target, draft) pair (without the variant/draft names); plan:
-    how much of the direct check to run (None = all of it, category by category)."""
+    """The acceptance JSON for one pair (without the variant/draft names); plan: None = all of it."""
     plan = plan or CheckPlan()
     k_max, eos = cfg.k_max, tokenizer.eos_token_id
     check_ks = sorted({k for k in cfg.direct_check_k if 1 <= k <= k_max})
     device = next(model.parameters()).device
     # Greedy direct runs reproduce the texts exactly only in full precision (lossless.py says why).
     exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
-    # The measurement: teacher-forced passes over every text, and the sampled lossless test.
+    temps = [(temp_key(t), sampling_of(cfg.sampling, t)) for t in cfg.temperatures]
     start = plan.clock()
     records: dict[str, dict[str, dict]] = {}
-    for t in cfg.temperatures:
-        sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
+    for key, sampling in temps:
         records[key] = {}
         for kind, rows in prompts.items():
             for pid, ids in rows:
                 text = score_text(model, draft, ids, texts[key][pid], sampling, k_max, cfg.max_new_tokens)
                 records[key][pid] = prompt_record(pid, kind, text,
                                                   {k: round_chain(text, k) for k in range(1, k_max + 1)})
-    # Under a budget the sampled lossless test (never cut) is timed with the measurement.
     sampled = sampling_check(model, prompts, draft, cfg, seed) if plan.budgeted else None
     measured_s = plan.clock() - start
     allot_s = plan.allot(measured_s)
@@ -187,8 +175,7 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
     # The check: direct runs at each (temperature, k), each cell with its own seeded generator.
     order = interleave(prompts) if plan.budgeted else [row for rows in prompts.values() for row in rows]
     cells = []
-    for ti, t in enumerate(cfg.temperatures):
-        sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
+    for ti, (key, sampling) in enumerate(temps):
         for k in check_ks:
             g = torch.Generator(device).manual_seed(seed * 1000 + 100 * k + ti + 17)
             cells.append((f"{key} k={k}", key,
@@ -196,12 +183,11 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
                                                                        eos, g)))
     runs, ran = planned_runs(cells, order, allot_s, plan)
     done = set(ran["prompts_run"])
-    greedy_runs = {k: runs[f"{temp_key(t)} k={k}"] for t in cfg.temperatures for k in check_ks
-                   if sampling_of(cfg.sampling, t).greedy}
+    greedy_runs = {k: runs[f"{key} k={k}"] for key, s in temps for k in check_ks if s.greedy}
     if "0.0" in texts and greedy_runs:
         greedy_plain = texts["0.0"]
     else:  # no greedy temperature (or no direct k) configured: the lossless check runs its own pair
-        plain_key = temp_key(cfg.temperatures[0])
+        plain_key = temps[0][0]
         own = [("plain", plain_key, lambda ids: {"output": generate(
                    model, torch.tensor([ids], device=device), cfg.max_new_tokens, eos_token_id=eos).tokens}),
                ("k=1", plain_key, lambda ids: direct_run(model, draft, ids, 1, SamplingParams(0.0),
@@ -215,8 +201,7 @@ def measure_pair(model, tokenizer, draft: Draft, cfg, seed: int, prompts: dict, 
     slices: dict[str, dict] = {}
     groups = {kind: [pid for pid, _ in rows] for kind, rows in prompts.items()}
     groups["all"] = [pid for rows in prompts.values() for pid, _ in rows]
-    for t in cfg.temperatures:
-        sampling, key = sampling_of(cfg.sampling, t), temp_key(t)
+    for key, sampling in temps:
         for name, pids in groups.items():
             if not pids:
                 continue

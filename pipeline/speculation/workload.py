@@ -84,9 +84,8 @@ class WorkloadError(StageError):
 
 
 def read_json_array(text: str, allow_cut: bool):
-    """Yield (record, line number) of each element of a top-level JSON array, one at a time.
-    allow_cut: an element cut off by the end of the text ends the array quietly (ShareGPT's file);
-    otherwise it is a ValueError naming its line."""
+    """Yield (record, line number) of each element of a top-level JSON array. allow_cut: an element
+    cut off by the end of the text ends the array quietly (ShareGPT's file), else a ValueError."""
     decoder, space = json.JSONDecoder(), re.compile(r"\s*")
     i = space.match(text).end()
     if text[i:i + 1] != "[":
@@ -118,8 +117,7 @@ def read_json_array(text: str, allow_cut: bool):
 
 
 def _end_of_array(text: str, i: int, allow_cut: bool) -> None:
-    """Only whitespace may follow the closing ']' at i (unless allow_cut): a stray record would
-    otherwise be dropped unseen."""
+    """Only whitespace may follow the closing ']' at i (unless allow_cut)."""
     j = re.compile(r"\s*").match(text, i + 1).end()
     if not allow_cut and j < len(text):
         raise ValueError(f"line {text.count(chr(10), 0, j) + 1}: text after the array's closing ']'")
@@ -167,11 +165,6 @@ def parse_record(obj) -> tuple[str, Entry]:
     return category, Entry(prompt, reply, out)
 
 
-def _snippet(line: str) -> str:
-    line = line.strip()
-    return repr(line[:60] + ("..." if len(line) > 60 else ""))
-
-
 def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
     """(categories in order of first appearance, category -> entries); WorkloadError names the
     first bad line."""
@@ -182,8 +175,9 @@ def read_user_file(path: Path) -> tuple[list[str], dict[str, list[Entry]]]:
     lines = text.splitlines()
 
     def bad(n: int, why) -> WorkloadError:
+        line = (lines[n - 1] if n <= len(lines) else "").strip()
         return WorkloadError(f"acceptance.workload {path}: line {n}: {why}: "
-                             f"{_snippet(lines[n - 1] if n <= len(lines) else '')}")
+                             f"{line[:60] + ('...' if len(line) > 60 else '')!r}")
 
     records: list[tuple[int, object]] = []
     if path.suffix.lower() == ".json":
@@ -259,7 +253,7 @@ def load_pool(workload: str) -> Pool:
     if workload == "builtin":  # read at call time: whatever KINDS and PROMPTS hold now
         return Pool("builtin", str(builtin.PROMPTS_FILE.relative_to(REPO)), list(builtin.KINDS),
                     {kind: [Entry(t) for t in builtin.PROMPTS[kind]] for kind in builtin.KINDS}, ordered=True)
-    if workload not in ("builtin", "sharegpt") and not Path(workload).is_file():
+    if workload != "sharegpt" and not Path(workload).is_file():
         raise WorkloadError(f"acceptance.workload: '{workload}' is not builtin, sharegpt or a file")
     return _pool(workload, workload_file_sha256(workload))
 
@@ -292,8 +286,7 @@ def draw_order(pool: Pool, category: str, seed: int) -> np.ndarray:
 def load_workload(acceptance_cfg, seed: int, *, tokenizer=None, max_prompt_tokens: int | None = None,
                   per_category: int | None = None) -> Workload:
     """The workload's drawn prompts. With a tokenizer, prompts over max_prompt_tokens (chat template
-    included) and ShareGPT's too-short prompts or replies are skipped and counted, and reply lengths
-    measured; without one every drawn prompt is kept. per_category overrides the config's split."""
+    included) and ShareGPT's too-short ones are skipped and counted; without one all are kept."""
     pool = load_pool(acceptance_cfg.workload)
     cats = category_order(pool, acceptance_cfg.categories)
     if per_category is not None:
@@ -328,8 +321,7 @@ def load_workload(acceptance_cfg, seed: int, *, tokenizer=None, max_prompt_token
 
 
 def prompt_limit_inputs(config) -> dict:
-    """What the prompt-length limit reads from the config (all but the model's context): the
-    acceptance and latency stages both hash this dict, so whatever moves the limit re-runs both."""
+    """What the prompt-length limit reads from the config; both stages hash it, so a change re-runs both."""
     acc, lat = config.acceptance, config.latency
     return {"max_prompt_tokens": acc.max_prompt_tokens,
             "generated": max(acc.max_new_tokens, lat.new_tokens),
@@ -348,9 +340,8 @@ def prompt_limit(config, context: int | None) -> int:
 
 def workload_prompts(config, tokenizer, stage: str, per_kind: int | None = None, *, context: int | None = None,
                      quiet: bool = False) -> PromptSet:
-    """The workload's prompts as the acceptance and latency stages measure them (per_kind: that
-    many of each category; context: the model's, which bounds the prompt length). Says on stderr
-    what was skipped and which categories gave fewer than asked."""
+    """The prompts the acceptance and latency stages measure (per_kind: that many of each category;
+    context: the model's). Says on stderr what was skipped and which categories came up short."""
     acc = config.acceptance
     limit = prompt_limit(config, context)
     if limit < 1:
@@ -405,8 +396,7 @@ def workload_summary(prompts: PromptSet) -> dict:
 
 
 def precheck(config, args: dict | None = None) -> None:
-    """Before any work: the workload can be read, every listed category is one of its categories,
-    and each gets at least one prompt."""
+    """Before any work: the workload reads, its listed categories exist and each gets a prompt."""
     pool = load_pool(config.acceptance.workload)
     cats = category_order(pool, config.acceptance.categories)
     total = config.acceptance.workload_prompts

@@ -18,7 +18,7 @@ from draft_models.registry import build_draft, draft_slug, engine_specs
 from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, progress, read_json
-from pipeline.decode.release import collect, release_caches
+from pipeline.decode.cache import collect, release_caches
 from pipeline.models.architecture import context_length
 from pipeline.speculation.acceptance_stats import agree_mark
 from pipeline.speculation.measure import CheckPlan, generate_texts, measure_pair

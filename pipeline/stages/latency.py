@@ -21,7 +21,7 @@ from pipeline.core.budget import StageBudget, fmt_s
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import (StageContext, StageError, atomic_write_bytes, atomic_write_json, progress, read_json,
                                  sha256_file)
-from pipeline.decode.release import collect, release_caches
+from pipeline.decode.cache import collect, release_caches
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
 from pipeline.latency.roofline import measure_bandwidth

@@ -18,7 +18,7 @@ from evals import sandbox
 from pipeline.core.budget import StageBudget
 from pipeline.core.device import resolve_device
 from pipeline.core.stage import StageContext, StageError, atomic_write_bytes, hash_obj, progress, sha256_file
-from pipeline.decode.release import collect
+from pipeline.decode.cache import collect
 from pipeline.models.loading import load_tokenizer
 from pipeline.quality import distribution, lm_tasks, vllm_backend
 from pipeline.quality.evaluate import evaluate, write_summaries

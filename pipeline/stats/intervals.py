@@ -49,13 +49,13 @@ def percentile_interval(replicates, confidence: float, point: float | None = Non
     return clip_contain(lo, hi, point, bounds)
 
 
-def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0.95, seed: int = 0,
-                         paired: bool = False, n_resamples: int = 2000) -> tuple[float, float]:
-    """Percentile-bootstrap CI of `statistic(*samples, axis)` (vectorised) through scipy.stats,
-    resampling single observations (each sample on its own unless `paired`)."""
+def percentile_bootstrap(data: tuple, statistic: Callable, confidence: float = 0.95,
+                         seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap CI (2000 resamples) of `statistic(*samples, axis)` (vectorised) through
+    scipy.stats, resampling each sample's single observations on its own."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate resamples of tiny samples are expected
-        res = sps.bootstrap(data, statistic, paired=paired, vectorized=True, n_resamples=n_resamples,
+        res = sps.bootstrap(data, statistic, vectorized=True, n_resamples=2000,
                             confidence_level=confidence, method="percentile",
                             random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)

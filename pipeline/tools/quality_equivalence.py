@@ -129,7 +129,7 @@ def measure(run_dir: str | Path, config, items: int = 40, slices: list[str] | No
     """Score the run's reference with both backends on the same items and compare them; the report
     goes to <run>/quality-equivalence/report.json (with each backend's items per second)."""
     from pipeline.core.device import resolve_device
-    from pipeline.decode.release import collect
+    from pipeline.decode.cache import collect
     from pipeline.models.loading import load_tokenizer
     from pipeline.quality import vllm_backend
     from pipeline.quality.evaluate import evaluate
