@@ -187,19 +187,6 @@ def _acceptance_source(ctx: StageContext, target: str, spec: str) -> dict:
     return {"file": str(path.relative_to(ctx.run_dir)), "sha256": sha256_file(path), "slice": "all"}
 
 
-def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[int]) -> tuple[list[int], dict[str, float]]:
-    """The k a pair that may pay is timed at (screen.ks_to_time) and the bound of each k cut; says
-    so in a line, in the screen record and in meta.json."""
-    if rec is None:
-        return list(ks), {}
-    pair_ks, cut = ks_to_time(rec, ks)
-    if cut:
-        rec["ks_not_timed"] = cut
-        progress(f"latency: {target} + {spec}: {cut_line(pair_ks, cut)}")
-        _note_screen(ctx, target, spec, rec)
-    return pair_ks, cut
-
-
 def _note_screen(ctx: StageContext, target: str, spec: str, rec: dict) -> None:
     """meta.json's `screened`: pair -> {"speculative": the screen's verdict and bound}."""
     ctx.meta.setdefault("screened", {}).setdefault(f"{target}__{draft_slug(spec)}", {})["speculative"] = summary(rec)
@@ -262,7 +249,11 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
             t0 = time.time()
             left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
             pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-            pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks)
+            pair_ks, cut = ks_to_time(screens[spec], ks) if spec in screens else (list(ks), {})
+            if cut:  # the k past the last whose bound reaches 1 are not timed
+                screens[spec]["ks_not_timed"] = cut
+                progress(f"latency: {target} + {spec}: {cut_line(pair_ks, cut)}")
+                _note_screen(ctx, target, spec, screens[spec])
             doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
                                    device, cfg.confidence, cfg.seed, pair_ks,
                                    budget=phase.piece(f"{target} + {spec}", left))
@@ -283,6 +274,4 @@ def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
     meta["memory_plan"][phase][name] = doc["memory_plan"]
     if phase == "plain":
         meta["kernels"][name] = doc["kernels"]
-        # The attention path the steps ran (pipeline/decode/attention.py): each KV head read once
-        # ("sdpa-gqa"), or K / V repeated per query head ("sdpa+repeat_kv").
         meta.setdefault("attention", {})[name] = doc.get("attention_path")
