@@ -55,7 +55,8 @@ def engine_tables(plain: dict, pair: dict, confidence: float = 0.95, seed: int =
         for t, spec_recs in run["b1"].items():
             row = speed_row(k, plain["measure"]["b1"][t], spec_recs, confidence, seed)
             s = run["summary"]["all"][t]
-            row.update(tokens_per_step=s["expected_tokens_per_step"], tokens_per_step_ci=s["expected_tokens_per_step_ci"],
+            row.update(tokens_per_step=s["expected_tokens_per_step"],
+                       tokens_per_step_ci=s["expected_tokens_per_step_ci"],
                        mean_acceptance_length=s["mean_acceptance_length"], drafted_share=s["drafted_share"],
                        lossless=_lossless_ok(run, t, sampled))
             out.setdefault(t, {}).setdefault("1", []).append(row)

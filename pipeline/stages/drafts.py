@@ -2,12 +2,10 @@
 
     python -m pipeline drafts --run runs/smollm2-135m --config configs/default.yaml [--drafts "ngram layerskip:8"]
 
-For each spec in `drafts` it builds the draft against the reference variant (a bad spec, a
-layer count out of range, a missing variant or a tokenizer that differs from the target's stops
-the stage with one line), and writes runs/<run>/drafts/<draft_slug>/meta.json. The drafts hold no
-weights of their own here: layerskip shares the target's tensors, self:<variant> points at the
-variant directory, hf:<source> records the source and is loaded again where it is used; an
-eagle3:<dir> head is checked against the reference's config (it runs in vLLM only).
+Builds each spec in `drafts` against the reference variant (a bad spec, a missing variant or a
+tokenizer unlike the target's stops the stage with one line) and writes
+runs/<run>/drafts/<draft_slug>/meta.json; no weights are written (an eagle3:<dir> head is only
+checked against the reference's config: it runs in vLLM).
 """
 from __future__ import annotations
 
