@@ -217,28 +217,11 @@ def reason(rec: dict) -> str:
     return f"speedup at most {rec['max_bound']:.2f} at k={rec['at_k']}"
 
 
-def progress_line(target: str, spec: str, rec: dict) -> str:
-    """The stage's one line per screened pair."""
-    head = f"latency: {target} + {spec}"
-    if rec.get("model_free"):
-        return f"{head}: not screened (drafts without a model forward), timing"
-    if rec["verdict"] == DOES_NOT_PAY:
-        return f"{head}: does not pay ({reason(rec)}), not timed"
-    return f"{head}: may pay ({reason(rec)}), timing"
-
-
 def summary(rec: dict) -> dict:
     """The stage meta.json's few keys of a screen record."""
     return {"verdict": rec["verdict"], "max_bound": rec.get("max_bound"), "at_k": rec.get("at_k"),
             "model_free": rec.get("model_free", False), "reason": reason(rec),
             **({"ks_not_timed": rec["ks_not_timed"]} if rec.get("ks_not_timed") else {})}
-
-
-def skipped_b1(ks: list[int], prompts: dict, temperatures: list[float]) -> str:
-    """What a screened pair's B = 1 timing would have run."""
-    n = sum(len(rows) for rows in prompts.values())
-    return (f"B = 1 round times at k = {ks[0]}..{ks[-1]} and plain decoding on {n} prompts x "
-            f"{len(temperatures)} temperatures, every latency repeat")
 
 
 def screened_note(rec: dict) -> str:

@@ -25,7 +25,7 @@ from pipeline.decode.release import collect, release_caches
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
 from pipeline.latency.roofline import measure_bandwidth
-from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_pair, skipped_b1, summary
+from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, reason, screen_pair, summary
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels
@@ -203,10 +203,15 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
     length = cache_len(max(len(r[1]) for r in rows), lat.new_tokens)
     rec = screen_pair(model, draft, ids, ks, acceptance, cfg.acceptance, device, length, seed=cfg.seed, prompt_id=pid)
     rec["acceptance"] = source
-    progress(progress_line(target, spec, rec))
+    pays = rec["verdict"] != DOES_NOT_PAY  # always, for a model-free draft
+    said = f"{rec['verdict']} ({reason(rec)}), " + ("timing" if pays else "not timed")
+    if rec["model_free"]:
+        said = "not screened (drafts without a model forward), timing"
+    progress(f"latency: {target} + {spec}: {said}")
     _note_screen(ctx, target, spec, rec)
-    if rec["verdict"] == DOES_NOT_PAY:  # never a model-free draft: it always may pay
-        rec["skipped"] = skipped_b1(ks, prompts, cfg.acceptance.temperatures)
+    if not pays:
+        rec["skipped"] = (f"B = 1 round times at k = {ks[0]}..{ks[-1]} and plain decoding on {len(rows)} prompts x "
+                          f"{len(cfg.acceptance.temperatures)} temperatures, every latency repeat")
         item.write_json({
             "variant": target, "draft": spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [p for p, _ in kind_rows] for kind, kind_rows in prompts.items()},
