@@ -55,13 +55,10 @@ def _variant_dirs(ctx: StageContext) -> dict[str, Path]:
     names = list(listed) or [p.parent.name for p in sorted((ctx.run_dir / "variants").glob("*/meta.json"))]
     if not names:
         raise StageError(f"latency: no variants in {ctx.run_dir / 'variants'} (run make quantize first)")
-    dirs = {}
-    for name in names:
-        d = (listed.get(name) or {}).get("dir")
-        cands = ([ctx.run_dir / d, Path(d)] if d else []) + [ctx.run_dir / "variants" / name]
-        dirs[name] = next((c for c in cands if (c / "meta.json").is_file()), None)
-        if dirs[name] is None:
-            raise StageError(f"latency: variant '{name}' has no directory with a meta.json under {ctx.run_dir}")
+    dirs = {name: ctx.run_dir / ((listed.get(name) or {}).get("dir") or f"variants/{name}") for name in names}
+    for name, d in dirs.items():
+        if not (d / "meta.json").is_file():
+            raise StageError(f"latency: variant '{name}' has no meta.json at {d}")
     return dirs
 
 
