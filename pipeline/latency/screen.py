@@ -53,9 +53,8 @@ def e_upper(acceptance: dict | None, ks: list[int], slice_name: str = "all") -> 
         for t, block in temps.items():
             ci = (block.get("expected_tokens_per_round_ci") or {}).get(str(k))
             by_t[t] = float(ci[1]) if ci and ci[1] is not None else None
-        found = [v for v in by_t.values() if v is not None]
-        if found and len(found) == len(by_t):
-            out[k] = {"e_hi": max(found), "by_temperature": by_t, "source": f"acceptance CI, slice {slice_name}"}
+        if by_t and None not in by_t.values():
+            out[k] = {"e_hi": max(by_t.values()), "by_temperature": by_t, "source": f"acceptance CI, slice {slice_name}"}
         else:
             out[k] = {"e_hi": float(k + 1), "by_temperature": by_t,
                       "source": "k + 1, the most a round can emit (no acceptance CI at this k)"}

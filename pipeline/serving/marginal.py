@@ -269,9 +269,7 @@ def category_entry(table: dict, acc: dict) -> dict:
            "tokens_per_round_ci": at["tokens_per_round_ci"], "speedup": at["speedup"],
            "speedup_ci": at["speedup_ci"], "ms_per_token": at["ms_per_token"],
            "ms_per_token_ci": at["ms_per_token_ci"], "n_prompts": table["prompts"]}
-    for key in ("few_prompts", "min_prompts"):  # the acceptance stage's flag for a thin slice, carried
-        if key in acc:
-            out[key] = acc[key]
+    out.update({key: acc[key] for key in ("few_prompts", "min_prompts") if key in acc})  # a thin slice's flag
     return out
 
 

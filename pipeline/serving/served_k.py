@@ -147,10 +147,8 @@ def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0
             both = [(derived[r["id"]], r) for r in recs if r["id"] in derived]
             if not both:
                 continue
-            d_tok = [a["tokens"] for a, _ in both]
-            d_rnd = [a["expected_rounds"][str(k)] for a, _ in both]
-            e_tok = [b["tokens"] - 1 for _, b in both]
-            e_rnd = [b["steps"] for _, b in both]
+            d_tok, d_rnd, e_tok, e_rnd = (list(col) for col in zip(*[
+                (a["tokens"], a["expected_rounds"][str(k)], b["tokens"] - 1, b["steps"]) for a, b in both]))
             diff, ci = ratio_difference(d_tok, d_rnd, e_tok, e_rnd, confidence, (-float(k), float(k)))
             engine = run["summary"]["all"][t]
             agree = None if ci is None else bool(ci[0] <= 0.0 <= ci[1])

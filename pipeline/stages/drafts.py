@@ -71,14 +71,12 @@ def run(ctx: StageContext) -> None:
         progress(f"drafts: {spec}")
         if parse_spec(spec)[0] == "eagle3":  # served only: checked against the target's config, not built
             item.meta = {"spec": spec, "kind": "eagle3", "slug": slug, **eagle3.check(spec, AutoConfig.from_pretrained(ref))}
-            with item.writing():
-                pass
-            continue
-        if target is None:
-            target, tokenizer = load_variant(ref, device=device)
-        with torch.inference_mode():
-            draft = build_draft(spec, target, tokenizer, ctx.run_dir, device)
-        item.meta = describe(spec, draft, target, ctx.run_dir)
+        else:
+            if target is None:
+                target, tokenizer = load_variant(ref, device=device)
+            with torch.inference_mode():
+                draft = build_draft(spec, target, tokenizer, ctx.run_dir, device)
+            item.meta = describe(spec, draft, target, ctx.run_dir)
         with item.writing():
             pass
     ctx.meta["drafts"] = made

@@ -70,8 +70,6 @@ def run(ctx: StageContext) -> None:
         raise StageError("latency.repeats must be >= 1 and latency.warmup >= 0")
     device = resolve_device(cfg.device)
     k_max = lat.k_max or cfg.vllm.k_max or cfg.acceptance.k_max
-    if k_max < 1:
-        raise StageError(f"latency.k_max must be >= 1 (got {k_max})")
     dirs = _variant_dirs(ctx)
     targets = speculation_targets(cfg, ctx.run_dir)
     for target in targets:
