@@ -12,10 +12,10 @@ budget runs out. How it is timed: docs/methods/stages.md; the repeats: docs/meth
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import numpy as np
+import psutil  # accelerate's dependency
 import torch
 
 from pipeline.core.stage import StageError, progress
@@ -45,13 +45,7 @@ class PeakMemory:
 
     @staticmethod
     def _rss() -> int:
-        try:
-            import psutil
-
-            return int(psutil.Process().memory_info().rss)
-        except ImportError:  # Linux fallback: resident pages from /proc
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(psutil.Process().memory_info().rss)
 
     @contextlib.contextmanager
     def track(self):
@@ -81,24 +75,18 @@ class PeakMemory:
             self.peak = max(self.peak, self._rss())
 
 
-def _random_prompt(vocab: int, batch: int, context: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, context), generator=g)  # [B, T]
-
-
-def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, repeats: int,
+def plain_cell(model, batch: int, context: int, new_tokens: int, warmup: int, loop: Repeats,
                device: torch.device, vocab: int, seed: int = 0, cache_len: int | None = None,
-               prefill_chunk: int | None = None, *, loop: Repeats | None = None) -> dict:
-    """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one per repeat, and every
-    step's time. `loop`: a Repeats (None: exactly `repeats`). TTFT = the prompt forward and the first
-    token; TPOT = the rest's time / (new_tokens - 1). cache_len / prefill_chunk: the memory plan's."""
-    ids = _random_prompt(vocab, batch, context, seed)
+               prefill_chunk: int | None = None) -> dict:
+    """TTFT and TPOT samples (ms) of plain decode at one (batch, context), one per repeat of `loop`,
+    and every step's time. TTFT = the prompt forward and the first token; TPOT = the rest's time /
+    (new_tokens - 1). cache_len / prefill_chunk: the memory plan's."""
+    ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(seed))  # [B, T]
     run = dict(cache_len=cache_len, prefill_chunk=prefill_chunk)
     for _ in range(warmup):
         generate(model, ids, new_tokens, **run)
     ttft, tpot, steps, cache = [], [], [], 0
     mem = PeakMemory(device)
-    loop = loop or Repeats.fixed(repeats)
     with mem.track():
         while loop.next():
             res = generate(model, ids, new_tokens, **run)
@@ -172,9 +160,8 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
         try:
             loop = Repeats(lat, f"{name} B={batch} context={context}", budget, confidence=confidence,
                            seed=seed, verbose=None)
-            raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, lat.repeats, device,
-                             vocab, seed, cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk,
-                             loop=loop)
+            raw = plain_cell(model, batch, context, lat.new_tokens, lat.warmup, loop, device, vocab, seed,
+                             cache_len=planned.cache_len, prefill_chunk=planned.prefill_chunk)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             grid.append({**cell, "skipped": "out of device memory (the memory plan expected it to fit)"})
@@ -192,12 +179,8 @@ def plain_grid(name: str, model, lat, device: torch.device, bandwidth: dict, see
                      "inter_token_ms": {**percentiles_ci(raw["step_ms"], confidence, seed),
                                         "samples": raw["step_ms"]},
                      "tokens_per_s": batch * 1e3 / tpot["median"],
-                     "repeats_done": raw["repeats_done"], "stopped": raw["stopped"],
-                     "settle_widths": raw["settle_widths"],
-                     "cache_positions": raw["cache_positions"],
-                     "peak_memory_bytes": raw["peak_memory_bytes"],
-                     "peak_memory_kind": raw["peak_memory_kind"],
-                     "memory_before_bytes": raw["memory_before_bytes"],
+                     **{key: raw[key] for key in ("repeats_done", "stopped", "settle_widths", "cache_positions",
+                                                  "peak_memory_bytes", "peak_memory_kind", "memory_before_bytes")},
                      "bytes_per_step": step_bytes,
                      "attention_path": attention_path(model), "kv_passes": passes,
                      **roofline(step_bytes, tpot["median"] / 1e3, bandwidth["gbps"]),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import psutil  # accelerate's dependency
 import torch
 
 from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT, attention_path, use_gqa_attention
@@ -77,11 +78,6 @@ def cache_len(context: int, new_tokens: int, extra: int = 1) -> int:
     return max(context + new_tokens + extra, 64)
 
 
-def repeats_kv(attention_path: str, shape: ModelShape) -> bool:
-    """Whether attention on this path copies K and V to every query head (see the docstring)."""
-    return attention_path in (SDPA_REPEAT, EAGER_REPEAT) and shape.heads > shape.kv_heads
-
-
 def forward_bytes(shape: ModelShape, batch: int, tokens: int, attended: int, logits_rows: int,
                   materialised_scores: bool, repeated_kv: bool = False) -> int:
     """Peak activation bytes of one forward, its logits included (the module docstring has the terms)."""
@@ -136,7 +132,7 @@ def plan_grid(shape: ModelShape, batches: list[int], contexts: list[int], new_to
     prefill is halved down to min_chunk only where one shot does not fit; an attention_path that
     repeats K and V adds one layer's copies."""
     scores = device_type != "cuda"  # CPU SDPA with a mask materialises B x heads x T x S scores
-    repeated = repeats_kv(attention_path, shape)
+    repeated = attention_path in (SDPA_REPEAT, EAGER_REPEAT) and shape.heads > shape.kv_heads
     plan = MemoryPlan(budget_bytes=int(budget_bytes), attention_path=attention_path)
     live: tuple[int, int] | None = None  # (batch, cache_len) of the one cache alive
     for batch in sorted(set(batches)):
@@ -182,26 +178,12 @@ def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
         free, total = torch.cuda.mem_get_info(device)
         source = "torch.cuda.mem_get_info"
     else:
-        free, total, source = _host_memory()
+        vm = psutil.virtual_memory()
+        free, total, source = int(vm.available), int(vm.total), "psutil.virtual_memory().available"
     reserve = max(reserve_min, int(reserve_fraction * total))
     budget = free - reserve - (0 if weights_loaded else weight_bytes)
     return {"budget_bytes": int(max(budget, 0)), "free_bytes": int(free), "total_bytes": int(total),
             "reserve_bytes": reserve, "weights_counted": not weights_loaded, "source": source}
-
-
-def _host_memory() -> tuple[int, int, str]:
-    """(available, total, source) of the host's memory: psutil, else /proc/meminfo."""
-    try:
-        import psutil
-    except ImportError:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                info[key] = int(rest.split()[0]) * 1024  # kB
-        return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
-    vm = psutil.virtual_memory()
-    return int(vm.available), int(vm.total), "psutil.virtual_memory().available"
 
 
 def plan_loaded(model, lat, device, contexts: list[int] | None = None, drafts: dict | None = None,

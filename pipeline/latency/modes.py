@@ -10,8 +10,6 @@ left out of every recommendation. Fallback kernels: docs/methods/gpu-box.md.
 """
 from __future__ import annotations
 
-EAGER = "eager"
-
 
 def kernel_fallback(kernels: dict | None) -> str | None:
     """The fallback kernels a variant's quantized layers run (e.g. "TorchFusedQuantLinear"), or None."""
@@ -27,7 +25,7 @@ def kernel_fallback(kernels: dict | None) -> str | None:
 def run_mode(kernels: dict | None = None) -> dict:
     """A cell's mode: its steps (always eager) and, given the variant's kernels, whether its
     quantized layers run a fallback kernel."""
-    mode: dict = {"steps": EAGER}
+    mode: dict = {"steps": "eager"}
     if kernels is not None:
         fallback = kernel_fallback(kernels)
         mode["kernel"] = "fallback" if fallback else "native"
@@ -44,20 +42,11 @@ def label(mode: dict | None) -> str:
     return mode["steps"] + (" + fallback kernel" if mode.get("kernel") == "fallback" else "")
 
 
-def same_way(a: dict | None, b: dict | None) -> bool | None:
-    """True / False, or None when either side's mode was not recorded."""
-    if not a or not b:
-        return None
-    if a["steps"] != b["steps"]:
-        return False
-    if "kernel" in a and "kernel" in b and a["kernel"] != b["kernel"]:
-        return False
-    return True
-
-
 def compare(a: dict | None, b: dict | None, names: tuple[str, str]) -> dict:
-    """The keys a ratio a / b gets: `like_with_like` and, when False, both sides' modes."""
-    like = same_way(a, b)
+    """The keys a ratio a / b gets: `like_with_like` (None when a side's mode was not recorded)
+    and, when False, both sides' modes."""
+    like = None if not a or not b else (
+        a["steps"] == b["steps"] and not ("kernel" in a and "kernel" in b and a["kernel"] != b["kernel"]))
     out: dict = {"like_with_like": like}
     if like is False:
         out["modes"] = {names[0]: label(a), names[1]: label(b)}

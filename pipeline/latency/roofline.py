@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.decode.attention import EAGER_REPEAT, READS_ONCE, SDPA_REPEAT, attention_path
+from pipeline.decode.attention import EAGER_REPEAT, SDPA_REPEAT, attention_path
 from pipeline.decode.timing import synchronize
 from pipeline.latency.memory import ModelShape
 from pipeline.models.bytes import bytes_in_memory, shares_data, unique_bytes
@@ -70,8 +70,8 @@ def model_bytes(model) -> dict:
                       f"{shape.element_bytes} B",
     }
     text = getattr(model.config, "get_text_config", lambda: model.config)()
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    if experts:  # Qwen-MoE / Mixtral naming
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)  # Qwen-MoE, Mixtral
+    if experts:
         out["moe"] = {"experts": experts, "experts_per_token": getattr(text, "num_experts_per_tok", None),
                       "note": "weight_bytes counts every expert: an upper bound, since a decode step "
                               "reads only the experts its tokens are routed to"}
@@ -80,13 +80,9 @@ def model_bytes(model) -> dict:
 
 def _untied_input_embedding_bytes(model) -> int:
     """Bytes of the input embedding when it is not tied to the LM head (judged by the data held), else 0."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(emb, "weight", None) if emb is not None else None
-    if weight is None:
-        return 0
-    head_weight = getattr(head, "weight", None) if head is not None else None
-    if head_weight is not None and shares_data(weight, head_weight):
+    weight = getattr(model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None, "weight", None)
+    head = getattr(model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None, "weight", None)
+    if weight is None or (head is not None and shares_data(weight, head)):
         return 0
     return unique_bytes([weight])  # like the total, a meta (offloaded) embedding holds nothing
 
@@ -103,13 +99,8 @@ def kv_passes(path: str, heads: int, kv_heads: int, width: int = 1) -> int:
     path `path`: 1 where each KV head is read once (or there are no groups), 1 + 2 * n_rep where
     repeat_kv runs (one read to copy, n_rep writes, n_rep reads); sdpa skips the copy at width 1."""
     n_rep = heads // kv_heads if kv_heads else 1
-    if n_rep <= 1 or path in READS_ONCE:
-        return 1
-    if path == SDPA_REPEAT and width == 1:
-        return 1
-    if path in (SDPA_REPEAT, EAGER_REPEAT):
-        return 1 + 2 * n_rep
-    return 1
+    copies = path == EAGER_REPEAT or (path == SDPA_REPEAT and width > 1)
+    return 1 + 2 * n_rep if copies and n_rep > 1 else 1
 
 
 def step_kv_passes(model, width: int = 1) -> int:

@@ -52,9 +52,8 @@ def e_upper(acceptance: dict | None, ks: list[int], slice_name: str = "all") -> 
         for t, block in temps.items():
             ci = (block.get("expected_tokens_per_round_ci") or {}).get(str(k))
             by_t[t] = float(ci[1]) if ci and ci[1] is not None else None
-        found = [v for v in by_t.values() if v is not None]
-        if found and len(found) == len(by_t):
-            out[k] = {"e_hi": max(found), "by_temperature": by_t, "source": f"acceptance CI, slice {slice_name}"}
+        if by_t and None not in by_t.values():
+            out[k] = {"e_hi": max(by_t.values()), "by_temperature": by_t, "source": f"acceptance CI, slice {slice_name}"}
         else:
             out[k] = {"e_hi": float(k + 1), "by_temperature": by_t,
                       "source": "k + 1, the most a round can emit (no acceptance CI at this k)"}
@@ -149,17 +148,16 @@ def categories_not_ruled_out(acceptance: dict | None, ks: list[int], rows: list[
     return out
 
 
-def pool(a: dict, b: dict) -> dict:
-    """Two probes' samples together (min and max then run over both)."""
-    return {"cache_len": a["cache_len"], "plain_ms": a["plain_ms"] + b["plain_ms"],
-            **{key: {w: a[key][w] + b[key][w] for w in a[key]} for key in ("verify_ms", "draft_ms")}}
-
-
-def _bound(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, acceptance: dict | None,
-               acc_cfg, seed: int, prompt_id: str | None = None) -> dict:
-    """The bound on one prompt (ids: [1, T]). A pair (or a k) is only ruled out when a second probe,
-    pooled with the first, still puts it below 1: a burst of load could rule out one that pays."""
-    b = int(ids.shape[0])
+def screen_pair(model, draft, prompt_ids: list[int], ks: list[int], acceptance: dict | None, acc_cfg, device,
+                cache_len: int, seed: int = 0, prompt_id: str | None = None) -> dict:
+    """The B = 1 screen of one pair on one prompt (module docstring): the record the latency JSON
+    carries, under `screened` when it does not pay, else under `screen`. A pair (or a k) is only
+    ruled out when a second probe, pooled with the first, still puts it below 1: a burst of load
+    could rule out one that pays."""
+    if getattr(draft, "model", None) is None:
+        return {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
+                "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     hottest = max(acc_cfg.temperatures, default=0.0)
     plain_sampling = sampling_of(acc_cfg.sampling, hottest)
     upper = e_upper(acceptance, ks)
@@ -168,29 +166,20 @@ def _bound(model, draft, ids: torch.Tensor, ks: list[int], cache_len: int, accep
     probes = 1
     rows = bound_rows(upper, probe, ks)
     if any(r["bound"] < 1.0 for r in rows):  # a k it would rule out (the pair, or k past the cut: ks_to_time)
-        probe = pool(probe, probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed + 1))
+        more = probe_costs(model, draft, ids, ks, cache_len, plain_sampling, seed=seed + 1)
+        probe = {"cache_len": probe["cache_len"], "plain_ms": probe["plain_ms"] + more["plain_ms"],
+                 **{key: {w: probe[key][w] + more[key][w] for w in probe[key]} for key in ("verify_ms", "draft_ms")}}
         probes = 2
         rows = bound_rows(upper, probe, ks)
     seconds = time.perf_counter() - t0
     verdict, top, at = verdict_of(rows)
-    return {"batch": b, "verdict": verdict, "max_bound": top, "at_k": at["k"], "rows": rows,
-            "categories_not_ruled_out": categories_not_ruled_out(acceptance, ks, rows),
-            "probe": {"prompt_id": prompt_id, "prompt_tokens": int(ids.shape[1]), "batch": b,
-                      "probes": probes, "repeats": PROBE_REPEATS * probes, "warmup": PROBE_WARMUP,
-                      "plain_steps": PLAIN_STEPS, "plain_temperature": hottest, "seconds": round(seconds, 3),
-                      **probe}}
-
-
-def screen_pair(model, draft, prompt_ids: list[int], ks: list[int], acceptance: dict | None, acc_cfg, device,
-                cache_len: int, seed: int = 0, prompt_id: str | None = None) -> dict:
-    """The B = 1 screen of one pair (module docstring): the record the latency JSON carries, under
-    `screened` when it does not pay, else under `screen`."""
-    if getattr(draft, "model", None) is None:
-        return {"verdict": MAY_PAY, "model_free": True, "reason": MODEL_FREE, "max_bound": None, "at_k": None,
-                "rows": [], "probe": None, "formula": FORMULA, "assumes": ASSUMES}
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    one = _bound(model, draft, ids, ks, cache_len, acceptance, acc_cfg, seed, prompt_id)
-    return {**one, "model_free": False, "reason": reason(one), "formula": FORMULA, "assumes": ASSUMES}
+    rec = {"batch": 1, "verdict": verdict, "max_bound": top, "at_k": at["k"], "rows": rows,
+           "categories_not_ruled_out": categories_not_ruled_out(acceptance, ks, rows),
+           "probe": {"prompt_id": prompt_id, "prompt_tokens": int(ids.shape[1]), "batch": 1,
+                     "probes": probes, "repeats": PROBE_REPEATS * probes, "warmup": PROBE_WARMUP,
+                     "plain_steps": PLAIN_STEPS, "plain_temperature": hottest, "seconds": round(seconds, 3),
+                     **probe}, "model_free": False}
+    return {**rec, "reason": reason(rec), "formula": FORMULA, "assumes": ASSUMES}
 
 
 def ks_to_time(rec: dict, ks: list[int]) -> tuple[list[int], dict[str, float]]:
@@ -226,28 +215,11 @@ def reason(rec: dict) -> str:
     return f"speedup at most {rec['max_bound']:.2f} at k={rec['at_k']}"
 
 
-def progress_line(target: str, spec: str, rec: dict) -> str:
-    """The stage's one line per screened pair."""
-    head = f"latency: {target} + {spec}"
-    if rec.get("model_free"):
-        return f"{head}: not screened (drafts without a model forward), timing"
-    if rec["verdict"] == DOES_NOT_PAY:
-        return f"{head}: does not pay ({reason(rec)}), not timed"
-    return f"{head}: may pay ({reason(rec)}), timing"
-
-
 def summary(rec: dict) -> dict:
     """The stage meta.json's few keys of a screen record."""
     return {"verdict": rec["verdict"], "max_bound": rec.get("max_bound"), "at_k": rec.get("at_k"),
             "model_free": rec.get("model_free", False), "reason": reason(rec),
             **({"ks_not_timed": rec["ks_not_timed"]} if rec.get("ks_not_timed") else {})}
-
-
-def skipped_b1(ks: list[int], prompts: dict, temperatures: list[float]) -> str:
-    """What a screened pair's B = 1 timing would have run."""
-    n = sum(len(rows) for rows in prompts.values())
-    return (f"B = 1 round times at k = {ks[0]}..{ks[-1]} and plain decoding on {n} prompts x "
-            f"{len(temperatures)} temperatures, every latency repeat")
 
 
 def screened_note(rec: dict) -> str:

@@ -26,6 +26,8 @@ from pipeline.vllm.spec_config import engine_env, server_args, target_reason
 GREEDY_LOGPROBS = 5
 # Tokens per sampled completion of the lossless test: positions 2..8 are each tested.
 SAMPLED_TOKENS = 8
+# What a closed loop's request records keep.
+SLIM = ("id", "tokens", "steps", "drafts", "accepted", "ttft_ms", "tpot_ms", "decode_ms", "e2e_ms")
 
 
 @dataclass
@@ -79,14 +81,15 @@ def serve(settings: Settings, vdir: Path, spec: dict | None, log: Path, name: st
                   name=name)
 
 
-def body(settings: Settings, ids: list[int], temperature: float, seed: int, max_tokens: int | None = None) -> dict:
+def body(settings: Settings, ids: list[int], temperature: float, seed: int, max_tokens: int | None = None,
+         logprobs: bool = True) -> dict:
     out = {"prompt": list(ids), "max_tokens": max_tokens or settings.max_new_tokens, "temperature": temperature,
            "seed": seed}
     if settings.top_k:
         out["top_k"] = settings.top_k
     if settings.top_p < 1.0:
         out["top_p"] = settings.top_p
-    if temperature == 0.0:
+    if temperature == 0.0 and logprobs:
         out["logprobs"] = GREEDY_LOGPROBS
     return out
 
@@ -97,12 +100,6 @@ def _rows(prompts: dict) -> list[tuple[str, str, list[int]]]:
     return [r[i] for i in range(max(map(len, rows), default=0)) for r in rows if i < len(r)]
 
 
-def _record(cat: str, pid: str, comp, k: int) -> dict:
-    rec = request_record(pid, cat, comp.to_json(), k)
-    rec["logprobs"] = comp.logprobs if any(comp.logprobs) else None
-    return rec
-
-
 def b1_records(url: str, prompts: dict, settings: Settings, temperature: float, k: int, seed_base: int,
                progress=None) -> list[dict]:
     """Every workload prompt alone at `temperature` (B = 1): one record per request."""
@@ -111,7 +108,8 @@ def b1_records(url: str, prompts: dict, settings: Settings, temperature: float, 
     recs = []
     for j, (cat, pid, ids) in enumerate(rows):
         comp = complete(url, body(settings, ids, temperature, seed_base + j), settings.request_timeout_s)
-        recs.append(_record(cat, pid, comp, k))
+        recs.append({**request_record(pid, cat, comp.to_json(), k),
+                     "logprobs": comp.logprobs if any(comp.logprobs) else None})
         if progress:
             progress(len(recs), len(rows), tk)
     return recs
@@ -129,19 +127,14 @@ def measure(url: str, prompts: dict, settings: Settings, k: int, progress=None) 
         out["counters"][f"b1 T={tk}"] = counter_delta(spec_counters(url), before)
         for c in settings.concurrency:
             before = spec_counters(url)
-            bodies = [body(settings, ids, t, settings.seed * 1000 + ti * 100 + j) for j, (_, _, ids) in enumerate(rows)]
-            for b in bodies:
-                b.pop("logprobs", None)
+            bodies = [body(settings, ids, t, settings.seed * 1000 + ti * 100 + j, logprobs=False)
+                      for j, (_, _, ids) in enumerate(rows)]
             comps, wall = closed_loop(url, bodies, c, settings.request_timeout_s)
             recs_c = [request_record(pid, cat, x.to_json(), k) for (cat, pid, _), x in zip(rows, comps)]
-            out["closed_loop"].setdefault(str(c), {})[tk] = {"records": _slim(recs_c), **latency_summary(recs_c, wall)}
+            slim = [{key: r[key] for key in SLIM} for r in recs_c]
+            out["closed_loop"].setdefault(str(c), {})[tk] = {"records": slim, **latency_summary(recs_c, wall)}
             out["counters"][f"B={c} T={tk}"] = counter_delta(spec_counters(url), before)
     return out
-
-
-def _slim(records: list[dict]) -> list[dict]:
-    keep = ("id", "tokens", "steps", "drafts", "accepted", "ttft_ms", "tpot_ms", "decode_ms", "e2e_ms")
-    return [{k: r[k] for k in keep} for r in records]
 
 
 def sampled_texts(url: str, ids: list[int], samples: int, temperature: float, seed: int, tokens: int = SAMPLED_TOKENS,
@@ -165,9 +158,7 @@ def open_loop_run(url: str, prompts: dict, settings: Settings, rate: float, requ
     temperature: goodput at the SLO, TPOT p50 / p99, throughput; failed requests count against it."""
     rows = _rows(prompts)
     t = settings.temperatures[0]
-    bodies = [body(settings, rows[i % len(rows)][2], t, seed * 7919 + i) for i in range(requests)]
-    for b in bodies:
-        b.pop("logprobs", None)
+    bodies = [body(settings, rows[i % len(rows)][2], t, seed * 7919 + i, logprobs=False) for i in range(requests)]
     comps, wall = open_loop(url, bodies, poisson_arrivals(requests, rate, seed), settings.request_timeout_s)
     ok = [c for c in comps if c is not None]
     recs = [request_record(str(i), "open", c.to_json(), 0) for i, c in enumerate(ok)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from types import SimpleNamespace
+from collections import Counter
 
 import numpy as np
 import torch
@@ -27,9 +27,6 @@ from pipeline.latency.memory import plan_loaded
 from pipeline.models.kernels import device_name, quantized_kernels
 from pipeline.speculation.measure import sampling_of, temp_key
 from pipeline.stats.intervals import median_ci
-
-
-# ---------------------------------------------------------------- how many repeats
 
 # The rarest drafted counts that together hold at most this share of the timed rounds at every k
 # are not asked to settle: they move no T_round(k) much, and would keep a pair running to the maximum.
@@ -92,14 +89,7 @@ class Repeats:
     """One cell's (or pair's) repeat loop: up to latency.repeats; SETTLE_RULE after each repeat from
     latency.min_repeats on when latency.settle; with a `budget` (a StageBudget), no further repeat
     once it cannot afford one at the mean repeat time so far (after at least `floor`), recorded with
-    budget.skip.
-
-        loop = Repeats(lat, "bf16 + ngram", budget, confidence=0.95, seed=0)
-        while loop.next():
-            reps.append(...)
-            loop.finished(lambda: settle_widths(...))
-        doc.update(loop.to_json())
-    """
+    budget.skip. Use: `while loop.next(): ...; loop.finished(lambda: widths)`, then loop.to_json()."""
 
     def __init__(self, lat, what: str, budget=None, *, confidence: float = 0.95, seed: int = 0,
                  verbose: bool | None = True, clock=time.perf_counter, floor: int = 1):
@@ -112,11 +102,6 @@ class Repeats:
         self.verbose = verbose  # True: a line per repeat; None: only once a repeat takes >= 5 s
         self.clock = clock
         self.done, self.times, self.stopped, self.widths, self._t0 = 0, [], None, None, None
-
-    @classmethod
-    def fixed(cls, repeats: int) -> "Repeats":
-        """Exactly `repeats` repeats, silently (no settle, no budget)."""
-        return cls(SimpleNamespace(repeats=repeats), "", verbose=False)
 
     def mean_s(self) -> float | None:
         return float(np.mean(self.times)) if self.times else None
@@ -167,9 +152,6 @@ class Repeats:
                 "settle_widths": None if self.widths is None else
                 {key: (round(v, 5) if math.isfinite(v) else None) for key, v in self.widths.items()},
                 "repeat_s": None if not self.times else round(self.mean_s(), 3)}
-
-
-# ---------------------------------------------------------------- one pair
 
 
 def one_repeat(model, draft, prompts: dict, temperatures: list[float], sampling_cfg, ks: list[int],
@@ -269,11 +251,7 @@ def pair_widths(reps: list[dict], ks: list[int], confidence: float, seed: int) -
         per = [rep[t] for rep in reps]
         plain = [rep[0]["decode_s"] / max(rep[0]["tokens"], 1) * 1e3 for rep in per]
         by_d = {int(d): b["samples"] for d, b in _by_drafted(per, max(ks), 3).items()}
-        counts = {k: {} for k in ks}
-        for rep in per:
-            for k in ks:
-                for r in rep[k]["rounds"]:
-                    counts[k][r[1]] = counts[k].get(r[1], 0) + 1
+        counts = {k: Counter(r[1] for rep in per for r in rep[k]["rounds"]) for k in ks}
         out.update(settle_widths(plain, by_d, counts, confidence, seed, label=f"T={t} "))
     return out
 

@@ -207,9 +207,7 @@ def _position_rates(per_position: list[dict]) -> list[float]:
     """Measured conditional acceptance per position; the mean beta_i where no round reached i."""
     rates = []
     for pos in sorted(per_position, key=lambda p: p["position"]):
-        r = pos.get("conditional")
-        if r is None:
-            r = pos.get("expected_beta")
+        r = pos["conditional"] if pos.get("conditional") is not None else pos.get("expected_beta")
         if r is None:
             break
         rates.append(float(r))
@@ -271,9 +269,7 @@ def category_entry(table: dict, acc: dict) -> dict:
            "tokens_per_round_ci": at["tokens_per_round_ci"], "speedup": at["speedup"],
            "speedup_ci": at["speedup_ci"], "ms_per_token": at["ms_per_token"],
            "ms_per_token_ci": at["ms_per_token_ci"], "n_prompts": table["prompts"]}
-    for key in ("few_prompts", "min_prompts"):  # the acceptance stage's flag for a thin slice, carried
-        if key in acc:
-            out[key] = acc[key]
+    out.update({key: acc[key] for key in ("few_prompts", "min_prompts") if key in acc})  # a thin slice's flag
     return out
 
 
@@ -285,12 +281,14 @@ def by_category(tables: dict[str, dict[str, dict]], slices: dict, categories: li
             for c in names}
 
 
-def workload_brief(acceptance: dict) -> dict | None:
-    """The acceptance JSON's "workload" block without its per-prompt list (None when absent)."""
+def _head(acceptance: dict, latency: dict, confidence: float, primary: tuple[str, str], acc_primary: dict) -> dict:
+    """The keys every marginal artifact of specq's engine opens with."""
     w = acceptance.get("workload")
-    if not isinstance(w, dict):
-        return None
-    return {k: v for k, v in w.items() if k != "prompts"}
+    return {"variant": latency.get("variant", acceptance.get("variant")),
+            "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
+            "primary": {"slice": primary[0], "temperature": primary[1]}, "rule": RULE,
+            "workload": {k: v for k, v in w.items() if k != "prompts"} if isinstance(w, dict) else None,
+            "acceptance_per_position": acc_primary.get("per_position", [])}
 
 
 def untimed_report(acceptance: dict, latency: dict, confidence: float = 0.95) -> dict:
@@ -303,11 +301,8 @@ def untimed_report(acceptance: dict, latency: dict, confidence: float = 0.95) ->
     temps = slices.get(primary_slice) or {}
     primary_temp = (min(temps, key=float) if temps else latency.get("primary_temperature")) or "0.0"
     acc_primary = temps.get(primary_temp) or {}
-    out = {"variant": latency.get("variant", acceptance.get("variant")),
-           "draft": latency.get("draft", acceptance.get("draft")), "confidence": confidence,
-           "primary": {"slice": primary_slice, "temperature": primary_temp}, "rows": [], "rule": RULE,
-           "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None,
-           "workload": workload_brief(acceptance), "acceptance_per_position": acc_primary.get("per_position", [])}
+    out = {**_head(acceptance, latency, confidence, (primary_slice, primary_temp), acc_primary), "rows": [],
+           "baseline_ms_per_token": None, "baseline_ci": None, "slices": {}, "recommended_k_by_category": None}
     if latency.get("not_timed"):
         return {**out, "recommended_k": None, "not_timed": latency["not_timed"], "recommended_k_by_batch": None}
     rec = latency["screened"]
@@ -366,20 +361,10 @@ def pair_report(acceptance: dict, latency: dict, confidence: float = 0.95, noise
             row["measured_ms_per_token"] = measured["ms_per_token"]["median"]
     acc_primary = slices[primary_slice][primary_temp]
     return {
-        "variant": latency.get("variant", acceptance.get("variant")),
-        "draft": latency.get("draft", acceptance.get("draft")),
-        "device": latency.get("device"),
-        "confidence": confidence,
-        "primary": {"slice": primary_slice, "temperature": primary_temp},
-        **primary,
-        "rule": RULE,
-        "timing_noise": noise,
-        "slices": tables,
+        **_head(acceptance, latency, confidence, (primary_slice, primary_temp), acc_primary),
+        "device": latency.get("device"), **primary, "timing_noise": noise, "slices": tables,
         "recommended_k_by_category": by_category(tables, slices, (acceptance.get("workload") or {}).get("categories")),
-        "category_rule": CATEGORY_RULE,
-        "workload": workload_brief(acceptance),
-        "acceptance_per_position": acc_primary.get("per_position", []),
-        "direct_check": acc_primary.get("direct_check", {}),
+        "category_rule": CATEGORY_RULE, "direct_check": acc_primary.get("direct_check", {}),
         "ks_not_timed": latency.get("ks_not_timed") or {},
         "ks_not_timed_note": cut_line(latency.get("ks_timed") or [], latency.get("ks_not_timed") or {}) or None,
         "latency_new_tokens": latency.get("new_tokens"),

@@ -54,7 +54,11 @@ def engine_tables(plain: dict, pair: dict, confidence: float = 0.95, seed: int =
         k = int(k_key)
         for t, spec_recs in run["b1"].items():
             row = speed_row(k, plain["measure"]["b1"][t], spec_recs, confidence, seed)
-            row.update(_acceptance_cells(run, t), lossless=_lossless_ok(run, t, sampled))
+            s = run["summary"]["all"][t]
+            row.update(tokens_per_step=s["expected_tokens_per_step"],
+                       tokens_per_step_ci=s["expected_tokens_per_step_ci"],
+                       mean_acceptance_length=s["mean_acceptance_length"], drafted_share=s["drafted_share"],
+                       lossless=_lossless_ok(run, t, sampled))
             out.setdefault(t, {}).setdefault("1", []).append(row)
         for c, temps in run.get("closed_loop", {}).items():
             for t, block in temps.items():
@@ -68,12 +72,6 @@ def engine_tables(plain: dict, pair: dict, confidence: float = 0.95, seed: int =
                            lossless=_lossless_ok(run, t, sampled))
                 out.setdefault(t, {}).setdefault(c, []).append(row)
     return out
-
-
-def _acceptance_cells(run: dict, t: str) -> dict:
-    s = run["summary"]["all"][t]
-    return {"tokens_per_step": s["expected_tokens_per_step"], "tokens_per_step_ci": s["expected_tokens_per_step_ci"],
-            "mean_acceptance_length": s["mean_acceptance_length"], "drafted_share": s["drafted_share"]}
 
 
 def _lossless_ok(run: dict, t: str, sampled: dict | None) -> bool:
@@ -99,16 +97,12 @@ def vllm_rows(by_batch: dict[int, int]) -> list[list[int]]:
     return rows
 
 
-def _pick(rows: list[dict]) -> int:
-    return recommend_k([r for r in rows if r.get("lossless", True)])
-
-
 def recommend(tables: dict, pair: dict, run_dir) -> dict:
     """The k to deploy at the primary temperature (greedy when measured): at B = 1 and per measured
     concurrency, the speculative_config and the `vllm serve` line; per temperature the same."""
     per_temp = {}
     for t, by_b in tables.items():
-        by_batch = {int(b): _pick(rows) for b, rows in by_b.items()}
+        by_batch = {int(b): recommend_k([r for r in rows if r.get("lossless", True)]) for b, rows in by_b.items()}
         lossy = sorted({r["k"] for rows in by_b.values() for r in rows if not r.get("lossless", True)})
         per_temp[t] = {"recommended_k": by_batch.get(1, 0), "recommended_k_by_batch": by_batch,
                        "not_lossless_k": lossy}
@@ -153,10 +147,8 @@ def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0
             both = [(derived[r["id"]], r) for r in recs if r["id"] in derived]
             if not both:
                 continue
-            d_tok = [a["tokens"] for a, _ in both]
-            d_rnd = [a["expected_rounds"][str(k)] for a, _ in both]
-            e_tok = [b["tokens"] - 1 for _, b in both]
-            e_rnd = [b["steps"] for _, b in both]
+            d_tok, d_rnd, e_tok, e_rnd = (list(col) for col in zip(*[
+                (a["tokens"], a["expected_rounds"][str(k)], b["tokens"] - 1, b["steps"]) for a, b in both]))
             diff, ci = ratio_difference(d_tok, d_rnd, e_tok, e_rnd, confidence, (-float(k), float(k)))
             engine = run["summary"]["all"][t]
             agree = None if ci is None else bool(ci[0] <= 0.0 <= ci[1])
@@ -172,20 +164,15 @@ def derived_vs_engine(acceptance: dict | None, pair: dict, confidence: float = 0
 
 def latency_percentiles(plain: dict, pair: dict) -> dict:
     """temperature -> B -> k (0: plain) -> TTFT / TPOT / ITL percentiles, as vLLM measured them."""
-    def cells(block: dict) -> dict:
-        return {m: block.get(m) for m in ("ttft_ms", "tpot_ms", "itl_ms")}
     out: dict = {}
-    for t, block in (plain.get("latency") or {}).items():
-        out.setdefault(t, {}).setdefault("1", {})["0"] = cells(block)
-    for c, temps in (plain.get("measure") or {}).get("closed_loop", {}).items():
-        for t, block in temps.items():
-            out.setdefault(t, {}).setdefault(c, {})["0"] = cells(block)
-    for k, run in pair["by_k"].items():
-        for t, block in run.get("latency", {}).items():
-            out.setdefault(t, {}).setdefault("1", {})[k] = cells(block)
-        for c, temps in run.get("closed_loop", {}).items():
+
+    def put(k: str, b1: dict | None, closed: dict | None) -> None:
+        for c, temps in [("1", b1 or {}), *(closed or {}).items()]:
             for t, block in temps.items():
-                out.setdefault(t, {}).setdefault(c, {})[k] = cells(block)
+                out.setdefault(t, {}).setdefault(c, {})[k] = {m: block.get(m) for m in ("ttft_ms", "tpot_ms", "itl_ms")}
+    put("0", plain.get("latency"), (plain.get("measure") or {}).get("closed_loop"))
+    for k, run in pair["by_k"].items():
+        put(k, run.get("latency"), run.get("closed_loop"))
     return out
 
 

@@ -37,11 +37,11 @@ ANNOUNCE_AFTER = 2
 
 
 def _every(seconds: float, label: str, budget: StageBudget | None = None, clock=time.time):
-    """tick(done, total[, left_s]): a progress line with the time left (at the rate so far unless
-    given) and the budget's, at most once every `seconds`."""
+    """tick(done, total[, spent_s, left_s]) (measure.CheckPlan's on_progress): a progress line with
+    the time left (at the rate so far unless given) and the budget's, at most once every `seconds`."""
     start = last = clock()
 
-    def tick(done: int, total: int, left_s: float | None = None) -> None:
+    def tick(done: int, total: int, spent_s: float | None = None, left_s: float | None = None) -> None:
         nonlocal last
         now = clock()
         if now - last >= seconds and done < total:
@@ -157,7 +157,7 @@ def run(ctx: StageContext) -> None:
             progress(f"acceptance: {name}")
             draft = build_draft(spec, model, tokenizer, ctx.run_dir, device)
             plan = CheckPlan(allot=planner.allot, budgeted=budget.active, text_s=text_s or None,
-                             on_progress=_direct_progress(name, budget))
+                             on_progress=_every(30.0, f"acceptance: {name}: direct check, runs", budget))
             result = measure_pair(model, tokenizer, draft, cfg, ctx.config.seed, prompts, texts, plan=plan,
                                   confidence=ctx.config.confidence)
             release_caches(getattr(draft, "model", None))
@@ -180,11 +180,6 @@ def run(ctx: StageContext) -> None:
     ctx.meta["seconds"] = timings
     ctx.meta["direct_check"] = checks
     ctx.meta["budget"] = budget.to_json()
-
-
-def _direct_progress(name: str, budget: StageBudget):
-    tick = _every(30.0, f"acceptance: {name}: direct check, runs", budget)
-    return lambda done, total, spent_s, left_s: tick(done, total, left_s)
 
 
 def _record_check(name: str, record: dict, budget: StageBudget) -> dict:

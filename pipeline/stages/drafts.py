@@ -2,12 +2,10 @@
 
     python -m pipeline drafts --run runs/smollm2-135m --config configs/default.yaml [--drafts "ngram layerskip:8"]
 
-For each spec in `drafts` it builds the draft against the reference variant (a bad spec, a
-layer count out of range, a missing variant or a tokenizer that differs from the target's stops
-the stage with one line), and writes runs/<run>/drafts/<draft_slug>/meta.json. The drafts hold no
-weights of their own here: layerskip shares the target's tensors, self:<variant> points at the
-variant directory, hf:<source> records the source and is loaded again where it is used; an
-eagle3:<dir> head is checked against the reference's config (it runs in vLLM only).
+Builds each spec in `drafts` against the reference variant (a bad spec, a missing variant or a
+tokenizer unlike the target's stops the stage with one line) and writes
+runs/<run>/drafts/<draft_slug>/meta.json; no weights are written (an eagle3:<dir> head is only
+checked against the reference's config: it runs in vLLM).
 """
 from __future__ import annotations
 
@@ -73,14 +71,12 @@ def run(ctx: StageContext) -> None:
         progress(f"drafts: {spec}")
         if parse_spec(spec)[0] == "eagle3":  # served only: checked against the target's config, not built
             item.meta = {"spec": spec, "kind": "eagle3", "slug": slug, **eagle3.check(spec, AutoConfig.from_pretrained(ref))}
-            with item.writing():
-                pass
-            continue
-        if target is None:
-            target, tokenizer = load_variant(ref, device=device)
-        with torch.inference_mode():
-            draft = build_draft(spec, target, tokenizer, ctx.run_dir, device)
-        item.meta = describe(spec, draft, target, ctx.run_dir)
+        else:
+            if target is None:
+                target, tokenizer = load_variant(ref, device=device)
+            with torch.inference_mode():
+                draft = build_draft(spec, target, tokenizer, ctx.run_dir, device)
+            item.meta = describe(spec, draft, target, ctx.run_dir)
         with item.writing():
             pass
     ctx.meta["drafts"] = made

@@ -25,7 +25,7 @@ from pipeline.decode.cache import collect, release_caches
 from pipeline.latency.grid import add_reference_ratios, plain_grid
 from pipeline.latency.memory import cache_len
 from pipeline.latency.roofline import measure_bandwidth
-from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, progress_line, screen_pair, skipped_b1, summary
+from pipeline.latency.screen import DOES_NOT_PAY, cut_line, ks_to_time, reason, screen_pair, summary
 from pipeline.latency.speculative import speculative_pair
 from pipeline.models.architecture import context_length
 from pipeline.models.kernels import device_name, quantized_kernels
@@ -55,13 +55,10 @@ def _variant_dirs(ctx: StageContext) -> dict[str, Path]:
     names = list(listed) or [p.parent.name for p in sorted((ctx.run_dir / "variants").glob("*/meta.json"))]
     if not names:
         raise StageError(f"latency: no variants in {ctx.run_dir / 'variants'} (run make quantize first)")
-    dirs = {}
-    for name in names:
-        d = (listed.get(name) or {}).get("dir")
-        cands = ([ctx.run_dir / d, Path(d)] if d else []) + [ctx.run_dir / "variants" / name]
-        dirs[name] = next((c for c in cands if (c / "meta.json").is_file()), None)
-        if dirs[name] is None:
-            raise StageError(f"latency: variant '{name}' has no directory with a meta.json under {ctx.run_dir}")
+    dirs = {name: ctx.run_dir / ((listed.get(name) or {}).get("dir") or f"variants/{name}") for name in names}
+    for name, d in dirs.items():
+        if not (d / "meta.json").is_file():
+            raise StageError(f"latency: variant '{name}' has no meta.json at {d}")
     return dirs
 
 
@@ -73,8 +70,6 @@ def run(ctx: StageContext) -> None:
         raise StageError("latency.repeats must be >= 1 and latency.warmup >= 0")
     device = resolve_device(cfg.device)
     k_max = lat.k_max or cfg.vllm.k_max or cfg.acceptance.k_max
-    if k_max < 1:
-        raise StageError(f"latency.k_max must be >= 1 (got {k_max})")
     dirs = _variant_dirs(ctx)
     targets = speculation_targets(cfg, ctx.run_dir)
     for target in targets:
@@ -187,19 +182,6 @@ def _acceptance_source(ctx: StageContext, target: str, spec: str) -> dict:
     return {"file": str(path.relative_to(ctx.run_dir)), "sha256": sha256_file(path), "slice": "all"}
 
 
-def _cut(ctx: StageContext, target: str, spec: str, rec: dict | None, ks: list[int]) -> tuple[list[int], dict[str, float]]:
-    """The k a pair that may pay is timed at (screen.ks_to_time) and the bound of each k cut; says
-    so in a line, in the screen record and in meta.json."""
-    if rec is None:
-        return list(ks), {}
-    pair_ks, cut = ks_to_time(rec, ks)
-    if cut:
-        rec["ks_not_timed"] = cut
-        progress(f"latency: {target} + {spec}: {cut_line(pair_ks, cut)}")
-        _note_screen(ctx, target, spec, rec)
-    return pair_ks, cut
-
-
 def _note_screen(ctx: StageContext, target: str, spec: str, rec: dict) -> None:
     """meta.json's `screened`: pair -> {"speculative": the screen's verdict and bound}."""
     ctx.meta.setdefault("screened", {}).setdefault(f"{target}__{draft_slug(spec)}", {})["speculative"] = summary(rec)
@@ -216,10 +198,15 @@ def _screen_b1(ctx: StageContext, target: str, spec: str, model, draft, prompts:
     length = cache_len(max(len(r[1]) for r in rows), lat.new_tokens)
     rec = screen_pair(model, draft, ids, ks, acceptance, cfg.acceptance, device, length, seed=cfg.seed, prompt_id=pid)
     rec["acceptance"] = source
-    progress(progress_line(target, spec, rec))
+    pays = rec["verdict"] != DOES_NOT_PAY  # always, for a model-free draft
+    said = f"{rec['verdict']} ({reason(rec)}), " + ("timing" if pays else "not timed")
+    if rec["model_free"]:
+        said = "not screened (drafts without a model forward), timing"
+    progress(f"latency: {target} + {spec}: {said}")
     _note_screen(ctx, target, spec, rec)
-    if rec["verdict"] == DOES_NOT_PAY:  # never a model-free draft: it always may pay
-        rec["skipped"] = skipped_b1(ks, prompts, cfg.acceptance.temperatures)
+    if not pays:
+        rec["skipped"] = (f"B = 1 round times at k = {ks[0]}..{ks[-1]} and plain decoding on {len(rows)} prompts x "
+                          f"{len(cfg.acceptance.temperatures)} temperatures, every latency repeat")
         item.write_json({
             "variant": target, "draft": spec, "device": str(device), "device_name": device_name(device),
             "prompts": {kind: [p for p, _ in kind_rows] for kind, kind_rows in prompts.items()},
@@ -262,7 +249,11 @@ def _speculative_pairs(ctx: StageContext, dirs: dict[str, Path], targets: list[s
             t0 = time.time()
             left = sum(len(p) for p in pending_by_target.values())  # pairs still to time, this one included
             pending_by_target[target] = {s: i for s, i in pending_by_target[target].items() if s != spec}
-            pair_ks, cut = _cut(ctx, target, spec, screens.get(spec), ks)
+            pair_ks, cut = ks_to_time(screens[spec], ks) if spec in screens else (list(ks), {})
+            if cut:  # the k past the last whose bound reaches 1 are not timed
+                screens[spec]["ks_not_timed"] = cut
+                progress(f"latency: {target} + {spec}: {cut_line(pair_ks, cut)}")
+                _note_screen(ctx, target, spec, screens[spec])
             doc = speculative_pair(target, spec, model, drafts[spec], prompts, lat, cfg.acceptance,
                                    device, cfg.confidence, cfg.seed, pair_ks,
                                    budget=phase.piece(f"{target} + {spec}", left))
@@ -283,6 +274,4 @@ def _record(meta: dict, phase: str, name: str, doc: dict) -> None:
     meta["memory_plan"][phase][name] = doc["memory_plan"]
     if phase == "plain":
         meta["kernels"][name] = doc["kernels"]
-        # The attention path the steps ran (pipeline/decode/attention.py): each KV head read once
-        # ("sdpa-gqa"), or K / V repeated per query head ("sdpa+repeat_kv").
         meta.setdefault("attention", {})[name] = doc.get("attention_path")

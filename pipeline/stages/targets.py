@@ -5,11 +5,8 @@
     speculation_targets(config, run_dir)      # the targets specq's engine derives acceptance for
     vllm_measured(run_dir)                    # the pairs the vllm stage measured: pair -> its JSON
 
-By default every release variant is a target in both engines (the reference when listed).
-
-Shared by the acceptance, vllm and latency stages, so that each vLLM-measured pair has the
-teacher-forced derivation beside it, and a change of engine (vLLM installed or removed) re-runs
-the stages it changes (engine_args goes into their hash).
+By default every release variant is a target in both engines, so each vLLM-measured pair has the
+teacher-forced derivation beside it; engine_args goes into the stages' hash.
 """
 from __future__ import annotations
 
@@ -39,10 +36,8 @@ def vllm_targets(config) -> list[str]:
 
 
 def speculation_targets(config, run_dir) -> list[str]:
-    """The targets specq's own engine derives acceptance for (the acceptance and latency stages):
-    acceptance.targets as written, or every release variant: those vLLM serves get the
-    teacher-forced derivation beside vLLM's counters, the others their only measurement. A config
-    without release variants measures the reference."""
+    """The targets specq's own engine derives acceptance for: acceptance.targets as written, or
+    every release variant (the reference where there is none)."""
     if config.acceptance.targets:
         return list(config.acceptance.targets)
     return release_variants(config) or [config.quantize.reference]

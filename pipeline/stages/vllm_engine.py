@@ -56,10 +56,6 @@ def settings_for(config, platform: str) -> Settings:
                     extra_args=dict(v.engine_args))
 
 
-def _settings_inputs(s: Settings) -> dict:
-    return {k: v for k, v in vars(s).items() if k not in ("python", "startup_timeout_s", "request_timeout_s")}
-
-
 class _Engines:
     """Starts engines for one run: settings, logs, the progress lines, and what an engine costs."""
 
@@ -114,8 +110,10 @@ def _measure(eng: _Engines, name: str, vdir, acc, spec: str | None = None, k: in
         out = {"measure": measure(url, eng.prompts, s, k, progress=eng.b1_progress(f"{name} k={k}" if k else name))}
         out["samples"] = (sampled_texts(url, ids, acc.lossless_samples, LOSSLESS_TEMPERATURE, s.seed + (1 if k else 0),
                                         timeout_s=s.request_timeout_s) if last or not k else None)
-        if not k:
-            capacity = out["capacity_rps"] = _capacity(out["measure"], s)
+        if not k:  # requests/s of the largest closed loop at the first temperature
+            top = str(max(s.concurrency, default=0))
+            capacity = out["capacity_rps"] = (out["measure"]["closed_loop"][top][temp_key(s.temperatures[0])]
+                                              .get("requests_per_s") if s.concurrency else None)
             out["open_loop"] = [open_loop_run(url, eng.prompts, s, f * capacity, cfg.vllm.open_loop.requests, s.seed,
                                               cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms)
                                 for f in cfg.vllm.open_loop.loads] if cfg.vllm.open_loop_check and capacity else []
@@ -127,29 +125,20 @@ def _measure(eng: _Engines, name: str, vdir, acc, spec: str | None = None, k: in
             "latency": {t: latency_summary(recs) for t, recs in out["measure"]["b1"].items()}}
 
 
-def _capacity(m: dict, s: Settings) -> float | None:
-    """Requests/s of the plain engine's largest closed loop at the first temperature."""
-    if not s.concurrency:
-        return None
-    block = m["closed_loop"][str(max(s.concurrency))][temp_key(s.temperatures[0])]
-    return block.get("requests_per_s")
-
-
-def _summarize_k(part: dict, plain: dict, acc, confidence: float) -> dict:
+def _summarize_k(part: dict, plain: dict, confidence: float) -> dict:
     k, m = part["k"], part["measure"]
     out = {"speculative_config": part["speculative_config"], "engine_start_s": part["engine_start_s"],
            "b1": {}, "closed_loop": m["closed_loop"], "counters": m["counters"], "summary": {}, "latency": {},
            "lossless": {}}
     for t, recs in m["b1"].items():
         out["latency"][t] = latency_summary(recs)
-        out["summary"].setdefault("all", {})[t] = summarize_requests(recs, k, confidence)
-        for cat in dict.fromkeys(r["category"] for r in recs):
-            out["summary"].setdefault(cat, {})[t] = summarize_requests([r for r in recs if r["category"] == cat],
-                                                                       k, confidence)
+        for cat in ["all", *dict.fromkeys(r["category"] for r in recs)]:
+            out["summary"].setdefault(cat, {})[t] = summarize_requests(
+                recs if cat == "all" else [r for r in recs if r["category"] == cat], k, confidence)
     if "0.0" in m["b1"] and "0.0" in plain["measure"]["b1"]:
-        p = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in plain["measure"]["b1"]["0.0"]}
-        sp = {r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in m["b1"]["0.0"]}
-        out["lossless"]["greedy"] = greedy_lossless(p, sp)
+        outputs = [{r["id"]: {"output": r["output"], "logprobs": r.get("logprobs")} for r in b1["0.0"]}
+                   for b1 in (plain["measure"]["b1"], m["b1"])]
+        out["lossless"]["greedy"] = greedy_lossless(*outputs)
     if part.get("samples"):
         out["lossless"]["sampled"] = {"temperature": LOSSLESS_TEMPERATURE,
                                       **sampled_lossless(plain["samples"], part["samples"], LOSSLESS_ALPHA)}
@@ -210,8 +199,9 @@ def run(ctx: StageContext) -> None:
     k_max = ctx.config.vllm.k_max or acc.k_max
     tok = AutoTokenizer.from_pretrained(ctx.run_dir / "model")
     prompts = workload_prompts(ctx.config, tok, "vllm", context=s.max_model_len)
-    common = {"settings": _settings_inputs(s), "vllm": info.get("vllm"), "workload": workload_summary(prompts),
-              "acceptance": {"lossless_samples": acc.lossless_samples}}
+    timeouts = ("python", "startup_timeout_s", "request_timeout_s")  # not what is measured
+    common = {"settings": {k: v for k, v in vars(s).items() if k not in timeouts}, "vllm": info.get("vllm"),
+              "workload": workload_summary(prompts), "acceptance": {"lossless_samples": acc.lossless_samples}}
     measured, skipped, recs = {}, {}, {}
     budget = StageBudget(ctx.config, "vllm", run_dir=ctx.run_dir)
     eng = _Engines(ctx, s, prompts, budget)
@@ -307,7 +297,7 @@ def run(ctx: StageContext) -> None:
                "workload": common["workload"], "by_k": {}}
         for part in pair["parts"]:
             k = part["k"]
-            doc["by_k"][str(k)] = _summarize_k(part, plain, acc, confidence)
+            doc["by_k"][str(k)] = _summarize_k(part, plain, confidence)
             b = doc["by_k"][str(k)]["summary"]["all"]
             progress(f"vllm: {name} k={k}: " + "; ".join(
                 f"T={t}: {blk['expected_tokens_per_step']:.2f} tokens/step" for t, blk in b.items()))
