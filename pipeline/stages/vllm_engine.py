@@ -162,8 +162,9 @@ def _validate(eng: _Engines, name: str, vdir, plain: dict, rec: dict, tables: di
     for label, config in configs.items():
         def work(url, config=config, label=label):
             # The recommended config's own B = 1 speedup, on the same prompts: within the report's CI?
+            # (None where it drafts nothing at B = 1: a schedule with k = 0 there, k > 0 at larger B.)
             b1 = (b1_records(url, eng.prompts, eng.settings, float(t), rec["recommended_k"], eng.settings.seed * 1000)
-                  if label == "recommended" else None)
+                  if label == "recommended" and rec["recommended_k"] > 0 else None)
             return b1, [open_loop_run(url, eng.prompts, eng.settings, r, cfg.vllm.open_loop.requests, eng.settings.seed,
                                       cfg.serving.slo_ttft_ms, cfg.serving.slo_tpot_ms) for r in rates]
         try:
