@@ -139,13 +139,18 @@ def overall_decision(decisions: list[str]) -> str:
     return "go" if decisions and all(d == "go" for d in decisions) else "inconclusive"
 
 
-def pass_alpha(release: list[str], alpha: float, gcfg) -> tuple[float, list[str]]:
-    """The pass side's alpha per release variant, and the variants it is adjusted across: none
-    (intersection-union) unless `gate.select_among_variants`, then alpha / r over the r variants."""
-    chosen = list(release) if gcfg.select_among_variants else []
-    if chosen and gcfg.multiplicity != "none":
-        return alpha / len(chosen), chosen
-    return alpha, chosen
+def release_alpha(cfg) -> tuple[list[str], float, list[str]]:
+    """(release variants, one-sided alpha, the variants the pass side is adjusted across: none
+    (intersection-union) unless `gate.select_among_variants`)."""
+    reference = cfg.quantize.reference
+    release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
+    return release, (1.0 - cfg.confidence) / 2.0, release if cfg.gate.select_among_variants else []
+
+
+def pass_alpha(cfg, name: str) -> float:
+    """Variant `name`'s pass-side alpha: alpha / r when adjusted across r chosen variants."""
+    _, alpha, chosen = release_alpha(cfg)
+    return alpha / len(chosen) if name in chosen and cfg.gate.multiplicity != "none" else alpha
 
 
 def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcfg,
@@ -190,22 +195,15 @@ def slice_looks(ref: dict, var_rows: list[dict], s: str, sched: dict | None, gcf
                                            "spending": (sched or {}).get("spending") or gcfg.spending}
 
 
-def settle_variant(rows: dict, margins: dict, scheds: dict, alpha_pass: float, alpha: float,
-                   gcfg) -> dict[str, tuple[int, list[dict]]]:
-    """Row key -> (deciding look, per-look record): every gated row of one variant, the fail side
-    at alpha / m over its m rows (pipeline/gate/looks.py says why)."""
-    alpha_fail = alpha / len(rows) if (gcfg.multiplicity != "none" and rows) else alpha
-    return {key: looks_mod.settle(ests, scheds[key]["looks"], scheds[key]["n_max"], margins[key], alpha_pass,
-                                  alpha_fail, scheds[key]["spending"]) for key, ests in rows.items()}
-
-
-def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | None = None,
+def variant_rows(quality: Path, reference: str, name: str, cfg, scheds: dict,
                  ref_items: dict | None = None) -> tuple:
-    """Every slice of variant `name` at every look its files reach: (rows, margins, row key ->
-    its slice's schedule, (slice -> calibration errors, slice -> group estimates))."""
+    """Every slice of variant `name` at every look its files reach, each row settled: (row key ->
+    (deciding look, per-look record), rows, margins, row key -> its slice's schedule, (slice ->
+    calibration errors, slice -> group estimates)). The fail side is at
+    alpha / m over the variant's m rows (pipeline/gate/looks.py says why)."""
+    gcfg = cfg.gate
     ref_dir = quality / reference
     slices = sorted(p.stem for p in ref_dir.glob("*.jsonl"))
-    scheds = schedules(quality) if scheds is None else scheds
     if ref_items is None:
         ref_items = {s: by_item(read_items(ref_dir / f"{s}.jsonl")) for s in slices}
     vdir = quality / name
@@ -219,18 +217,18 @@ def variant_rows(quality: Path, reference: str, name: str, gcfg, scheds: dict | 
         margins.update(m)
         row_sched.update({k: info for k in r})
         reported[s], groups[s] = rep, info
-    return rows, margins, row_sched, (reported, groups)
+    alpha = (1.0 - cfg.confidence) / 2.0
+    alpha_fail = alpha / len(rows) if gcfg.multiplicity != "none" and rows else alpha
+    settled = {key: looks_mod.settle(ests, row_sched[key]["looks"], row_sched[key]["n_max"], margins[key],
+                                     pass_alpha(cfg, name), alpha_fail, row_sched[key]["spending"])
+               for key, ests in rows.items()}
+    return settled, rows, margins, row_sched, (reported, groups)
 
 
 def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> tuple[set[str], list[str]]:
     """(slices of variant `name` with an unsettled row and a planned look left, row keys a look has
     failed): the gate's own replay on quality/meta.json's schedules, for the quality stage."""
-    gcfg = cfg.gate
-    alpha = (1.0 - cfg.confidence) / 2.0
-    release = [n for n, v in cfg.quantize.variants.items() if v.release and n != reference]
-    a_pass, chosen = pass_alpha(release, alpha, gcfg)
-    rows, margins, row_sched, _ = variant_rows(quality, reference, name, gcfg, scheds)
-    settled = settle_variant(rows, margins, row_sched, a_pass if name in chosen else alpha, alpha, gcfg)
+    settled, _, _, row_sched, _ = variant_rows(quality, reference, name, cfg, scheds)
     out, failed = set(), []
     for key, (_, record) in settled.items():
         sched = row_sched[key]
@@ -244,11 +242,10 @@ def open_slices(quality: Path, reference: str, name: str, cfg, scheds: dict) -> 
 def build_gate(run_dir: Path, cfg) -> dict:
     gcfg, qcfg = cfg.gate, cfg.quantize
     reference = qcfg.reference
-    release = [n for n, v in qcfg.variants.items() if v.release and n != reference]
+    release, alpha, chosen = release_alpha(cfg)
     if not release:
         raise StageError("no variant besides the reference is marked release: true, so the gate has "
                          "nothing to decide (mark the variants you would ship in quantize.variants)")
-    alpha = (1.0 - cfg.confidence) / 2.0
     quality = run_dir / "quality"
     ref_dir = quality / reference
     if not ref_dir.is_dir():
@@ -260,7 +257,6 @@ def build_gate(run_dir: Path, cfg) -> dict:
     unscored = unscored_slices(quality, slices)
     scheds = schedules(quality)
     stops = budget_stops(quality)
-    a_pass, chosen = pass_alpha(release, alpha, gcfg)
 
     variants: dict[str, dict] = {}
     tests: dict[str, dict] = {}  # variant -> row key -> (estimate at its deciding look, margin, ...)
@@ -279,9 +275,8 @@ def build_gate(run_dir: Path, cfg) -> dict:
             entry["missing"].append("quality results")
             progress(f"gate: {name} has no quality results; it cannot be go")
             continue
-        rows, margins, row_sched, (reported, groups) = variant_rows(quality, reference, name, gcfg, scheds, ref_items)
-        alpha_pass = a_pass if name in chosen else alpha
-        settled = settle_variant(rows, margins, row_sched, alpha_pass, alpha, gcfg)
+        settled, rows, margins, row_sched, (reported, groups) = variant_rows(
+            quality, reference, name, cfg, scheds, ref_items)
         for key, (k, record) in settled.items():
             tests[name][key] = (rows[key][k], margins[key], record, row_sched[key])
         entry["_groups"], entry["_reported"] = groups, reported
@@ -308,7 +303,7 @@ def build_gate(run_dir: Path, cfg) -> dict:
             cell.update(stop_fields(cell["status"], sched,
                                     stops.get(name, {}).get(key.split(":", 1)[0].split("/", 1)[0])))
             variants[name]["slices"][key] = cell
-        variants[name]["alpha_pass"] = a_pass if name in chosen else alpha
+        variants[name]["alpha_pass"] = pass_alpha(cfg, name)
         variants[name]["fail_family_size"] = len(cells)
     for name, entry in variants.items():
         groups, reported = entry.pop("_groups", {}), entry.pop("_reported", {})

@@ -19,8 +19,6 @@ from pipeline.stats.intervals import clip_contain, t_interval, t_quantile
 
 # The sampled direct check needs a spread of per-prompt differences: below this, no interval.
 MIN_CHECK_PROMPTS = 2
-# How a progress line marks a direct check's verdict (agree is None below MIN_CHECK_PROMPTS).
-AGREE_MARK = {True: "", False: " DISAGREE", None: " (too few prompts to check)"}
 # A slice's intervals are trusted from this many prompts on: the smallest n whose 95% E(k) interval
 # covered >= 0.92 in every simulated population (tests/sim_direct_check.py); below: `few_prompts`.
 MIN_PROMPTS = 8
@@ -30,10 +28,10 @@ CI_METHOD = ("t interval on the prompts, n - 1 df, the ratio of sums linearized 
 
 
 def agree_mark(check: dict) -> str:
-    """The progress line's mark for one direct_check entry (its `no_verdict` reason when it has one)."""
-    if check.get("agree") is None and check.get("no_verdict"):
+    """The progress line's mark for one direct_check entry (its `no_verdict` reason without a verdict)."""
+    if check["agree"] is None:
         return f" ({check['no_verdict']})"
-    return AGREE_MARK[check.get("agree")]
+    return "" if check["agree"] else " DISAGREE"
 
 
 def prompt_record(prompt: str, kind: str, text: TextAcceptance, chains: dict[int, RoundChain]) -> dict:
@@ -210,10 +208,8 @@ def direct_check(records: list[dict], direct: dict[int, list[dict]], greedy: boo
             "direct_rounds": int(d_rounds.sum()), "direct_tokens": int(d_tokens.sum()),
             "prompts": n_prompts, "min_prompts": 1 if same_text else MIN_CHECK_PROMPTS,
             "no_verdict": no_verdict,  # None when `agree` is a verdict; else why there is none
-            "test": "equal (greedy: same text)" if same_text else
-                    (f"{int(confidence * 100)}% paired t CI (prompts, n - 1 df) of direct - derived contains 0 "
-                     "(a test of D = 0: se taken at D = 0; as a CI for D approximate when D != 0)"
-                     if diff_ci is not None else no_verdict)
+            "test": ("equal (greedy: same text)" if same_text else no_verdict
+                     or f"{int(confidence * 100)}% paired t CI (prompts, se at D = 0) of direct - derived contains 0")
                     + (" (greedy in a reduced precision: near-ties may change the text)" if greedy else ""),
         }
     return out

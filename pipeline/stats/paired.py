@@ -141,7 +141,11 @@ def t_bound(diff, se, df, alpha, side: int):
 
 @dataclass
 class Estimate:
-    """One gated comparison. Subclasses say how its one-sided bounds and p-values are found."""
+    """One gated comparison. Subclasses give lower(alpha) / upper(alpha) (one-sided bounds),
+    p_pass(margin) (H0: diff <= -margin; < alpha exactly when lower(alpha) > -margin), p_fail(margin)
+    (H0: diff >= -margin) and items_needed(margin, alpha, power): the items that would settle the
+    test with probability `power` if the observed difference and spread were the truth (None when
+    no n settles it)."""
 
     metric: str
     reference: float  # the metric's value for the reference (in its own orientation)
@@ -157,26 +161,6 @@ class Estimate:
     def ci(self, alpha_lower: float, alpha_upper: float | None = None) -> tuple[float, float]:
         """(lower bound at alpha_lower, upper bound at alpha_upper), each one-sided."""
         return self.lower(alpha_lower), self.upper(alpha_lower if alpha_upper is None else alpha_upper)
-
-    def lower(self, alpha: float) -> float:
-        raise NotImplementedError
-
-    def upper(self, alpha: float) -> float:
-        raise NotImplementedError
-
-    def p_pass(self, margin: float) -> float:
-        """One-sided p of H0: diff <= -margin; < alpha exactly when lower(alpha) > -margin."""
-        raise NotImplementedError
-
-    def p_fail(self, margin: float) -> float:
-        """One-sided p of H0: diff >= -margin; < alpha exactly when upper(alpha) < -margin."""
-        raise NotImplementedError
-
-    def items_needed(self, margin: float, alpha: float, power: float) -> int | None:
-        """Items that would settle the test (pass if diff > -margin, else fail) with probability
-        `power`, if the true difference and spread are the observed ones; None when the
-        observed difference sits on -margin (no n settles it)."""
-        raise NotImplementedError
 
 
 @dataclass
