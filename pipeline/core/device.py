@@ -161,3 +161,16 @@ def auto_dtype(device: torch.device, quantized: bool) -> tuple[torch.dtype, str]
         return torch.bfloat16, f"CPU has {feature}: native bf16 matmuls" + (
             " (the quantized kernels' bf16 paths)" if quantized else "")
     return torch.float32, "CPU lacks avx512_bf16 / amx_bf16: bf16 would be emulated, slower than float32"
+
+
+def host_memory() -> tuple[int, int, str]:
+    """(available, total, source) of the host's memory: psutil where installed, else the kernel's
+    MemAvailable (gpu_check runs on a bare image's python, which may lack psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            info = {k: int(rest.split()[0]) * 1024 for k, _, rest in (line.partition(":") for line in f)}
+        return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total), "psutil.virtual_memory().available"

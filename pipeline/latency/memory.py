@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pipeline.core.device import host_memory
 from pipeline.decode.attention import EAGER_REPEAT, GQA, SDPA_REPEAT, attention_path, use_gqa_attention
 from pipeline.decode.cache import hf_model
 from pipeline.models.bytes import bytes_in_memory, model_tensors, unique_bytes
@@ -177,24 +178,11 @@ def device_budget(device: torch.device, weights_loaded: bool, weight_bytes: int,
         free, total = torch.cuda.mem_get_info(device)
         source = "torch.cuda.mem_get_info"
     else:
-        free, total, source = _host_memory()
+        free, total, source = host_memory()
     reserve = max(reserve_min, int(reserve_fraction * total))
     budget = free - reserve - (0 if weights_loaded else weight_bytes)
     return {"budget_bytes": int(max(budget, 0)), "free_bytes": int(free), "total_bytes": int(total),
             "reserve_bytes": reserve, "weights_counted": not weights_loaded, "source": source}
-
-
-def _host_memory() -> tuple[int, int, str]:
-    """(available, total, source) of the host's memory: psutil where installed, else the kernel's
-    MemAvailable (gpu_check runs on a bare image's python, which may lack psutil)."""
-    try:
-        import psutil
-    except ImportError:
-        with open("/proc/meminfo") as f:
-            info = {k: int(rest.split()[0]) * 1024 for k, _, rest in (line.partition(":") for line in f)}
-        return info["MemAvailable"], info["MemTotal"], "/proc/meminfo MemAvailable"
-    vm = psutil.virtual_memory()
-    return int(vm.available), int(vm.total), "psutil.virtual_memory().available"
 
 
 def plan_loaded(model, lat, device, contexts: list[int] | None = None, drafts: dict | None = None,

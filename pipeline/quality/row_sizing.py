@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from pipeline.core.device import host_memory
+
 # A forward costs ~ a call cost + a token cost x rows x width; only their ratio steers
 # plan_batches. A CPU's (measured on SmolLM2-135M float32).
 CPU_CALL_TOKENS = 48
@@ -61,11 +63,7 @@ def free_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    try:
-        import psutil  # accelerate's dependency
-    except ImportError:
-        return None
-    return int(psutil.virtual_memory().available)
+    return host_memory()[0]
 
 
 def measure_call_tokens(forward, sync=lambda: None, reps: int = 5, max_tokens: int = MAX_CALL_TOKENS,
