@@ -21,7 +21,7 @@ from pipeline.core.budget import plan_line
 from pipeline.core.config import ConfigError, load_config
 from pipeline.core.process import set_up_process
 from pipeline.core.stage import StageError, progress, run_stage
-from pipeline.decode.cache import EngineError
+from pipeline.decode.errors import EngineError
 from pipeline.stages.table import STAGES
 
 

@@ -59,3 +59,14 @@ def test_bars_off_follows_tqdm_disable_for_bars_made_with_an_explicit_disable(cl
     assert bars_off()
     clean.setenv("TQDM_DISABLE", "0")
     assert not bars_off()
+
+
+def test_the_command_line_imports_no_third_party_library_before_its_settings():
+    """`python -m pipeline` makes its process settings (TQDM_DISABLE, ...) before torch or tqdm is
+    imported: tqdm reads its variables on import, so an earlier import brings the bars back."""
+    import subprocess
+    import sys
+
+    code = "import sys, pipeline.__main__; print(sorted({'torch', 'tqdm', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

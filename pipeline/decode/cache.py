@@ -9,9 +9,9 @@ The cache is transformers' StaticCache, written in place. A rollback moves every
 offset; the stale slots past it are never attended, but attention reads all max_len slots, so a
 timed cell asks for a cache of exactly its length (`exact=True`).
 
-Also here: EngineError (a model, draft or argument the engine cannot run; the command line prints
-it and exits 2) and release_caches / collect, which hand a dropped model's memory back (the
-caller deletes its own references first; gc frees hook cycles, empty_cache the CUDA blocks).
+Also here: release_caches / collect, which hand a dropped model's memory back (the caller
+deletes its own references first; gc frees hook cycles, empty_cache the CUDA blocks). The
+engine's error, EngineError, is in pipeline/decode/errors.py.
 """
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.decode.attention import use_gqa_attention
-
-
-class EngineError(Exception):
-    """A model or draft the engine cannot run; one line for the user."""
+from pipeline.decode.errors import EngineError
 
 
 def hf_model(model):

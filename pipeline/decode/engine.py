@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.decode.cache import CachedModel, EngineError
+from pipeline.decode.cache import CachedModel
+from pipeline.decode.errors import EngineError
 from pipeline.decode.drafts import Draft
 from pipeline.decode.sampling import (DeviceVerdict, SamplingParams, logits_to_probs, pick, unpack_verdict,
                                       verify_on_device)
